@@ -1,0 +1,31 @@
+# Two commands a fresh machine needs (see README): `make test` and `make demo`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.install-stamp
+
+.PHONY: install test test-slow test-all demo clean
+
+# (Re)install whenever the package metadata changes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+## Whole default suite (excludes tests marked `slow`).
+test: $(STAMP)
+	$(PY) -m pytest
+
+## Only the slow tests.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+## Everything.
+test-all: $(STAMP)
+	$(PY) -m pytest -m ''
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,54 @@
+"""Global-batch statistics across processes (SPEC §1, "Reduction across devices").
+
+The statistics are sums plus counts, so the whole-batch statistics are an all-reduce (sum) of the
+per-rank sums. The all-reduce must be autograd-aware: its backward all-reduces the gradients, so that
+after DDP averages parameter gradients over W ranks they equal the single-process gradients. A raw
+``dist.all_reduce`` has no backward and leaves gradients W times too small (lightly #1528, #1977).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hfmca_lightning.losses.statistics import CorrelationStatistics
+
+__all__ = ["distributed_world_size", "all_reduce_sum", "all_reduce_statistics"]
+
+
+def distributed_world_size() -> int:
+    """Number of processes of the default group, or 1 when ``torch.distributed`` is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _functional_all_reduce_has_autograd() -> bool:
+    from torch.distributed import _functional_collectives as funcol
+
+    return hasattr(funcol, "all_reduce_backward")
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum of ``tensor`` over all ranks of the default group; differentiable (backward = sum of grads)."""
+    if distributed_world_size() == 1:
+        return tensor
+    if _functional_all_reduce_has_autograd():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", dist.group.WORLD))
+    # Older torch: the functional all_reduce has no autograd formula yet; this API has one.
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(tensor.contiguous(), op=dist.ReduceOp.SUM)
+
+
+def all_reduce_statistics(stats: CorrelationStatistics) -> CorrelationStatistics:
+    """The statistics of the global batch: every field summed over ranks, in one collective."""
+    if distributed_world_size() == 1:
+        return stats
+    fields = (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
+    flat = all_reduce_sum(torch.cat([field.reshape(-1) for field in fields]))
+    pieces = torch.split(flat, [field.numel() for field in fields])
+    return CorrelationStatistics(*(piece.reshape(field.shape) for piece, field in zip(pieces, fields)))

@@ -1,0 +1,187 @@
+"""The HFMCA log-determinant dependence cost (paper Prop. 2, appendix Alg. 2 and 3; SPEC §1).
+
+With ``A = R1 + reg I``, ``C = R2 + reg I`` and ``J = [[A, P], [P^T, C]]``,
+
+    r = logdet J - logdet A - logdet C = sum_k log(1 - sigma_k)  <= 0,
+
+where ``sigma_k`` is the eigenspectrum (:func:`hfmca_lightning.analysis.eigenspectrum`). One Cholesky
+factor of ``J`` gives both ``logdet J`` and ``logdet A`` (its leading block is the factor of ``A``), so
+``r = 2 sum log diag(L_J)[K1:] - 2 sum log diag(L_C)``. Everything is float64, outside autocast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from hfmca_lightning.losses.distributed import all_reduce_statistics
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, regularised_blocks
+
+__all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError"]
+
+
+class CostFactorisationError(RuntimeError):
+    """A matrix of an HFMCA cost is not positive definite, so its log-determinant does not exist."""
+
+
+def check_reg(reg: float) -> float:
+    """Validate the regularisation constant (SPEC §1: ``reg <= 0`` is rejected)."""
+    if not isinstance(reg, (int, float)) or not math.isfinite(reg) or reg <= 0:
+        raise ValueError(
+            f"reg must be a finite number > 0 (it makes the correlation matrices invertible); got {reg!r}. "
+            "Use 0.1 for self-supervised training and 1e-3 for spectrum analysis (paper appendix)."
+        )
+    return float(reg)
+
+
+def cholesky_factor(matrix: Tensor, *, what: str, cost_name: str, reg: float) -> Tensor:
+    """Lower Cholesky factor of a symmetric positive-definite matrix, or a clear error naming the cost."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if bool(info.any()):
+        if not bool(torch.isfinite(matrix).all()):
+            hint = (
+                "the features contain NaN or Inf values; check the learning rate and the input data, "
+                "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
+            )
+        else:
+            hint = f"increase `reg` (now {reg}) or check that the features are not exploding"
+        raise CostFactorisationError(
+            f"HFMCA cost '{cost_name}': the {what} ({matrix.shape[0]}x{matrix.shape[1]}) is not positive "
+            f"definite, so its log-determinant is undefined (Cholesky failed at column {int(info.max())}); "
+            + hint
+        )
+    return factor
+
+
+def _logdet_from_factor(factor: Tensor) -> Tensor:
+    return 2.0 * torch.log(torch.diagonal(factor)).sum()
+
+
+def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
+    """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
+    check_reg(reg)
+    with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
+        _, c, joint = regularised_blocks(stats, reg)
+        joint_factor = cholesky_factor(joint, what="joint matrix J", cost_name=name, reg=reg)
+        high_factor = cholesky_factor(c, what="high-level matrix C = R2 + reg I", cost_name=name, reg=reg)
+        # logdet J - logdet A is the log-det of the Schur complement: the trailing block of L_J.
+        return _logdet_from_factor(joint_factor[stats.low_dim :, stats.low_dim :]) - _logdet_from_factor(high_factor)
+
+
+def hfmca_cost(
+    low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool = False, name: str = "hfmca"
+) -> Tensor:
+    """HFMCA cost between ``L`` members per group and the group's feature (paper Prop. 2).
+
+    Args:
+        low: ``(M, L, K1)`` member features (e.g. the L view features of M images).
+        high: ``(M, K2)`` group features (e.g. the external head output).
+        reg: ``> 0``, added to the diagonal of both marginal blocks and inside the joint.
+        sync_dist: reduce the statistics over all ranks (differentiably) when ``torch.distributed`` is
+            initialised, so the cost is the cost of the global batch.
+        name: named in error messages.
+
+    Returns:
+        0-dim float64 tensor ``r <= 0``; lower means stronger dependence.
+    """
+    check_reg(reg)
+    stats = group_statistics(low, high)
+    if sync_dist:
+        stats = all_reduce_statistics(stats)
+    return cost_from_statistics(stats, reg=reg, name=name)
+
+
+class HFMCACost(nn.Module):
+    """HFMCA cost with the optional adaptive filter of paper Alg. 3 (SPEC §1).
+
+    In training mode (with gradients enabled) the returned tensor has the value of the exact cost
+    ``r`` of the current batch and the gradient of the surrogate
+
+        tr(J_hat^-1 J) - tr(A_hat^-1 A) - tr(C_hat^-1 C),
+
+    where the hats are bias-corrected exponential moving averages (``R_hat = R_tilde / (1 - beta^k)``)
+    of ``J``, ``A`` and ``C``, detached. ``beta = 0`` gives exactly the gradient of ``r``. Only the EMA
+    of ``J`` is stored (``A`` and ``C`` are its diagonal blocks), in a buffer, so it is checkpointed and
+    broadcast like BN statistics. In eval mode the EMA is left untouched and the exact cost is returned.
+
+    Args:
+        reg: ``> 0`` diagonal regulariser (0.1 for SSL training, 1e-3 for spectrum analysis).
+        beta: EMA factor in ``[0, 1)`` (0 for SSL training, 0.5 for spectrum analysis).
+        sync_dist: reduce statistics over ranks, see :func:`hfmca_cost`.
+        name: the cost's name in error messages and logs.
+    """
+
+    joint_ema: Tensor
+    num_updates: Tensor
+
+    def __init__(self, reg: float = 0.1, beta: float = 0.0, sync_dist: bool = False, name: str = "hfmca") -> None:
+        super().__init__()
+        self.reg = check_reg(reg)
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta (the adaptive-filter smoothing of paper Alg. 3) must be in [0, 1); got {beta!r}")
+        self.beta = float(beta)
+        self.sync_dist = sync_dist
+        self.name = name
+        self.register_buffer("joint_ema", torch.zeros(0, 0, dtype=torch.float64))
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
+        self.last_statistics: CorrelationStatistics | None = None
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, reg={self.reg}, beta={self.beta}, sync_dist={self.sync_dist}"
+
+    def forward(self, low: Tensor, high: Tensor) -> Tensor:
+        """Cost between ``low (M, L, K1)`` members and ``high (M, K2)`` group features."""
+        return self.forward_statistics(group_statistics(low, high))
+
+    def forward_statistics(self, stats: CorrelationStatistics) -> Tensor:
+        """Cost from precomputed (local) statistics, e.g. :func:`feature_map_statistics`."""
+        if self.sync_dist:
+            stats = all_reduce_statistics(stats)
+        self.last_statistics = stats.detach()
+        if not (self.training and torch.is_grad_enabled()):
+            return cost_from_statistics(stats, reg=self.reg, name=self.name)
+        with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
+            return self._filtered_cost(stats)
+
+    def _update_ema(self, joint: Tensor) -> Tensor:
+        """Alg. 3 lines 4-7: update the EMA of J and return its bias-corrected value ``J_hat``."""
+        if self.joint_ema.shape != joint.shape:
+            if int(self.num_updates) > 0:
+                raise ValueError(
+                    f"HFMCA cost '{self.name}': feature dimensions changed from a {tuple(self.joint_ema.shape)} "
+                    f"joint matrix to {tuple(joint.shape)} between steps; use one HFMCACost per layer pair"
+                )
+            self.joint_ema = torch.zeros_like(joint)
+        self.joint_ema.mul_(self.beta).add_(joint, alpha=1.0 - self.beta)
+        self.num_updates += 1
+        return self.joint_ema / (1.0 - self.beta ** int(self.num_updates))
+
+    def _filtered_cost(self, stats: CorrelationStatistics) -> Tensor:
+        a, c, joint = regularised_blocks(stats, self.reg)
+        k1 = stats.low_dim
+        with torch.no_grad():
+            joint_hat = self._update_ema(joint.detach()) if self.beta > 0 else joint.detach()
+            joint_factor = cholesky_factor(joint.detach(), what="joint matrix J", cost_name=self.name, reg=self.reg)
+            high_factor = cholesky_factor(
+                c.detach(), what="high-level matrix C = R2 + reg I", cost_name=self.name, reg=self.reg
+            )
+            exact = _logdet_from_factor(joint_factor[k1:, k1:]) - _logdet_from_factor(high_factor)
+            if self.beta > 0:
+                joint_factor = cholesky_factor(joint_hat, what="smoothed joint matrix J_hat", cost_name=self.name, reg=self.reg)
+                high_factor = cholesky_factor(
+                    joint_hat[k1:, k1:], what="smoothed high-level matrix C_hat", cost_name=self.name, reg=self.reg
+                )
+            inv_joint = torch.cholesky_inverse(joint_factor)
+            inv_low = torch.cholesky_inverse(joint_factor[:k1, :k1])  # L_J's leading block factors A_hat
+            inv_high = torch.cholesky_inverse(high_factor)
+        surrogate = (inv_joint * joint).sum() - (inv_low * a).sum() - (inv_high * c).sum()
+        return exact + (surrogate - surrogate.detach())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        # The EMA's size is only known after the first step: take it from the checkpoint.
+        key = prefix + "joint_ema"
+        if key in state_dict and state_dict[key].shape != self.joint_ema.shape:
+            self.joint_ema = torch.empty_like(state_dict[key], device=self.joint_ema.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

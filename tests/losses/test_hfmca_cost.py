@@ -1,0 +1,221 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from hfmca_lightning.analysis import eigenspectrum
+from hfmca_lightning.losses import (
+    CostFactorisationError,
+    HFMCACost,
+    WindowGeometry,
+    cost_from_statistics,
+    feature_map_statistics,
+    hfmca_cost,
+)
+from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
+
+CASES = {
+    "random": (64, 9, 16, 16),
+    "rank_deficient_M_lt_K": (5, 3, 32, 24),  # M < K: R2 has rank <= 5
+    "K1_ne_K2": (30, 4, 10, 6),
+    "single_group_single_member": (1, 1, 8, 8),
+}
+
+
+def _inputs(groups: int, members: int, k1: int, k2: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    low = torch.rand(groups, members, k1, generator=generator, dtype=torch.float64)
+    high = torch.rand(groups, k2, generator=generator, dtype=torch.float64)
+    return low, high
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.parametrize("reg", [0.1, 1e-3])
+def test_cost_equals_sum_log_one_minus_eigenvalues(case: str, reg: float):
+    low, high = _inputs(*CASES[case])
+    cost = hfmca_cost(low, high, reg=reg)
+    sigma = eigenspectrum(low, high, reg=reg)
+    assert sigma.shape == (min(low.shape[-1], high.shape[-1]),)
+    assert bool((sigma[:-1] >= sigma[1:]).all()), "eigenvalues must be descending"
+    assert bool((sigma >= 0).all()) and bool((sigma < 1).all())
+    identity = torch.log1p(-sigma).sum()
+    assert cost.item() <= 0
+    assert abs(cost.item() - identity.item()) <= 1e-9 * abs(identity.item())
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_cost_matches_numpy_slogdet_reference(case: str):
+    low, high = _inputs(*CASES[case], seed=3)
+    expected = reference_cost(*reference_group_moments(low, high), reg=0.1)
+    assert hfmca_cost(low, high, reg=0.1).item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("geometry", [WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(4, 2, 1)], ids=str)
+def test_feature_map_cost_matches_unfolded_reference(geometry: WindowGeometry):
+    torch.manual_seed(4)
+    low_map = torch.rand(2, 5, 6, 6)
+    high_map = torch.rand(2, 4, *geometry.output_size((6, 6)))
+    cost = cost_from_statistics(feature_map_statistics(low_map, high_map, geometry), reg=0.01)
+    members, highs = reference_unfold_windows(low_map, high_map, geometry.kernel, geometry.stride, geometry.padding)
+    expected = reference_cost(*reference_group_moments(members, highs), reg=0.01)
+    assert cost.item() == pytest.approx(expected, rel=1e-10)
+
+
+def test_independent_levels_cost_near_zero_and_dependent_levels_cost_negative():
+    torch.manual_seed(5)
+    low = torch.randn(4096, 2, 4, dtype=torch.float64)
+    independent = torch.randn(4096, 4, dtype=torch.float64)
+    dependent = low.mean(dim=1)
+    assert hfmca_cost(low, independent, reg=0.1).item() > -0.02
+    assert hfmca_cost(low, dependent, reg=0.1).item() < -1.0
+
+
+def test_collapsed_features_and_tiny_batches_give_finite_cost():
+    collapsed_low = torch.full((8, 9, 128), 0.5)
+    collapsed_high = torch.full((8, 128), 0.5)
+    for low, high in [(collapsed_low, collapsed_high), (torch.rand(1, 2, 128), torch.rand(1, 128))]:
+        low.requires_grad_(True)
+        cost = hfmca_cost(low, high, reg=0.1)
+        cost.backward()
+        assert torch.isfinite(cost) and bool(torch.isfinite(low.grad).all())
+
+
+@pytest.mark.parametrize("reg", [0.0, -1.0, float("nan"), float("inf")])
+def test_non_positive_reg_is_rejected_at_construction(reg: float):
+    with pytest.raises(ValueError, match="reg must be a finite number > 0"):
+        HFMCACost(reg=reg)
+    with pytest.raises(ValueError, match="reg must be a finite number > 0"):
+        hfmca_cost(torch.rand(2, 2, 2), torch.rand(2, 2), reg=reg)
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.0, 2.0])
+def test_beta_outside_unit_interval_is_rejected(beta: float):
+    with pytest.raises(ValueError, match=r"beta .* must be in \[0, 1\)"):
+        HFMCACost(beta=beta)
+
+
+def test_nan_features_raise_an_error_that_names_the_cost():
+    low = torch.rand(4, 3, 8)
+    low[0, 0, 0] = float("nan")
+    with pytest.raises(CostFactorisationError, match=r"HFMCA cost 'external'.*NaN or Inf"):
+        hfmca_cost(low, torch.rand(4, 8), name="external")
+    module = HFMCACost(name="internal/L3")
+    with pytest.raises(CostFactorisationError, match=r"HFMCA cost 'internal/L3'"):
+        module(low, torch.rand(4, 8))
+
+
+def test_cost_is_float64_outside_bf16_autocast_and_differentiable():
+    torch.manual_seed(6)
+    layer = torch.nn.Linear(8, 8)
+    x = torch.rand(16, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = layer(x)
+        high = layer(x.mean(dim=1))
+        assert low.dtype == torch.bfloat16
+        cost = hfmca_cost(low, high)
+    assert cost.dtype == torch.float64
+    assert cost.item() == pytest.approx(hfmca_cost(low.double(), high.double()).item(), rel=1e-12)
+    cost.backward()
+    assert layer.weight.grad is not None and bool(torch.isfinite(layer.weight.grad).all())
+
+
+def _grads(cost_fn, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    low = low.clone().requires_grad_(True)
+    high = high.clone().requires_grad_(True)
+    cost = cost_fn(low, high)
+    cost.backward()
+    return cost.detach(), low.grad, high.grad
+
+
+def test_beta_zero_surrogate_gradient_equals_exact_gradient():
+    low, high = _inputs(12, 9, 16, 16, seed=7)
+    module = HFMCACost(reg=0.1, beta=0.0)
+    filtered = _grads(module, low, high)
+    exact = _grads(lambda lo, hi: hfmca_cost(lo, hi, reg=0.1), low, high)
+    for got, expected in zip(filtered, exact):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def _hand_filtered_gradient(steps, beta: float, reg: float):
+    """Alg. 3 by hand: numpy EMA of J with bias correction, then the gradient of the trace surrogate."""
+    ema = None
+    results = []
+    for k, (low, high) in enumerate(steps, start=1):
+        r1, r2, cross = reference_group_moments(low, high)
+        a = r1 + reg * np.eye(r1.shape[0])
+        c = r2 + reg * np.eye(r2.shape[0])
+        joint = np.block([[a, cross], [cross.T, c]])
+        ema = (1 - beta) * joint if ema is None else beta * ema + (1 - beta) * joint
+        joint_hat = ema / (1 - beta**k)
+        k1 = r1.shape[0]
+        inv_joint = torch.from_numpy(np.linalg.inv(joint_hat))
+        inv_a = torch.from_numpy(np.linalg.inv(joint_hat[:k1, :k1]))
+        inv_c = torch.from_numpy(np.linalg.inv(joint_hat[k1:, k1:]))
+
+        def surrogate(lo, hi):
+            groups, members, _ = lo.shape
+            r1_t = lo.reshape(-1, lo.shape[-1]).T @ lo.reshape(-1, lo.shape[-1]) / (groups * members)
+            r2_t = hi.T @ hi / groups
+            p_t = lo.mean(1).T @ hi / groups
+            a_t = r1_t + reg * torch.eye(r1_t.shape[0], dtype=torch.float64)
+            c_t = r2_t + reg * torch.eye(r2_t.shape[0], dtype=torch.float64)
+            j_t = torch.cat([torch.cat([a_t, p_t], 1), torch.cat([p_t.T, c_t], 1)], 0)
+            return torch.trace(inv_joint @ j_t) - torch.trace(inv_a @ a_t) - torch.trace(inv_c @ c_t)
+
+        results.append((joint_hat, _grads(surrogate, low, high)[1:]))
+    return results
+
+
+def test_adaptive_filter_matches_hand_computation_over_three_steps():
+    beta, reg = 0.5, 1e-3
+    steps = [_inputs(10, 9, 6, 5, seed=s) for s in (10, 11, 12)]
+    module = HFMCACost(reg=reg, beta=beta)
+    expected = _hand_filtered_gradient(steps, beta, reg)
+    for k, ((low, high), (joint_hat, (grad_low, grad_high))) in enumerate(zip(steps, expected), start=1):
+        cost, got_low, got_high = _grads(module, low, high)
+        assert int(module.num_updates) == k
+        np.testing.assert_allclose((module.joint_ema / (1 - beta**k)).numpy(), joint_hat, rtol=1e-12)
+        torch.testing.assert_close(got_low, grad_low, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got_high, grad_high, rtol=1e-9, atol=1e-12)
+        # The value is always the exact cost of the current batch, never the smoothed one.
+        assert cost.item() == pytest.approx(hfmca_cost(low, high, reg=reg).item(), rel=1e-12)
+    # After step 1 the smoothed gradient really differs from the exact one.
+    exact_low = _grads(lambda lo, hi: hfmca_cost(lo, hi, reg=reg), *steps[2])[1]
+    assert not torch.allclose(expected[2][1][0], exact_low, rtol=1e-3)
+
+
+def test_eval_mode_leaves_the_filter_untouched():
+    module = HFMCACost(beta=0.5)
+    low, high = _inputs(6, 3, 4, 4)
+    module(low, high)
+    before = module.joint_ema.clone()
+    module.eval()
+    module(_inputs(6, 3, 4, 4, seed=1)[0], high)
+    assert int(module.num_updates) == 1
+    torch.testing.assert_close(module.joint_ema, before)
+
+
+def test_filter_buffers_round_trip_through_state_dict():
+    steps = [_inputs(10, 9, 6, 5, seed=s) for s in (20, 21, 22)]
+    trained = HFMCACost(reg=1e-3, beta=0.5)
+    for low, high in steps[:2]:
+        _grads(trained, low, high)
+    buffer = io.BytesIO()
+    torch.save(trained.state_dict(), buffer)
+    buffer.seek(0)
+    restored = HFMCACost(reg=1e-3, beta=0.5)
+    assert restored.joint_ema.numel() == 0
+    restored.load_state_dict(torch.load(buffer))
+    torch.testing.assert_close(restored.joint_ema, trained.joint_ema, rtol=0, atol=0)
+    assert int(restored.num_updates) == 2
+    # Resumed and uninterrupted filters take the identical third step.
+    for got, expected in zip(_grads(restored, *steps[2]), _grads(trained, *steps[2])):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_changing_feature_dimensions_between_steps_is_an_error():
+    module = HFMCACost(beta=0.5)
+    _grads(module, *_inputs(4, 2, 3, 3))
+    with pytest.raises(ValueError, match="feature dimensions changed"):
+        _grads(module, *_inputs(4, 2, 5, 3))

@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+import torch
+
+from hfmca_lightning.losses import (
+    CorrelationStatistics,
+    WindowGeometry,
+    feature_map_statistics,
+    group_statistics,
+    window_coverage,
+)
+from tests.reference import reference_group_moments, reference_unfold_windows
+
+
+def _assert_moments(stats: CorrelationStatistics, reference: tuple[np.ndarray, ...]) -> None:
+    for got, expected in zip(stats.means(), reference):
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_group_statistics_match_loops():
+    torch.manual_seed(0)
+    low, high = torch.rand(7, 5, 4), torch.rand(7, 3)
+    stats = group_statistics(low, high)
+    assert stats.low_outer_sum.dtype == torch.float64
+    assert float(stats.member_count) == 35 and float(stats.group_count) == 7
+    _assert_moments(stats, reference_group_moments(low, high))
+
+
+def test_statistics_add_like_concatenated_batches():
+    torch.manual_seed(1)
+    low, high = torch.randn(10, 3, 4), torch.randn(10, 5)
+    combined = group_statistics(low[:4], high[:4]) + group_statistics(low[4:], high[4:])
+    for got, expected in zip(combined.means(), group_statistics(low, high).means()):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+GEOMETRIES = [
+    WindowGeometry(1, 1, 0),
+    WindowGeometry(3, 1, 1),
+    WindowGeometry(3, 1, 0),
+    WindowGeometry(3, 2, 1),
+    WindowGeometry(4, 2, 1),
+    WindowGeometry(4, 1, 0),
+    WindowGeometry(4, 4, 0),
+    WindowGeometry(1, 2, 0),
+    WindowGeometry(5, 2, 2),
+]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("size", [(7, 7), (8, 6)])
+def test_feature_map_statistics_equal_unfolded_windows(geometry: WindowGeometry, size: tuple[int, int]):
+    torch.manual_seed(2)
+    low_map = torch.rand(2, 3, *size)
+    high_map = torch.rand(2, 4, *geometry.output_size(size))
+    stats = feature_map_statistics(low_map, high_map, geometry)
+    members, highs = reference_unfold_windows(low_map, high_map, geometry.kernel, geometry.stride, geometry.padding)
+    assert float(stats.group_count) == members.shape[0]
+    assert float(stats.member_count) == members.shape[0] * members.shape[1]
+    _assert_moments(stats, reference_group_moments(members, highs))
+
+
+def test_window_coverage_counts_windows_per_position():
+    # 5x5 input, 3x3 windows, stride 1, padding 1 -> corners are in 4 windows, edges 6, interior 9.
+    coverage = window_coverage((5, 5), (5, 5), WindowGeometry(3, 1, 1))
+    assert coverage[0, 0] == 4 and coverage[0, 2] == 6 and coverage[2, 2] == 9
+    # Stride 2 kernel 1: only every other position is ever seen.
+    coverage = window_coverage((4, 4), (2, 2), WindowGeometry(1, 2, 0))
+    assert coverage.sum() == 4 and coverage[0, 0] == 1 and coverage[1, 1] == 0
+
+
+def test_feature_map_statistics_keep_gradients():
+    low_map = torch.rand(1, 2, 4, 4, requires_grad=True)
+    high_map = torch.rand(1, 3, 4, 4, requires_grad=True)
+    stats = feature_map_statistics(low_map, high_map, WindowGeometry(3, 1, 1))
+    (stats.low_outer_sum.sum() + stats.cross_sum.sum()).backward()
+    assert low_map.grad is not None and high_map.grad is not None
+    assert low_map.grad.abs().sum() > 0 and high_map.grad.abs().sum() > 0
+
+
+def test_statistics_are_float64_under_bf16_autocast():
+    low, high = torch.rand(4, 3, 8).bfloat16(), torch.rand(4, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stats = group_statistics(low, high)
+    assert stats.low_outer_sum.dtype == torch.float64
+    expected = group_statistics(low.double(), high.double())
+    torch.testing.assert_close(stats.cross_sum, expected.cross_sum, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "message"),
+    [
+        (torch.rand(4, 8), torch.rand(4, 8), r"shape \(M, L, K1\)"),
+        (torch.rand(4, 3, 8), torch.rand(4, 2, 8), r"shape \(M, K2\)"),
+        (torch.rand(4, 3, 8), torch.rand(5, 8), "same groups"),
+    ],
+)
+def test_group_statistics_reject_malformed_shapes(low, high, message):
+    with pytest.raises(ValueError, match=message):
+        group_statistics(low, high)
+
+
+def test_feature_map_statistics_reject_a_geometry_that_does_not_fit():
+    with pytest.raises(ValueError, match="does not describe this block"):
+        feature_map_statistics(torch.rand(1, 2, 8, 8), torch.rand(1, 2, 8, 8), WindowGeometry(3, 2, 1))

@@ -1,0 +1,7 @@
+"""Plain ``nn.Module``s: backbones, the per-view projector, the external head LF, reusable layers."""
+
+from hfmca_lightning.models.backbones import CIFARResNet18, SmallConvNet
+from hfmca_lightning.models.heads import GridExternalHead, ViewProjector
+from hfmca_lightning.models.layers import NoiseChannels
+
+__all__ = ["CIFARResNet18", "GridExternalHead", "NoiseChannels", "SmallConvNet", "ViewProjector"]

@@ -1,0 +1,86 @@
+"""Heads of the external cost (paper §3, Alg. 1; SPEC §2)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from hfmca_lightning.models.layers import NoiseChannels
+
+__all__ = ["ViewProjector", "GridExternalHead"]
+
+
+class ViewProjector(nn.Module):
+    """Per-view projector: ``(N, input_dim)`` backbone features -> ``(N, output_dim)`` in (0, 1).
+
+    Linear -> BN -> ReLU -> Linear -> BN -> sigmoid (the sigmoid output of SPEC §2; the BN keeps the
+    sigmoid out of saturation).
+    """
+
+    def __init__(self, input_dim: int = 512, output_dim: int = 128, hidden_dim: int = 512) -> None:
+        super().__init__()
+        self.output_dim = output_dim
+        self.layers = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim, bias=False),
+            nn.BatchNorm1d(hidden_dim),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden_dim, output_dim, bias=False),
+            nn.BatchNorm1d(output_dim),
+            nn.Sigmoid(),
+        )
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.layers(features)
+
+
+class GridExternalHead(nn.Module):
+    """The external head LF: L view features on a ``grid_height x grid_width`` grid -> one feature.
+
+    ``(B, L, K)`` with ``L = grid_height * grid_width`` is laid out as a ``(B, K, gh, gw)`` map, view
+    ``l`` at ``(l // gw, l % gw)``; optional U(0, 1) noise channels are appended; then
+    1x1 conv (K -> hidden) + BN + ReLU, ``gh x gw`` conv without padding (hidden -> hidden) + BN + ReLU,
+    1x1 conv (hidden -> output) + BN + sigmoid. Output ``(B, output_dim)``.
+    """
+
+    def __init__(
+        self,
+        feature_dim: int = 128,
+        grid_height: int = 3,
+        grid_width: int = 3,
+        hidden_dim: int = 200,
+        noise_channels: int = 0,
+        output_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        if grid_height < 1 or grid_width < 1:
+            raise ValueError(f"the head grid must be at least 1x1; got {grid_height}x{grid_width}")
+        self.feature_dim = feature_dim
+        self.grid = (grid_height, grid_width)
+        self.output_dim = output_dim or feature_dim
+        self.layers = nn.Sequential(
+            NoiseChannels(noise_channels),
+            nn.Conv2d(feature_dim + noise_channels, hidden_dim, 1, bias=False),
+            nn.BatchNorm2d(hidden_dim),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(hidden_dim, hidden_dim, self.grid, bias=False),
+            nn.BatchNorm2d(hidden_dim),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(hidden_dim, self.output_dim, 1, bias=False),
+            nn.BatchNorm2d(self.output_dim),
+            nn.Sigmoid(),
+        )
+
+    @property
+    def num_views(self) -> int:
+        """``L``: how many views (members) one group must have."""
+        return self.grid[0] * self.grid[1]
+
+    def forward(self, view_features: Tensor) -> Tensor:
+        """``(B, L, K)`` -> ``(B, output_dim)``."""
+        batch, views, features = view_features.shape
+        if views != self.num_views or features != self.feature_dim:
+            raise ValueError(
+                f"GridExternalHead expects (B, {self.num_views}, {self.feature_dim}) view features for its "
+                f"{self.grid[0]}x{self.grid[1]} grid; got {tuple(view_features.shape)}"
+            )
+        grid = view_features.reshape(batch, *self.grid, features).permute(0, 3, 1, 2)
+        return self.layers(grid).flatten(1)

@@ -1,0 +1,36 @@
+"""Small reusable layers of HFMCA networks (paper appendix tables)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hfmca_lightning.losses.window_geometry import WindowGeometry
+
+__all__ = ["NoiseChannels"]
+
+
+class NoiseChannels(nn.Module):
+    """Concatenate ``num_channels`` channels of U(0, 1) noise to a ``(B, C, H, W)`` map (paper appendix).
+
+    The paper adds 20 such channels at the start of every block; it "significantly stabilizes the
+    learning dynamics of eigenvalues". Noise is drawn in train and eval mode alike (it is part of the
+    function the block computes). Pointwise, so its window geometry is the identity.
+    """
+
+    window_geometry = WindowGeometry.identity()
+
+    def __init__(self, num_channels: int = 20) -> None:
+        super().__init__()
+        if num_channels < 0:
+            raise ValueError(f"num_channels must be >= 0; got {num_channels}")
+        self.num_channels = num_channels
+
+    def extra_repr(self) -> str:
+        return f"num_channels={self.num_channels}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.num_channels == 0:
+            return x
+        noise = torch.rand(x.shape[0], self.num_channels, *x.shape[2:], dtype=x.dtype, device=x.device)
+        return torch.cat([x, noise], dim=1)

@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 from hfmca_lightning.callbacks.run_state import RunState
+from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["HFMCACLI", "main"]
 
@@ -33,8 +36,12 @@ class HFMCACLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``hfmca`` console script."""
-    HFMCACLI(args=args)
+    """Entry point of the ``hfmca`` console script; configuration errors are one line, exit status 2."""
+    try:
+        HFMCACLI(args=args)
+    except ConfigurationError as error:
+        print(f"hfmca: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.models.heads import GridExternalHead
 
@@ -50,7 +51,7 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
             details.append(f"{len(unexpected)} parameters the model does not have (e.g. {unexpected[0]})")
         if mismatched:
             details.append(f"{len(mismatched)} shape mismatches (e.g. {mismatched[0]})")
-        raise ValueError(
+        raise ConfigurationError(
             f"the checkpoint was trained with a different architecture than {type(module).__name__} as "
             f"configured: {'; '.join(details)}. Resume with the config the checkpoint was trained with "
             "(saved as config.yaml in the run folder)."
@@ -96,7 +97,7 @@ class HFMCAModule(LightningModule):
         num_views = getattr(datamodule, "num_views", None)
         if num_views is not None and num_views != self.external_head.num_views:
             grid = self.external_head.grid
-            raise ValueError(
+            raise ConfigurationError(
                 f"data.num_views={num_views} does not fit the external head's {grid[0]}x{grid[1]} grid "
                 f"({self.external_head.num_views} views): set data num_views to {self.external_head.num_views} "
                 "or change the head's grid_height / grid_width so that their product is num_views"

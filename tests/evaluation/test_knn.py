@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from hfmca_lightning.evaluation import knn_accuracy, knn_predict
+
+
+def reference_knn(queries, bank, targets, num_classes, k, temperature):
+    """One query at a time, sorted neighbours, explicit vote."""
+    predictions = []
+    for query in queries:
+        sims = [(float(torch.nn.functional.cosine_similarity(query, item, dim=0)), int(t)) for item, t in zip(bank, targets)]
+        sims.sort(key=lambda pair: -pair[0])
+        votes = [0.0] * num_classes
+        for sim, target in sims[:k]:
+            votes[target] += torch.exp(torch.tensor(sim / temperature)).item()
+        predictions.append(max(range(num_classes), key=lambda c: votes[c]))
+    return torch.tensor(predictions)
+
+
+@pytest.mark.parametrize(("k", "chunk_size"), [(1, 1024), (5, 3), (200, 7)])
+def test_knn_predict_matches_reference(k, chunk_size):
+    generator = torch.Generator().manual_seed(0)
+    bank = torch.randn(40, 6, generator=generator)
+    targets = torch.randint(0, 4, (40,), generator=generator)
+    queries = torch.randn(15, 6, generator=generator)
+    got = knn_predict(queries, bank, targets, 4, k=k, temperature=0.1, chunk_size=chunk_size)
+    assert torch.equal(got, reference_knn(queries, bank, targets, 4, min(k, 40), 0.1))
+
+
+def test_separable_clusters_are_classified_perfectly():
+    centres = torch.eye(3) * 10
+    bank = centres.repeat_interleave(10, 0) + torch.randn(30, 3) * 0.1
+    targets = torch.arange(3).repeat_interleave(10)
+    assert knn_accuracy(centres + 0.05, torch.arange(3), bank, targets, 3, k=5) == 1.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        knn_predict(torch.rand(2, 3), torch.rand(4, 3), torch.zeros(4, dtype=torch.long), 2, temperature=0)
+    with pytest.raises(ValueError, match="bank has 4 features but 3 targets"):
+        knn_predict(torch.rand(2, 3), torch.rand(4, 3), torch.zeros(3, dtype=torch.long), 2)

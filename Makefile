@@ -23,6 +23,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
+## The main job: HFMCA-SS(*) on the embedded data set, offline, a few minutes on 2 CPU cores.
+demo: $(STAMP)
+	$(VENV)/bin/hfmca fit --config configs/demo.yaml
+
 ## Everything.
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''

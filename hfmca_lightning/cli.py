@@ -8,12 +8,16 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from hfmca_lightning.callbacks.run_state import RunState
+from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.loggers import OfflineSafeWandbLogger
 
 __all__ = ["HFMCACLI", "main"]
 
@@ -33,6 +37,29 @@ class HFMCACLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def before_fit(self) -> None:
+        """Resuming: point W&B at the checkpoint's run before Lightning starts a new one."""
+        wandb_loggers = [logger for logger in self.trainer.loggers if isinstance(logger, OfflineSafeWandbLogger)]
+        checkpoint = self._resume_checkpoint()
+        if wandb_loggers and checkpoint is not None:
+            run_id = saved_wandb_run_id(torch.load(checkpoint, map_location="cpu", weights_only=True))
+            if run_id:
+                for logger in wandb_loggers:
+                    logger.resume_run(run_id)
+
+    def _resume_checkpoint(self) -> Path | None:
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path is None:
+            return None
+        if ckpt_path != "last":
+            return Path(ckpt_path) if Path(ckpt_path).is_file() else None
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+                if last.is_file():
+                    return last
+        return None
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,0 +1,84 @@
+"""Shared helpers for tests that drive the ``hfmca`` command: a tiny demo config and run helpers."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import yaml
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from hfmca_lightning.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo.yaml"
+
+
+def tiny_overrides(tmp_path: Path, **extra: object) -> Path:
+    """Shrink the demo to a few seconds: tiny CNN, tiny data, one epoch, outputs under tmp_path."""
+    config = {
+        "trainer": {
+            "max_epochs": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "logs"), "name": "run"}},
+            "callbacks": [
+                {"class_path": "hfmca_lightning.callbacks.KNNEvaluation", "init_args": {"k": 20}},
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True}},
+            ],
+        },
+        "model": {
+            "init_args": {
+                "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 8, "num_stages": 2}},
+                "projector": {"class_path": "hfmca_lightning.models.ViewProjector", "init_args": {"input_dim": 16, "output_dim": 16, "hidden_dim": 32}},
+                "external_head": {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16}},
+            }
+        },
+        "data": {
+            "init_args": {
+                "source": {"class_path": "hfmca_lightning.data.SyntheticShapes", "init_args": {"num_classes": 4, "train_per_class": 8, "test_per_class": 3}},
+                "batch_size": 8,
+                "eval_batch_size": 64,
+                "num_workers": 0,
+            }
+        },
+    }
+    for dotted, value in extra.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "overrides.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def fit(tmp_path: Path, *args: str, **extra: object) -> None:
+    main(["fit", "--config", str(DEMO), "--config", str(tiny_overrides(tmp_path, **extra)), *args])
+
+
+def interrupted_fit(tmp_path: Path, after_epochs: int, *args: str, **extra: object) -> None:
+    overrides = tiny_overrides(tmp_path, **extra)
+    config = yaml.safe_load(overrides.read_text())
+    stop = {"class_path": "tests.cli_helpers.StopAfterEpochs", "init_args": {"epochs": after_epochs}}
+    config["trainer"]["callbacks"].append(stop)
+    overrides.write_text(yaml.safe_dump(config))
+    main(["fit", "--config", str(DEMO), "--config", str(overrides), *args])
+
+
+def logged(tmp_path: Path, metric: str) -> list[float]:
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").glob("run/version_*/metrics.csv")))))
+    return [float(row[metric]) for row in rows if row.get(metric)]
+
+
+class StopAfterEpochs(Callback):
+    """Interrupt a run after ``epochs`` epochs, as a crash or a time limit would (the schedule is unchanged)."""
+
+    def __init__(self, epochs: int = 1) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True

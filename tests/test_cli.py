@@ -1,0 +1,95 @@
+"""The ``hfmca`` command end to end: configs, real fits on on-disk data layouts, resume, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfmca_lightning.cli import HFMCACLI, main
+from tests.cli_helpers import DEMO, REPO, fit, interrupted_fit, logged
+from tests.factories import write_cifar, write_image_folder
+
+CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c.relative_to(REPO)) for c in CONFIGS])
+def test_every_config_parses_and_instantiates(config: Path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = HFMCACLI(args=["--config", str(config)], run=False)
+    assert cli.model is not None and cli.datamodule is not None
+    assert cli.trainer.max_epochs is not None
+
+
+def test_fit_on_cifar_pickles(tmp_path):
+    write_cifar(tmp_path / "data", "cifar10", per_class=2)
+    source = {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"name": "cifar10", "root": str(tmp_path / "data"), "verify": False}}
+    fit(tmp_path, **{"data.init_args.source": source})
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    costs = logged(tmp_path, "cost/external")
+    assert costs and all(c < 0 for c in costs)
+    assert 0.0 <= logged(tmp_path, "knn/top1")[-1] <= 1.0
+
+
+def test_fit_on_an_image_folder(tmp_path):
+    write_image_folder(tmp_path / "images", per_class=6, num_classes=3, size=40)
+    source = {"class_path": "hfmca_lightning.data.ImageFolderSource", "init_args": {"root": str(tmp_path / "images"), "image_size": 32}}
+    fit(tmp_path, **{"data.init_args.source": source})
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert logged(tmp_path, "knn/top1")
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    # Noise channels (global RNG) and beta > 0 (EMA buffers) make the test sensitive to lost state.
+    changes = {
+        "model.init_args.external_head.init_args.noise_channels": 3,
+        "model.init_args.external_cost": {"class_path": "hfmca_lightning.losses.HFMCACost", "init_args": {"reg": 0.1, "beta": 0.5}},
+    }
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    fit(straight, "--trainer.max_epochs", "2", **changes)
+    interrupted_fit(resumed, 1, "--trainer.max_epochs", "2", **changes)
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
+    fit(resumed, "--trainer.max_epochs", "2", "--ckpt_path", "last", **changes)
+    expected, got = _weights(straight / "checkpoints" / "last.ckpt"), _weights(resumed / "checkpoints" / "last.ckpt")
+    assert expected.keys() == got.keys()
+    assert int(got["external_cost.num_updates"]) == int(expected["external_cost.num_updates"]) > 0
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+def test_unknown_config_key_is_rejected_with_the_valid_options(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(DEMO), "--model.init_args.backbone.init_args.widht", "3"])
+    assert "widht" in capsys.readouterr().err
+
+
+def test_num_views_that_does_not_fit_the_grid_fails_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, **{"data.init_args.num_views": 3})
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "hfmca: error: data.num_views=3 does not fit the external head's 2x2 grid" in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_data_root_fails_with_where_it_looked(tmp_path, capsys):
+    source = {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": str(tmp_path / "no_data"), "download": False}}
+    with pytest.raises(SystemExit):
+        fit(tmp_path, **{"data.init_args.source": source})
+    err = capsys.readouterr().err
+    assert "hfmca: error: cifar10 not found: looked for" in err and "download: true" in err
+    assert "Traceback" not in err
+
+
+def test_checkpoint_from_another_architecture_is_a_clear_error(tmp_path, capsys):
+    fit(tmp_path / "small")
+    wider = {"model.init_args.backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 16, "num_stages": 2}}}
+    with pytest.raises(SystemExit):
+        fit(tmp_path / "wide", "--ckpt_path", str(tmp_path / "small" / "checkpoints" / "last.ckpt"), **wider)
+    err = capsys.readouterr().err
+    assert "trained with a different architecture" in err and "shape mismatches" in err

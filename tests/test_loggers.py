@@ -1,0 +1,40 @@
+"""W&B logging never needs an account or a network: offline runs are stored locally and resumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hfmca_lightning.loggers import OfflineSafeWandbLogger, wandb_credentials_available
+from tests.cli_helpers import fit, interrupted_fit
+
+wandb = pytest.importorskip("wandb")
+
+
+@pytest.fixture
+def no_wandb_account(tmp_path, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "home").mkdir()
+    yield
+    wandb.finish()
+
+
+def test_without_an_api_key_the_logger_is_offline(no_wandb_account, tmp_path):
+    assert not wandb_credentials_available()
+    assert OfflineSafeWandbLogger(save_dir=str(tmp_path), project="p")._offline
+
+
+def test_offline_run_is_stored_locally_and_resume_keeps_the_run_id(no_wandb_account, tmp_path):
+    logger = {"class_path": "hfmca_lightning.loggers.OfflineSafeWandbLogger", "init_args": {"save_dir": str(tmp_path / "wb"), "project": "hfmca-test"}}
+    interrupted_fit(tmp_path, 1, "--trainer.max_epochs", "2", **{"trainer.logger": logger})
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "the offline run must be stored on disk"
+    run_id = runs[0].name.split("-")[-1]
+    wandb.finish()
+    fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **{"trainer.logger": logger})
+    resumed_ids = {path.name.split("-")[-1] for path in (tmp_path / "wb" / "wandb").glob("offline-run-*")}
+    assert resumed_ids == {run_id}

@@ -17,10 +17,10 @@ BANK, QUERIES = 0, 1
 class KNNEvaluation(Callback):
     """kNN top-1 of the backbone features, logged as ``knn/top1`` (this epoch) and ``knn/top1_max``.
 
-    Consumes the validation loop: dataloader 0 is the bank (train split, no augmentation), dataloader 1
-    the queries (test split); the module's ``validation_step`` returns ``{"features", "targets"}``.
-    Lightning runs validation in eval mode, so BN uses running statistics during the bank pass.
-    Skipped during the sanity check (it sees only a few batches of the bank).
+    Consumes the validation (and test) loop: dataloader 0 is the bank (train split, no augmentation),
+    dataloader 1 the queries (test split); the module's ``validation_step`` / ``test_step`` returns
+    ``{"features", "targets"}``. Lightning runs these loops in eval mode, so BN uses running statistics
+    during the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
         k: neighbours (SPEC: 200). temperature: softmax temperature (SPEC: 0.1).
@@ -41,6 +41,8 @@ class KNNEvaluation(Callback):
             store[BANK].clear()
             store[QUERIES].clear()
 
+    on_test_epoch_start = on_validation_epoch_start
+
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
@@ -53,6 +55,8 @@ class KNNEvaluation(Callback):
             )
         self._features[dataloader_idx].append(outputs["features"].detach())
         self._targets[dataloader_idx].append(outputs["targets"].detach())
+
+    on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._features[BANK] or not self._features[QUERIES]:
@@ -70,9 +74,14 @@ class KNNEvaluation(Callback):
             temperature=self.temperature,
         )
         accuracy = (predicted == torch.cat(self._targets[QUERIES])).float().mean().item()
+        if trainer.testing:
+            pl_module.log("knn/test_top1", accuracy)
+            return
         self.best = max(self.best, accuracy)
         pl_module.log("knn/top1", accuracy, prog_bar=True)
         pl_module.log("knn/top1_max", self.best)
+
+    on_test_epoch_end = on_validation_epoch_end
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

@@ -133,8 +133,11 @@ class HFMCAModule(LightningModule):
         self.log(f"spectrum/{name}/top10_mean", eigenvalues[:10].mean().item())
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Backbone features of an evaluation batch, for :class:`~hfmca_lightning.callbacks.KNNEvaluation`."""
         images, targets = batch
         return {"features": self(images), "targets": targets}
+
+    test_step = validation_step
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:

@@ -1,0 +1,124 @@
+"""``MultiViewDataModule``: L-view (or same-class) training batches plus kNN evaluation loaders (SPEC §5)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from hfmca_lightning.data.datasets import EvalDataset, MultiViewDataset, SameClassDataset, SeededRandomSampler
+from hfmca_lightning.data.sources import ImageSource, LabelledImages
+from hfmca_lightning.data.transforms import eval_transform, view_transform
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["MultiViewDataModule"]
+
+
+class MultiViewDataModule(LightningDataModule):
+    """Multi-view batches for HFMCA and any other SSL method.
+
+    * ``train_dataloader``: ``(views (B, L, C, H, W), target)``. ``mode='views'``: L SimCLR views of each
+      image; ``mode='same_class'``: L different images of the same class (each through the same view
+      transform; set the strengths to 0 for plain images).
+    * ``val_dataloader``: ``[bank, queries]`` of ``(image (B, C, H, W), target)`` without augmentation:
+      the train split (kNN bank) and the test split (kNN queries).
+    * ``test_dataloader``: the same ``[bank, queries]`` pair (kNN needs the bank to classify queries).
+
+    Augmentation is drawn per sample from a seed given by the sampler, so runs do not depend on the
+    number of workers and resume exactly.
+
+    Args:
+        source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``SyntheticShapes``).
+        mode: ``views`` or ``same_class``.
+        num_views: L, members per group.
+        batch_size: groups (source images) per training batch.
+        eval_batch_size: images per evaluation batch.
+        num_workers: DataLoader worker processes.
+        seed: seeds shuffling and augmentation.
+        crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR default.
+        horizontal_flip: random horizontal flips in the views.
+    """
+
+    def __init__(
+        self,
+        source: ImageSource,
+        mode: Literal["views", "same_class"] = "views",
+        num_views: int = 9,
+        batch_size: int = 64,
+        eval_batch_size: int = 256,
+        num_workers: int = 4,
+        seed: int = 0,
+        crop_strength: float | None = None,
+        color_strength: float | None = None,
+        gray_strength: float | None = None,
+        horizontal_flip: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in ("views", "same_class"):
+            raise ValueError(f"mode must be 'views' or 'same_class'; got {mode!r}")
+        if num_views < 1 or batch_size < 1 or eval_batch_size < 1 or num_workers < 0:
+            raise ValueError(
+                "need num_views >= 1, batch_size >= 1, eval_batch_size >= 1 and num_workers >= 0; got "
+                f"{num_views}, {batch_size}, {eval_batch_size}, {num_workers}"
+            )
+        self.source = source
+        self.mode = mode
+        self.num_views = num_views
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.train_transform = view_transform(
+            source.image_size, source.mean, source.std, crop_strength, color_strength, gray_strength, horizontal_flip
+        )
+        self.eval_transform = eval_transform(source.image_size, source.mean, source.std)
+        self._train_split: LabelledImages | None = None
+        self._test_split: LabelledImages | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return self.source.num_classes
+
+    def prepare_data(self) -> None:
+        self.source.prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train_split is None:
+            self._train_split = self.source.split(train=True)
+            self._test_split = self.source.split(train=False)
+            if len(self._train_split) < self.batch_size:
+                raise ConfigurationError(
+                    f"the training split has {len(self._train_split)} images, fewer than one batch "
+                    f"(batch_size={self.batch_size}); lower batch_size"
+                )
+
+    def train_dataset(self) -> MultiViewDataset | SameClassDataset:
+        self.setup()
+        dataset_class = MultiViewDataset if self.mode == "views" else SameClassDataset
+        return dataset_class(self._train_split, self.train_transform, self.num_views)
+
+    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = self.train_dataset()
+        return self._loader(dataset, self.batch_size, sampler=SeededRandomSampler(len(dataset), self.seed), drop_last=True)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        self.setup()
+        return [
+            self._loader(EvalDataset(self._train_split, self.eval_transform), self.eval_batch_size),
+            self._loader(EvalDataset(self._test_split, self.eval_transform), self.eval_batch_size),
+        ]
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return self.val_dataloader()

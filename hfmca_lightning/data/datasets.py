@@ -1,0 +1,129 @@
+"""Training and evaluation datasets over a split, and the resumable sampler that drives them.
+
+Training datasets take keys ``(index, sample_seed)`` from :class:`SeededRandomSampler`: all randomness
+of a sample (its views' augmentation parameters, its same-class partners) is a function of that seed,
+so runs are identical whatever the number of workers, and a run resumed from a checkpoint sees exactly
+the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, Sampler
+
+from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["SeededRandomSampler", "MultiViewDataset", "SameClassDataset", "EvalDataset"]
+
+SampleKey = tuple[int, int]
+
+
+class SeededRandomSampler(Sampler[SampleKey]):
+    """Shuffles ``num_samples`` indices per epoch from ``(seed, epoch)``, yielding ``(index, sample_seed)``.
+
+    Lightning calls :meth:`set_epoch` at the start of every epoch (as for ``DistributedSampler``).
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[SampleKey]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator).tolist()
+        return iter(list(zip(order, seeds)))
+
+
+@contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Run the block on torch's global CPU generator seeded with ``seed`` and restore it afterwards."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _split_key(key: int | SampleKey) -> tuple[int, int | None]:
+    return (key, None) if isinstance(key, int) else (int(key[0]), int(key[1]))
+
+
+class MultiViewDataset(Dataset):
+    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1)."""
+
+    def __init__(self, images: LabelledImages, transform: Callable, num_views: int) -> None:
+        if num_views < 1:
+            raise ValueError(f"num_views must be >= 1; got {num_views}")
+        self.images, self.transform, self.num_views = images, transform, num_views
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
+        index, seed = _split_key(key)
+        image, target = self.images[index]
+        with _seeded(seed):
+            views = torch.stack([self.transform(image) for _ in range(self.num_views)])
+        return views, target
+
+
+class SameClassDataset(Dataset):
+    """``L`` different images of one class: ``key -> (members (L, C, H, W), target)`` (supervised scenario).
+
+    Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of its
+    class. Each member goes through ``transform``.
+    """
+
+    def __init__(self, images: LabelledImages, transform: Callable, num_views: int) -> None:
+        self.images, self.transform, self.num_views = images, transform, num_views
+        targets = torch.as_tensor(images.targets)
+        self.by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
+        smallest = min(self.by_class.items(), key=lambda item: len(item[1]))
+        if len(smallest[1]) < num_views:
+            raise ConfigurationError(
+                f"same_class mode needs at least num_views={num_views} images per class, but class "
+                f"{smallest[0]} has {len(smallest[1])}; lower num_views or use mode 'views'"
+            )
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
+        index, seed = _split_key(key)
+        target = self.images.targets[index]
+        candidates = self.by_class[target]
+        candidates = candidates[candidates != index]
+        generator = torch.Generator()
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        partners = candidates[torch.randperm(len(candidates), generator=generator)[: self.num_views - 1]].tolist()
+        with _seeded(seed):
+            members = torch.stack([self.transform(self.images[i][0]) for i in [index, *partners]])
+        return members, target
+
+
+class EvalDataset(Dataset):
+    """One un-augmented image: ``index -> (image (C, H, W), target)``."""
+
+    def __init__(self, images: LabelledImages, transform: Callable) -> None:
+        self.images, self.transform = images, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image, target = self.images[index]
+        return self.transform(image), target

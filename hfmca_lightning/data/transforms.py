@@ -1,0 +1,78 @@
+"""SimCLR view augmentations with the strength knobs of the paper's Table 2 (SPEC §5).
+
+Each knob maps 0 -> no distortion and 1 -> the paper's extreme; ``None`` keeps the SimCLR CIFAR default:
+
+========  ==============================================  ===================  =====================
+knob      meaning of strength t                            SimCLR default       t = 1
+========  ==============================================  ===================  =====================
+crop      RandomResizedCrop scale (1 - t (1 - 1/HW), 1)    scale (0.08, 1)      any patch, 1x1 to full
+color     ColorJitter(0.8t, 0.8t, 0.8t, 0.2t), p = 0.8     t = 0.5 (0.4, ..0.1)  twice the default
+gray      RandomGrayscale p = t                            t = 0.2              always grey
+========  ==============================================  ===================  =====================
+
+At crop strength 0 the view is the whole image (scale and aspect ratio 1). Transforms run on one image
+at a time, so every view draws its own parameters (batched v2 transforms would share one draw,
+pytorch/vision #8484).
+"""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms import v2
+
+__all__ = ["view_transform", "eval_transform", "DEFAULT_CROP_SCALE", "DEFAULT_COLOR_STRENGTH", "DEFAULT_GRAY_STRENGTH"]
+
+DEFAULT_CROP_SCALE = (0.08, 1.0)
+DEFAULT_COLOR_STRENGTH = 0.5
+DEFAULT_GRAY_STRENGTH = 0.2
+
+
+def _check_strength(name: str, value: float | None) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}")
+
+
+def view_transform(
+    image_size: int,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    crop_strength: float | None = None,
+    color_strength: float | None = None,
+    gray_strength: float | None = None,
+    horizontal_flip: bool = True,
+) -> v2.Compose:
+    """One random SimCLR view of a uint8 / PIL image -> normalised float ``(3, image_size, image_size)``."""
+    for name, value in (("crop_strength", crop_strength), ("color_strength", color_strength), ("gray_strength", gray_strength)):
+        _check_strength(name, value)
+    if crop_strength is None:
+        crop = v2.RandomResizedCrop(image_size, scale=DEFAULT_CROP_SCALE, antialias=True)
+    elif crop_strength == 0:
+        crop = v2.RandomResizedCrop(image_size, scale=(1.0, 1.0), ratio=(1.0, 1.0), antialias=True)
+    else:
+        min_scale = 1.0 - crop_strength * (1.0 - 1.0 / image_size**2)
+        crop = v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True)
+    color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength
+    gray = DEFAULT_GRAY_STRENGTH if gray_strength is None else gray_strength
+    steps: list[v2.Transform] = [v2.ToImage(), crop]
+    if horizontal_flip:
+        steps.append(v2.RandomHorizontalFlip())
+    if color > 0:
+        jitter = v2.ColorJitter(0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
+        steps.append(v2.RandomApply([jitter], p=0.8))
+    if gray > 0:
+        steps.append(v2.RandomGrayscale(p=gray))
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    return v2.Compose(steps)
+
+
+def eval_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
+    """No augmentation: resize (shorter side) and centre-crop to ``image_size``, then normalise."""
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.Resize(image_size, antialias=True),
+            v2.CenterCrop(image_size),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean, std),
+        ]
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 from pathlib import Path
 
@@ -14,11 +15,22 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo.yaml"
 
 
-def tiny_overrides(tmp_path: Path, **extra: object) -> Path:
-    """Shrink the demo to a few seconds: tiny CNN, tiny data, one epoch, outputs under tmp_path."""
+DEMO_TINY_MODEL = {
+    "init_args": {
+        "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 8, "num_stages": 2}},
+        "projector": {"class_path": "hfmca_lightning.models.ViewProjector", "init_args": {"input_dim": 16, "output_dim": 16, "hidden_dim": 32}},
+        "external_head": {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16}},
+    }
+}
+
+
+def tiny_overrides(tmp_path: Path, model: dict | None = None, **extra: object) -> Path:
+    """Shrink a run to a few seconds: tiny data, one epoch, outputs under tmp_path; ``model`` overrides
+    (default: a tiny version of the demo's model)."""
     config = {
         "trainer": {
             "max_epochs": 1,
+            "max_steps": -1,
             "enable_progress_bar": False,
             "enable_model_summary": False,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "logs"), "name": "run"}},
@@ -27,13 +39,7 @@ def tiny_overrides(tmp_path: Path, **extra: object) -> Path:
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True}},
             ],
         },
-        "model": {
-            "init_args": {
-                "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 8, "num_stages": 2}},
-                "projector": {"class_path": "hfmca_lightning.models.ViewProjector", "init_args": {"input_dim": 16, "output_dim": 16, "hidden_dim": 32}},
-                "external_head": {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16}},
-            }
-        },
+        "model": copy.deepcopy(DEMO_TINY_MODEL if model is None else model),
         "data": {
             "init_args": {
                 "source": {"class_path": "hfmca_lightning.data.SyntheticShapes", "init_args": {"num_classes": 4, "train_per_class": 8, "test_per_class": 3}},

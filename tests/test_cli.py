@@ -19,7 +19,7 @@ def test_every_config_parses_and_instantiates(config: Path, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     cli = HFMCACLI(args=["--config", str(config)], run=False)
     assert cli.model is not None and cli.datamodule is not None
-    assert cli.trainer.max_epochs is not None
+    assert (cli.trainer.max_epochs or 0) > 0 or cli.trainer.max_steps > 0, "every config must bound its run"
 
 
 def test_fit_on_cifar_pickles(tmp_path):

@@ -8,7 +8,13 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from hfmca_lightning.data.datasets import EvalDataset, MultiViewDataset, SameClassDataset, SeededRandomSampler
+from hfmca_lightning.data.datasets import (
+    EvalDataset,
+    MultiViewDataset,
+    SameClassDataset,
+    SeededRandomSampler,
+    SingleViewDataset,
+)
 from hfmca_lightning.data.sources import ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import eval_transform, view_transform
 from hfmca_lightning.errors import ConfigurationError
@@ -21,7 +27,8 @@ class MultiViewDataModule(LightningDataModule):
 
     * ``train_dataloader``: ``(views (B, L, C, H, W), target)``. ``mode='views'``: L SimCLR views of each
       image; ``mode='same_class'``: L different images of the same class (each through the same view
-      transform; set the strengths to 0 for plain images).
+      transform; set the strengths to 0 for plain images). ``mode='single'`` (``num_views: 1``): batches of
+      single augmented images ``(image (B, C, H, W), target)``, e.g. for internal costs alone.
     * ``val_dataloader``: ``[bank, queries]`` of ``(image (B, C, H, W), target)`` without augmentation:
       the train split (kNN bank) and the test split (kNN queries).
     * ``test_dataloader``: the same ``[bank, queries]`` pair (kNN needs the bank to classify queries).
@@ -31,7 +38,7 @@ class MultiViewDataModule(LightningDataModule):
 
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``SyntheticShapes``).
-        mode: ``views`` or ``same_class``.
+        mode: ``views``, ``same_class`` or ``single``.
         num_views: L, members per group.
         batch_size: groups (source images) per training batch.
         eval_batch_size: images per evaluation batch.
@@ -44,7 +51,7 @@ class MultiViewDataModule(LightningDataModule):
     def __init__(
         self,
         source: ImageSource,
-        mode: Literal["views", "same_class"] = "views",
+        mode: Literal["views", "same_class", "single"] = "views",
         num_views: int = 9,
         batch_size: int = 64,
         eval_batch_size: int = 256,
@@ -56,8 +63,10 @@ class MultiViewDataModule(LightningDataModule):
         horizontal_flip: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in ("views", "same_class"):
-            raise ValueError(f"mode must be 'views' or 'same_class'; got {mode!r}")
+        if mode not in ("views", "same_class", "single"):
+            raise ValueError(f"mode must be 'views', 'same_class' or 'single'; got {mode!r}")
+        if mode == "single" and num_views != 1:
+            raise ConfigurationError(f"mode 'single' yields one image per sample; set num_views: 1 (got {num_views})")
         if num_views < 1 or batch_size < 1 or eval_batch_size < 1 or num_workers < 0:
             raise ValueError(
                 "need num_views >= 1, batch_size >= 1, eval_batch_size >= 1 and num_workers >= 0; got "
@@ -94,9 +103,9 @@ class MultiViewDataModule(LightningDataModule):
                     f"(batch_size={self.batch_size}); lower batch_size"
                 )
 
-    def train_dataset(self) -> MultiViewDataset | SameClassDataset:
+    def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset:
         self.setup()
-        dataset_class = MultiViewDataset if self.mode == "views" else SameClassDataset
+        dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
         return dataset_class(self._train_split, self.train_transform, self.num_views)
 
     def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Sampler
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["SeededRandomSampler", "MultiViewDataset", "SameClassDataset", "EvalDataset"]
+__all__ = ["SeededRandomSampler", "MultiViewDataset", "SingleViewDataset", "SameClassDataset", "EvalDataset"]
 
 SampleKey = tuple[int, int]
 
@@ -79,6 +79,14 @@ class MultiViewDataset(Dataset):
         with _seeded(seed):
             views = torch.stack([self.transform(image) for _ in range(self.num_views)])
         return views, target
+
+
+class SingleViewDataset(MultiViewDataset):
+    """One augmented view of one image: ``key -> (image (C, H, W), target)``."""
+
+    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
+        views, target = super().__getitem__(key)
+        return views[0], target
 
 
 class SameClassDataset(Dataset):

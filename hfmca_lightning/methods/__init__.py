@@ -1,5 +1,6 @@
 """LightningModules: thin compositions of models, costs and optimisers."""
 
 from hfmca_lightning.methods.hfmca import HFMCAModule
+from hfmca_lightning.methods.internal_costs import InternalCosts
 
-__all__ = ["HFMCAModule"]
+__all__ = ["HFMCAModule", "InternalCosts"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
+from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.models.heads import GridExternalHead
 
 __all__ = ["HFMCAModule", "check_checkpoint_architecture", "paper_optimizers"]
@@ -59,17 +61,27 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
 
 
 class HFMCAModule(LightningModule):
-    """Backbone -> per-view projector -> external head LF, trained with the HFMCA external cost.
+    """HFMCA: backbone (+ internal costs) -> per-view projector -> external head LF (+ external cost).
+
+    The three scenarios of paper §5 are configurations of this one module:
+
+    * self-supervised, HFMCA-SS(*): ``external_head`` only; batches of L views per image;
+    * HFMCA-SS / supervised: ``external_head`` and ``internal_costs``; L views or L same-class images;
+    * unsupervised: ``internal_costs`` only, no head; batches of single images ``(B, C, H, W)`` work.
 
     A batch ``(views (B, L, C, H, W), target)`` is encoded as one ``(B*L, C, H, W)`` batch; the ``L``
     view features ``(B, L, K)`` are the low level and the head output ``(B, K)`` the high level of the
-    cost. kNN evaluation uses the backbone output (``validation_step`` returns it).
+    external cost. The objective is ``external + internal_costs.weight * sum(internal)``, logged as
+    ``cost/total`` with each part under ``cost/external`` and ``cost/internal/<layer>``. kNN evaluation
+    uses the backbone output (``validation_step`` returns it).
 
     Args:
         backbone: images ``(N, 3, H, W)`` -> ``(N, D)``.
-        projector: ``(N, D)`` -> ``(N, K)`` view features (sigmoid output).
-        external_head: ``(B, L, K)`` -> ``(B, K)``; its ``num_views`` must equal the data's.
-        external_cost: the cost (``reg``, ``beta``, ``sync_dist``); default ``HFMCACost(reg=0.1, beta=0)``.
+        projector: ``(N, D)`` -> ``(N, K)`` view features; ``None`` feeds the backbone output to the head.
+        external_head: ``(B, L, K)`` -> ``(B, K)``; its ``num_views`` must equal the data's. ``None``: no
+            external cost (unsupervised scenario).
+        external_cost: default ``HFMCACost(reg=0.1, beta=0)``.
+        internal_costs: hooks on backbone blocks, see :class:`InternalCosts`.
         optimizer / lr_scheduler: callables from the CLI; default SGD(0.06, 0.9, wd 5e-4) and cosine
             annealing over ``max_epochs``.
     """
@@ -77,31 +89,43 @@ class HFMCAModule(LightningModule):
     def __init__(
         self,
         backbone: nn.Module,
-        projector: nn.Module,
-        external_head: GridExternalHead,
+        projector: nn.Module | None = None,
+        external_head: GridExternalHead | None = None,
         external_cost: HFMCACost | None = None,
+        internal_costs: InternalCosts | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost"])
+        if external_head is None and internal_costs is None:
+            raise ConfigurationError("HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train")
+        if external_head is None and (projector is not None or external_cost is not None):
+            raise ConfigurationError("projector / external_cost are given but there is no external_head to use them")
+        self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost", "internal_costs"])
         self.backbone = backbone
-        self.projector = projector
+        self.projector = projector if projector is not None else nn.Identity()
         self.external_head = external_head
-        self.external_cost = external_cost if external_cost is not None else HFMCACost(reg=0.1, beta=0.0, name="external")
+        self.external_cost = None
+        if external_head is not None:
+            self.external_cost = external_cost if external_cost is not None else HFMCACost(reg=0.1, beta=0.0, name="external")
+        self.internal_costs = internal_costs
+        if internal_costs is not None:
+            internal_costs.attach(self.backbone)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         num_views = getattr(datamodule, "num_views", None)
-        if num_views is not None and num_views != self.external_head.num_views:
+        if self.external_head is not None and num_views is not None and num_views != self.external_head.num_views:
             grid = self.external_head.grid
             raise ConfigurationError(
                 f"data.num_views={num_views} does not fit the external head's {grid[0]}x{grid[1]} grid "
                 f"({self.external_head.num_views} views): set data num_views to {self.external_head.num_views} "
                 "or change the head's grid_height / grid_width so that their product is num_views"
             )
+        if self.external_head is not None and getattr(datamodule, "mode", None) == "single":
+            raise ConfigurationError("data mode 'single' gives one image per sample, but the external head needs groups of views")
 
     def forward(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of un-augmented images (what kNN evaluates)."""
@@ -109,21 +133,45 @@ class HFMCAModule(LightningModule):
 
     def encode_views(self, views: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, L, C, H, W)`` -> view features ``(B, L, K)`` and group features ``(B, K)``."""
-        if views.dim() != 5:
-            raise ValueError(f"HFMCAModule expects views of shape (B, L, C, H, W); got {tuple(views.shape)}")
+        if views.dim() != 5 or self.external_head is None:
+            raise ValueError(f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}")
         batch, num_views = views.shape[:2]
         view_features = self.projector(self.backbone(views.flatten(0, 1))).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        views, _ = batch
-        view_features, group_features = self.encode_views(views)
-        cost = self.external_cost(view_features, group_features)
-        self.log("cost/external", cost, prog_bar=True)
-        self.log("train/loss", cost)
+        images, _ = batch
+        costs: dict[str, Tensor] = {}
+        with self.internal_costs.record() if self.internal_costs is not None else nullcontext():
+            if self.external_head is not None:
+                view_features, group_features = self.encode_views(images)
+            else:
+                self.backbone(images.flatten(0, 1) if images.dim() == 5 else images)
+        total = torch.zeros((), dtype=torch.float64, device=images.device)
+        if self.external_head is not None and self.external_cost is not None:
+            costs["external"] = self.external_cost(view_features, group_features)
+            total = total + costs["external"]
+        if self.internal_costs is not None:
+            internal = self.internal_costs.compute()
+            costs.update({f"internal/{name}": cost for name, cost in internal.items()})
+            total = total + self.internal_costs.weight * torch.stack(list(internal.values())).sum()
+        for name, cost in costs.items():
+            self.log(f"cost/{name}", cost, prog_bar=name == "external")
+        self.log("cost/total", total, prog_bar=self.external_head is None)
+        self.log("train/loss", total)
         if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            self._log_spectrum_summary("external", self.external_cost)
-        return cost
+            for name, module in self.cost_modules().items():
+                self._log_spectrum_summary(name, module)
+        return total
+
+    def cost_modules(self) -> dict[str, HFMCACost]:
+        """Every cost of the model by log name: ``external`` and ``internal/<layer>``."""
+        modules: dict[str, HFMCACost] = {}
+        if self.external_cost is not None:
+            modules["external"] = self.external_cost
+        if self.internal_costs is not None:
+            modules.update({f"internal/{name}": cost for name, cost in self.internal_costs.cost_modules().items()})
+        return modules
 
     def _log_spectrum_summary(self, name: str, cost: HFMCACost) -> None:
         if cost.last_statistics is None:

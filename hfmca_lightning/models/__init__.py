@@ -2,6 +2,16 @@
 
 from hfmca_lightning.models.backbones import CIFARResNet18, SmallConvNet
 from hfmca_lightning.models.heads import GridExternalHead, ViewProjector
-from hfmca_lightning.models.layers import NoiseChannels
+from hfmca_lightning.models.layers import NoiseChannels, PaddingLayer
+from hfmca_lightning.models.spectrum_cnn import SpectrumCNN, spectrum_block
 
-__all__ = ["CIFARResNet18", "GridExternalHead", "NoiseChannels", "SmallConvNet", "ViewProjector"]
+__all__ = [
+    "CIFARResNet18",
+    "GridExternalHead",
+    "NoiseChannels",
+    "PaddingLayer",
+    "SmallConvNet",
+    "SpectrumCNN",
+    "ViewProjector",
+    "spectrum_block",
+]

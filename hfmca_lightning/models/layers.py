@@ -7,7 +7,20 @@ from torch import Tensor, nn
 
 from hfmca_lightning.losses.window_geometry import WindowGeometry
 
-__all__ = ["NoiseChannels"]
+__all__ = ["NoiseChannels", "PaddingLayer"]
+
+
+class PaddingLayer(nn.ZeroPad2d):
+    """Zero padding at the start of a block (paper appendix "Padding Layer").
+
+    The padded positions are part of the block's input ``Z_s`` for the internal cost (zero members of
+    the border windows); :func:`~hfmca_lightning.losses.window_geometry` reads it as ``(1, 1, padding)``.
+    """
+
+    def __init__(self, padding: int = 1) -> None:
+        if padding < 0:
+            raise ValueError(f"padding must be >= 0; got {padding}")
+        super().__init__(padding)
 
 
 class NoiseChannels(nn.Module):

@@ -1,0 +1,136 @@
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses import WindowGeometry, cost_from_statistics
+from hfmca_lightning.methods import InternalCosts
+from hfmca_lightning.models import CIFARResNet18, SpectrumCNN
+from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
+
+
+def window_mean_backbone() -> nn.Sequential:
+    """Blocks whose output is, by construction, the mean of their input window (padding counts as zero)."""
+    return nn.Sequential(
+        OrderedDict(
+            one_by_one=nn.AvgPool2d(1),
+            padded_3x3=nn.AvgPool2d(3, 1, 1, count_include_pad=True),
+            resnet_stride2=nn.AvgPool2d(7, 2, 3, count_include_pad=True),  # a stride-2 BasicBlock's window
+            l9_pool=nn.AvgPool2d(4),
+        )
+    )
+
+
+def _capture_io(module: nn.Module) -> dict[str, torch.Tensor]:
+    seen = {}
+
+    def hook(_, args, output):
+        seen["low"], seen["high"] = args[0].detach(), output.detach()
+
+    module.register_forward_hook(hook)
+    return seen
+
+
+def test_window_mean_blocks_match_the_hand_computed_statistics():
+    backbone = window_mean_backbone()
+    names = [name for name, _ in backbone.named_children()]
+    internal = InternalCosts(names, reg=1e-3)
+    internal.attach(backbone)
+    assert [internal.geometries[n] for n in names] == [
+        WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(7, 2, 3), WindowGeometry(4, 4, 0)
+    ]
+    captured = {name: _capture_io(module) for name, module in backbone.named_children()}
+    torch.manual_seed(0)
+    with internal.record():
+        backbone(torch.rand(3, 4, 8, 8, dtype=torch.float64))
+    statistics = internal.statistics()
+    for name in names:
+        geometry = internal.geometries[name]
+        members, highs = reference_unfold_windows(captured[name]["low"], captured[name]["high"], geometry.kernel, geometry.stride, geometry.padding)
+        # The block output really is its window mean...
+        torch.testing.assert_close(members.mean(dim=1), highs)
+        r1, r2, cross = reference_group_moments(members, highs)
+        got = statistics[name].means()
+        for value, expected in zip(got, (r1, r2, cross)):
+            np.testing.assert_allclose(value.numpy(), expected, rtol=1e-12, atol=1e-14)
+        # ... so P = E[(mean z) h^T] = E[h h^T] = R2.
+        np.testing.assert_allclose(got[2].numpy(), got[1].numpy(), rtol=1e-12, atol=1e-14)
+        cost = cost_from_statistics(statistics[name], reg=1e-3).item()
+        assert cost == pytest.approx(reference_cost(r1, r2, cross, 1e-3), rel=1e-10)
+
+
+def test_resnet_stride2_block_statistics_match_unfolded_windows():
+    backbone = CIFARResNet18()
+    internal = InternalCosts(["net.layer2.0", "net.layer2.1"])
+    internal.attach(backbone)
+    assert internal.geometries["net.layer2.0"] == WindowGeometry(7, 2, 3)
+    assert internal.geometries["net.layer2.1"] == WindowGeometry(5, 1, 2)
+    assert internal.names == {"net.layer2.0": "layer2.0", "net.layer2.1": "layer2.1"}
+    seen = _capture_io(backbone.net.layer2[0])
+    with internal.record():
+        backbone(torch.rand(2, 3, 16, 16))
+    members, highs = reference_unfold_windows(seen["low"], seen["high"], 7, 2, 3)
+    for value, expected in zip(internal.statistics()["net.layer2.0"].detach().means(), reference_group_moments(members, highs)):
+        np.testing.assert_allclose(value.numpy(), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_log_names_drop_the_shared_prefix():
+    assert InternalCosts(SpectrumCNN().internal_layers).names["blocks.L3"] == "L3"
+    assert InternalCosts(["net.layer1.0", "net.layer2.1"]).names == {"net.layer1.0": "layer1.0", "net.layer2.1": "layer2.1"}
+    assert InternalCosts(["layer1", "net.layer2"]).names == {"layer1": "layer1", "net.layer2": "net.layer2"}
+
+
+def test_hooks_are_idle_outside_record():
+    backbone = window_mean_backbone()
+    internal = InternalCosts(["padded_3x3"])
+    internal.attach(backbone)
+    backbone(torch.rand(1, 2, 8, 8))
+    assert internal.statistics() == {}
+    with pytest.raises(RuntimeError, match="did not run"):
+        internal.compute()
+
+
+def test_unknown_layer_and_layers_without_geometry_are_configuration_errors():
+    with pytest.raises(ConfigurationError, match=r"'net.layer9' is not a module of the backbone CIFARResNet18.*net.layer1"):
+        InternalCosts(["net.layer9"]).attach(CIFARResNet18())
+    backbone = nn.Sequential(OrderedDict(pool=nn.AdaptiveAvgPool2d(1)))
+    with pytest.raises(ConfigurationError, match="internal cost layer 'pool'.*cannot derive the window geometry"):
+        InternalCosts(["pool"]).attach(backbone)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any torch operation produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_resnet18_internal_costs_never_allocate_the_unfolded_windows():
+    """9 views of 32x32 at batch 8 through ResNet-18 with internal costs on every BasicBlock."""
+    backbone = CIFARResNet18()
+    layers = [f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)]
+    internal = InternalCosts(layers)
+    internal.attach(backbone)
+    images = torch.rand(8 * 9, 3, 32, 32)
+    # The smallest unfolded window tensor: layer1 blocks, (72 * 32 * 32 windows) x 25 members x 64 channels.
+    unfolded = 72 * 32 * 32 * 25 * 64
+    largest_activation = 72 * 64 * 32 * 32
+    tracker = LargestTensor()
+    with tracker, internal.record():
+        features = backbone(images)
+        costs = internal.compute()
+        (sum(costs.values()) + features.sum() * 0).backward()
+    assert len(costs) == 8 and all(torch.isfinite(c) for c in costs.values())
+    assert tracker.largest <= 2 * largest_activation < unfolded / 10

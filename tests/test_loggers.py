@@ -38,3 +38,24 @@ def test_offline_run_is_stored_locally_and_resume_keeps_the_run_id(no_wandb_acco
     fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **{"trainer.logger": logger})
     resumed_ids = {path.name.split("-")[-1] for path in (tmp_path / "wb" / "wandb").glob("offline-run-*")}
     assert resumed_ids == {run_id}
+
+
+def test_wandb_offline_run_holds_the_figures_and_eigenvalue_series(no_wandb_account, tmp_path):
+    from tests.callbacks.test_analysis_callbacks import tiny_data, tiny_spectrum_module
+    from lightning.pytorch import Trainer
+
+    from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
+
+    logger = OfflineSafeWandbLogger(save_dir=str(tmp_path), project="hfmca-test")
+    trainer = Trainer(
+        max_epochs=1, logger=logger, callbacks=[EigenspectrumCallback(every_n_steps=1), DensityRatioHeatmapCallback(num_images=2)],
+        enable_checkpointing=False, enable_progress_bar=False, log_every_n_steps=1, limit_val_batches=0,
+    )
+    trainer.fit(tiny_spectrum_module(), tiny_data())
+    wandb.finish()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    images = sorted(path.name.split("_")[0] for path in (run / "files" / "media" / "images").glob("*.png"))
+    assert images == ["density", "layer", "learning"]
+    history = next(run.glob("*.wandb")).read_bytes()
+    for key in (b"eigenvalues/external/01", b"eigenvalues/internal/L9/01", b"spectrum/internal/L3/num_above_0.5", b"cost/internal/L1"):
+        assert key in history, key

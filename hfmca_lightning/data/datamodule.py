@@ -129,5 +129,18 @@ class MultiViewDataModule(LightningDataModule):
             self._loader(EvalDataset(self._test_split, self.eval_transform), self.eval_batch_size),
         ]
 
+    def evaluation_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` test images without augmentation: ``(images (N, C, H, W), targets (N,))``."""
+        self.setup()
+        dataset = EvalDataset(self._test_split, self.eval_transform)
+        items = [dataset[index] for index in range(min(count, len(dataset)))]
+        return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
+
+    def denormalise(self, images: torch.Tensor) -> torch.Tensor:
+        """Undo the normalisation: ``(N, 3, H, W)`` network inputs -> pixel values in [0, 1]."""
+        mean = torch.tensor(self.source.mean, device=images.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.source.std, device=images.device).view(1, -1, 1, 1)
+        return (images * std + mean).clamp(0, 1)
+
     def test_dataloader(self) -> list[DataLoader]:
         return self.val_dataloader()

@@ -54,7 +54,9 @@ class InternalCosts(nn.Module):
         )
         self.geometries: dict[str, WindowGeometry] = {}
         self._statistics: dict[str, CorrelationStatistics] = {}
+        self._maps: dict[str, tuple[Tensor, Tensor]] = {}
         self._recording = False
+        self._keep_maps = False
         self._handles: list[Any] = []
 
     @staticmethod
@@ -91,20 +93,27 @@ class InternalCosts(nn.Module):
             self._statistics[layer] = feature_map_statistics(low, output, self.geometries[layer])
         except ValueError as error:
             raise ConfigurationError(f"internal cost layer {layer!r}: {error}") from error
+        if self._keep_maps:
+            self._maps[layer] = (low.detach(), output.detach())
 
     @contextmanager
-    def record(self) -> Iterator[None]:
-        """Collect statistics during the backbone forward passes inside this block."""
+    def record(self, keep_maps: bool = False) -> Iterator[None]:
+        """Collect statistics (and, with ``keep_maps``, the detached maps) of the forward passes inside this block."""
         self._statistics.clear()
-        self._recording = True
+        self._maps.clear()
+        self._recording, self._keep_maps = True, keep_maps
         try:
             yield
         finally:
-            self._recording = False
+            self._recording, self._keep_maps = False, False
 
     def statistics(self) -> dict[str, CorrelationStatistics]:
         """The statistics recorded by the last :meth:`record` block, by layer name."""
         return dict(self._statistics)
+
+    def maps(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{layer: (input map, output map)}`` of the last ``record(keep_maps=True)`` block."""
+        return dict(self._maps)
 
     def compute(self) -> dict[str, Tensor]:
         """Cost of every hooked block from the recorded statistics, keyed by log name (``L3``, ``layer2.0``)."""

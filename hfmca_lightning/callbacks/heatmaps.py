@@ -1,0 +1,50 @@
+"""Density-ratio heatmaps during training (paper Alg. 4 + Alg. 5, Fig. "global-to-local response")."""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from hfmca_lightning.callbacks.figures import figure_directory, publish_figure
+from hfmca_lightning.methods.inspection import density_ratio_heatmaps
+from hfmca_lightning.visualization import heatmap_overlay_figure
+
+__all__ = ["DensityRatioHeatmapCallback"]
+
+
+class DensityRatioHeatmapCallback(Callback):
+    """Every ``every_n_epochs``, the telescoping density-ratio response of a fixed set of test images.
+
+    The first ``num_images`` images of the evaluation split (``datamodule.evaluation_images``) go through
+    the backbone; each internal pair is decomposed (Alg. 4) from the statistics of those images and the
+    response is propagated from the top hooked layer down (Alg. 5). The figure overlays the response at
+    ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
+    ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
+    internal costs. Rank 0 only.
+    """
+
+    def __init__(self, num_images: int = 8, layers: list[str] | None = None, every_n_epochs: int = 1, output_dir: str | None = None) -> None:
+        super().__init__()
+        if num_images < 1 or every_n_epochs < 1:
+            raise ValueError(f"need num_images >= 1 and every_n_epochs >= 1; got {num_images}, {every_n_epochs}")
+        self.num_images = num_images
+        self.layers = layers
+        self.every_n_epochs = every_n_epochs
+        self.output_dir = output_dir
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        internal = getattr(pl_module, "internal_costs", None)
+        if internal is None:
+            raise ValueError("DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)")
+        unknown = set(self.layers or []) - set(internal.names.values())
+        if unknown:
+            raise ValueError(f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {list(internal.names.values())}")
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
+            return
+        images, _ = trainer.datamodule.evaluation_images(self.num_images)
+        heatmaps = density_ratio_heatmaps(pl_module, images)
+        chosen = self.layers or list(heatmaps)[:3]
+        figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen})
+        path = figure_directory(trainer, self.output_dir) / f"density_ratio_epoch{trainer.current_epoch:03d}.png"
+        publish_figure(trainer, figure, "density_ratio", path)

@@ -1,0 +1,153 @@
+"""Figures of the paper's analysis (SPEC §4), as matplotlib figures a person can read without the code.
+
+Every function returns a ``matplotlib.figure.Figure`` (Agg backend, no display needed); :func:`save_figure`
+writes it as PNG. Inputs are plain tensors / arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+__all__ = [
+    "learning_dynamics_figure",
+    "layer_spectra_figure",
+    "heatmap_overlay_figure",
+    "basis_functions_figure",
+    "save_figure",
+]
+
+
+def _array(values: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64)
+
+
+def learning_dynamics_figure(history: Mapping[str, tuple[Sequence[int], np.ndarray]], title: str = "Eigenvalue learning dynamics") -> Figure:
+    """One heatmap per cost pair: x = training step, y = eigenvalue rank (1 = largest), colour = sigma_k.
+
+    Args:
+        history: ``{pair name: (steps (T,), eigenvalues (T, k))}``.
+    """
+    names = list(history)
+    columns = min(5, max(1, len(names)))
+    rows = math.ceil(len(names) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.9 * rows), squeeze=False, constrained_layout=True)
+    image = None
+    for ax, name in zip(axes.flat, names):
+        steps, values = history[name]
+        values = _array(values)
+        steps = np.asarray(steps)
+        extent = (steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, values.shape[1] + 0.5, 0.5)
+        image = ax.imshow(values.T, aspect="auto", origin="upper", extent=extent, vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("eigenvalue rank")
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    if image is not None:
+        figure.colorbar(image, ax=axes, shrink=0.8, label="eigenvalue $\\sigma_k$")
+    figure.suptitle(title)
+    return figure
+
+
+def layer_spectra_figure(spectra: Mapping[str, torch.Tensor | np.ndarray], title: str = "Spectrum per layer", top_mean: int = 10) -> Figure:
+    """One column of eigenvalue dots per layer (darker = higher rank), with the mean of the ``top_mean``
+    largest eigenvalues as a red dotted line (paper Fig. "Spectrum across layers")."""
+    names = list(spectra)
+    figure, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(names) + 2), 4.2), constrained_layout=True)
+    colour = plt.get_cmap("Blues")
+    means = []
+    for column, name in enumerate(names):
+        values = np.sort(_array(spectra[name]))[::-1]
+        ranks = np.linspace(1.0, 0.25, len(values)) if len(values) > 1 else np.ones(1)
+        ax.scatter(np.full(len(values), column), values, c=colour(ranks), s=14, edgecolors="none")
+        means.append(values[:top_mean].mean() if len(values) else np.nan)
+    ax.plot(range(len(names)), means, "r:", marker="o", markersize=3, label=f"mean of the {top_mean} largest")
+    ax.set_xticks(range(len(names)), names, rotation=45 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("layer pair")
+    ax.set_ylabel("eigenvalue $\\sigma_k$ (1 = fully dependent)")
+    ax.legend(loc="lower left", fontsize=8)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    return figure
+
+
+def heatmap_overlay_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tensor], title: str = "Global-to-local density-ratio response") -> Figure:
+    """Rows: images; columns: the image, then its response at each layer overlaid on it (upsampled).
+
+    Args:
+        images: ``(N, 3, H, W)`` in [0, 1]. heatmaps: ``{layer: (N, h, w)}``.
+    """
+    names = list(heatmaps)
+    count = images.shape[0]
+    figure, axes = plt.subplots(count, len(names) + 1, figsize=(1.9 * (len(names) + 1) + 0.8, 1.9 * count), squeeze=False, constrained_layout=True)
+    pictures = images.detach().cpu().float().clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    height, width = pictures.shape[1:3]
+    mappable = None
+    for row in range(count):
+        axes[row, 0].imshow(pictures[row])
+        axes[row, 0].set_ylabel(f"image {row}", fontsize=8)
+        for column, name in enumerate(names, start=1):
+            heat = _array(heatmaps[name][row])
+            heat = (heat - heat.min()) / (np.ptp(heat) + 1e-12)
+            ax = axes[row, column]
+            ax.imshow(pictures[row])
+            mappable = ax.imshow(heat, cmap="jet", alpha=0.55, extent=(-0.5, width - 0.5, height - 0.5, -0.5), vmin=0, vmax=1, interpolation="bilinear")
+            if row == 0:
+                ax.set_title(name, fontsize=10)
+    axes[0, 0].set_title("input", fontsize=10)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    if mappable is not None:
+        figure.colorbar(mappable, ax=axes, shrink=0.6, label="response (min-max scaled per image)")
+    figure.suptitle(title)
+    return figure
+
+
+def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title: str = "Basis functions", columns: int = 8) -> Figure:
+    """Grid of the normalised eigenfunctions ``phi_hat_k`` of one layer over one image, each titled with
+    its eigenvalue (paper Fig. "basis functions").
+
+    Args:
+        maps: ``(r, H, W)``. eigenvalues: ``(r,)``.
+    """
+    count = maps.shape[0]
+    rows = math.ceil(count / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(1.5 * columns + 0.8, 1.6 * rows + 0.6), squeeze=False, constrained_layout=True)
+    values = _array(maps)
+    limit = np.abs(values).max() + 1e-12
+    mappable = None
+    for index, ax in enumerate(axes.flat):
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if index >= count:
+            ax.axis("off")
+            continue
+        mappable = ax.imshow(values[index], cmap="RdBu_r", vmin=-limit, vmax=limit)
+        ax.set_title(f"k={index + 1}  σ={float(eigenvalues[index]):.2f}", fontsize=7)
+    if mappable is not None:
+        figure.colorbar(mappable, ax=axes, shrink=0.6, label="$\\hat\\phi_k$ value")
+    figure.suptitle(title)
+    return figure
+
+
+def save_figure(figure: Figure, path: str | Path) -> Path:
+    """Write ``figure`` as a PNG (parents created) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

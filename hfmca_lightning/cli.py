@@ -39,7 +39,12 @@ class HFMCACLI(LightningCLI):
         )
 
     def before_fit(self) -> None:
-        """Resuming: point W&B at the checkpoint's run before Lightning starts a new one."""
+        """Store the resolved config in checkpoints (for ``hfmca analyze``); on resume, point W&B at the
+        checkpoint's run before Lightning starts a new one."""
+        config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunState):
+                callback.config = config
         wandb_loggers = [logger for logger in self.trainer.loggers if isinstance(logger, OfflineSafeWandbLogger)]
         checkpoint = self._resume_checkpoint()
         if wandb_loggers and checkpoint is not None:
@@ -63,8 +68,18 @@ class HFMCACLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``hfmca`` console script; configuration errors are one line, exit status 2."""
+    """Entry point of the ``hfmca`` console script; configuration errors are one line, exit status 2.
+
+    ``fit`` / ``validate`` / ``test`` go to LightningCLI; ``analyze`` and ``compare`` to
+    :mod:`hfmca_lightning.analyze`.
+    """
+    argv = sys.argv[1:] if args is None else args
     try:
+        if argv and argv[0] in ("analyze", "compare"):
+            from hfmca_lightning.analyze import run_analysis_command
+
+            run_analysis_command(argv)
+            return
         HFMCACLI(args=args)
     except ConfigurationError as error:
         print(f"hfmca: error: {error}", file=sys.stderr)

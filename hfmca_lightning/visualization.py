@@ -125,6 +125,7 @@ def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title:
         maps: ``(r, H, W)``. eigenvalues: ``(r,)``.
     """
     count = maps.shape[0]
+    columns = max(1, min(columns, count))
     rows = math.ceil(count / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(1.5 * columns + 0.8, 1.6 * rows + 0.6), squeeze=False, constrained_layout=True)
     values = _array(maps)

@@ -11,12 +11,17 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 
-__all__ = ["RunState", "saved_wandb_run_id"]
+__all__ = ["RunState", "saved_config", "saved_wandb_run_id"]
 
 
 def saved_wandb_run_id(checkpoint: dict[str, Any]) -> str | None:
     """The W&B run id that :class:`RunState` stored in ``checkpoint``, if any."""
     return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("wandb_run_id")
+
+
+def saved_config(checkpoint: dict[str, Any]) -> str | None:
+    """The resolved YAML config that the ``hfmca`` CLI stored in ``checkpoint``, if any."""
+    return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("config")
 
 
 class RunState(Callback):
@@ -31,6 +36,7 @@ class RunState(Callback):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
+        self.config: str | None = None  # the run's resolved YAML config, set by the hfmca CLI
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -46,6 +52,8 @@ class RunState(Callback):
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
+        if self.config is not None:
+            state["config"] = self.config
         if self._trainer is not None:
             for logger in self._trainer.loggers:
                 if isinstance(logger, WandbLogger):

@@ -1,0 +1,189 @@
+"""``hfmca analyze`` and ``hfmca compare``: the paper's analysis figures from checkpoints (SPEC §4).
+
+    hfmca analyze --ckpt_path runs/demo/checkpoints/last.ckpt --out analysis/demo
+    hfmca compare --ckpt_a runs/spectrum_supervised/checkpoints/last.ckpt \\
+                  --ckpt_b runs/spectrum_selfsupervised/checkpoints/last.ckpt --out analysis/sup_vs_ss
+
+The model and data are rebuilt from the config that ``hfmca fit`` stores in every checkpoint (or from
+``--config`` for checkpoints written elsewhere). Outputs: PNG figures, JSON numbers and an ``index.html``
+that shows them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import yaml
+from torch import Tensor
+
+from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.callbacks.run_state import saved_config
+from hfmca_lightning.data.datamodule import MultiViewDataModule
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
+from hfmca_lightning.methods.hfmca import HFMCAModule
+from hfmca_lightning.methods.inspection import collect_statistics, density_ratio_heatmaps, layer_basis_maps, spectra
+from hfmca_lightning.visualization import basis_functions_figure, heatmap_overlay_figure, layer_spectra_figure, save_figure
+
+__all__ = ["load_run", "analyze", "compare", "run_analysis_command"]
+
+
+def load_run(ckpt_path: str | Path, config_path: str | Path | None = None) -> tuple[HFMCAModule, MultiViewDataModule]:
+    """Rebuild the module (with the checkpoint's weights, in eval mode) and data module of a run."""
+    ckpt_path = Path(ckpt_path)
+    if not ckpt_path.is_file():
+        raise ConfigurationError(f"checkpoint not found: {ckpt_path}")
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    text = Path(config_path).read_text() if config_path else saved_config(checkpoint)
+    if text is None:
+        raise ConfigurationError(f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML")
+    config = {key: value for key, value in yaml.safe_load(text).items() if key in ("seed_everything", "trainer", "model", "data")}
+    config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False)
+    from hfmca_lightning.cli import HFMCACLI  # the CLI module dispatches to this one
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = HFMCACLI(args=["--config", str(path)], run=False)
+    module = cli.model
+    if not isinstance(module, HFMCAModule) or not isinstance(cli.datamodule, MultiViewDataModule):
+        raise ConfigurationError("hfmca analyze needs a run of HFMCAModule on a MultiViewDataModule")
+    module.on_load_checkpoint(checkpoint)
+    module.load_state_dict(checkpoint["state_dict"])
+    module.eval()
+    cli.datamodule.setup("fit")
+    return module, cli.datamodule
+
+
+def _training_batches(datamodule: MultiViewDataModule, count: int) -> Iterator[Tensor]:
+    for index, (batch, _) in enumerate(datamodule.train_dataloader()):
+        if index >= count:
+            return
+        yield batch
+
+
+def _write_index(out: Path, title: str, figures: list[tuple[str, str]], table: dict[str, list[float]]) -> Path:
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{values[0]:.3f}</td><td>{sum(values[:10]) / max(1, len(values[:10])):.3f}</td>"
+        f"<td>{sum(v > 0.5 for v in values)}</td><td>{len(values)}</td></tr>"
+        for name, values in table.items()
+    )
+    body = "".join(f"<figure><img src='{html.escape(file)}'><figcaption>{html.escape(caption)}</figcaption></figure>" for file, caption in figures)
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;margin:2em;max-width:1400px} img{max-width:100%;border:1px solid #ddd}"
+        "table{border-collapse:collapse} td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
+        "figure{margin:2em 0}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><table><tr><th>pair</th><th>top eigenvalue</th><th>mean of top 10</th>"
+        f"<th>eigenvalues &gt; 0.5</th><th>eigenvalues</th></tr>{rows}</table>{body}</body></html>"
+    )
+    path = out / "index.html"
+    path.write_text(page)
+    return path
+
+
+def analyze(
+    ckpt_path: str | Path, out: str | Path, config_path: str | Path | None = None, num_batches: int = 4, num_images: int = 8, layers: list[str] | None = None
+) -> Path:
+    """Spectra (PNG + JSON) over ``num_batches`` training batches, density-ratio heatmaps and basis functions
+    of ``num_images`` test images at ``layers`` (default: the three lowest internal layers), ``index.html``."""
+    module, datamodule = load_run(ckpt_path, config_path)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    statistics = collect_statistics(module, _training_batches(datamodule, num_batches))
+    eigenvalues = {name: values.tolist() for name, values in spectra(module, statistics).items()}
+    (out / "spectra.json").write_text(json.dumps(eigenvalues, indent=1))
+    save_figure(layer_spectra_figure(eigenvalues, title=f"Spectrum per layer pair ({Path(ckpt_path).name})"), out / "spectra.png")
+    figures = [("spectra.png", "Eigenvalues of every cost pair; red: mean of the 10 largest (spectra.json has the numbers).")]
+    if module.internal_costs is not None:
+        images, _ = datamodule.evaluation_images(num_images)
+        heatmaps = density_ratio_heatmaps(module, images, statistics)
+        chosen = layers or list(heatmaps)[:3]
+        unknown = set(chosen) - set(heatmaps)
+        if unknown:
+            raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
+        save_figure(heatmap_overlay_figure(datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}), out / "density_ratio.png")
+        figures.append(("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}."))
+        for name in chosen:
+            maps, values = layer_basis_maps(module, images[0], name, statistics)
+            file = f"basis_{name.replace('/', '_')}.png"
+            save_figure(basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"), out / file)
+            figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
+    return _write_index(out, f"HFMCA analysis of {ckpt_path}", figures, eigenvalues)
+
+
+@torch.no_grad()
+def _layer_outputs(module: HFMCAModule, images: Tensor) -> dict[str, Tensor]:
+    """Output map of every internal layer (by log name), plus the backbone output as ``backbone``."""
+    outputs: dict[str, Tensor] = {}
+    if module.internal_costs is not None:
+        with module.internal_costs.record(keep_maps=True):
+            features = module.backbone(images)
+        outputs.update({module.internal_costs.names[layer]: high for layer, (_, high) in module.internal_costs.maps().items()})
+    else:
+        features = module.backbone(images)
+    outputs["backbone"] = features[..., None, None] if features.dim() == 2 else features
+    return outputs
+
+
+def _positions(feature_map: Tensor) -> Tensor:
+    return feature_map.permute(0, 2, 3, 1).reshape(-1, feature_map.shape[1])
+
+
+def compare(
+    ckpt_a: str | Path, ckpt_b: str | Path, out: str | Path, num_batches: int = 4, reg: float = 1e-3
+) -> Path:
+    """Eigenvalues between the normalised features of two models at each common layer, on the same images
+    (the test split of model A's data): values near 1 = parallel eigenfunctions, near 0 = orthogonal."""
+    model_a, data_a = load_run(ckpt_a)
+    model_b, _ = load_run(ckpt_b)
+    statistics: dict[str, CorrelationStatistics] = {}
+    for index, (images, _) in enumerate(data_a.val_dataloader()[1]):
+        if index >= num_batches:
+            break
+        outputs_a, outputs_b = _layer_outputs(model_a, images), _layer_outputs(model_b, images)
+        for name in [n for n in outputs_a if n in outputs_b]:
+            if outputs_a[name].shape[-2:] != outputs_b[name].shape[-2:]:
+                continue
+            pair = group_statistics(_positions(outputs_a[name])[:, None], _positions(outputs_b[name]))
+            statistics[name] = statistics[name] + pair if name in statistics else pair
+    if not statistics:
+        raise ConfigurationError("the two models have no layer in common (same internal cost layer names and map sizes)")
+    eigenvalues = {name: decompose(stats, reg=reg).eigenvalues.tolist() for name, stats in statistics.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cross_spectra.json").write_text(json.dumps(eigenvalues, indent=1))
+    title = f"Spectrum across models: {Path(ckpt_a).parent.parent.name} vs {Path(ckpt_b).parent.parent.name}"
+    save_figure(layer_spectra_figure(eigenvalues, title=title), out / "cross_spectra.png")
+    caption = "Eigenvalues between the normalised features of the two models at each layer (1: same subspace, 0: orthogonal)."
+    return _write_index(out, title, [("cross_spectra.png", caption)], eigenvalues)
+
+
+def run_analysis_command(argv: list[str]) -> None:
+    """Parse and run ``analyze ...`` or ``compare ...``."""
+    parser = argparse.ArgumentParser(prog="hfmca", description="Analysis of trained HFMCA checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("analyze", help="spectra, density-ratio heatmaps and basis functions of one checkpoint")
+    one.add_argument("--ckpt_path", required=True)
+    one.add_argument("--out", required=True, help="output folder (index.html, PNG, JSON)")
+    one.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
+    one.add_argument("--num_batches", type=int, default=4, help="training batches for the statistics")
+    one.add_argument("--num_images", type=int, default=8, help="test images for heatmaps")
+    one.add_argument("--layers", nargs="*", default=None, help="internal layers to draw (log names such as L2 L4 L6)")
+    two = commands.add_parser("compare", help="cross-model eigenvalues per layer of two checkpoints")
+    two.add_argument("--ckpt_a", required=True)
+    two.add_argument("--ckpt_b", required=True)
+    two.add_argument("--out", required=True)
+    two.add_argument("--num_batches", type=int, default=4, help="test batches of model A's data")
+    args = parser.parse_args(argv)
+    if args.command == "analyze":
+        index = analyze(args.ckpt_path, args.out, args.config, args.num_batches, args.num_images, args.layers)
+    else:
+        index = compare(args.ckpt_a, args.ckpt_b, args.out, args.num_batches)
+    print(f"wrote {index}")

@@ -93,3 +93,9 @@ def test_checkpoint_from_another_architecture_is_a_clear_error(tmp_path, capsys)
         fit(tmp_path / "wide", "--ckpt_path", str(tmp_path / "small" / "checkpoints" / "last.ckpt"), **wider)
     err = capsys.readouterr().err
     assert "trained with a different architecture" in err and "shape mismatches" in err
+
+
+def test_bf16_mixed_precision_keeps_the_cost_in_float64(tmp_path):
+    fit(tmp_path, "--trainer.precision", "bf16-mixed", "--trainer.log_every_n_steps", "1")
+    costs = logged(tmp_path, "cost/external")
+    assert len(costs) == 4 and all(-1e3 < c < 0 for c in costs)

@@ -61,19 +61,14 @@ class KNNEvaluation(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._features[BANK] or not self._features[QUERIES]:
             return
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        bank, bank_targets = (self._gathered(pl_module, store[BANK], loaders[BANK]) for store in (self._features, self._targets))
+        queries, query_targets = (self._gathered(pl_module, store[QUERIES], loaders[QUERIES]) for store in (self._features, self._targets))
         num_classes = getattr(trainer.datamodule, "num_classes", None)
-        bank_targets = torch.cat(self._targets[BANK])
         if num_classes is None:
             num_classes = int(bank_targets.max()) + 1
-        predicted = knn_predict(
-            torch.cat(self._features[QUERIES]),
-            torch.cat(self._features[BANK]),
-            bank_targets,
-            num_classes,
-            k=self.k,
-            temperature=self.temperature,
-        )
-        accuracy = (predicted == torch.cat(self._targets[QUERIES])).float().mean().item()
+        predicted = knn_predict(queries, bank, bank_targets, num_classes, k=self.k, temperature=self.temperature)
+        accuracy = (predicted == query_targets).float().mean().item()
         if trainer.testing:
             pl_module.log("knn/test_top1", accuracy)
             return
@@ -82,6 +77,17 @@ class KNNEvaluation(Callback):
         pl_module.log("knn/top1_max", self.best)
 
     on_test_epoch_end = on_validation_epoch_end
+
+    @staticmethod
+    def _gathered(pl_module: LightningModule, pieces: list[torch.Tensor], loader: Any) -> torch.Tensor:
+        """This rank's rows, or under DDP all ranks' rows in dataset order without sampler padding."""
+        local = torch.cat(pieces)
+        world = pl_module.trainer.world_size
+        if world == 1:
+            return local
+        gathered = pl_module.all_gather(local)  # (W, n_per_rank, ...): row j of rank r is sample j * W + r
+        ordered = gathered.transpose(0, 1).reshape(-1, *local.shape[1:])
+        return ordered[: len(loader.dataset)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

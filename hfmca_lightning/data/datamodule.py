@@ -119,8 +119,12 @@ class MultiViewDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        """Per-process batches of ``batch_size`` groups; under DDP the global batch is ``world_size * batch_size``."""
         dataset = self.train_dataset()
-        return self._loader(dataset, self.batch_size, sampler=SeededRandomSampler(len(dataset), self.seed), drop_last=True)
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = SeededRandomSampler(len(dataset), self.seed, num_replicas=replicas, rank=rank)
+        return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True)
 
     def val_dataloader(self) -> list[DataLoader]:
         self.setup()

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.errors import ConfigurationError
@@ -23,28 +23,38 @@ __all__ = ["SeededRandomSampler", "MultiViewDataset", "SingleViewDataset", "Same
 SampleKey = tuple[int, int]
 
 
-class SeededRandomSampler(Sampler[SampleKey]):
-    """Shuffles ``num_samples`` indices per epoch from ``(seed, epoch)``, yielding ``(index, sample_seed)``.
+class SeededRandomSampler(DistributedSampler):
+    """Shuffles the data per epoch from ``(seed, epoch)`` and yields ``(index, sample_seed)`` keys.
 
-    Lightning calls :meth:`set_epoch` at the start of every epoch (as for ``DistributedSampler``).
+    One global order is drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th
+    key starting at ``r`` (the tail that does not divide evenly is dropped), so consecutive per-rank
+    batches of ``b`` together hold exactly the samples, with exactly the augmentation seeds, of one
+    single-process batch of ``num_replicas * b``. Lightning calls :meth:`set_epoch` every epoch and,
+    since this is a ``DistributedSampler``, leaves it in place under DDP.
     """
 
-    def __init__(self, num_samples: int, seed: int = 0) -> None:
-        self.num_samples = num_samples
+    def __init__(self, num_samples: int, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
+        if num_samples < num_replicas:
+            raise ValueError(f"cannot shard {num_samples} samples over {num_replicas} processes")
+        self.num_samples_total = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
         self.seed = seed
         self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.shuffle = True
+        self.drop_last = True
+        self.num_samples = num_samples // num_replicas
+        self.total_size = self.num_samples * num_replicas
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def __iter__(self) -> Iterator[SampleKey]:
+    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.num_samples, generator=generator).tolist()
-        seeds = torch.randint(0, 2**62, (self.num_samples,), generator=generator).tolist()
-        return iter(list(zip(order, seeds)))
+        order = torch.randperm(self.num_samples_total, generator=generator).tolist()
+        seeds = torch.randint(0, 2**62, (self.num_samples_total,), generator=generator).tolist()
+        keys = list(zip(order, seeds))[: self.total_size]
+        return iter(keys[self.rank :: self.num_replicas])
 
 
 @contextmanager

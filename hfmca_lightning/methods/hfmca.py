@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -84,6 +84,11 @@ class HFMCAModule(LightningModule):
         internal_costs: hooks on backbone blocks, see :class:`InternalCosts`.
         optimizer / lr_scheduler: callables from the CLI; default SGD(0.06, 0.9, wd 5e-4) and cosine
             annealing over ``max_epochs``.
+        views_through_backbone: ``concat`` (default; one ``(B*L, ...)`` batch: fastest, BN statistics over
+            all views) or ``per_view`` (L backbone calls of ``B`` images: BN statistics per view).
+        channels_last: run the backbone in channels-last memory format (faster convolutions on GPUs).
+        compile_backbone: wrap the backbone's forward in ``torch.compile`` (weights and checkpoints are
+            unchanged).
     """
 
     def __init__(
@@ -95,8 +100,13 @@ class HFMCAModule(LightningModule):
         internal_costs: InternalCosts | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
+        views_through_backbone: Literal["concat", "per_view"] = "concat",
+        channels_last: bool = False,
+        compile_backbone: bool = False,
     ) -> None:
         super().__init__()
+        if views_through_backbone not in ("concat", "per_view"):
+            raise ConfigurationError(f"views_through_backbone must be 'concat' or 'per_view'; got {views_through_backbone!r}")
         if external_head is None and internal_costs is None:
             raise ConfigurationError("HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train")
         if external_head is None and (projector is not None or external_cost is not None):
@@ -113,6 +123,18 @@ class HFMCAModule(LightningModule):
             internal_costs.attach(self.backbone)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
+        self.views_through_backbone = views_through_backbone
+        self.channels_last = channels_last
+        if channels_last:
+            self.backbone.to(memory_format=torch.channels_last)
+        # Not registered as a submodule, so state_dict keys stay those of the plain backbone.
+        object.__setattr__(self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone)
+
+    def embed(self, images: Tensor) -> Tensor:
+        """Backbone features ``(N, D)`` of ``(N, C, H, W)`` images (through the compiled forward if enabled)."""
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self._backbone_forward(images)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -129,14 +151,18 @@ class HFMCAModule(LightningModule):
 
     def forward(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of un-augmented images (what kNN evaluates)."""
-        return self.backbone(images)
+        return self.embed(images)
 
     def encode_views(self, views: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, L, C, H, W)`` -> view features ``(B, L, K)`` and group features ``(B, K)``."""
         if views.dim() != 5 or self.external_head is None:
             raise ValueError(f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}")
         batch, num_views = views.shape[:2]
-        view_features = self.projector(self.backbone(views.flatten(0, 1))).reshape(batch, num_views, -1)
+        if self.views_through_backbone == "concat":
+            features = self.embed(views.flatten(0, 1))
+        else:
+            features = torch.stack([self.embed(views[:, view]) for view in range(num_views)], dim=1).flatten(0, 1)
+        view_features = self.projector(features).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -146,7 +172,7 @@ class HFMCAModule(LightningModule):
             if self.external_head is not None:
                 view_features, group_features = self.encode_views(images)
             else:
-                self.backbone(images.flatten(0, 1) if images.dim() == 5 else images)
+                self.embed(images.flatten(0, 1) if images.dim() == 5 else images)
         total = torch.zeros((), dtype=torch.float64, device=images.device)
         if self.external_head is not None and self.external_cost is not None:
             costs["external"] = self.external_cost(view_features, group_features)

@@ -1,0 +1,70 @@
+"""Two CPU processes (gloo, ddp_spawn): a DDP fit equals one process with the doubled batch, and kNN under
+DDP equals the single-process kNN on the same bank (no sample counted twice)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from hfmca_lightning.callbacks import KNNEvaluation
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.losses import HFMCACost
+from hfmca_lightning.methods import HFMCAModule
+from hfmca_lightning.models import GridExternalHead
+
+PER_RANK_BATCH = 4
+
+
+def bn_free_module() -> HFMCAModule:
+    """BN-free, so per-rank and whole-batch normalisation cannot differ; the cost syncs its statistics."""
+    torch.manual_seed(0)
+    head = GridExternalHead(feature_dim=6, grid_height=2, grid_width=2, hidden_dim=8)
+    head.layers = nn.Sequential(*[nn.Identity() if isinstance(layer, nn.BatchNorm2d) else layer for layer in head.layers])
+    return HFMCAModule(
+        backbone=nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        projector=nn.Sequential(nn.Linear(4, 6), nn.Sigmoid()),
+        external_head=head,
+        external_cost=HFMCACost(reg=0.1, sync_dist=True, name="external"),
+        optimizer=partial(torch.optim.SGD, lr=0.5),
+        lr_scheduler=partial(torch.optim.lr_scheduler.ConstantLR, factor=1.0, total_iters=0),
+    )
+
+
+def data(batch_size: int) -> MultiViewDataModule:
+    source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
+    return MultiViewDataModule(source, num_views=4, batch_size=batch_size, eval_batch_size=4, num_workers=0)
+
+
+def trainer(devices: int, **kwargs) -> Trainer:
+    strategy = "ddp_spawn" if devices > 1 else "auto"
+    return Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+    )
+
+
+def test_ddp_fit_equals_one_process_with_the_doubled_batch():
+    single = bn_free_module()
+    trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(single, data(2 * PER_RANK_BATCH))
+    distributed = bn_free_module()
+    trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(distributed, data(PER_RANK_BATCH))
+    untrained = dict(bn_free_module().named_parameters())
+    for key, value in single.named_parameters():
+        assert not torch.equal(value, untrained[key]), f"{key} did not train"
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(distributed.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_knn_under_ddp_equals_single_process_on_the_same_bank():
+    module = bn_free_module()
+    datamodule = data(PER_RANK_BATCH)
+    datamodule.setup()
+    # 24 bank and 9 query images over 2 ranks with batches of 4: the sampler pads the queries.
+    single = trainer(1, callbacks=[KNNEvaluation(k=5)]).validate(module, datamodule, verbose=False)[0]["knn/top1"]
+    distributed = trainer(2, callbacks=[KNNEvaluation(k=5)]).validate(module, data(PER_RANK_BATCH), verbose=False)[0]["knn/top1"]
+    assert 0 < single < 1
+    assert distributed == pytest.approx(single, abs=1e-7)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -16,7 +16,8 @@ from hfmca_lightning.data.datasets import (
     SingleViewDataset,
 )
 from hfmca_lightning.data.sources import ImageSource, LabelledImages
-from hfmca_lightning.data.transforms import eval_transform, view_transform
+from hfmca_lightning.data.device_augment import DeviceViewAugmentation
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transform
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["MultiViewDataModule"]
@@ -46,6 +47,10 @@ class MultiViewDataModule(LightningDataModule):
         seed: seeds shuffling and augmentation.
         crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR default.
         horizontal_flip: random horizontal flips in the views.
+        augment_on_device: ``mode: views`` only. The loader yields resized uint8 images and the views
+            are drawn on the accelerator after the batch is transferred (:class:`DeviceViewAugmentation`,
+            same distributions, per-sample parameters); frees the CPU workers. Not bit-reproducible
+            across worker counts (it uses the device generator).
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class MultiViewDataModule(LightningDataModule):
         color_strength: float | None = None,
         gray_strength: float | None = None,
         horizontal_flip: bool = True,
+        augment_on_device: bool = False,
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
@@ -79,9 +85,14 @@ class MultiViewDataModule(LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
         self.seed = seed
+        if augment_on_device and mode != "views":
+            raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}")
+        self.augment_on_device = augment_on_device
         self.train_transform = view_transform(
             source.image_size, source.mean, source.std, crop_strength, color_strength, gray_strength, horizontal_flip
         )
+        spec = ViewAugmentation.from_strengths(source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip)
+        self.device_augmentation = DeviceViewAugmentation(spec, source.mean, source.std) if augment_on_device else None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std)
         self._train_split: LabelledImages | None = None
         self._test_split: LabelledImages | None = None
@@ -105,6 +116,8 @@ class MultiViewDataModule(LightningDataModule):
 
     def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset:
         self.setup()
+        if self.augment_on_device:
+            return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
         dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
         return dataset_class(self._train_split, self.train_transform, self.num_views)
 
@@ -125,6 +138,15 @@ class MultiViewDataModule(LightningDataModule):
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = SeededRandomSampler(len(dataset), self.seed, num_replicas=replicas, rank=rank)
         return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``augment_on_device``: turn a training batch of uint8 images into views, on the device."""
+        trainer = self.trainer
+        if self.device_augmentation is None or trainer is None or not trainer.training:
+            return batch
+        images, targets = batch
+        self.device_augmentation.to(images.device)
+        return self.device_augmentation(images, self.num_views), targets
 
     def val_dataloader(self) -> list[DataLoader]:
         self.setup()

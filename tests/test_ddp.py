@@ -41,10 +41,8 @@ def data(batch_size: int) -> MultiViewDataModule:
 
 def trainer(devices: int, **kwargs) -> Trainer:
     strategy = "ddp_spawn" if devices > 1 else "auto"
-    return Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )
+    settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**settings, **kwargs})
 
 
 def test_ddp_fit_equals_one_process_with_the_doubled_batch():
@@ -68,3 +66,16 @@ def test_knn_under_ddp_equals_single_process_on_the_same_bank():
     distributed = trainer(2, callbacks=[KNNEvaluation(k=5)]).validate(module, data(PER_RANK_BATCH), verbose=False)[0]["knn/top1"]
     assert 0 < single < 1
     assert distributed == pytest.approx(single, abs=1e-7)
+
+
+def test_a_ddp_checkpoint_resumes_on_another_device_count(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    two = trainer(2, max_epochs=1, limit_train_batches=2, limit_val_batches=0, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    two.fit(bn_free_module(), data(PER_RANK_BATCH))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2
+    resumed = bn_free_module()
+    one = trainer(1, max_epochs=2, limit_train_batches=2, limit_val_batches=0, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path / "one", save_last=True)])
+    one.fit(resumed, data(2 * PER_RANK_BATCH), ckpt_path=tmp_path / "last.ckpt")
+    assert one.global_step == 4 and one.current_epoch == 2

@@ -111,7 +111,9 @@ class HFMCAModule(LightningModule):
             raise ConfigurationError("HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train")
         if external_head is None and (projector is not None or external_cost is not None):
             raise ConfigurationError("projector / external_cost are given but there is no external_head to use them")
-        self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost", "internal_costs"])
+        # Modules and optimiser callables are not hyper-parameters (and would make checkpoints unloadable
+        # with weights_only=True); the hfmca CLI stores the whole config in every checkpoint instead.
+        self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost", "internal_costs", "optimizer", "lr_scheduler"])
         self.backbone = backbone
         self.projector = projector if projector is not None else nn.Identity()
         self.external_head = external_head

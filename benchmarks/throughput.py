@@ -1,0 +1,125 @@
+"""Throughput of the data path, the training step and the kNN pass, as ratios measured in one run.
+
+    python benchmarks/throughput.py                          # ResNet-18, CIFAR-sized views, auto device
+    python benchmarks/throughput.py --device cuda --batch-size 64 --precision bf16
+    python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
+
+Prints views/s for: the data path (CPU workers running the torchvision pipeline vs uint8 loading plus
+kornia augmentation on the device), the training step (backbone forward/backward alone vs HFMCA external
+cost vs external + internal costs on every block) and the kNN evaluation pass; ratios are to the first
+row of each section. Uses the embedded SyntheticShapes data (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.evaluation import knn_predict
+from hfmca_lightning.losses import HFMCACost
+from hfmca_lightning.methods import HFMCAModule, InternalCosts
+from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
+
+
+def timed(step: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds per call of ``step`` (one warm-up call, then the mean of ``repeats``)."""
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def build(backbone_name: str, views: int, internal: bool) -> HFMCAModule:
+    backbone = CIFARResNet18() if backbone_name == "resnet18" else SmallConvNet()
+    grid = {4: (2, 2), 9: (3, 3), 16: (4, 4)}[views]
+    layers = [f"net.layer{s}.{b}" for s in range(1, 5) for b in range(2)] if backbone_name == "resnet18" else ["features.0", "features.4"]
+    return HFMCAModule(
+        backbone,
+        projector=ViewProjector(backbone.feature_dim, 128, 512),
+        external_head=GridExternalHead(128, *grid, hidden_dim=200),
+        external_cost=HFMCACost(reg=0.1),
+        internal_costs=InternalCosts(layers) if internal else None,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backbone", choices=["resnet18", "small"], default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per step (each with --views views)")
+    parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=4, help="CPU data-loader workers")
+    parser.add_argument("--precision", choices=["32", "bf16"], default="32")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    print(f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision {args.precision}")
+
+    # Data path: CPU workers (torchvision, per view) vs uint8 loading + on-device kornia views.
+    source = SyntheticShapes(num_classes=10, train_per_class=max(20, args.batch_size * (args.steps + 2) // 10))
+    rows = []
+    for on_device in (False, True):
+        data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, augment_on_device=on_device)
+        data.setup()
+        loader = iter(data.train_dataloader())
+
+        def next_views() -> torch.Tensor:
+            images, _ = next(loader)
+            images = images.to(device, non_blocking=True)
+            return data.device_augmentation(images.to(device), args.views) if on_device else images
+
+        seconds = timed(next_views, args.steps, device)
+        rows.append(("data: uint8 + kornia on device" if on_device else f"data: torchvision on {args.workers} CPU workers", seconds))
+    report(rows, args.batch_size * args.views)
+
+    # Training step, forward + backward on the same views.
+    views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
+    rows = []
+    for label, internal, cost in (("step: backbone fwd/bwd alone", False, False), ("step: HFMCA external", False, True), ("step: HFMCA external + internal", True, True)):
+        module = build(args.backbone, args.views, internal).to(device).train()
+
+        def step() -> None:
+            module.zero_grad(set_to_none=True)
+            with autocast:
+                if not cost:
+                    loss = module.backbone(views.flatten(0, 1)).float().square().mean()
+                else:
+                    with module.internal_costs.record() if internal else nullcontext():
+                        view_features, group_features = module.encode_views(views)
+                    loss = module.external_cost(view_features, group_features)
+                    if internal:
+                        loss = loss + torch.stack(list(module.internal_costs.compute().values())).sum()
+            loss.backward()
+
+        rows.append((label, timed(step, args.steps, device)))
+    report(rows, args.batch_size * args.views)
+
+    # kNN pass: 10,000 queries against a 50,000 x 512 bank (CIFAR test vs train), chunked.
+    bank = torch.randn(50_000, 512, device=device)
+    targets = torch.randint(0, 10, (50_000,), device=device)
+    queries = torch.randn(10_000, 512, device=device)
+    seconds = timed(lambda: knn_predict(queries, bank, targets, 10, k=200, temperature=0.1), max(1, args.steps // 5), device)
+    report([("kNN: 10k queries vs 50k bank (k=200)", seconds)], 10_000, unit="queries/s")
+
+
+def report(rows: list[tuple[str, float]], items: int, unit: str = "views/s") -> None:
+    base = rows[0][1]
+    for label, seconds in rows:
+        print(f"  {label:45s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,24 +14,10 @@ from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.methods.internal_costs import InternalCosts
+from hfmca_lightning.methods.optim import configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
-__all__ = ["HFMCAModule", "check_checkpoint_architecture", "paper_optimizers"]
-
-
-def paper_optimizers(module: LightningModule, parameters: Any) -> dict[str, Any]:
-    """The paper's Table 1 optimisation: SGD lr 0.06, momentum 0.9, weight decay 5e-4, cosine over the run."""
-    optimizer = torch.optim.SGD(parameters, lr=0.06, momentum=0.9, weight_decay=5e-4)
-    return {"optimizer": optimizer, "lr_scheduler": cosine_schedule(module, optimizer)}
-
-
-def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Cosine annealing to 0 over ``max_epochs`` (per epoch), or over all steps when epochs are unbounded."""
-    max_epochs = module.trainer.max_epochs
-    if max_epochs is not None and max_epochs > 0:
-        return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs), "interval": "epoch"}
-    steps = max(1, int(module.trainer.estimated_stepping_batches))
-    return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps), "interval": "step"}
+__all__ = ["HFMCAModule", "check_checkpoint_architecture"]
 
 
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
@@ -216,12 +202,7 @@ class HFMCAModule(LightningModule):
     test_step = validation_step
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_factory is None:
-            return paper_optimizers(self, self.parameters())
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return {"optimizer": optimizer, "lr_scheduler": cosine_schedule(self, optimizer)}
-        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_architecture(self, checkpoint)

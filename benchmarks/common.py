@@ -1,0 +1,114 @@
+"""Shared pieces of the benchmark scripts: build a method, build its data, train it and measure."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from hfmca_lightning.callbacks import KNNEvaluation
+from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.losses import HFMCACost
+from hfmca_lightning.methods import HFMCAModule
+from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg
+from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
+
+BASELINES = {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "fastsiam": FastSiam}
+DISPLAY = {"hfmca": "HFMCA-SS(*)", "simclr": "SimCLR", "moco": "MoCo v2", "byol": "BYOL", "simsiam": "SimSiam", "barlowtwins": "Barlow Twins", "vicreg": "VICReg", "fastsiam": "FastSiam"}
+GRIDS = {4: (2, 2), 9: (3, 3), 16: (4, 4)}
+
+
+def views_of(method: str, hfmca_views: int) -> int:
+    return hfmca_views if method == "hfmca" else 4 if method == "fastsiam" else 2
+
+
+def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None) -> LightningModule:
+    """The method with the Table 1 optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine). ``head_dim``
+    shrinks every head (hidden and output width) for quick CPU runs."""
+    net = CIFARResNet18() if backbone == "resnet18" else SmallConvNet(width=16, num_stages=3)
+    if method == "hfmca":
+        k = head_dim or 128
+        return HFMCAModule(net, ViewProjector(net.feature_dim, k, head_dim or 512), GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200), HFMCACost(reg=0.1, sync_dist=True))
+    dims: dict[str, Any] = {"hidden_dim": head_dim, "output_dim": head_dim} if head_dim else {}
+    if head_dim and method in ("simsiam", "fastsiam"):
+        dims["prediction_dim"] = max(8, head_dim // 2)
+    if head_dim and method == "moco":
+        dims["memory_bank_size"] = 256
+    return BASELINES[method](net, **dims)
+
+
+def build_data(dataset: str, root: str, views: int, batch_size: int, workers: int, per_class: int, **strengths: float | None) -> MultiViewDataModule:
+    if dataset == "synthetic":
+        source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(10, per_class // 4))
+    else:
+        source = CIFAR(name=dataset, root=root, download=True)
+    return MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **strengths)
+
+
+@dataclass
+class Measurement:
+    knn_by_epoch: list[float] = field(default_factory=list)
+    external_cost_by_epoch: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    views_seen: int = 0
+    peak_memory: str = ""
+
+    def knn_at(self, epoch: int) -> float:
+        """Best kNN top-1 up to ``epoch`` (1-based), as the paper's Table 1 reports."""
+        return max(self.knn_by_epoch[:epoch]) if len(self.knn_by_epoch) >= epoch else float("nan")
+
+
+class _Recorder(Callback):
+    def __init__(self, measurement: Measurement) -> None:
+        self.m = measurement
+        self._start = 0.0
+        self._costs: list[float] = []
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._costs = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        views = batch[0]
+        self.m.views_seen += views.shape[0] * views.shape[1]
+        if "cost/external" in trainer.callback_metrics:
+            self._costs.append(float(trainer.callback_metrics["cost/external"]))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.m.train_seconds += time.perf_counter() - self._start
+        if self._costs:
+            self.m.external_cost_by_epoch.append(sum(self._costs) / len(self._costs))
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and "knn/top1" in trainer.callback_metrics:
+            self.m.knn_by_epoch.append(float(trainer.callback_metrics["knn/top1"]))
+
+
+def train_and_measure(module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200) -> Measurement:
+    measurement = Measurement()
+    trainer = Trainer(
+        max_epochs=epochs, accelerator="auto", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
+        callbacks=[KNNEvaluation(k=k), _Recorder(measurement)],
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    measurement.wall_seconds = time.perf_counter() - start
+    if torch.cuda.is_available():
+        measurement.peak_memory = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (GPU)"
+    else:
+        measurement.peak_memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process RSS)"
+    return measurement
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

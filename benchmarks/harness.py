@@ -1,0 +1,65 @@
+"""Paper Table 1 as a harness: train methods for an epoch budget, write kNN top-1 / time / memory / speed.
+
+    python benchmarks/harness.py --data cifar10 --epochs 20 200 800 --out results/table1_cifar10.md   # GPU
+    python benchmarks/harness.py --data synthetic --backbone small --epochs 1 2 --head-dim 64 \\
+        --batch-size 32 --limit-train-batches 4 --methods hfmca simclr fastsiam                      # CPU, ~1 min
+
+kNN top-1 at epoch e is the best value up to e (the paper reports the max over 20 / 200 / 800 epochs).
+Every method uses the same backbone, data module, optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine over
+the largest budget) and kNN protocol (k = 200, t = 0.1, 512-d backbone output for ResNet-18).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DISPLAY, build_data, build_method, markdown_table, train_and_measure, views_of  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(DISPLAY), choices=list(DISPLAY))
+    parser.add_argument("--data", default="cifar10", choices=["cifar10", "cifar100", "synthetic"])
+    parser.add_argument("--root", default="data")
+    parser.add_argument("--epochs", nargs="+", type=int, default=[20, 200, 800])
+    parser.add_argument("--backbone", default="resnet18", choices=["resnet18", "small"])
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hfmca-views", type=int, default=9, choices=[4, 9, 16])
+    parser.add_argument("--head-dim", type=int, default=None, help="shrink every head (quick CPU runs)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--per-class", type=int, default=100, help="synthetic data: training images per class")
+    parser.add_argument("--limit-train-batches", type=float, default=1.0)
+    parser.add_argument("--knn-k", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+    budget = max(args.epochs)
+    limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
+    rows = []
+    for method in args.methods:
+        torch.manual_seed(args.seed)
+        views = views_of(method, args.hfmca_views)
+        module = build_method(method, args.backbone, args.hfmca_views, args.head_dim)
+        data = build_data(args.data, args.root, views, args.batch_size, args.workers, args.per_class)
+        measured = train_and_measure(module, data, budget, limit, args.knn_k)
+        accuracy = [f"{100 * measured.knn_at(e):.1f}" for e in args.epochs]
+        speed = measured.views_seen / max(measured.train_seconds, 1e-9)
+        rows.append([DISPLAY[method], str(views), *accuracy, f"{measured.wall_seconds / 60:.1f} min", measured.peak_memory, f"{speed:,.0f}"])
+        print(f"{DISPLAY[method]}: kNN top-1 by epoch {[round(100 * a, 1) for a in measured.knn_by_epoch]}", flush=True)
+    header = ["Method", "Views", *(f"kNN top-1 @ epoch {e}" for e in args.epochs), "Wall time", "Peak memory", "Views/s"]
+    hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    table = f"{args.data}, backbone {args.backbone}, batch {args.batch_size}, {hardware}\n\n" + markdown_table(header, rows)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Shared plumbing of the baseline methods: one backbone, kNN features, the project's optimiser defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor, nn
+
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods.optim import configure_optimizers
+
+__all__ = ["SSLBaseline"]
+
+
+class SSLBaseline(LightningModule):
+    """Base of the baselines: consumes ``MultiViewDataModule`` batches ``(views (B, L, C, H, W), target)``
+    unchanged, logs ``train/loss``, returns backbone features for :class:`KNNEvaluation`.
+
+    Subclasses implement :meth:`views_loss` on the list of ``L`` view batches and set ``min_views``.
+    """
+
+    min_views = 2
+
+    def __init__(self, backbone: nn.Module, optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["backbone", "optimizer", "lr_scheduler"])
+        self.backbone = backbone
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+
+    @property
+    def feature_dim(self) -> int:
+        dim = getattr(self.backbone, "feature_dim", None)
+        if dim is None:
+            raise ConfigurationError(f"{type(self.backbone).__name__} has no feature_dim attribute; baselines need it to size their heads")
+        return int(dim)
+
+    def setup(self, stage: str) -> None:
+        num_views = getattr(getattr(self.trainer, "datamodule", None), "num_views", None)
+        if num_views is not None and num_views < self.min_views:
+            raise ConfigurationError(f"{type(self).__name__} needs at least {self.min_views} views per image; data.num_views is {num_views}")
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.backbone(images)
+
+    def views_loss(self, views: list[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        views, _ = batch
+        if views.dim() != 5:
+            raise ValueError(f"{type(self).__name__} expects views of shape (B, L, C, H, W); got {tuple(views.shape)}")
+        loss = self.views_loss(list(views.unbind(dim=1)))
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        images, targets = batch
+        return {"features": self(images), "targets": targets}
+
+    test_step = validation_step
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

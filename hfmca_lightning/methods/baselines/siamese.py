@@ -1,0 +1,90 @@
+"""Non-contrastive siamese baselines on lightly's losses and heads: BYOL, SimSiam, FastSiam."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from lightly.loss import NegativeCosineSimilarity
+from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead
+from lightly.models.utils import deactivate_requires_grad, update_momentum
+from lightly.utils.scheduler import cosine_schedule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor, nn
+
+from hfmca_lightning.methods.baselines.base import SSLBaseline
+
+__all__ = ["BYOL", "SimSiam", "FastSiam"]
+
+
+class BYOL(SSLBaseline):
+    """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        hidden_dim: int = 1024,
+        output_dim: int = 256,
+        momentum: float = 0.99,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__(backbone, optimizer, lr_scheduler)
+        self.projection_head = BYOLProjectionHead(self.feature_dim, hidden_dim, output_dim)
+        self.prediction_head = BYOLPredictionHead(output_dim, hidden_dim, output_dim)
+        self.momentum_backbone = copy.deepcopy(self.backbone)
+        self.momentum_projection_head = copy.deepcopy(self.projection_head)
+        deactivate_requires_grad(self.momentum_backbone)
+        deactivate_requires_grad(self.momentum_projection_head)
+        self.momentum = momentum
+        self.criterion = NegativeCosineSimilarity()
+
+    def views_loss(self, views: list[Tensor]) -> Tensor:
+        momentum = cosine_schedule(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0)
+        update_momentum(self.backbone, self.momentum_backbone, m=momentum)
+        update_momentum(self.projection_head, self.momentum_projection_head, m=momentum)
+        online = [self.prediction_head(self.projection_head(self.backbone(v))) for v in views[:2]]
+        with torch.no_grad():
+            target = [self.momentum_projection_head(self.momentum_backbone(v)) for v in views[:2]]
+        return 0.5 * (self.criterion(online[0], target[1]) + self.criterion(online[1], target[0]))
+
+
+class SimSiam(SSLBaseline):
+    """SimSiam (Chen & He 2021): predictor against the stop-gradient projection of the other view."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        hidden_dim: int = 512,
+        output_dim: int = 128,
+        prediction_dim: int = 64,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__(backbone, optimizer, lr_scheduler)
+        self.projection_head = SimSiamProjectionHead(self.feature_dim, hidden_dim, output_dim)
+        self.prediction_head = SimSiamPredictionHead(output_dim, prediction_dim, output_dim)
+        self.criterion = NegativeCosineSimilarity()
+
+    def project(self, views: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Projections ``z`` and predictions ``p`` of each view."""
+        projections = [self.projection_head(self.backbone(v)) for v in views]
+        return projections, [self.prediction_head(z) for z in projections]
+
+    def views_loss(self, views: list[Tensor]) -> Tensor:
+        (z0, z1), (p0, p1) = self.project(views[:2])
+        return 0.5 * (self.criterion(p0, z1.detach()) + self.criterion(p1, z0.detach()))
+
+
+class FastSiam(SimSiam):
+    """FastSiam (Pototzky et al. 2022): SimSiam with L views; each view's prediction targets the mean of the
+    other views' stop-gradient projections. Uses all ``L`` views of the batch (the paper: 4)."""
+
+    min_views = 3
+
+    def views_loss(self, views: list[Tensor]) -> Tensor:
+        projections, predictions = self.project(views)
+        stacked = torch.stack(projections).detach()  # (L, B, D)
+        total = stacked.sum(dim=0)
+        losses = [self.criterion(p, (total - stacked[i]) / (len(views) - 1)) for i, p in enumerate(predictions)]
+        return torch.stack(losses).mean()

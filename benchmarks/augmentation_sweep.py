@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_data, build_method, markdown_table, train_and_measure  # noqa: E402
+from common import add_training_arguments, build_data, build_method, markdown_table, train_and_measure, train_batch_limit, write_table  # noqa: E402
 
 KNOBS = {"crop": "crop_strength", "color": "color_strength", "gray": "gray_strength"}
 
@@ -25,20 +25,10 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     parser.add_argument("--strengths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    parser.add_argument("--data", default="cifar10", choices=["cifar10", "cifar100", "synthetic"])
-    parser.add_argument("--root", default="data")
     parser.add_argument("--epochs", type=int, default=200)
-    parser.add_argument("--backbone", default="resnet18", choices=["resnet18", "small"])
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--hfmca-views", type=int, default=9, choices=[4, 9, 16])
-    parser.add_argument("--head-dim", type=int, default=None)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--per-class", type=int, default=100)
-    parser.add_argument("--limit-train-batches", type=float, default=1.0)
-    parser.add_argument("--knn-k", type=int, default=200)
-    parser.add_argument("--out", default=None)
+    add_training_arguments(parser, "Trains HFMCA-SS(*) once per (knob, strength).")
     args = parser.parse_args(argv)
-    limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
+    limit = train_batch_limit(args.limit_train_batches)
     sections = []
     for knob in args.knobs:
         rows = []
@@ -51,10 +41,7 @@ def main(argv: list[str] | None = None) -> str:
             print(f"{knob} {strength:g}: kNN {rows[-1][1]} %, external cost {rows[-1][2]}", flush=True)
         sections.append(f"### {knob} strength\n\n" + markdown_table(["Strength", "A (%)", "EC"], rows))
     table = f"Augmentation sweep on {args.data}, {args.epochs} epochs, backbone {args.backbone}\n\n" + "\n\n".join(sections)
-    print(table)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
+    write_table(table, args.out)
     return table
 
 

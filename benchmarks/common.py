@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import resource
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,3 +114,30 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, epochs_help: str) -> None:
+    """Arguments both benchmark scripts take: data, model size, loader and kNN settings."""
+    parser.add_argument("--data", default="cifar10", choices=["cifar10", "cifar100", "synthetic"])
+    parser.add_argument("--root", default="data", help="CIFAR folder (downloaded when missing)")
+    parser.add_argument("--backbone", default="resnet18", choices=["resnet18", "small"])
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hfmca-views", type=int, default=9, choices=[4, 9, 16])
+    parser.add_argument("--head-dim", type=int, default=None, help="shrink every head (quick CPU runs)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--per-class", type=int, default=100, help="synthetic data: training images per class")
+    parser.add_argument("--limit-train-batches", type=float, default=1.0, help="fraction (<= 1) or number of batches per epoch")
+    parser.add_argument("--knn-k", type=int, default=200)
+    parser.add_argument("--out", default=None, help="also write the Markdown table here")
+    parser.epilog = epochs_help
+
+
+def train_batch_limit(value: float) -> int | float:
+    return int(value) if value > 1 else value
+
+
+def write_table(table: str, out: str | None) -> None:
+    print(table)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(table + "\n")

@@ -18,28 +18,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DISPLAY, build_data, build_method, markdown_table, train_and_measure, views_of  # noqa: E402
+from common import (  # noqa: E402
+    DISPLAY,
+    add_training_arguments,
+    build_data,
+    build_method,
+    markdown_table,
+    train_and_measure,
+    train_batch_limit,
+    views_of,
+    write_table,
+)
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(DISPLAY), choices=list(DISPLAY))
-    parser.add_argument("--data", default="cifar10", choices=["cifar10", "cifar100", "synthetic"])
-    parser.add_argument("--root", default="data")
-    parser.add_argument("--epochs", nargs="+", type=int, default=[20, 200, 800])
-    parser.add_argument("--backbone", default="resnet18", choices=["resnet18", "small"])
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--hfmca-views", type=int, default=9, choices=[4, 9, 16])
-    parser.add_argument("--head-dim", type=int, default=None, help="shrink every head (quick CPU runs)")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--per-class", type=int, default=100, help="synthetic data: training images per class")
-    parser.add_argument("--limit-train-batches", type=float, default=1.0)
-    parser.add_argument("--knn-k", type=int, default=200)
+    parser.add_argument("--epochs", nargs="+", type=int, default=[20, 200, 800], help="report kNN at these epochs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="also write the Markdown table here")
+    add_training_arguments(parser, "Trains each method for max(--epochs) epochs.")
     args = parser.parse_args(argv)
     budget = max(args.epochs)
-    limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
+    limit = train_batch_limit(args.limit_train_batches)
     rows = []
     for method in args.methods:
         torch.manual_seed(args.seed)
@@ -54,10 +54,7 @@ def main(argv: list[str] | None = None) -> str:
     header = ["Method", "Views", *(f"kNN top-1 @ epoch {e}" for e in args.epochs), "Wall time", "Peak memory", "Views/s"]
     hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     table = f"{args.data}, backbone {args.backbone}, batch {args.batch_size}, {hardware}\n\n" + markdown_table(header, rows)
-    print(table)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
+    write_table(table, args.out)
     return table
 
 

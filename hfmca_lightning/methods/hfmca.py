@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
+from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
@@ -46,7 +47,7 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
         )
 
 
-class HFMCAModule(LightningModule):
+class HFMCAModule(KNNFeatureSteps, LightningModule):
     """HFMCA: backbone (+ internal costs) -> per-view projector -> external head LF (+ external cost).
 
     The three scenarios of paper §5 are configurations of this one module:
@@ -193,13 +194,6 @@ class HFMCAModule(LightningModule):
         eigenvalues = decompose(cost.last_statistics, reg=cost.reg).eigenvalues
         self.log(f"spectrum/{name}/top1", eigenvalues[0].item())
         self.log(f"spectrum/{name}/top10_mean", eigenvalues[:10].mean().item())
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        """Backbone features of an evaluation batch, for :class:`~hfmca_lightning.callbacks.KNNEvaluation`."""
-        images, targets = batch
-        return {"features": self(images), "targets": targets}
-
-    test_step = validation_step
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

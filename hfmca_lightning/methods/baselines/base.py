@@ -9,12 +9,13 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import configure_optimizers
 
-__all__ = ["SSLBaseline"]
+__all__ = ["SSLBaseline", "ProjectedPairBaseline"]
 
 
-class SSLBaseline(LightningModule):
+class SSLBaseline(KNNFeatureSteps, LightningModule):
     """Base of the baselines: consumes ``MultiViewDataModule`` batches ``(views (B, L, C, H, W), target)``
     unchanged, logs ``train/loss``, returns backbone features for :class:`KNNEvaluation`.
 
@@ -56,11 +57,16 @@ class SSLBaseline(LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        images, targets = batch
-        return {"features": self(images), "targets": targets}
-
-    test_step = validation_step
-
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+
+
+class ProjectedPairBaseline(SSLBaseline):
+    """A baseline whose loss is ``criterion(head(backbone(view 0)), head(backbone(view 1)))``; subclasses
+    set ``projection_head`` and ``criterion``."""
+
+    projection_head: nn.Module
+    criterion: nn.Module
+
+    def views_loss(self, views: list[Tensor]) -> Tensor:
+        return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))

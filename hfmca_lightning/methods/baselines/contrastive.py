@@ -11,12 +11,12 @@ from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from hfmca_lightning.methods.baselines.base import SSLBaseline
+from hfmca_lightning.methods.baselines.base import ProjectedPairBaseline, SSLBaseline
 
 __all__ = ["SimCLR", "MoCo"]
 
 
-class SimCLR(SSLBaseline):
+class SimCLR(ProjectedPairBaseline):
     """SimCLR (Chen et al. 2020): NT-Xent between the projections of the first two views."""
 
     def __init__(
@@ -31,9 +31,6 @@ class SimCLR(SSLBaseline):
         super().__init__(backbone, optimizer, lr_scheduler)
         self.projection_head = SimCLRProjectionHead(self.feature_dim, hidden_dim, output_dim)
         self.criterion = NTXentLoss(temperature=temperature, gather_distributed=True)
-
-    def views_loss(self, views: list[Tensor]) -> Tensor:
-        return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))
 
 
 class MoCo(SSLBaseline):

@@ -5,14 +5,14 @@ from __future__ import annotations
 from lightly.loss import BarlowTwinsLoss, VICRegLoss
 from lightly.models.modules import BarlowTwinsProjectionHead
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch import Tensor, nn
+from torch import nn
 
-from hfmca_lightning.methods.baselines.base import SSLBaseline
+from hfmca_lightning.methods.baselines.base import ProjectedPairBaseline
 
 __all__ = ["BarlowTwins", "VICReg"]
 
 
-class BarlowTwins(SSLBaseline):
+class BarlowTwins(ProjectedPairBaseline):
     """Barlow Twins (Zbontar et al. 2021): cross-correlation of two views' projections pushed to identity."""
 
     def __init__(
@@ -27,11 +27,8 @@ class BarlowTwins(SSLBaseline):
         self.projection_head = BarlowTwinsProjectionHead(self.feature_dim, hidden_dim, output_dim)
         self.criterion = BarlowTwinsLoss(gather_distributed=True)
 
-    def views_loss(self, views: list[Tensor]) -> Tensor:
-        return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))
 
-
-class VICReg(SSLBaseline):
+class VICReg(ProjectedPairBaseline):
     """VICReg (Bardes et al. 2022): invariance, variance and covariance terms on two views' projections."""
 
     def __init__(
@@ -46,6 +43,3 @@ class VICReg(SSLBaseline):
         # lightly ships no separate VICReg head; its VICReg example uses this same 3-layer BN MLP.
         self.projection_head = BarlowTwinsProjectionHead(self.feature_dim, hidden_dim, output_dim)
         self.criterion = VICRegLoss(gather_distributed=True)
-
-    def views_loss(self, views: list[Tensor]) -> Tensor:
-        return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))

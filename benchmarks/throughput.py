@@ -6,7 +6,8 @@
 
 Prints views/s for: the data path (CPU workers running the torchvision pipeline vs uint8 loading plus
 kornia augmentation on the device), the training step (backbone forward/backward alone vs HFMCA external
-cost vs external + internal costs on every block) and the kNN evaluation pass; ratios are to the first
+cost with the views as one batch or one backbone call per view vs external + internal costs on every
+block) and the kNN evaluation pass; ratios are to the first
 row of each section. Uses the embedded SyntheticShapes data (no download).
 """
 
@@ -40,7 +41,7 @@ def timed(step: Callable[[], object], repeats: int, device: torch.device) -> flo
     return (time.perf_counter() - start) / repeats
 
 
-def build(backbone_name: str, views: int, internal: bool) -> HFMCAModule:
+def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat") -> HFMCAModule:
     backbone = CIFARResNet18() if backbone_name == "resnet18" else SmallConvNet()
     grid = {4: (2, 2), 9: (3, 3), 16: (4, 4)}[views]
     layers = [f"net.layer{s}.{b}" for s in range(1, 5) for b in range(2)] if backbone_name == "resnet18" else ["features.0", "features.4"]
@@ -50,6 +51,7 @@ def build(backbone_name: str, views: int, internal: bool) -> HFMCAModule:
         external_head=GridExternalHead(128, *grid, hidden_dim=200),
         external_cost=HFMCACost(reg=0.1),
         internal_costs=InternalCosts(layers) if internal else None,
+        views_through_backbone=view_mode,
     )
 
 
@@ -88,8 +90,14 @@ def main() -> None:
     # Training step, forward + backward on the same views.
     views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
     rows = []
-    for label, internal, cost in (("step: backbone fwd/bwd alone", False, False), ("step: HFMCA external", False, True), ("step: HFMCA external + internal", True, True)):
-        module = build(args.backbone, args.views, internal).to(device).train()
+    variants = (
+        ("step: backbone fwd/bwd alone", False, False, "concat"),
+        ("step: HFMCA external", False, True, "concat"),
+        ("step: HFMCA external, per-view backbone calls", False, True, "per_view"),
+        ("step: HFMCA external + internal", True, True, "concat"),
+    )
+    for label, internal, cost, view_mode in variants:
+        module = build(args.backbone, args.views, internal, view_mode).to(device).train()
 
         def step() -> None:
             module.zero_grad(set_to_none=True)

@@ -74,6 +74,8 @@ def main(args: list[str] | None = None) -> None:
     :mod:`hfmca_lightning.analyze`.
     """
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] in (["-h"], ["--help"]):
+        print("hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n")
     try:
         if argv and argv[0] in ("analyze", "compare"):
             from hfmca_lightning.analyze import run_analysis_command

@@ -68,6 +68,7 @@ class OfflineSafeWandbLogger(WandbLogger):
             rank_zero_warn(f"W&B: could not start an online run ({error}); continuing offline.")
             self._offline = True
             self._experiment = None
+            self._wandb_init["mode"] = "offline"
             return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
 
 

@@ -59,3 +59,17 @@ def test_wandb_offline_run_holds_the_figures_and_eigenvalue_series(no_wandb_acco
     history = next(run.glob("*.wandb")).read_bytes()
     for key in (b"eigenvalues/external/01", b"eigenvalues/internal/L9/01", b"spectrum/internal/L3/num_above_0.5", b"cost/internal/L1"):
         assert key in history, key
+
+
+def test_a_key_without_network_falls_back_to_offline_instead_of_failing(no_wandb_account, tmp_path, monkeypatch):
+    # An API key, but the W&B server is unreachable (a closed port on this machine).
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    logger = OfflineSafeWandbLogger(save_dir=str(tmp_path), project="p", init_timeout=3)
+    assert not logger._offline
+    with pytest.warns(UserWarning, match="(?s)could not start an online run.*continuing offline"):
+        run = logger.experiment
+    logger.log_metrics({"cost/external": -1.0}, step=0)
+    assert logger._offline and run is not None
+    wandb.finish()
+    assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))

@@ -19,6 +19,7 @@ def no_wandb_account(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "home").mkdir()
+    wandb.teardown()  # forget settings cached by earlier runs in this process
     yield
     wandb.finish()
 

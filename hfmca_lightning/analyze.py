@@ -28,7 +28,8 @@ from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
-from hfmca_lightning.methods.inspection import collect_statistics, density_ratio_heatmaps, layer_basis_maps, spectra
+from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
+from hfmca_lightning.methods.inspection import collect_statistics, layer_pairs, spectra
 from hfmca_lightning.visualization import basis_functions_figure, heatmap_overlay_figure, layer_spectra_figure, save_figure
 
 __all__ = ["load_run", "analyze", "compare", "run_analysis_command"]
@@ -103,7 +104,8 @@ def analyze(
     figures = [("spectra.png", "Eigenvalues of every cost pair; red: mean of the 10 largest (spectra.json has the numbers).")]
     if module.internal_costs is not None:
         images, _ = datamodule.evaluation_images(num_images)
-        heatmaps = density_ratio_heatmaps(module, images, statistics)
+        pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics)}
+        heatmaps = telescoping_response(list(pairs.values()))
         chosen = layers or list(heatmaps)[:3]
         unknown = set(chosen) - set(heatmaps)
         if unknown:
@@ -111,7 +113,7 @@ def analyze(
         save_figure(heatmap_overlay_figure(datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}), out / "density_ratio.png")
         figures.append(("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}."))
         for name in chosen:
-            maps, values = layer_basis_maps(module, images[0], name, statistics)
+            maps, values = basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0]), pairs[name].decomposition.eigenvalues
             file = f"basis_{name.replace('/', '_')}.png"
             save_figure(basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"), out / file)
             figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))

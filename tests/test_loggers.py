@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hfmca_lightning.loggers import OfflineSafeWandbLogger, wandb_credentials_available

@@ -59,15 +59,21 @@ def _logdet_from_factor(factor: Tensor) -> Tensor:
     return 2.0 * torch.log(torch.diagonal(factor)).sum()
 
 
+def _exact_cost(c: Tensor, joint: Tensor, low_dim: int, *, name: str, reg: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(r, L_J, L_C)``: the cost from the Cholesky factors of ``J`` and ``C``, and the factors."""
+    joint_factor = cholesky_factor(joint, what="joint matrix J", cost_name=name, reg=reg)
+    high_factor = cholesky_factor(c, what="high-level matrix C = R2 + reg I", cost_name=name, reg=reg)
+    # logdet J - logdet A is the log-det of the Schur complement: the trailing block of L_J.
+    cost = _logdet_from_factor(joint_factor[low_dim:, low_dim:]) - _logdet_from_factor(high_factor)
+    return cost, joint_factor, high_factor
+
+
 def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
     """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
     check_reg(reg)
     with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
         _, c, joint = regularised_blocks(stats, reg)
-        joint_factor = cholesky_factor(joint, what="joint matrix J", cost_name=name, reg=reg)
-        high_factor = cholesky_factor(c, what="high-level matrix C = R2 + reg I", cost_name=name, reg=reg)
-        # logdet J - logdet A is the log-det of the Schur complement: the trailing block of L_J.
-        return _logdet_from_factor(joint_factor[stats.low_dim :, stats.low_dim :]) - _logdet_from_factor(high_factor)
+        return _exact_cost(c, joint, stats.low_dim, name=name, reg=reg)[0]
 
 
 def hfmca_cost(
@@ -163,11 +169,7 @@ class HFMCACost(nn.Module):
         k1 = stats.low_dim
         with torch.no_grad():
             joint_hat = self._update_ema(joint.detach()) if self.beta > 0 else joint.detach()
-            joint_factor = cholesky_factor(joint.detach(), what="joint matrix J", cost_name=self.name, reg=self.reg)
-            high_factor = cholesky_factor(
-                c.detach(), what="high-level matrix C = R2 + reg I", cost_name=self.name, reg=self.reg
-            )
-            exact = _logdet_from_factor(joint_factor[k1:, k1:]) - _logdet_from_factor(high_factor)
+            exact, joint_factor, high_factor = _exact_cost(c.detach(), joint.detach(), k1, name=self.name, reg=self.reg)
             if self.beta > 0:
                 joint_factor = cholesky_factor(joint_hat, what="smoothed joint matrix J_hat", cost_name=self.name, reg=self.reg)
                 high_factor = cholesky_factor(

@@ -91,7 +91,7 @@ def density_ratio_heatmaps(module: HFMCAModule, images: Tensor, statistics: dict
 def layer_basis_maps(module: HFMCAModule, image: Tensor, layer: str, statistics: dict[str, CorrelationStatistics] | None = None) -> tuple[Tensor, Tensor]:
     """Normalised eigenfunctions of ``layer`` (log name) over one image ``(C, H, W)``: ``(r, H_s, W_s)`` maps
     and their eigenvalues."""
-    for pair in layer_pairs(module, image[None], statistics):
-        if pair.name == layer:
-            return basis_function_maps(pair.decomposition, pair.low_map[0]), pair.decomposition.eigenvalues
-    raise ValueError(f"no internal cost layer named {layer!r}; have {[p.name for p in layer_pairs(module, image[None], statistics)]}")
+    pairs = {pair.name: pair for pair in layer_pairs(module, image[None], statistics)}
+    if layer not in pairs:
+        raise ValueError(f"no internal cost layer named {layer!r}; have {list(pairs)}")
+    return basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0]), pairs[layer].decomposition.eigenvalues

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import copy
 import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -88,3 +95,71 @@ class StopAfterEpochs(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.current_epoch + 1 >= self.epochs:
             trainer.should_stop = True
+
+
+# --- the `hfmca` console script as a subprocess: real workers, real signals, real files -------------------
+
+HFMCA = Path(sys.executable).with_name("hfmca")
+SHRUNK_DATA = {
+    "source": {"class_path": "hfmca_lightning.data.SyntheticShapes", "init_args": {"num_classes": 4, "train_per_class": 16, "test_per_class": 3}},
+    "batch_size": 8,
+    "eval_batch_size": 64,
+}
+
+
+def write_overrides(folder: Path, name: str, overrides: dict) -> Path:
+    """A second ``--config`` file that shrinks a shipped config (sizes only; callbacks and logger stay)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(yaml.safe_dump(overrides))
+    return path
+
+
+def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log") -> subprocess.Popen:
+    """Start ``hfmca <args>`` in ``cwd`` (relative paths of the shipped configs land there) in its own process
+    group, output to ``cwd/<log_name>``."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
+    log = open(cwd / log_name, "w")
+    return subprocess.Popen([str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def run_hfmca(cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmca.log") -> subprocess.CompletedProcess:
+    """Run ``hfmca <args>`` to completion; returns the process with ``stdout`` = its whole output."""
+    process = start_hfmca(cwd, *args, log_name=log_name)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"hfmca {' '.join(args)} did not finish in {timeout} s:\n{(cwd / log_name).read_text()[-3000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, (cwd / log_name).read_text())
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll ``condition`` every 10 ms while ``process`` runs; fail if it ends or time runs out first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"hfmca ended (status {process.returncode}) before the awaited moment")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError("timed out waiting for the awaited moment")
+        time.sleep(0.01)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (weights, buffers, optimiser state), flattened by key path."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def visit(node: object, key: str) -> None:
+        if isinstance(node, torch.Tensor):
+            tensors[key] = node
+        elif isinstance(node, dict):
+            for name, child in node.items():
+                visit(child, f"{key}/{name}")
+        elif isinstance(node, (list, tuple)):
+            for index, child in enumerate(node):
+                visit(child, f"{key}/{index}")
+
+    visit({"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}, "")
+    return tensors

@@ -6,16 +6,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 
 from hfmca_lightning.analysis.spectral import decompose
-from hfmca_lightning.callbacks.figures import figure_directory, publish_figure
+from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
 
 __all__ = ["EigenspectrumCallback"]
 
 
-class EigenspectrumCallback(Callback):
+class EigenspectrumCallback(FigureCallback):
     """Every ``every_n_steps`` training steps, the spectrum of each cost pair from its current statistics.
 
     Works with any module that has ``cost_modules() -> {name: HFMCACost}`` (``HFMCAModule``). Logs, per
@@ -32,13 +32,12 @@ class EigenspectrumCallback(Callback):
     """
 
     def __init__(self, every_n_steps: int = 50, top_k: int = 20, threshold: float = 0.5, output_dir: str | None = None) -> None:
-        super().__init__()
+        super().__init__(output_dir)
         if every_n_steps < 1 or top_k < 1 or not 0 < threshold < 1:
             raise ValueError(f"need every_n_steps >= 1, top_k >= 1 and 0 < threshold < 1; got {every_n_steps}, {top_k}, {threshold}")
         self.every_n_steps = every_n_steps
         self.top_k = top_k
         self.threshold = threshold
-        self.output_dir = output_dir
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
         self.latest: dict[str, torch.Tensor] = {}
 
@@ -60,15 +59,15 @@ class EigenspectrumCallback(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self.history:
             return
-        directory = figure_directory(trainer, self.output_dir)
         epoch = trainer.current_epoch
         ranks = max(len(values) for entries in self.history.values() for _, values in entries)
         history = {
             name: ([step for step, _ in entries], np.array([_pad(values, ranks) for _, values in entries]))
             for name, entries in self.history.items()
         }
-        publish_figure(trainer, learning_dynamics_figure(history), "learning_dynamics", directory / f"learning_dynamics_epoch{epoch:03d}.png")
-        publish_figure(trainer, layer_spectra_figure(self.latest, title=f"Spectrum per layer pair, step {trainer.global_step}"), "layer_spectra", directory / f"layer_spectra_epoch{epoch:03d}.png")
+        self.publish(trainer, learning_dynamics_figure(history), "learning_dynamics", f"learning_dynamics_epoch{epoch:03d}.png")
+        spectra = layer_spectra_figure(self.latest, title=f"Spectrum per layer pair, step {trainer.global_step}")
+        self.publish(trainer, spectra, "layer_spectra", f"layer_spectra_epoch{epoch:03d}.png")
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}

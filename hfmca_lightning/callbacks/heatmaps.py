@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 
-from hfmca_lightning.callbacks.figures import figure_directory, publish_figure
+from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.methods.inspection import density_ratio_heatmaps
 from hfmca_lightning.visualization import heatmap_overlay_figure
 
 __all__ = ["DensityRatioHeatmapCallback"]
 
 
-class DensityRatioHeatmapCallback(Callback):
+class DensityRatioHeatmapCallback(FigureCallback):
     """Every ``every_n_epochs``, the telescoping density-ratio response of a fixed set of test images.
 
     The first ``num_images`` images of the evaluation split (``datamodule.evaluation_images``) go through
@@ -23,13 +23,12 @@ class DensityRatioHeatmapCallback(Callback):
     """
 
     def __init__(self, num_images: int = 8, layers: list[str] | None = None, every_n_epochs: int = 1, output_dir: str | None = None) -> None:
-        super().__init__()
+        super().__init__(output_dir)
         if num_images < 1 or every_n_epochs < 1:
             raise ValueError(f"need num_images >= 1 and every_n_epochs >= 1; got {num_images}, {every_n_epochs}")
         self.num_images = num_images
         self.layers = layers
         self.every_n_epochs = every_n_epochs
-        self.output_dir = output_dir
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         internal = getattr(pl_module, "internal_costs", None)
@@ -46,5 +45,4 @@ class DensityRatioHeatmapCallback(Callback):
         heatmaps = density_ratio_heatmaps(pl_module, images)
         chosen = self.layers or list(heatmaps)[:3]
         figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen})
-        path = figure_directory(trainer, self.output_dir) / f"density_ratio_epoch{trainer.current_epoch:03d}.png"
-        publish_figure(trainer, figure, "density_ratio", path)
+        self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

@@ -69,12 +69,14 @@ class KNNEvaluation(Callback):
             num_classes = int(bank_targets.max()) + 1
         predicted = knn_predict(queries, bank, bank_targets, num_classes, k=self.k, temperature=self.temperature)
         accuracy = (predicted == query_targets).float().mean().item()
+        # Every rank computed the same value from the gathered features; sync_dist (a mean of equal values)
+        # keeps Lightning's epoch-level logging consistent across ranks.
         if trainer.testing:
-            pl_module.log("knn/test_top1", accuracy)
+            pl_module.log("knn/test_top1", accuracy, sync_dist=True)
             return
         self.best = max(self.best, accuracy)
-        pl_module.log("knn/top1", accuracy, prog_bar=True)
-        pl_module.log("knn/top1_max", self.best)
+        pl_module.log("knn/top1", accuracy, prog_bar=True, sync_dist=True)
+        pl_module.log("knn/top1_max", self.best, sync_dist=True)
 
     on_test_epoch_end = on_validation_epoch_end
 

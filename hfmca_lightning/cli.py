@@ -3,29 +3,47 @@
     hfmca fit --config configs/cifar10_ss.yaml
     hfmca fit --config configs/cifar10_ss.yaml --ckpt_path last      # resume exactly
     hfmca validate --config configs/cifar10_ss.yaml --ckpt_path last
+
+A mistake in the configuration, the data or a checkpoint ends the command before training with one line,
+``hfmca: error: <what, where, how to fix>``, and exit status 2. A run that fails mid-way (a NaN, a failed
+factorisation) prints one line and exits with status 1; a run stopped by SIGTERM saves a checkpoint and
+exits with status 143.
 """
 
 from __future__ import annotations
 
 import sys
+from argparse import ArgumentError
 from pathlib import Path
+from typing import Any
 
-import torch
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
+from hfmca_lightning.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from hfmca_lightning.config_errors import describe_instantiation_error, describe_parser_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
+from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 
 __all__ = ["HFMCACLI", "main"]
 
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+NAMED_CHECKPOINTS = ("last", "best", "hpc")
+EXIT_CONFIGURATION, EXIT_FAILED, EXIT_SIGTERM = 2, 1, 128 + 15
+
 
 class HFMCACLI(LightningCLI):
-    """LightningCLI with the project's defaults: any module / data module by ``class_path``, exact resume."""
+    """LightningCLI with the project's defaults: any module / data module by ``class_path``, exact resume,
+    atomic checkpoint files, and configuration mistakes raised as :class:`ConfigurationError`."""
 
-    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+    def __init__(self, args: list[str] | dict[str, Any] | None = None, run: bool = True) -> None:
+        no_exit = {"exit_on_error": False}
         super().__init__(
             LightningModule,
             LightningDataModule,
@@ -33,45 +51,78 @@ class HFMCACLI(LightningCLI):
             subclass_mode_data=True,
             trainer_defaults={"callbacks": [RunState()]},
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={**no_exit, **{name: no_exit for name in SUBCOMMANDS}},
             auto_configure_optimizers=False,
             args=args,
             run=run,
         )
 
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
+            read_checkpoint(ckpt_path)  # missing / corrupt / foreign: one line, before anything is built
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            described = describe_instantiation_error(error, self.config.get(self.subcommand) if self.subcommand else self.config)
+            if described is None:
+                raise
+            raise ConfigurationError(described) from None
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as error:
+            raise ConfigurationError(f"trainer: {error}") from None
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
     def before_fit(self) -> None:
-        """Store the resolved config in checkpoints (for ``hfmca analyze``); on resume, point W&B at the
-        checkpoint's run before Lightning starts a new one."""
+        """Resolve and check the checkpoint to resume, store the resolved config in checkpoints (for
+        ``hfmca analyze``), and point W&B at the checkpoint's run before Lightning starts a new one."""
         config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunState):
                 callback.config = config
-        wandb_loggers = [logger for logger in self.trainer.loggers if isinstance(logger, OfflineSafeWandbLogger)]
-        checkpoint = self._resume_checkpoint()
-        if wandb_loggers and checkpoint is not None:
-            run_id = saved_wandb_run_id(torch.load(checkpoint, map_location="cpu", weights_only=True))
-            if run_id:
-                for logger in wandb_loggers:
+        checkpoint_path = self._resume_checkpoint()
+        if checkpoint_path is None:
+            return
+        checkpoint = read_checkpoint(checkpoint_path)
+        self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
+        run_id = saved_wandb_run_id(checkpoint)
+        if run_id:
+            for logger in self.trainer.loggers:
+                if isinstance(logger, OfflineSafeWandbLogger):
                     logger.resume_run(run_id)
 
     def _resume_checkpoint(self) -> Path | None:
+        """The file ``--ckpt_path`` names; for ``last``, the newest ``last*.ckpt`` of the checkpoint folders."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        if ckpt_path is None:
+        if ckpt_path is None or str(ckpt_path) in ("best", "hpc"):
             return None
-        if ckpt_path != "last":
-            return Path(ckpt_path) if Path(ckpt_path).is_file() else None
-        for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-                last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-                if last.is_file():
-                    return last
-        return None
+        if str(ckpt_path) != "last":
+            return Path(ckpt_path)
+        folders = {Path(c.dirpath) for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath}
+        candidates = [path for folder in folders for path in folder.glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*{ModelCheckpoint.FILE_EXTENSION}")]
+        if not candidates:
+            where = ", ".join(str(folder) for folder in sorted(folders)) or "no ModelCheckpoint dirpath is configured"
+            rank_zero_info(f"hfmca: no last checkpoint in {where}; starting a new run.")
+            self.config_init[self.subcommand]["ckpt_path"] = None
+            return None
+        return max(candidates, key=lambda path: path.stat().st_mtime)
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``hfmca`` console script; configuration errors are one line, exit status 2.
+    """Entry point of the ``hfmca`` console script.
 
     ``fit`` / ``validate`` / ``test`` go to LightningCLI; ``analyze`` and ``compare`` to
-    :mod:`hfmca_lightning.analyze`.
+    :mod:`hfmca_lightning.analyze`. Configuration errors: one line, exit status 2; a run that fails:
+    one line, exit status 1; SIGTERM: checkpoint written, exit status 143.
     """
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in (["-h"], ["--help"]):
@@ -84,8 +135,18 @@ def main(args: list[str] | None = None) -> None:
             return
         HFMCACLI(args=args)
     except ConfigurationError as error:
-        print(f"hfmca: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit(f"hfmca: error: {error}", EXIT_CONFIGURATION)
+    except ArgumentError as error:
+        _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
+    except CostFactorisationError as error:
+        _exit(f"hfmca: error: {error}", EXIT_FAILED)
+    except SIGTERMException:
+        _exit("hfmca: stopped by SIGTERM; continue with the same command and `--ckpt_path last`.", EXIT_SIGTERM)
+
+
+def _exit(message: str, status: int) -> None:
+    print(message, file=sys.stderr)
+    raise SystemExit(status) from None
 
 
 if __name__ == "__main__":

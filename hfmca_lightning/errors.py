@@ -1,6 +1,6 @@
 """Errors that mean "your configuration or data is wrong", raised before training starts.
 
-The ``hfmca`` command prints them as one line (``hfmca: error: ...``) instead of a traceback.
+The ``hfmca`` command prints them as one line (``hfmca: error: ...``, exit status 2) instead of a traceback.
 """
 
 from __future__ import annotations
@@ -9,7 +9,17 @@ __all__ = ["ConfigurationError", "DataNotFoundError"]
 
 
 class ConfigurationError(ValueError):
-    """The configuration, the data or a checkpoint does not fit the experiment; the message says how to fix it."""
+    """The configuration, the data or a checkpoint does not fit the experiment; the message says how to fix it.
+
+    Args:
+        message: what is wrong and how to fix it.
+        parameter: the constructor argument at fault, if one is; the ``hfmca`` command prefixes the message
+            with its full config key (``model.init_args.external_cost.init_args.reg``).
+    """
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 class DataNotFoundError(ConfigurationError, FileNotFoundError):

@@ -1,4 +1,5 @@
-"""The ``hfmca`` command end to end: configs, real fits on on-disk data layouts, resume, clear errors."""
+"""The ``hfmca`` command end to end: configs, real fits on on-disk data layouts, resume (clear errors:
+test_cli_errors.py; resume after real kills: test_resume.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfmca_lightning.cli import HFMCACLI, main
-from tests.cli_helpers import DEMO, REPO, fit, interrupted_fit, logged
+from hfmca_lightning.cli import HFMCACLI
+from tests.cli_helpers import REPO, fit, interrupted_fit, logged
 from tests.factories import write_cifar, write_image_folder
 
 CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
@@ -60,39 +61,6 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     assert int(got["external_cost.num_updates"]) == int(expected["external_cost.num_updates"]) > 0
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
-
-
-def test_unknown_config_key_is_rejected_with_the_valid_options(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["fit", "--config", str(DEMO), "--model.init_args.backbone.init_args.widht", "3"])
-    assert "widht" in capsys.readouterr().err
-
-
-def test_num_views_that_does_not_fit_the_grid_fails_before_training(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        fit(tmp_path, **{"data.init_args.num_views": 3})
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "hfmca: error: data.num_views=3 does not fit the external head's 2x2 grid" in err
-    assert not (tmp_path / "checkpoints").exists()
-
-
-def test_missing_data_root_fails_with_where_it_looked(tmp_path, capsys):
-    source = {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": str(tmp_path / "no_data"), "download": False}}
-    with pytest.raises(SystemExit):
-        fit(tmp_path, **{"data.init_args.source": source})
-    err = capsys.readouterr().err
-    assert "hfmca: error: cifar10 not found: looked for" in err and "download: true" in err
-    assert "Traceback" not in err
-
-
-def test_checkpoint_from_another_architecture_is_a_clear_error(tmp_path, capsys):
-    fit(tmp_path / "small")
-    wider = {"model.init_args.backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 16, "num_stages": 2}}}
-    with pytest.raises(SystemExit):
-        fit(tmp_path / "wide", "--ckpt_path", str(tmp_path / "small" / "checkpoints" / "last.ckpt"), **wider)
-    err = capsys.readouterr().err
-    assert "trained with a different architecture" in err and "shape mismatches" in err
 
 
 def test_bf16_mixed_precision_keeps_the_cost_in_float64(tmp_path):

@@ -1,8 +1,9 @@
-"""Thin Lightning adapters around the pure maths: kNN evaluation, spectra and heatmaps, exact resume."""
+"""Thin Lightning adapters around the pure maths: kNN evaluation, spectra and heatmaps, exact resume and preemption."""
 
+from hfmca_lightning.callbacks.checkpoint import PreemptionCheckpoint
 from hfmca_lightning.callbacks.eigenspectrum import EigenspectrumCallback
 from hfmca_lightning.callbacks.heatmaps import DensityRatioHeatmapCallback
 from hfmca_lightning.callbacks.knn import KNNEvaluation
 from hfmca_lightning.callbacks.run_state import RunState
 
-__all__ = ["DensityRatioHeatmapCallback", "EigenspectrumCallback", "KNNEvaluation", "RunState"]
+__all__ = ["DensityRatioHeatmapCallback", "EigenspectrumCallback", "KNNEvaluation", "PreemptionCheckpoint", "RunState"]

@@ -1,7 +1,9 @@
-"""Exact resume: random-number-generator states and the W&B run id travel with the checkpoint."""
+"""Exact resume: every training step's randomness is a function of ``(seed, step, rank)``; the run's
+identity (seed, W&B run id, resolved config) travels with the checkpoint."""
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
+from hfmca_lightning.seeding import step_seed
 
 __all__ = ["RunState", "saved_config", "saved_wandb_run_id"]
 
@@ -25,33 +28,42 @@ def saved_config(checkpoint: dict[str, Any]) -> str | None:
 
 
 class RunState(Callback):
-    """Saves torch (CPU and CUDA), numpy and Python RNG states and the W&B run id in every checkpoint.
+    """Makes a run resumable to the bit, and remembers which run it is.
 
-    On resume (``--ckpt_path``) the states are restored, so noise channels and anything else drawn from
-    the global generators continue exactly as in an uninterrupted run. The run id is read by the
-    ``hfmca`` CLI before the trainer starts (Lightning creates the W&B run before any checkpoint is
-    restored), so the resumed run logs into the same W&B run. The CLI adds this callback to every run.
+    Before every training step the global generators (torch CPU and CUDA, numpy, Python ``random``) are
+    seeded with :func:`step_seed` of ``(seed, global_step, global_rank)``. Anything the model draws from
+    them (noise channels, dropout) is then a function of the step alone, however the run got there: a run
+    resumed from any checkpoint, with any number of data-loader workers, draws exactly what an
+    uninterrupted run draws, whatever else consumed random numbers in between (data-loader start-up,
+    validation, a different number of sanity-check batches). Ranks draw different numbers.
+
+    ``seed`` defaults to ``seed_everything`` (the ``PL_GLOBAL_SEED`` environment variable Lightning sets),
+    else a random one; it is stored in every checkpoint and restored on resume, together with the W&B run
+    id (read by the ``hfmca`` CLI before Lightning starts the logger) and the resolved config. The CLI adds
+    this callback to every run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
+        self.seed = seed
         self._trainer: Trainer | None = None
         self.config: str | None = None  # the run's resolved YAML config, set by the hfmca CLI
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if self.seed is None:
+            from_env = os.environ.get("PL_GLOBAL_SEED")
+            self.seed = int(from_env) if from_env is not None else random.SystemRandom().randrange(2**31)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        seed = step_seed(int(self.seed or 0), trainer.global_step, trainer.global_rank)
+        torch.manual_seed(seed)  # CPU and every CUDA device
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
 
     def state_dict(self) -> dict[str, Any]:
-        # Tensors, strings and numbers only, so checkpoints load with torch.load(weights_only=True).
-        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-        version, python_state, gauss_next = random.getstate()
-        state: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian],
-            "python": [version, torch.tensor(python_state, dtype=torch.int64), gauss_next],
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        # Numbers and strings only, so checkpoints load with torch.load(weights_only=True).
+        state: dict[str, Any] = {"seed": self.seed}
         if self.config is not None:
             state["config"] = self.config
         if self._trainer is not None:
@@ -61,10 +73,5 @@ class RunState(Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        torch.set_rng_state(state_dict["torch"])
-        kind, keys, position, has_gauss, cached_gaussian = state_dict["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
-        version, python_state, gauss_next = state_dict["python"]
-        random.setstate((version, tuple(python_state.tolist()), gauss_next))
-        if "cuda" in state_dict and torch.cuda.is_available() and len(state_dict["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state_dict["cuda"])
+        if state_dict.get("seed") is not None:
+            self.seed = int(state_dict["seed"])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
 from hfmca_lightning.data.datasets import (
@@ -19,8 +21,38 @@ from hfmca_lightning.data.sources import ImageSource, LabelledImages
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transform
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.seeding import step_seed
 
-__all__ = ["MultiViewDataModule"]
+__all__ = ["MultiViewDataModule", "TrainingPosition", "training_position"]
+
+
+def _leave_sigterm_to_the_main_process(worker_id: int) -> None:
+    """Data-loader workers ignore SIGTERM: SLURM signals every process of a job, and a worker that died of it
+    would crash the main process before it could write its preemption checkpoint. The main process stops
+    its workers itself when it exits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@dataclass(frozen=True)
+class TrainingPosition:
+    """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``."""
+
+    epoch: int
+    samples_seen: int
+
+
+def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
+    """The data position after the last finished training batch (what a checkpoint written now resumes at).
+
+    Read from Lightning's loop progress, which counts the batches the loop consumed (the loader itself runs
+    ahead by its prefetched batches). A finished epoch is the start of the next one.
+    """
+    loop = trainer.fit_loop
+    epoch = max(loop.epoch_progress.current.started - 1, 0)  # the epoch the batch counter belongs to
+    batches = loop.epoch_loop.batch_progress.current.processed
+    if batches >= trainer.num_training_batches:
+        return TrainingPosition(epoch + 1, 0)
+    return TrainingPosition(epoch, batches * batch_size * trainer.world_size)
 
 
 class MultiViewDataModule(LightningDataModule):
@@ -44,13 +76,19 @@ class MultiViewDataModule(LightningDataModule):
         batch_size: groups (source images) per training batch.
         eval_batch_size: images per evaluation batch.
         num_workers: DataLoader worker processes.
+        persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         seed: seeds shuffling and augmentation.
         crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR default.
         horizontal_flip: random horizontal flips in the views.
         augment_on_device: ``mode: views`` only. The loader yields resized uint8 images and the views
             are drawn on the accelerator after the batch is transferred (:class:`DeviceViewAugmentation`,
-            same distributions, per-sample parameters); frees the CPU workers. Not bit-reproducible
-            across worker counts (it uses the device generator).
+            same distributions, per-sample parameters); frees the CPU workers. Its random numbers
+            are seeded from ``(seed, step, rank)``, so runs and resumes are reproducible on one device.
+
+    Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
+    the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
+    first epoch at the next unseen sample, with the same order and augmentation seeds as an uninterrupted
+    run, for any ``num_workers``, with persistent workers or not, on any number of devices.
     """
 
     def __init__(
@@ -61,6 +99,7 @@ class MultiViewDataModule(LightningDataModule):
         batch_size: int = 64,
         eval_batch_size: int = 256,
         num_workers: int = 4,
+        persistent_workers: bool = True,
         seed: int = 0,
         crop_strength: float | None = None,
         color_strength: float | None = None,
@@ -70,23 +109,22 @@ class MultiViewDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
-            raise ValueError(f"mode must be 'views', 'same_class' or 'single'; got {mode!r}")
+            raise ConfigurationError(f"mode must be 'views', 'same_class' or 'single'; got {mode!r}", parameter="mode")
         if mode == "single" and num_views != 1:
-            raise ConfigurationError(f"mode 'single' yields one image per sample; set num_views: 1 (got {num_views})")
-        if num_views < 1 or batch_size < 1 or eval_batch_size < 1 or num_workers < 0:
-            raise ValueError(
-                "need num_views >= 1, batch_size >= 1, eval_batch_size >= 1 and num_workers >= 0; got "
-                f"{num_views}, {batch_size}, {eval_batch_size}, {num_workers}"
-            )
+            raise ConfigurationError(f"mode 'single' yields one image per sample; set num_views: 1 (got {num_views})", parameter="num_views")
+        for name, value, least in (("num_views", num_views, 1), ("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1), ("num_workers", num_workers, 0)):
+            if value < least:
+                raise ConfigurationError(f"{name} must be >= {least}; got {value}", parameter=name)
         self.source = source
         self.mode = mode
         self.num_views = num_views
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
+        self.persistent_workers = persistent_workers
         self.seed = seed
         if augment_on_device and mode != "views":
-            raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}")
+            raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device")
         self.augment_on_device = augment_on_device
         self.train_transform = view_transform(
             source.image_size, source.mean, source.std, crop_strength, color_strength, gray_strength, horizontal_flip
@@ -96,6 +134,7 @@ class MultiViewDataModule(LightningDataModule):
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std)
         self._train_split: LabelledImages | None = None
         self._test_split: LabelledImages | None = None
+        self._resume_position: TrainingPosition | None = None
 
     @property
     def num_classes(self) -> int:
@@ -108,11 +147,14 @@ class MultiViewDataModule(LightningDataModule):
         if self._train_split is None:
             self._train_split = self.source.split(train=True)
             self._test_split = self.source.split(train=False)
-            if len(self._train_split) < self.batch_size:
-                raise ConfigurationError(
-                    f"the training split has {len(self._train_split)} images, fewer than one batch "
-                    f"(batch_size={self.batch_size}); lower batch_size"
-                )
+        processes = self.trainer.world_size if self.trainer is not None else 1
+        if len(self._train_split) // processes < self.batch_size:
+            shared = f" shared by {processes} processes" if processes > 1 else ""
+            raise ConfigurationError(
+                f"batch_size={self.batch_size} is larger than the training split ({len(self._train_split)} images"
+                f"{shared}): not even one batch per epoch. Lower data.init_args.batch_size",
+                parameter="batch_size",
+            )
 
     def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset:
         self.setup()
@@ -126,8 +168,9 @@ class MultiViewDataModule(LightningDataModule):
             dataset,
             batch_size=batch_size,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            worker_init_fn=_leave_sigterm_to_the_main_process if self.num_workers > 0 else None,
             **kwargs,
         )
 
@@ -137,7 +180,22 @@ class MultiViewDataModule(LightningDataModule):
         trainer = self.trainer
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = SeededRandomSampler(len(dataset), self.seed, num_replicas=replicas, rank=rank)
+        if self._resume_position is not None:
+            sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
+            self._resume_position = None
         return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in the data, written into every checkpoint by Lightning."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"position": asdict(training_position(trainer, self.batch_size))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position of a checkpoint: the next training loader starts there."""
+        if "position" in state_dict:
+            self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With ``augment_on_device``: turn a training batch of uint8 images into views, on the device."""
@@ -146,7 +204,11 @@ class MultiViewDataModule(LightningDataModule):
             return batch
         images, targets = batch
         self.device_augmentation.to(images.device)
-        return self.device_augmentation(images, self.num_views), targets
+        devices = [images.device] if images.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=images.device.type):
+            torch.manual_seed(step_seed(self.seed, trainer.global_step, trainer.global_rank, stream=1))
+            views = self.device_augmentation(images, self.num_views)
+        return views, targets
 
     def val_dataloader(self) -> list[DataLoader]:
         self.setup()

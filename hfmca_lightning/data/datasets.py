@@ -31,6 +31,11 @@ class SeededRandomSampler(DistributedSampler):
     batches of ``b`` together hold exactly the samples, with exactly the augmentation seeds, of one
     single-process batch of ``num_replicas * b``. Lightning calls :meth:`set_epoch` every epoch and,
     since this is a ``DistributedSampler``, leaves it in place under DDP.
+
+    :meth:`resume` makes the next iteration start inside an epoch: at ``epoch``, after the first
+    ``samples_seen`` keys of the global order (what all ranks together consumed before a checkpoint).
+    ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a resumed epoch from where
+    it stopped.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
@@ -45,15 +50,28 @@ class SeededRandomSampler(DistributedSampler):
         self.drop_last = True
         self.num_samples = num_samples // num_replicas
         self.total_size = self.num_samples * num_replicas
+        self._resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return self.num_samples
 
+    def resume(self, epoch: int, samples_seen: int) -> None:
+        """Start the next iteration at ``epoch`` after ``samples_seen`` keys of its global order."""
+        if epoch < 0 or not 0 <= samples_seen <= self.num_samples_total:
+            raise ValueError(f"cannot resume at epoch {epoch} after {samples_seen} of {self.num_samples_total} samples")
+        self._resume_at = (epoch, samples_seen)
+        self.epoch = epoch
+
     def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
+        skip = 0
+        if self._resume_at is not None:
+            self.epoch, skip = self._resume_at
+            self._resume_at = None
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_samples_total, generator=generator).tolist()
         seeds = torch.randint(0, 2**62, (self.num_samples_total,), generator=generator).tolist()
-        keys = list(zip(order, seeds))[: self.total_size]
+        keys = list(zip(order, seeds))[skip:]
+        keys = keys[: len(keys) // self.num_replicas * self.num_replicas]  # every rank gets as many
         return iter(keys[self.rank :: self.num_replicas])
 
 

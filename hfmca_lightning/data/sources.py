@@ -163,7 +163,7 @@ class ImageFolderSource(ImageSource):
     """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout).
 
     Every image header is opened once in :meth:`split`, so an unreadable file is reported by name
-    before training starts. Both splits must have the same class folders.
+    before training starts. Both splits must have the same class folders (by name), none of them empty.
 
     Args:
         root: folder with one sub-folder per split.
@@ -186,6 +186,7 @@ class ImageFolderSource(ImageSource):
         self.image_size = image_size
         self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
         self.num_classes = 0
+        self.classes: list[str] = []
 
     def prepare(self) -> None:
         for split in (self.train_dir, self.test_dir):
@@ -197,18 +198,25 @@ class ImageFolderSource(ImageSource):
 
     def split(self, train: bool) -> LabelledImages:
         self.prepare()
-        folder = _CheckedImageFolder(str(self.root / (self.train_dir if train else self.test_dir)))
+        root = self.root / (self.train_dir if train else self.test_dir)
+        try:
+            folder = _CheckedImageFolder(str(root))
+        except FileNotFoundError as error:  # torchvision: a class folder without a single image
+            raise ConfigurationError(f"{root}: {error}. Add images to that class folder or remove it.") from None
         for path, _ in folder.samples:
             try:
                 with Image.open(path) as image:
                     image.size  # noqa: B018 - reads the header
             except (OSError, UnidentifiedImageError) as error:
                 raise ConfigurationError(f"cannot read image {path}: {error}. Remove or replace the file.") from error
-        if self.num_classes and len(folder.classes) != self.num_classes:
+        if self.classes and folder.classes != self.classes:
+            only_train = sorted(set(self.classes) - set(folder.classes))
+            only_test = sorted(set(folder.classes) - set(self.classes))
             raise ConfigurationError(
-                f"the train and test splits of {self.root} have different class folders "
-                f"({self.num_classes} vs {len(folder.classes)}); they must match"
+                f"the splits of {self.root} have different class folders (only in {self.train_dir}: {only_train[:5]}; "
+                f"only in {self.test_dir}: {only_test[:5]}); kNN and probes need the same classes in both"
             )
+        self.classes = list(folder.classes)
         self.num_classes = len(folder.classes)
         return _PILImages(folder)
 

@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.distributed import all_reduce_statistics
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, regularised_blocks
 
@@ -28,10 +29,11 @@ class CostFactorisationError(RuntimeError):
 
 def check_reg(reg: float) -> float:
     """Validate the regularisation constant (SPEC §1: ``reg <= 0`` is rejected)."""
-    if not isinstance(reg, (int, float)) or not math.isfinite(reg) or reg <= 0:
-        raise ValueError(
+    if isinstance(reg, bool) or not isinstance(reg, (int, float)) or not math.isfinite(reg) or reg <= 0:
+        raise ConfigurationError(
             f"reg must be a finite number > 0 (it makes the correlation matrices invertible); got {reg!r}. "
-            "Use 0.1 for self-supervised training and 1e-3 for spectrum analysis (paper appendix)."
+            "Use 0.1 for self-supervised training and 1e-3 for spectrum analysis (paper appendix).",
+            parameter="reg",
         )
     return float(reg)
 
@@ -125,8 +127,12 @@ class HFMCACost(nn.Module):
     def __init__(self, reg: float = 0.1, beta: float = 0.0, sync_dist: bool = False, name: str = "hfmca") -> None:
         super().__init__()
         self.reg = check_reg(reg)
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta (the adaptive-filter smoothing of paper Alg. 3) must be in [0, 1); got {beta!r}")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ConfigurationError(
+                f"beta (the adaptive-filter smoothing of paper Alg. 3) must be in [0, 1); got {beta!r}. "
+                "Use 0 for self-supervised training and 0.5 for spectrum analysis (paper appendix).",
+                parameter="beta",
+            )
         self.beta = float(beta)
         self.sync_dist = sync_dist
         self.name = name

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.losses.hfmca_cost import HFMCACost
+from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import configure_optimizers
@@ -162,14 +162,23 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
                 view_features, group_features = self.encode_views(images)
             else:
                 self.embed(images.flatten(0, 1) if images.dim() == 5 else images)
-        total = torch.zeros((), dtype=torch.float64, device=images.device)
-        if self.external_head is not None and self.external_cost is not None:
-            costs["external"] = self.external_cost(view_features, group_features)
-            total = total + costs["external"]
-        if self.internal_costs is not None:
-            internal = self.internal_costs.compute()
-            costs.update({f"internal/{name}": cost for name, cost in internal.items()})
-            total = total + self.internal_costs.weight * torch.stack(list(internal.values())).sum()
+        try:
+            total = torch.zeros((), dtype=torch.float64, device=images.device)
+            if self.external_head is not None and self.external_cost is not None:
+                costs["external"] = self.external_cost(view_features, group_features)
+                total = total + costs["external"]
+            if self.internal_costs is not None:
+                internal = self.internal_costs.compute()
+                costs.update({f"internal/{name}": cost for name, cost in internal.items()})
+                total = total + self.internal_costs.weight * torch.stack(list(internal.values())).sum()
+            if not bool(torch.isfinite(total)):
+                raise CostFactorisationError(f"the total cost is {total.item()} (features or weights hold NaN or Inf)")
+        except CostFactorisationError as error:
+            raise CostFactorisationError(
+                f"training stopped at step {self.global_step} (epoch {self.current_epoch}): {error}. "
+                "Checkpoints written before this step are intact: resume from one with a lower learning rate "
+                "or a larger `reg`."
+            ) from None
         for name, cost in costs.items():
             self.log(f"cost/{name}", cost, prog_bar=name == "external")
         self.log("cost/total", total, prog_bar=self.external_head is None)

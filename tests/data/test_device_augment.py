@@ -79,11 +79,16 @@ def test_datamodule_turns_uint8_batches_into_views_after_transfer():
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
 
     class Training:
-        training = True
+        training, global_step, global_rank = True, 7, 0
 
     datamodule.trainer = Training()  # type: ignore[assignment]
     views, same_targets = datamodule.on_after_batch_transfer((images, targets), 0)
     assert views.shape == (4, 3, 3, 32, 32) and views.dtype == torch.float32 and same_targets is targets
+    # The draws are a function of (seed, step, rank), not of the global generator: resumable.
+    torch.manual_seed(123)
+    assert torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
+    Training.global_step = 8
+    assert not torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
 
 
 def test_device_augmentation_needs_view_mode():

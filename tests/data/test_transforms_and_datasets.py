@@ -11,6 +11,7 @@ from hfmca_lightning.data import (
     view_transform,
 )
 from hfmca_lightning.data.transforms import eval_transform
+from hfmca_lightning.errors import ConfigurationError
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
@@ -118,5 +119,6 @@ def test_datamodule_batches(mode):
 def test_datamodule_rejects_bad_arguments():
     with pytest.raises(ValueError, match="mode must be"):
         MultiViewDataModule(SyntheticShapes(), mode="pairs")
-    with pytest.raises(ValueError, match="num_views >= 1"):
+    with pytest.raises(ConfigurationError, match="num_views must be >= 1") as error:
         MultiViewDataModule(SyntheticShapes(), num_views=0)
+    assert error.value.parameter == "num_views"

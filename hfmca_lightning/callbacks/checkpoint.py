@@ -1,0 +1,42 @@
+"""``PreemptionCheckpoint``: Lightning's ``ModelCheckpoint`` that also saves when the run is told to stop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+__all__ = ["PreemptionCheckpoint"]
+
+
+class PreemptionCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` (all its arguments) that writes a checkpoint, and ``last.ckpt``, on SIGTERM.
+
+    SIGTERM is what SLURM, Kubernetes and spot instances send before they stop a job. Lightning's signal
+    handler lets the current training step finish and then stops the run with ``SIGTERMException``; this
+    callback saves at that point (``save_on_exception``), so ``--ckpt_path last`` continues exactly where
+    the run stopped. Unlike ``ModelCheckpoint(save_on_exception=True)`` it saves on SIGTERM only: a run
+    that fails (a ``CostFactorisationError`` after a NaN, an out-of-memory error) keeps its last good
+    checkpoint instead of overwriting it with the state that failed.
+
+    With ``save_last``, ``last.ckpt`` also holds the final state when training ends between two
+    ``every_n_train_steps`` saves (``ModelCheckpoint`` alone then leaves the last interval's state there).
+    """
+
+    def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, save_on_exception=save_on_exception, **kwargs)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        # ModelCheckpoint writes last.ckpt at the end only if it never wrote one; _should_skip_saving_checkpoint
+        # is true when this step was already saved (and for fast_dev_run / sanity checks).
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            super().on_exception(trainer, pl_module, exception)
+            rank_zero_info(f"SIGTERM: saved the state after step {trainer.global_step} to {self.last_model_path or self.dirpath}")

@@ -30,8 +30,10 @@ def saved_config(checkpoint: dict[str, Any]) -> str | None:
 class RunState(Callback):
     """Makes a run resumable to the bit, and remembers which run it is.
 
-    Before every training step the global generators (torch CPU and CUDA, numpy, Python ``random``) are
-    seeded with :func:`step_seed` of ``(seed, global_step, global_rank)``. Anything the model draws from
+    Before every training batch the global generators (torch CPU and CUDA, numpy, Python ``random``) are
+    seeded with :func:`step_seed` of ``(seed, batch index, global_rank)``, the batch index counting every
+    training batch of the run (``Trainer.fit_loop.total_batch_idx``; unlike ``global_step`` it differs
+    between the micro-batches of one accumulated step). Anything the model draws from
     them (noise channels, dropout) is then a function of the step alone, however the run got there: a run
     resumed from any checkpoint, with any number of data-loader workers, draws exactly what an
     uninterrupted run draws, whatever else consumed random numbers in between (data-loader start-up,
@@ -56,7 +58,7 @@ class RunState(Callback):
             self.seed = int(from_env) if from_env is not None else random.SystemRandom().randrange(2**31)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        seed = step_seed(int(self.seed or 0), trainer.global_step, trainer.global_rank)
+        seed = step_seed(int(self.seed or 0), trainer.fit_loop.total_batch_idx, trainer.global_rank)
         torch.manual_seed(seed)  # CPU and every CUDA device
         np.random.seed(seed % 2**32)
         random.seed(seed)

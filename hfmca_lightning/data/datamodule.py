@@ -83,7 +83,7 @@ class MultiViewDataModule(LightningDataModule):
         augment_on_device: ``mode: views`` only. The loader yields resized uint8 images and the views
             are drawn on the accelerator after the batch is transferred (:class:`DeviceViewAugmentation`,
             same distributions, per-sample parameters); frees the CPU workers. Its random numbers
-            are seeded from ``(seed, step, rank)``, so runs and resumes are reproducible on one device.
+            are seeded from ``(seed, batch index, rank)``, so runs and resumes are reproducible.
 
     Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
     the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
@@ -206,7 +206,8 @@ class MultiViewDataModule(LightningDataModule):
         self.device_augmentation.to(images.device)
         devices = [images.device] if images.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=images.device.type):
-            torch.manual_seed(step_seed(self.seed, trainer.global_step, trainer.global_rank, stream=1))
+            # Lightning counts the batch after this hook: the index is the previous batch's, one per batch.
+            torch.manual_seed(step_seed(self.seed, trainer.fit_loop.total_batch_idx, trainer.global_rank, stream=1))
             views = self.device_augmentation(images, self.num_views)
         return views, targets
 

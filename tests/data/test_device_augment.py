@@ -78,16 +78,19 @@ def test_datamodule_turns_uint8_batches_into_views_after_transfer():
     images, targets = next(iter(datamodule.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
 
+    class Loop:
+        total_batch_idx = 7
+
     class Training:
-        training, global_step, global_rank = True, 7, 0
+        training, global_rank, fit_loop = True, 0, Loop()
 
     datamodule.trainer = Training()  # type: ignore[assignment]
     views, same_targets = datamodule.on_after_batch_transfer((images, targets), 0)
     assert views.shape == (4, 3, 3, 32, 32) and views.dtype == torch.float32 and same_targets is targets
-    # The draws are a function of (seed, step, rank), not of the global generator: resumable.
+    # The draws are a function of (seed, batch index, rank), not of the global generator: resumable.
     torch.manual_seed(123)
     assert torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
-    Training.global_step = 8
+    Loop.total_batch_idx = 8
     assert not torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
 
 

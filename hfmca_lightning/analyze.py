@@ -24,6 +24,7 @@ from torch import Tensor
 
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.callbacks.run_state import saved_config
+from hfmca_lightning.checkpoint_io import read_checkpoint
 from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
@@ -38,9 +39,7 @@ __all__ = ["load_run", "analyze", "compare", "run_analysis_command"]
 def load_run(ckpt_path: str | Path, config_path: str | Path | None = None) -> tuple[HFMCAModule, MultiViewDataModule]:
     """Rebuild the module (with the checkpoint's weights, in eval mode) and data module of a run."""
     ckpt_path = Path(ckpt_path)
-    if not ckpt_path.is_file():
-        raise ConfigurationError(f"checkpoint not found: {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    checkpoint = read_checkpoint(ckpt_path)
     text = Path(config_path).read_text() if config_path else saved_config(checkpoint)
     if text is None:
         raise ConfigurationError(f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML")

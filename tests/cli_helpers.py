@@ -118,7 +118,10 @@ def write_overrides(folder: Path, name: str, overrides: dict) -> Path:
 def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log") -> subprocess.Popen:
     """Start ``hfmca <args>`` in ``cwd`` (relative paths of the shipped configs land there) in its own process
     group, output to ``cwd/<log_name>``."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
+    # A fresh W&B environment: a WANDB_SERVICE inherited from this process (tests that ran wandb in-process)
+    # would make every subprocess share one W&B service, unlike separate runs of the command.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore")
     log = open(cwd / log_name, "w")
     return subprocess.Popen([str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -1,4 +1,4 @@
-"""Exact resume: every training step's randomness is a function of ``(seed, step, rank)``; the run's
+"""Exact resume: the randomness of every training batch is a function of ``(seed, batch index, rank)``; the run's
 identity (seed, W&B run id, resolved config) travels with the checkpoint."""
 
 from __future__ import annotations

@@ -105,11 +105,7 @@ def main() -> None:
                 if not cost:
                     loss = module.backbone(views.flatten(0, 1)).float().square().mean()
                 else:
-                    with module.internal_costs.record() if internal else nullcontext():
-                        view_features, group_features = module.encode_views(views)
-                    loss = module.external_cost(view_features, group_features)
-                    if internal:
-                        loss = loss + torch.stack(list(module.internal_costs.compute().values())).sum()
+                    loss = module.objective(module.collect(views)).total
             loss.backward()
 
         rows.append((label, timed(step, args.steps, device)))

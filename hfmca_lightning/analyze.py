@@ -1,4 +1,4 @@
-"""``hfmca analyze`` and ``hfmca compare``: the paper's analysis figures from checkpoints (SPEC §4).
+"""``hfmca analyze`` and ``hfmca compare``: the paper's analysis figures from checkpoints (docs/conventions.md §4).
 
     hfmca analyze --ckpt_path runs/demo/checkpoints/last.ckpt --out analysis/demo
     hfmca compare --ckpt_a runs/spectrum_supervised/checkpoints/last.ckpt \\
@@ -14,23 +14,22 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import yaml
 from torch import Tensor
 
 from hfmca_lightning.analysis.spectral import decompose
-from hfmca_lightning.callbacks.run_state import saved_config
+from hfmca_lightning.callbacks.stored_config import saved_config
 from hfmca_lightning.checkpoint_io import read_checkpoint
 from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
-from hfmca_lightning.methods.inspection import collect_statistics, layer_pairs, spectra
+from hfmca_lightning.methods.inspection import collect_for_analysis, collect_statistics, default_figure_layers, layer_pairs, spectra
+from hfmca_lightning.trainer_cli import HFMCACLI
 from hfmca_lightning.visualization import basis_functions_figure, heatmap_overlay_figure, layer_spectra_figure, save_figure
 
 __all__ = ["load_run", "analyze", "compare", "run_analysis_command"]
@@ -45,12 +44,7 @@ def load_run(ckpt_path: str | Path, config_path: str | Path | None = None) -> tu
         raise ConfigurationError(f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML")
     config = {key: value for key, value in yaml.safe_load(text).items() if key in ("seed_everything", "trainer", "model", "data")}
     config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False)
-    from hfmca_lightning.cli import HFMCACLI  # the CLI module dispatches to this one
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cli = HFMCACLI(args=["--config", str(path)], run=False)
+    cli = HFMCACLI(args=config, run=False)
     module = cli.model
     if not isinstance(module, HFMCAModule) or not isinstance(cli.datamodule, MultiViewDataModule):
         raise ConfigurationError("hfmca analyze needs a run of HFMCAModule on a MultiViewDataModule")
@@ -105,7 +99,7 @@ def analyze(
         images, _ = datamodule.evaluation_images(num_images)
         pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics)}
         heatmaps = telescoping_response(list(pairs.values()))
-        chosen = layers or list(heatmaps)[:3]
+        chosen = layers or default_figure_layers(list(heatmaps))
         unknown = set(chosen) - set(heatmaps)
         if unknown:
             raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
@@ -119,16 +113,14 @@ def analyze(
     return _write_index(out, f"HFMCA analysis of {ckpt_path}", figures, eigenvalues)
 
 
-@torch.no_grad()
 def _layer_outputs(module: HFMCAModule, images: Tensor) -> dict[str, Tensor]:
     """Output map of every internal layer (by log name), plus the backbone output as ``backbone``."""
+    collected = collect_for_analysis(module, images, keep_maps=module.internal_costs is not None)
     outputs: dict[str, Tensor] = {}
     if module.internal_costs is not None:
-        with module.internal_costs.record(keep_maps=True):
-            features = module.backbone(images)
-        outputs.update({module.internal_costs.names[layer]: high for layer, (_, high) in module.internal_costs.maps().items()})
-    else:
-        features = module.backbone(images)
+        outputs.update({pair.log_name: collected.maps[pair.cost_name][1] for pair in module.internal_costs.pairs})
+    features = collected.features
+    assert features is not None  # images (N, C, H, W) have no external pair
     outputs["backbone"] = features[..., None, None] if features.dim() == 2 else features
     return outputs
 

@@ -1,8 +1,10 @@
-"""The ``hfmca`` console script: LightningCLI over any LightningModule / LightningDataModule.
+"""The ``hfmca`` console script.
 
     hfmca fit --config configs/cifar10_ss.yaml
     hfmca fit --config configs/cifar10_ss.yaml --ckpt_path last      # resume exactly
     hfmca validate --config configs/cifar10_ss.yaml --ckpt_path last
+    hfmca analyze --ckpt_path runs/demo/checkpoints/last.ckpt --out analysis/demo
+    hfmca dashboard --entity E --project P                           # the W&B eigenvalue-dynamics view
 
 A mistake in the configuration, the data or a checkpoint ends the command before training with one line,
 ``hfmca: error: <what, where, how to fix>``, and exit status 2. A run that fails mid-way (a NaN, a failed
@@ -14,107 +16,17 @@ from __future__ import annotations
 
 import sys
 from argparse import ArgumentError
-from pathlib import Path
-from typing import Any
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
-from hfmca_lightning.checkpoint_io import AtomicCheckpointIO, read_checkpoint
-from hfmca_lightning.config_errors import describe_instantiation_error, describe_parser_error
+from hfmca_lightning.config_errors import describe_parser_error
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.loggers import OfflineSafeWandbLogger
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 
-__all__ = ["HFMCACLI", "main"]
+__all__ = ["main"]
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
-NAMED_CHECKPOINTS = ("last", "best", "hpc")
 EXIT_CONFIGURATION, EXIT_FAILED, EXIT_SIGTERM = 2, 1, 128 + 15
-
-
-class HFMCACLI(LightningCLI):
-    """LightningCLI with the project's defaults: any module / data module by ``class_path``, exact resume,
-    atomic checkpoint files, and configuration mistakes raised as :class:`ConfigurationError`."""
-
-    def __init__(self, args: list[str] | dict[str, Any] | None = None, run: bool = True) -> None:
-        no_exit = {"exit_on_error": False}
-        super().__init__(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults={"callbacks": [RunState()]},
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={**no_exit, **{name: no_exit for name in SUBCOMMANDS}},
-            auto_configure_optimizers=False,
-            args=args,
-            run=run,
-        )
-
-    def parse_arguments(self, parser: Any, args: Any) -> None:
-        super().parse_arguments(parser, args)
-        subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
-            read_checkpoint(ckpt_path)  # missing / corrupt / foreign: one line, before anything is built
-
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except ValueError as error:
-            described = describe_instantiation_error(error, self.config.get(self.subcommand) if self.subcommand else self.config)
-            if described is None:
-                raise
-            raise ConfigurationError(described) from None
-
-    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        try:
-            trainer = super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as error:
-            raise ConfigurationError(f"trainer: {error}") from None
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        return trainer
-
-    def before_fit(self) -> None:
-        """Resolve and check the checkpoint to resume, store the resolved config in checkpoints (for
-        ``hfmca analyze``), and point W&B at the checkpoint's run before Lightning starts a new one."""
-        config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RunState):
-                callback.config = config
-        checkpoint_path = self._resume_checkpoint()
-        if checkpoint_path is None:
-            return
-        checkpoint = read_checkpoint(checkpoint_path)
-        self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
-        run_id = saved_wandb_run_id(checkpoint)
-        if run_id:
-            for logger in self.trainer.loggers:
-                if isinstance(logger, OfflineSafeWandbLogger):
-                    logger.resume_run(run_id)
-
-    def _resume_checkpoint(self) -> Path | None:
-        """The file ``--ckpt_path`` names; for ``last``, the newest ``last*.ckpt`` of the checkpoint folders."""
-        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        if ckpt_path is None or str(ckpt_path) in ("best", "hpc"):
-            return None
-        if str(ckpt_path) != "last":
-            return Path(ckpt_path)
-        folders = {Path(c.dirpath) for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath}
-        candidates = [path for folder in folders for path in folder.glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*{ModelCheckpoint.FILE_EXTENSION}")]
-        if not candidates:
-            where = ", ".join(str(folder) for folder in sorted(folders)) or "no ModelCheckpoint dirpath is configured"
-            rank_zero_info(f"hfmca: no last checkpoint in {where}; starting a new run.")
-            self.config_init[self.subcommand]["ckpt_path"] = None
-            return None
-        return max(candidates, key=lambda path: path.stat().st_mtime)
+ANALYSIS_COMMANDS = ("analyze", "compare")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -126,13 +38,23 @@ def main(args: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in (["-h"], ["--help"]):
-        print("hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n")
+        print(
+            "hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n"
+            "hfmca dashboard --help: create the W&B eigenvalue-dynamics view of a project.\n"
+        )
     try:
-        if argv and argv[0] in ("analyze", "compare"):
+        if argv and argv[0] in ANALYSIS_COMMANDS:
             from hfmca_lightning.analyze import run_analysis_command
 
             run_analysis_command(argv)
             return
+        if argv and argv[0] == "dashboard":
+            from hfmca_lightning.dashboard import run_dashboard_command
+
+            run_dashboard_command(argv[1:])
+            return
+        from hfmca_lightning.trainer_cli import HFMCACLI
+
         HFMCACLI(args=args)
     except ConfigurationError as error:
         _exit(f"hfmca: error: {error}", EXIT_CONFIGURATION)

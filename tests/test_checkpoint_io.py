@@ -79,7 +79,7 @@ def test_a_failed_save_keeps_the_previous_file_and_cleans_up(tmp_path, monkeypat
 
 
 def test_every_hfmca_fit_writes_with_the_atomic_writer(tmp_path):
-    from hfmca_lightning.cli import HFMCACLI
+    from hfmca_lightning.trainer_cli import HFMCACLI
     from tests.cli_helpers import DEMO
 
     cli = HFMCACLI(args=["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path)], run=False)

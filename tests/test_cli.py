@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfmca_lightning.cli import HFMCACLI
+from hfmca_lightning.trainer_cli import HFMCACLI
 from tests.cli_helpers import REPO, fit, interrupted_fit, logged
 from tests.factories import write_cifar, write_image_folder
 

@@ -39,7 +39,7 @@ def test_offline_run_is_stored_locally_and_resume_keeps_the_run_id(no_wandb_acco
     assert resumed_ids == {run_id}
 
 
-def test_wandb_offline_run_holds_the_figures_and_eigenvalue_series(no_wandb_account, tmp_path):
+def test_wandb_offline_run_holds_the_figures_eigenvalue_series_and_histograms(no_wandb_account, tmp_path):
     from tests.callbacks.test_analysis_callbacks import tiny_data, tiny_spectrum_module
     from lightning.pytorch import Trainer
 
@@ -58,6 +58,10 @@ def test_wandb_offline_run_holds_the_figures_and_eigenvalue_series(no_wandb_acco
     history = next(run.glob("*.wandb")).read_bytes()
     for key in (b"eigenvalues/external/01", b"eigenvalues/internal/L9/01", b"spectrum/internal/L3/num_above_0.5", b"cost/internal/L1"):
         assert key in history, key
+    # The whole spectrum of every pair as a W&B histogram (W&B draws those as distributions over time).
+    for name in (b"external", b"internal/L1", b"internal/L9"):
+        assert b"spectrum/" + name + b"/eigenvalues" in history, name
+    assert b'"histogram"' in history
 
 
 def test_a_key_without_network_falls_back_to_offline_instead_of_failing(no_wandb_account, tmp_path, monkeypatch):

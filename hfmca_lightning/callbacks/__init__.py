@@ -5,5 +5,6 @@ from hfmca_lightning.callbacks.eigenspectrum import EigenspectrumCallback
 from hfmca_lightning.callbacks.heatmaps import DensityRatioHeatmapCallback
 from hfmca_lightning.callbacks.knn import KNNEvaluation
 from hfmca_lightning.callbacks.run_state import RunState
+from hfmca_lightning.callbacks.stored_config import StoredConfig
 
-__all__ = ["DensityRatioHeatmapCallback", "EigenspectrumCallback", "KNNEvaluation", "PreemptionCheckpoint", "RunState"]
+__all__ = ["DensityRatioHeatmapCallback", "EigenspectrumCallback", "KNNEvaluation", "PreemptionCheckpoint", "RunState", "StoredConfig"]

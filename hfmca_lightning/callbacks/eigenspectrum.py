@@ -1,4 +1,5 @@
-"""Eigenspectrum logging during training: scalars, eigenvalue series and figures (SPEC §4)."""
+"""Eigenspectrum logging during training: scalars, eigenvalue series, histograms and figures
+(docs/conventions.md §4)."""
 
 from __future__ import annotations
 
@@ -7,54 +8,87 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
 
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.callbacks.figures import FigureCallback
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
 
-__all__ = ["EigenspectrumCallback"]
+__all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
+
+HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
 
 
 class EigenspectrumCallback(FigureCallback):
-    """Every ``every_n_steps`` training steps, the spectrum of each cost pair from its current statistics.
+    """The one owner of every spectrum quantity logged during training.
 
-    Works with any module that has ``cost_modules() -> {name: HFMCACost}`` (``HFMCAModule``). Logs, per
-    pair ``<name>`` (``external``, ``internal/L3``, ...):
+    Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the global-batch statistics of each
+    cost pair that the module's ``training_step`` returned (``outputs["statistics"]``, keyed by cost name:
+    ``external``, ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` does), with that
+    cost's ``reg``, and logs, per pair ``<name>``:
 
-    * ``spectrum/<name>/num_above_<threshold>`` — how many eigenvalues exceed ``threshold``
-      (the module itself logs ``spectrum/<name>/top1`` and ``top10_mean``);
+    * ``spectrum/<name>/top1``, ``spectrum/<name>/top10_mean`` and ``spectrum/<name>/num_above_<threshold>``;
     * ``eigenvalues/<name>/01`` .. ``/<top_k>`` — the eigenvalue series, one scalar per rank;
+    * to W&B loggers also ``spectrum/<name>/eigenvalues``, the whole spectrum as a ``wandb.Histogram`` over
+      [0, 1] (W&B draws its distribution over time without any panel set-up).
 
-    and at the end of every training epoch two figures, written as PNG under ``<run dir>/figures`` and
-    sent to W&B / TensorBoard loggers: ``learning_dynamics`` (one heatmap per pair, x: step, y: the
-    ``top_k`` largest eigenvalues) and ``layer_spectra`` (one column of eigenvalue dots per pair, red
-    line: mean of the 10 largest). Rank 0 only under DDP; the history is kept in checkpoints.
+    The statistics are those of one training batch (all ranks together): ``B * L`` member samples for the
+    external pair, ``B * L * H' * W'`` output positions for an internal one. Values go straight to the
+    loggers (once per scheduled step, at the step of that batch). At the end of every training
+    epoch it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
+    ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest eigenvalues) and
+    ``layer_spectra`` (one column of eigenvalue dots per pair, red line: mean of the 10 largest). Logging
+    and figures are rank 0's; the history is kept in checkpoints.
     """
 
     def __init__(self, every_n_steps: int = 50, top_k: int = 20, threshold: float = 0.5, output_dir: str | None = None) -> None:
         super().__init__(output_dir)
-        if every_n_steps < 1 or top_k < 1 or not 0 < threshold < 1:
-            raise ValueError(f"need every_n_steps >= 1, top_k >= 1 and 0 < threshold < 1; got {every_n_steps}, {top_k}, {threshold}")
+        for name, value, valid in (("every_n_steps", every_n_steps, every_n_steps >= 1), ("top_k", top_k, top_k >= 1), ("threshold", threshold, 0 < threshold < 1)):
+            if not valid:
+                raise ConfigurationError(f"EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1 and 0 < threshold < 1; got {name}={value}", parameter=name)
         self.every_n_steps = every_n_steps
         self.top_k = top_k
         self.threshold = threshold
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
         self.latest: dict[str, torch.Tensor] = {}
+        self._last_logged_step = -1
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if (step - 1) % self.every_n_steps != 0 or not hasattr(pl_module, "cost_modules"):
+        step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
+        if step == self._last_logged_step or (step - 1) % self.every_n_steps != 0:
             return
-        for name, cost in pl_module.cost_modules().items():
-            if cost.last_statistics is None:
-                continue
-            eigenvalues = decompose(cost.last_statistics, reg=cost.reg).eigenvalues.cpu()
+        statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
+        if not statistics:
+            return
+        self._last_logged_step = step
+        costs = pl_module.cost_modules()  # type: ignore[operator]
+        metrics: dict[str, float] = {}
+        for name, stats in statistics.items():
+            eigenvalues = decompose(stats, reg=costs[name].reg).eigenvalues.cpu()
             self.latest[name] = eigenvalues
             top = eigenvalues[: self.top_k].tolist()
             self.history.setdefault(name, []).append((step, top))
-            metrics = {f"spectrum/{name}/num_above_{self.threshold:g}": float((eigenvalues > self.threshold).sum())}
+            metrics[f"spectrum/{name}/top1"] = float(eigenvalues[0])
+            metrics[f"spectrum/{name}/top10_mean"] = float(eigenvalues[:10].mean())
+            metrics[f"spectrum/{name}/num_above_{self.threshold:g}"] = float((eigenvalues > self.threshold).sum())
             metrics.update({f"eigenvalues/{name}/{rank:02d}": value for rank, value in enumerate(top, start=1)})
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        if trainer.is_global_zero:
+            self._log(trainer, metrics, step - 1)
+
+    def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+        """Straight to the loggers, once, at the step of the batch the statistics came from (``self.log``
+        from a callback would repeat the values at the next step)."""
+        histograms: dict[str, Any] = {}
+        if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+            import wandb
+
+            histograms = {
+                f"spectrum/{name}/eigenvalues": wandb.Histogram(np_histogram=np.histogram(values.numpy(), bins=HISTOGRAM_BINS, range=(0.0, 1.0)))
+                for name, values in self.latest.items()
+            }
+        for logger in trainer.loggers:
+            logger.log_metrics({**metrics, **histograms} if isinstance(logger, WandbLogger) else metrics, step=step)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not self.history:

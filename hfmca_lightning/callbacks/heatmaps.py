@@ -5,7 +5,8 @@ from __future__ import annotations
 from lightning.pytorch import LightningModule, Trainer
 
 from hfmca_lightning.callbacks.figures import FigureCallback
-from hfmca_lightning.methods.inspection import density_ratio_heatmaps
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods.inspection import default_figure_layers, density_ratio_heatmaps
 from hfmca_lightning.visualization import heatmap_overlay_figure
 
 __all__ = ["DensityRatioHeatmapCallback"]
@@ -24,8 +25,9 @@ class DensityRatioHeatmapCallback(FigureCallback):
 
     def __init__(self, num_images: int = 8, layers: list[str] | None = None, every_n_epochs: int = 1, output_dir: str | None = None) -> None:
         super().__init__(output_dir)
-        if num_images < 1 or every_n_epochs < 1:
-            raise ValueError(f"need num_images >= 1 and every_n_epochs >= 1; got {num_images}, {every_n_epochs}")
+        for name, value in (("num_images", num_images), ("every_n_epochs", every_n_epochs)):
+            if value < 1:
+                raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 1; got {value}", parameter=name)
         self.num_images = num_images
         self.layers = layers
         self.every_n_epochs = every_n_epochs
@@ -33,16 +35,17 @@ class DensityRatioHeatmapCallback(FigureCallback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         internal = getattr(pl_module, "internal_costs", None)
         if internal is None:
-            raise ValueError("DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)")
-        unknown = set(self.layers or []) - set(internal.names.values())
+            raise ConfigurationError("DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)")
+        names = [pair.log_name for pair in internal.pairs]
+        unknown = set(self.layers or []) - set(names)
         if unknown:
-            raise ValueError(f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {list(internal.names.values())}")
+            raise ConfigurationError(f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {names}", parameter="layers")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
         images, _ = trainer.datamodule.evaluation_images(self.num_images)
         heatmaps = density_ratio_heatmaps(pl_module, images)
-        chosen = self.layers or list(heatmaps)[:3]
+        chosen = self.layers or default_figure_layers(list(heatmaps))
         figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen})
         self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

@@ -1,5 +1,5 @@
 """Exact resume: the randomness of every training batch is a function of ``(seed, batch index, rank)``; the run's
-identity (seed, W&B run id, resolved config) travels with the checkpoint."""
+identity (seed, W&B run id) travels with the checkpoint."""
 
 from __future__ import annotations
 
@@ -14,17 +14,12 @@ from lightning.pytorch.loggers import WandbLogger
 
 from hfmca_lightning.seeding import step_seed
 
-__all__ = ["RunState", "saved_config", "saved_wandb_run_id"]
+__all__ = ["RunState", "saved_wandb_run_id"]
 
 
 def saved_wandb_run_id(checkpoint: dict[str, Any]) -> str | None:
     """The W&B run id that :class:`RunState` stored in ``checkpoint``, if any."""
     return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("wandb_run_id")
-
-
-def saved_config(checkpoint: dict[str, Any]) -> str | None:
-    """The resolved YAML config that the ``hfmca`` CLI stored in ``checkpoint``, if any."""
-    return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("config")
 
 
 class RunState(Callback):
@@ -41,15 +36,13 @@ class RunState(Callback):
 
     ``seed`` defaults to ``seed_everything`` (the ``PL_GLOBAL_SEED`` environment variable Lightning sets),
     else a random one; it is stored in every checkpoint and restored on resume, together with the W&B run
-    id (read by the ``hfmca`` CLI before Lightning starts the logger) and the resolved config. The CLI adds
-    this callback to every run.
+    id (read by the ``hfmca`` CLI before Lightning starts the logger). The CLI adds this callback to every run.
     """
 
     def __init__(self, seed: int | None = None) -> None:
         super().__init__()
         self.seed = seed
         self._trainer: Trainer | None = None
-        self.config: str | None = None  # the run's resolved YAML config, set by the hfmca CLI
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -66,8 +59,6 @@ class RunState(Callback):
     def state_dict(self) -> dict[str, Any]:
         # Numbers and strings only, so checkpoints load with torch.load(weights_only=True).
         state: dict[str, Any] = {"seed": self.seed}
-        if self.config is not None:
-            state["config"] = self.config
         if self._trainer is not None:
             for logger in self._trainer.loggers:
                 if isinstance(logger, WandbLogger):

@@ -138,7 +138,6 @@ class HFMCACost(nn.Module):
         self.name = name
         self.register_buffer("joint_ema", torch.zeros(0, 0, dtype=torch.float64))
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.long))
-        self.last_statistics: CorrelationStatistics | None = None
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, reg={self.reg}, beta={self.beta}, sync_dist={self.sync_dist}"
@@ -147,11 +146,16 @@ class HFMCACost(nn.Module):
         """Cost between ``low (M, L, K1)`` members and ``high (M, K2)`` group features."""
         return self.forward_statistics(group_statistics(low, high))
 
-    def forward_statistics(self, stats: CorrelationStatistics) -> Tensor:
-        """Cost from precomputed (local) statistics, e.g. :func:`feature_map_statistics`."""
-        if self.sync_dist:
-            stats = all_reduce_statistics(stats)
-        self.last_statistics = stats.detach()
+    def synchronise(self, stats: CorrelationStatistics) -> CorrelationStatistics:
+        """The statistics of the global batch: ``stats`` summed over all ranks with ``sync_dist`` (differentiably,
+        one collective), else ``stats``."""
+        return all_reduce_statistics(stats) if self.sync_dist else stats
+
+    def forward_statistics(self, stats: CorrelationStatistics, *, synchronised: bool = False) -> Tensor:
+        """Cost from precomputed statistics, e.g. :func:`feature_map_statistics`; local ones are synchronised
+        first (pass ``synchronised=True`` for the output of :meth:`synchronise`)."""
+        if not synchronised:
+            stats = self.synchronise(stats)
         if not (self.training and torch.is_grad_enabled()):
             return cost_from_statistics(stats, reg=self.reg, name=self.name)
         with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -10,15 +11,39 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
-__all__ = ["HFMCAModule", "check_checkpoint_architecture"]
+__all__ = ["Collected", "HFMCAModule", "Objective", "check_checkpoint_architecture"]
+
+
+@dataclass
+class Collected:
+    """The result of :meth:`HFMCAModule.collect`, by cost name (``external``, ``internal/L3``).
+
+    ``statistics``: each pair's statistics of this process's batch. ``maps``: internal pairs' detached
+    ``(input map (N, C, H, W), output map (N, C', H', W'))`` when asked. ``features``: the backbone output
+    ``(N, D)`` when the batch had no external pair (images, or groups without a head); else ``None``.
+    """
+
+    statistics: dict[str, CorrelationStatistics]
+    maps: dict[str, tuple[Tensor, Tensor]]
+    features: Tensor | None
+
+
+@dataclass
+class Objective:
+    """The result of :meth:`HFMCAModule.objective`: the ``total`` to minimise (0-dim float64), each cost by
+    name, and the global-batch statistics they were taken from."""
+
+    total: Tensor
+    costs: dict[str, Tensor]
+    statistics: dict[str, CorrelationStatistics]
 
 
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
@@ -154,23 +179,53 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         view_features = self.projector(features).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, _ = batch
-        costs: dict[str, Tensor] = {}
-        with self.internal_costs.record() if self.internal_costs is not None else nullcontext():
-            if self.external_head is not None:
-                view_features, group_features = self.encode_views(images)
+    def collect(self, batch: Tensor, keep_maps: bool = False) -> Collected:
+        """The one forward pass of the module: the statistics of every cost pair of ``batch``.
+
+        ``batch`` is ``(B, L, C, H, W)`` groups (the external pair needs them; the backbone sees ``B * L``
+        images) or ``(B, C, H, W)`` images (internal pairs only). Statistics are this process's, not yet
+        synchronised across ranks, keyed by cost name (``external``, ``internal/L3``); with ``keep_maps`` the
+        internal pairs' detached ``(input map, output map)`` come too. Training, the callbacks, inspection
+        and ``hfmca analyze`` all go through here.
+        """
+        with self.internal_costs.record(keep_maps) if self.internal_costs is not None else nullcontext() as recording:
+            if self.external_head is not None and batch.dim() == 5:
+                view_features, group_features = self.encode_views(batch)
+                features = None
             else:
-                self.embed(images.flatten(0, 1) if images.dim() == 5 else images)
+                features = self.embed(batch.flatten(0, 1) if batch.dim() == 5 else batch)
+        statistics: dict[str, CorrelationStatistics] = {}
+        if features is None:
+            statistics["external"] = group_statistics(view_features, group_features)
+        maps: dict[str, tuple[Tensor, Tensor]] = {}
+        if self.internal_costs is not None:
+            names = [pair.cost_name for pair in self.internal_costs.pairs]  # configured order
+            missing = [name for name in names if name not in recording.statistics]
+            if missing:
+                raise RuntimeError(f"internal cost layers {missing} did not run in the backbone's forward pass")
+            statistics.update({name: recording.statistics[name] for name in names})
+            maps = {name: recording.maps[name] for name in names if name in recording.maps}
+        return Collected(statistics, maps, features)
+
+    def objective(self, collected: Collected) -> Objective:
+        """The paper's objective ``external + weight * sum(internal)`` from a batch's local statistics.
+
+        Statistics are synchronised across ranks (costs with ``sync_dist``) before the costs are taken, so
+        the value and gradients are those of the global batch. A failed factorisation or a non-finite
+        total raises :class:`CostFactorisationError` naming the step.
+        """
+        cost_modules = self.cost_modules()
+        statistics = {name: cost_modules[name].synchronise(stats) for name, stats in collected.statistics.items()}
+        costs: dict[str, Tensor] = {}
         try:
-            total = torch.zeros((), dtype=torch.float64, device=images.device)
-            if self.external_head is not None and self.external_cost is not None:
-                costs["external"] = self.external_cost(view_features, group_features)
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for name, stats in statistics.items():
+                costs[name] = cost_modules[name].forward_statistics(stats, synchronised=True)
+            if "external" in costs:
                 total = total + costs["external"]
-            if self.internal_costs is not None:
-                internal = self.internal_costs.compute()
-                costs.update({f"internal/{name}": cost for name, cost in internal.items()})
-                total = total + self.internal_costs.weight * torch.stack(list(internal.values())).sum()
+            internal = [cost for name, cost in costs.items() if name != "external"]
+            if internal and self.internal_costs is not None:
+                total = total + self.internal_costs.weight * torch.stack(internal).sum()
             if not bool(torch.isfinite(total)):
                 raise CostFactorisationError(f"the total cost is {total.item()} (features or weights hold NaN or Inf)")
         except CostFactorisationError as error:
@@ -179,30 +234,28 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
                 "Checkpoints written before this step are intact: resume from one with a lower learning rate "
                 "or a larger `reg`."
             ) from None
-        for name, cost in costs.items():
+        return Objective(total, costs, statistics)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Any]:
+        """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics"}``: the global-batch
+        statistics of every pair (detached) go on to ``on_train_batch_end`` hooks, where
+        :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into spectra."""
+        images, _ = batch
+        objective = self.objective(self.collect(images))
+        for name, cost in objective.costs.items():
             self.log(f"cost/{name}", cost, prog_bar=name == "external")
-        self.log("cost/total", total, prog_bar=self.external_head is None)
-        self.log("train/loss", total)
-        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            for name, module in self.cost_modules().items():
-                self._log_spectrum_summary(name, module)
-        return total
+        self.log("cost/total", objective.total, prog_bar=self.external_head is None)
+        self.log("train/loss", objective.total)
+        return {"loss": objective.total, "statistics": {name: stats.detach() for name, stats in objective.statistics.items()}}
 
     def cost_modules(self) -> dict[str, HFMCACost]:
-        """Every cost of the model by log name: ``external`` and ``internal/<layer>``."""
+        """Every cost of the model by cost name: ``external`` and ``internal/<layer>``."""
         modules: dict[str, HFMCACost] = {}
         if self.external_cost is not None:
             modules["external"] = self.external_cost
         if self.internal_costs is not None:
-            modules.update({f"internal/{name}": cost for name, cost in self.internal_costs.cost_modules().items()})
+            modules.update(self.internal_costs.cost_modules())
         return modules
-
-    def _log_spectrum_summary(self, name: str, cost: HFMCACost) -> None:
-        if cost.last_statistics is None:
-            return
-        eigenvalues = decompose(cost.last_statistics, reg=cost.reg).eigenvalues
-        self.log(f"spectrum/{name}/top1", eigenvalues[0].item())
-        self.log(f"spectrum/{name}/top10_mean", eigenvalues[:10].mean().item())
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

@@ -1,9 +1,11 @@
-"""Internal HFMCA costs between the input and output maps of backbone blocks (paper §4, Alg. 2; SPEC §3)."""
+"""Internal HFMCA costs between the input and output maps of backbone blocks (paper §4, Alg. 2;
+docs/conventions.md §3)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -14,7 +16,13 @@ from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, feature_map_statistics
 from hfmca_lightning.losses.window_geometry import WindowGeometry, window_geometry
 
-__all__ = ["InternalCosts"]
+__all__ = ["InternalCosts", "InternalPair", "Recording", "internal_cost_name"]
+
+
+def internal_cost_name(log_name: str) -> str:
+    """The cost name of an internal pair, ``internal/<log name>``: its log key ``cost/internal/L3`` and its
+    key in every ``{cost name: ...}`` mapping (statistics, cost modules, spectra)."""
+    return f"internal/{log_name}"
 
 
 def _log_names(layers: list[str]) -> list[str]:
@@ -25,13 +33,44 @@ def _log_names(layers: list[str]) -> list[str]:
     return list(layers)
 
 
+@dataclass
+class InternalPair:
+    """One hooked block: where it is, what it is called, its cost and its window geometry.
+
+    ``module_path`` is the block's name in ``backbone.named_modules()`` (``blocks.L3``), ``log_name`` the short
+    name of figures and logs (``L3``), ``cost_name`` = ``internal/<log_name>``; ``geometry`` is derived when
+    the costs are attached to a backbone.
+    """
+
+    module_path: str
+    log_name: str
+    cost: HFMCACost
+    geometry: WindowGeometry | None = None
+
+    @property
+    def cost_name(self) -> str:
+        return internal_cost_name(self.log_name)
+
+
+@dataclass
+class Recording:
+    """What the hooks saw during one :meth:`InternalCosts.record` block, by cost name (``internal/L3``):
+    the statistics of every pair and, when asked, its detached ``(input map, output map)``."""
+
+    keep_maps: bool = False
+    statistics: dict[str, CorrelationStatistics] = field(default_factory=dict)
+    maps: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
 class InternalCosts(nn.Module):
     """One HFMCA cost per hooked block, between the block's input map ``Z_s`` and output map ``Z_{s+1}``.
 
-    Forward hooks on the named modules of a backbone collect, while :meth:`record` is active, the
+    Forward hooks on the named modules of a backbone compute, inside a :meth:`record` block, the
     feature-map statistics of each block with the window geometry derived from its layers
-    (:func:`~hfmca_lightning.losses.window_geometry`); the unfolded windows are never materialised.
-    Each pair has its own :class:`~hfmca_lightning.losses.HFMCACost` (own adaptive-filter state).
+    (:func:`~hfmca_lightning.losses.window_geometry`); the unfolded windows are never materialised. The
+    statistics go into the :class:`Recording` that the block yields, a value the caller owns: the module
+    itself keeps no per-batch state. Each pair has its own :class:`~hfmca_lightning.losses.HFMCACost`
+    (own adaptive-filter buffers).
 
     Args:
         layers: module names inside the backbone (``backbone.named_modules()``), e.g. ``net.layer1.0`` for
@@ -43,85 +82,73 @@ class InternalCosts(nn.Module):
     def __init__(self, layers: list[str], weight: float = 1.0, reg: float = 0.1, beta: float = 0.0, sync_dist: bool = False) -> None:
         super().__init__()
         if not layers:
-            raise ConfigurationError("internal costs need at least one layer name")
+            raise ConfigurationError("internal costs need at least one layer name", parameter="layers")
         if len(set(layers)) != len(layers):
-            raise ConfigurationError(f"internal cost layers must be distinct; got {layers}")
-        self.layers = list(layers)
+            raise ConfigurationError(f"internal cost layers must be distinct; got {layers}", parameter="layers")
         self.weight = weight
-        self.names = dict(zip(self.layers, _log_names(self.layers)))
+        log_names = _log_names(list(layers))
+        # ModuleDict keys cannot hold dots; they name the cost buffers in checkpoints.
         self.costs = nn.ModuleDict(
-            {self._key(layer): HFMCACost(reg, beta, sync_dist, name=f"internal/{self.names[layer]}") for layer in self.layers}
+            {path.replace(".", "/"): HFMCACost(reg, beta, sync_dist, name=internal_cost_name(log)) for path, log in zip(layers, log_names)}
         )
-        self.geometries: dict[str, WindowGeometry] = {}
-        self._statistics: dict[str, CorrelationStatistics] = {}
-        self._maps: dict[str, tuple[Tensor, Tensor]] = {}
-        self._recording = False
-        self._keep_maps = False
+        self.pairs = [
+            InternalPair(path, log, self.costs[path.replace(".", "/")]) for path, log in zip(layers, log_names)  # type: ignore[arg-type]
+        ]
+        self._recording: Recording | None = None
         self._handles: list[Any] = []
 
-    @staticmethod
-    def _key(layer: str) -> str:
-        return layer.replace(".", "/")
+    @property
+    def layers(self) -> list[str]:
+        """The hooked module paths, in the configured order."""
+        return [pair.module_path for pair in self.pairs]
 
     def attach(self, backbone: nn.Module) -> None:
-        """Register the forward hooks on ``backbone``'s named modules (once)."""
+        """Register the forward hooks on ``backbone``'s named modules (once) and derive their geometries."""
         if self._handles:
             raise RuntimeError("InternalCosts is already attached to a backbone")
         modules = dict(backbone.named_modules())
-        for layer in self.layers:
-            if layer not in modules:
+        for pair in self.pairs:
+            if pair.module_path not in modules:
                 blocks = [name for name, module in modules.items() if name and list(module.children())]
                 raise ConfigurationError(
-                    f"internal cost layer {layer!r} is not a module of the backbone {type(backbone).__name__}; "
-                    f"module names with children are: {', '.join(blocks[:40])}{' ...' if len(blocks) > 40 else ''}"
+                    f"internal cost layer {pair.module_path!r} is not a module of the backbone {type(backbone).__name__}; "
+                    f"module names with children are: {', '.join(blocks[:40])}{' ...' if len(blocks) > 40 else ''}",
+                    parameter="layers",
                 )
             try:
-                self.geometries[layer] = window_geometry(modules[layer])
+                pair.geometry = window_geometry(modules[pair.module_path])
             except ValueError as error:
-                raise ConfigurationError(f"internal cost layer {layer!r}: {error}") from error
-            self._handles.append(modules[layer].register_forward_hook(partial(self._hook, layer)))
+                raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}", parameter="layers") from error
+            self._handles.append(modules[pair.module_path].register_forward_hook(partial(self._hook, pair)))
 
-    def _hook(self, layer: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._recording:
+    def _hook(self, pair: InternalPair, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recording = self._recording
+        if recording is None:
             return
         low = args[0] if args else None
         if not isinstance(low, Tensor) or not isinstance(output, Tensor) or low.dim() != 4 or output.dim() != 4:
             raise ConfigurationError(
-                f"internal cost layer {layer!r} must map one (B, C, H, W) tensor to one (B, C', H', W') tensor"
+                f"internal cost layer {pair.module_path!r} must map one (B, C, H, W) tensor to one (B, C', H', W') tensor"
             )
+        assert pair.geometry is not None  # set by attach, which registered this hook
         try:
-            self._statistics[layer] = feature_map_statistics(low, output, self.geometries[layer])
+            recording.statistics[pair.cost_name] = feature_map_statistics(low, output, pair.geometry)
         except ValueError as error:
-            raise ConfigurationError(f"internal cost layer {layer!r}: {error}") from error
-        if self._keep_maps:
-            self._maps[layer] = (low.detach(), output.detach())
+            raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}") from error
+        if recording.keep_maps:
+            recording.maps[pair.cost_name] = (low.detach(), output.detach())
 
     @contextmanager
-    def record(self, keep_maps: bool = False) -> Iterator[None]:
-        """Collect statistics (and, with ``keep_maps``, the detached maps) of the forward passes inside this block."""
-        self._statistics.clear()
-        self._maps.clear()
-        self._recording, self._keep_maps = True, keep_maps
+    def record(self, keep_maps: bool = False) -> Iterator[Recording]:
+        """Collect the statistics (and, with ``keep_maps``, the detached maps) of the forward passes inside
+        this block into the yielded :class:`Recording`."""
+        recording = Recording(keep_maps)
+        self._recording = recording
         try:
-            yield
+            yield recording
         finally:
-            self._recording, self._keep_maps = False, False
-
-    def statistics(self) -> dict[str, CorrelationStatistics]:
-        """The statistics recorded by the last :meth:`record` block, by layer name."""
-        return dict(self._statistics)
-
-    def maps(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{layer: (input map, output map)}`` of the last ``record(keep_maps=True)`` block."""
-        return dict(self._maps)
-
-    def compute(self) -> dict[str, Tensor]:
-        """Cost of every hooked block from the recorded statistics, keyed by log name (``L3``, ``layer2.0``)."""
-        missing = [layer for layer in self.layers if layer not in self._statistics]
-        if missing:
-            raise RuntimeError(f"internal cost layers {missing} did not run inside InternalCosts.record()")
-        return {self.names[layer]: self.costs[self._key(layer)].forward_statistics(self._statistics[layer]) for layer in self.layers}
+            self._recording = None
 
     def cost_modules(self) -> dict[str, HFMCACost]:
-        """The per-pair cost modules by log name."""
-        return {self.names[layer]: self.costs[self._key(layer)] for layer in self.layers}  # type: ignore[misc]
+        """The per-pair cost modules by cost name (``internal/L3``)."""
+        return {pair.cost_name: pair.cost for pair in self.pairs}

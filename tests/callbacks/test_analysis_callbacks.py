@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import numpy as np
 import pytest
-from lightning.pytorch import Trainer
+import torch
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
+from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead, SpectrumCNN
 
 
-def tiny_spectrum_module() -> HFMCAModule:
-    backbone = SpectrumCNN(channels=6, hidden_dim=12, noise_channels=2)
+def tiny_spectrum_module(noise_channels: int = 2) -> HFMCAModule:
+    backbone = SpectrumCNN(channels=6, hidden_dim=12, noise_channels=noise_channels)
     return HFMCAModule(
         backbone,
-        external_head=GridExternalHead(6, 2, 2, 12, noise_channels=2),
+        external_head=GridExternalHead(6, 2, 2, 12, noise_channels=noise_channels),
         external_cost=HFMCACost(reg=1e-3, beta=0.5, name="external"),
         internal_costs=InternalCosts(backbone.internal_layers, reg=1e-3, beta=0.5),
     )
@@ -49,17 +55,58 @@ def trained(tmp_path_factory):
     return module, spectrum, trainer
 
 
-def test_logged_spectra_equal_the_eigenspectrum_of_the_same_statistics(trained):
-    module, spectrum, trainer = trained
-    assert set(spectrum.history) == {"external", *(f"internal/L{i}" for i in range(1, 10))}
-    for name, cost in module.cost_modules().items():
-        step, logged = spectrum.history[name][-1]
-        assert step == trainer.global_step == 4
-        np.testing.assert_allclose(logged, reference_eigenvalues(cost.last_statistics, cost.reg)[:5], rtol=1e-7, atol=1e-10)
-        assert float(trainer.callback_metrics[f"eigenvalues/{name}/01"]) == pytest.approx(logged[0], rel=1e-6)
-        expected_count = float((reference_eigenvalues(cost.last_statistics, cost.reg) > 0.5).sum())
-        assert float(trainer.callback_metrics[f"spectrum/{name}/num_above_0.5"]) == expected_count
-    assert len(spectrum.history["external"]) == 4  # every step
+class ReferenceSpectra(Callback):
+    """Before each training step, the spectra of the batch about to be trained on, computed independently:
+    the public ``eigenspectrum`` of the view / group features (external) and numpy's eigenvalues of
+    ``C^-1 P^T A^-1 P`` (every pair), from a separate no-grad forward with the same weights."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, np.ndarray]] = {}
+        self.external: dict[int, np.ndarray] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        views = batch[0]
+        with torch.no_grad():
+            collected = pl_module.collect(views)
+            view_features, group_features = pl_module.encode_views(views)
+        costs = pl_module.cost_modules()
+        step = trainer.global_step + 1  # the step number once this batch's optimiser step is done
+        self.by_step[step] = {name: reference_eigenvalues(stats, costs[name].reg) for name, stats in collected.statistics.items()}
+        self.external[step] = eigenspectrum(view_features, group_features, reg=costs["external"].reg).numpy()
+
+
+def cost_module_attributes(module: HFMCAModule) -> dict[str, dict]:
+    """Every cost module's plain attributes (not parameters, buffers or submodules)."""
+    return {name: {k: v for k, v in vars(cost).items() if not k.startswith("_")} for name, cost in module.cost_modules().items()}
+
+
+def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_schedule(tmp_path):
+    torch.manual_seed(0)
+    module = tiny_spectrum_module(noise_channels=0)  # no noise: the reference forward sees exactly the training features
+    attributes_before = cost_module_attributes(module)
+    reference = ReferenceSpectra()
+    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
+    trainer = Trainer(
+        max_epochs=1, logger=CSVLogger(tmp_path, name="run"), callbacks=[reference, spectrum], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(module, tiny_data())
+    rows = list(csv.DictReader(open(Path(trainer.log_dir) / "metrics.csv")))
+    names = {"external", *(f"internal/L{i}" for i in range(1, 10))}
+    for name in names:
+        logged = [row for row in rows if row.get(f"eigenvalues/{name}/01")]
+        assert [int(row["step"]) for row in logged] == [0, 2], f"{name}: logged once at steps 1 and 3 (batches 0 and 2)"
+        for row, step in zip(logged, (1, 3)):
+            expected = reference.by_step[step][name]
+            got = [float(row[f"eigenvalues/{name}/{rank:02d}"]) for rank in range(1, 6)]
+            np.testing.assert_allclose(got, expected[:5], rtol=1e-6, atol=1e-9)
+            assert float(row[f"spectrum/{name}/top1"]) == pytest.approx(expected[0], rel=1e-6, abs=1e-9)
+            assert float(row[f"spectrum/{name}/top10_mean"]) == pytest.approx(expected[:10].mean(), rel=1e-6, abs=1e-9)
+            assert float(row[f"spectrum/{name}/num_above_0.5"]) == float((expected > 0.5).sum())
+    for step in (1, 3):
+        np.testing.assert_allclose(reference.external[step], reference.by_step[step]["external"], rtol=1e-6, atol=1e-9)
+    # Nothing per batch lives on the cost modules: their plain attributes are what the constructor set.
+    assert cost_module_attributes(module) == attributes_before
 
 
 def test_figures_are_written_under_the_run_directory(trained):
@@ -79,5 +126,5 @@ def test_heatmap_callback_rejects_unknown_layers():
     module = tiny_spectrum_module()
     callback = DensityRatioHeatmapCallback(layers=["L42"])
     trainer = Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(ValueError, match=r"\['L42'\] are not internal cost layers"):
+    with pytest.raises(ConfigurationError, match=r"\['L42'\] are not internal cost layers"):
         trainer.fit(module, tiny_data())

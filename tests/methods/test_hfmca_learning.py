@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hfmca_lightning.cli import HFMCACLI
+from hfmca_lightning.trainer_cli import HFMCACLI
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 

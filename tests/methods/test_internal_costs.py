@@ -40,16 +40,17 @@ def test_window_mean_blocks_match_the_hand_computed_statistics():
     names = [name for name, _ in backbone.named_children()]
     internal = InternalCosts(names, reg=1e-3)
     internal.attach(backbone)
-    assert [internal.geometries[n] for n in names] == [
+    geometries = {pair.module_path: pair.geometry for pair in internal.pairs}
+    assert [geometries[n] for n in names] == [
         WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(7, 2, 3), WindowGeometry(4, 4, 0)
     ]
     captured = {name: _capture_io(module) for name, module in backbone.named_children()}
     torch.manual_seed(0)
-    with internal.record():
+    with internal.record() as recording:
         backbone(torch.rand(3, 4, 8, 8, dtype=torch.float64))
-    statistics = internal.statistics()
+    statistics = {pair.module_path: recording.statistics[pair.cost_name] for pair in internal.pairs}
     for name in names:
-        geometry = internal.geometries[name]
+        geometry = geometries[name]
         members, highs = reference_unfold_windows(captured[name]["low"], captured[name]["high"], geometry.kernel, geometry.stride, geometry.padding)
         # The block output really is its window mean...
         torch.testing.assert_close(members.mean(dim=1), highs)
@@ -67,31 +68,37 @@ def test_resnet_stride2_block_statistics_match_unfolded_windows():
     backbone = CIFARResNet18()
     internal = InternalCosts(["net.layer2.0", "net.layer2.1"])
     internal.attach(backbone)
-    assert internal.geometries["net.layer2.0"] == WindowGeometry(7, 2, 3)
-    assert internal.geometries["net.layer2.1"] == WindowGeometry(5, 1, 2)
-    assert internal.names == {"net.layer2.0": "layer2.0", "net.layer2.1": "layer2.1"}
+    assert [(pair.module_path, pair.log_name, pair.cost_name, pair.geometry) for pair in internal.pairs] == [
+        ("net.layer2.0", "layer2.0", "internal/layer2.0", WindowGeometry(7, 2, 3)),
+        ("net.layer2.1", "layer2.1", "internal/layer2.1", WindowGeometry(5, 1, 2)),
+    ]
+    assert [pair.cost.name for pair in internal.pairs] == ["internal/layer2.0", "internal/layer2.1"]
     seen = _capture_io(backbone.net.layer2[0])
-    with internal.record():
+    with internal.record() as recording:
         backbone(torch.rand(2, 3, 16, 16))
     members, highs = reference_unfold_windows(seen["low"], seen["high"], 7, 2, 3)
-    for value, expected in zip(internal.statistics()["net.layer2.0"].detach().means(), reference_group_moments(members, highs)):
+    for value, expected in zip(recording.statistics["internal/layer2.0"].detach().means(), reference_group_moments(members, highs)):
         np.testing.assert_allclose(value.numpy(), expected, rtol=1e-9, atol=1e-9)
 
 
+def log_names(layers: list[str]) -> dict[str, str]:
+    return {pair.module_path: pair.log_name for pair in InternalCosts(layers).pairs}
+
+
 def test_log_names_drop_the_shared_prefix():
-    assert InternalCosts(SpectrumCNN().internal_layers).names["blocks.L3"] == "L3"
-    assert InternalCosts(["net.layer1.0", "net.layer2.1"]).names == {"net.layer1.0": "layer1.0", "net.layer2.1": "layer2.1"}
-    assert InternalCosts(["layer1", "net.layer2"]).names == {"layer1": "layer1", "net.layer2": "net.layer2"}
+    assert log_names(SpectrumCNN().internal_layers)["blocks.L3"] == "L3"
+    assert log_names(["net.layer1.0", "net.layer2.1"]) == {"net.layer1.0": "layer1.0", "net.layer2.1": "layer2.1"}
+    assert log_names(["layer1", "net.layer2"]) == {"layer1": "layer1", "net.layer2": "net.layer2"}
 
 
 def test_hooks_are_idle_outside_record():
     backbone = window_mean_backbone()
     internal = InternalCosts(["padded_3x3"])
     internal.attach(backbone)
-    backbone(torch.rand(1, 2, 8, 8))
-    assert internal.statistics() == {}
-    with pytest.raises(RuntimeError, match="did not run"):
-        internal.compute()
+    backbone(torch.rand(1, 2, 8, 8))  # no record block: the hooks do nothing
+    with internal.record() as recording:
+        pass
+    assert recording.statistics == {} and recording.maps == {}
 
 
 def test_unknown_layer_and_layers_without_geometry_are_configuration_errors():
@@ -128,9 +135,9 @@ def test_resnet18_internal_costs_never_allocate_the_unfolded_windows():
     unfolded = 72 * 32 * 32 * 25 * 64
     largest_activation = 72 * 64 * 32 * 32
     tracker = LargestTensor()
-    with tracker, internal.record():
+    with tracker, internal.record() as recording:
         features = backbone(images)
-        costs = internal.compute()
+        costs = {pair.cost_name: pair.cost.forward_statistics(recording.statistics[pair.cost_name]) for pair in internal.pairs}
         (sum(costs.values()) + features.sum() * 0).backward()
     assert len(costs) == 8 and all(torch.isfinite(c) for c in costs.values())
     assert tracker.largest <= 2 * largest_activation < unfolded / 10

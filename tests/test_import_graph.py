@@ -1,0 +1,89 @@
+"""The package's modules import each other without cycles, and dependencies point one way between layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hfmca_lightning"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> modules of the package it imports`` (top-level and function-level imports alike).
+
+    ``from a.b import c`` imports ``a.b.c`` when that is a module, else ``a.b``; importing a module also runs
+    the ``__init__`` of every package above it, which counts as an import unless the importer is inside it.
+    """
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+        edges = set()
+        for target in targets:
+            if target not in modules:
+                continue
+            edges.add(target)
+            parts = target.split(".")
+            for depth in range(1, len(parts)):
+                parent = ".".join(parts[:depth])
+                if not (name == parent or name.startswith(parent + ".")):
+                    edges.add(parent)
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    graph = import_graph()
+    assert "hfmca_lightning.analyze" in graph and "hfmca_lightning.trainer_cli" in graph["hfmca_lightning.analyze"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_pure_maths_layers_do_not_reach_up():
+    """losses/ and analysis/ are tensors in, tensors out: no Lightning modules, callbacks, data or CLI."""
+    graph = import_graph()
+    upper = ("hfmca_lightning.methods", "hfmca_lightning.callbacks", "hfmca_lightning.data", "hfmca_lightning.cli", "hfmca_lightning.trainer_cli", "hfmca_lightning.analyze")
+    for name, targets in graph.items():
+        if name.startswith(("hfmca_lightning.losses", "hfmca_lightning.analysis")):
+            assert not [t for t in targets if t.startswith(upper)], name

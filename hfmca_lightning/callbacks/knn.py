@@ -1,4 +1,4 @@
-"""Online kNN evaluation during validation (SPEC §6)."""
+"""Online kNN evaluation during validation (docs/conventions.md §6)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,30 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from hfmca_lightning.data.datamodule import BANK, QUERIES
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.knn import knn_predict
 
 __all__ = ["KNNEvaluation"]
-
-BANK, QUERIES = 0, 1
 
 
 class KNNEvaluation(Callback):
     """kNN top-1 of the backbone features, logged as ``knn/top1`` (this epoch) and ``knn/top1_max``.
 
-    Consumes the validation (and test) loop: dataloader 0 is the bank (train split, no augmentation),
-    dataloader 1 the queries (test split); the module's ``validation_step`` / ``test_step`` returns
+    Consumes the validation (and test) loop: dataloader ``BANK`` (train split, no augmentation) and
+    ``QUERIES`` (test split) of :class:`~hfmca_lightning.data.MultiViewDataModule`; the module's ``validation_step`` / ``test_step`` returns
     ``{"features", "targets"}``. Lightning runs these loops in eval mode, so BN uses running statistics
     during the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
-        k: neighbours (SPEC: 200). temperature: softmax temperature (SPEC: 0.1).
+        k: neighbours (paper / lightly protocol: 200). temperature: softmax temperature (0.1).
     """
 
     def __init__(self, k: int = 200, temperature: float = 0.1) -> None:
         super().__init__()
-        if k < 1 or temperature <= 0:
-            raise ValueError(f"KNNEvaluation needs k >= 1 and temperature > 0; got k={k}, temperature={temperature}")
+        for name, value, valid in (("k", k, k >= 1), ("temperature", temperature, temperature > 0)):
+            if not valid:
+                raise ConfigurationError(f"KNNEvaluation needs k >= 1 and temperature > 0; got {name}={value}", parameter=name)
         self.k = k
         self.temperature = temperature
         self.best = 0.0

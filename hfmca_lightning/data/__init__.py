@@ -1,6 +1,6 @@
 """Data: image sources, SimCLR view transforms, multi-view datasets and the DataModule."""
 
-from hfmca_lightning.data.datamodule import MultiViewDataModule
+from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.data.datasets import (
     EvalDataset,
     MultiViewDataset,
@@ -9,9 +9,11 @@ from hfmca_lightning.data.datasets import (
     SingleViewDataset,
 )
 from hfmca_lightning.data.sources import CIFAR, ArrayImages, ImageFolderSource, ImageSource, LabelledImages, SyntheticShapes
-from hfmca_lightning.data.transforms import eval_transform, view_transform
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform
 
 __all__ = [
+    "BANK",
+    "QUERIES",
     "CIFAR",
     "ArrayImages",
     "EvalDataset",
@@ -24,6 +26,7 @@ __all__ = [
     "SeededRandomSampler",
     "SingleViewDataset",
     "SyntheticShapes",
+    "ViewAugmentation",
     "eval_transform",
     "view_transform",
 ]

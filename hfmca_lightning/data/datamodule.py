@@ -1,4 +1,4 @@
-"""``MultiViewDataModule``: L-view (or same-class) training batches plus kNN evaluation loaders (SPEC §5)."""
+"""``MultiViewDataModule``: L-view (or same-class) training batches plus kNN evaluation loaders (docs/conventions.md §5)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, re
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.seeding import step_seed
 
-__all__ = ["MultiViewDataModule", "TrainingPosition", "training_position"]
+__all__ = ["BANK", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
+
+# Evaluation loaders, by their index in ``val_dataloader()`` / ``test_dataloader()``: the kNN bank (the train
+# split without augmentation) and the queries (the test split).
+BANK, QUERIES = 0, 1
 
 
 def _leave_sigterm_to_the_main_process(worker_id: int) -> None:
@@ -62,9 +66,9 @@ class MultiViewDataModule(LightningDataModule):
       image; ``mode='same_class'``: L different images of the same class (each through the same view
       transform; set the strengths to 0 for plain images). ``mode='single'`` (``num_views: 1``): batches of
       single augmented images ``(image (B, C, H, W), target)``, e.g. for internal costs alone.
-    * ``val_dataloader``: ``[bank, queries]`` of ``(image (B, C, H, W), target)`` without augmentation:
-      the train split (kNN bank) and the test split (kNN queries).
-    * ``test_dataloader``: the same ``[bank, queries]`` pair (kNN needs the bank to classify queries).
+    * ``val_dataloader``: loaders ``BANK`` (0) and ``QUERIES`` (1) of ``(image (B, C, H, W), target)``
+      without augmentation: the train split (kNN bank) and the test split (kNN queries).
+    * ``test_dataloader``: the same pair (kNN needs the bank to classify queries).
 
     Augmentation is drawn per sample from a seed given by the sampler, so runs do not depend on the
     number of workers and resume exactly.
@@ -126,10 +130,8 @@ class MultiViewDataModule(LightningDataModule):
         if augment_on_device and mode != "views":
             raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device")
         self.augment_on_device = augment_on_device
-        self.train_transform = view_transform(
-            source.image_size, source.mean, source.std, crop_strength, color_strength, gray_strength, horizontal_flip
-        )
         spec = ViewAugmentation.from_strengths(source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip)
+        self.train_transform = view_transform(spec, source.mean, source.std)
         self.device_augmentation = DeviceViewAugmentation(spec, source.mean, source.std) if augment_on_device else None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std)
         self._train_split: LabelledImages | None = None
@@ -212,11 +214,13 @@ class MultiViewDataModule(LightningDataModule):
         return views, targets
 
     def val_dataloader(self) -> list[DataLoader]:
+        """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the train split and the test split."""
         self.setup()
-        return [
-            self._loader(EvalDataset(self._train_split, self.eval_transform), self.eval_batch_size),
-            self._loader(EvalDataset(self._test_split, self.eval_transform), self.eval_batch_size),
-        ]
+        loaders = {
+            BANK: self._loader(EvalDataset(self._train_split, self.eval_transform), self.eval_batch_size),
+            QUERIES: self._loader(EvalDataset(self._test_split, self.eval_transform), self.eval_batch_size),
+        }
+        return [loaders[index] for index in sorted(loaders)]
 
     def evaluation_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` test images without augmentation: ``(images (N, C, H, W), targets (N,))``."""

@@ -1,4 +1,4 @@
-"""Image sources: where labelled images come from (SPEC §5).
+"""Image sources: where labelled images come from (docs/conventions.md §5).
 
 A source owns the on-disk (or generated) data and hands out the train and test splits as
 :class:`LabelledImages`, datasets of ``(uint8 tensor (3, H, W) or PIL image, class index)``. Every
@@ -23,7 +23,7 @@ from torchvision.datasets import CIFAR100 as _TorchvisionCIFAR100
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
-from hfmca_lightning.data.synthetic import generate_shapes
+from hfmca_lightning.data.synthetic import SHAPES, generate_shapes
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
 
 __all__ = ["LabelledImages", "ArrayImages", "ImageSource", "CIFAR", "ImageFolderSource", "SyntheticShapes"]
@@ -93,7 +93,7 @@ class CIFAR(ImageSource):
         self, name: Literal["cifar10", "cifar100"] = "cifar10", root: str = "data", download: bool = False, verify: bool = True
     ) -> None:
         if name not in ("cifar10", "cifar100"):
-            raise ValueError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}")
+            raise ConfigurationError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}", parameter="name")
         self.name = name
         self.root = Path(root).expanduser()
         self.download = download
@@ -250,7 +250,11 @@ class SyntheticShapes(ImageSource):
         self.image_size = image_size
         self.seed = seed
         self.mean, self.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
-        generate_shapes(num_classes, 1, image_size, seed)  # validates the arguments now
+        if not 2 <= num_classes <= len(SHAPES):
+            raise ConfigurationError(f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got {num_classes}", parameter="num_classes")
+        for name, value, least in (("train_per_class", train_per_class, 1), ("test_per_class", test_per_class, 1), ("image_size", image_size, 8)):
+            if value < least:
+                raise ConfigurationError(f"SyntheticShapes needs {name} >= {least}; got {value}", parameter=name)
 
     def split(self, train: bool) -> ArrayImages:
         per_class = self.train_per_class if train else self.test_per_class

@@ -1,4 +1,4 @@
-"""SimCLR view augmentations with the strength knobs of the paper's Table 2 (SPEC §5).
+"""SimCLR view augmentations with the strength knobs of the paper's Table 2 (docs/conventions.md §5).
 
 Each knob maps 0 -> no distortion and 1 -> the paper's extreme; ``None`` keeps the SimCLR CIFAR default:
 
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torchvision.transforms import v2
 
+from hfmca_lightning.errors import ConfigurationError
+
 __all__ = ["ViewAugmentation", "view_transform", "eval_transform", "resize_transform", "DEFAULT_CROP_SCALE", "DEFAULT_COLOR_STRENGTH", "DEFAULT_GRAY_STRENGTH"]
 
 DEFAULT_CROP_SCALE = (0.08, 1.0)
@@ -31,7 +33,7 @@ DEFAULT_GRAY_STRENGTH = 0.2
 
 def _check_strength(name: str, value: float | None) -> None:
     if value is not None and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}")
+        raise ConfigurationError(f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}", parameter=name)
 
 
 @dataclass(frozen=True)
@@ -70,18 +72,10 @@ class ViewAugmentation:
         return cls(image_size, scale, ratio, jitter, 0.8 if color > 0 else 0.0, gray, horizontal_flip)
 
 
-def view_transform(
-    image_size: int,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    crop_strength: float | None = None,
-    color_strength: float | None = None,
-    gray_strength: float | None = None,
-    horizontal_flip: bool = True,
-) -> v2.Compose:
-    """One random SimCLR view of a uint8 / PIL image -> normalised float ``(3, image_size, image_size)``."""
-    spec = ViewAugmentation.from_strengths(image_size, crop_strength, color_strength, gray_strength, horizontal_flip)
-    steps: list[v2.Transform] = [v2.ToImage(), v2.RandomResizedCrop(image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)]
+def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
+    """One random SimCLR view of a uint8 / PIL image -> normalised float ``(3, image_size, image_size)``,
+    drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation` draws from on the device)."""
+    steps: list[v2.Transform] = [v2.ToImage(), v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)]
     if spec.horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
     if spec.jitter_p > 0:

@@ -10,8 +10,8 @@ __all__ = ["KNNFeatureSteps"]
 class KNNFeatureSteps:
     """Mixin for LightningModules whose ``forward`` returns backbone features ``(N, D)``.
 
-    ``validation_step`` / ``test_step`` return ``{"features", "targets"}`` for dataloader 0 (kNN bank) and
-    1 (queries) of :class:`~hfmca_lightning.data.MultiViewDataModule`.
+    ``validation_step`` / ``test_step`` return ``{"features", "targets"}`` for every evaluation loader of
+    :class:`~hfmca_lightning.data.MultiViewDataModule` (``BANK`` and ``QUERIES``).
     """
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torchvision.models import resnet18
 
+from hfmca_lightning.errors import ConfigurationError
+
 __all__ = ["CIFARResNet18", "SmallConvNet"]
 
 
@@ -38,8 +40,9 @@ class SmallConvNet(nn.Module):
 
     def __init__(self, width: int = 32, num_stages: int = 3) -> None:
         super().__init__()
-        if width < 1 or num_stages < 1:
-            raise ValueError(f"SmallConvNet needs width >= 1 and num_stages >= 1; got {width}, {num_stages}")
+        for name, value in (("width", width), ("num_stages", num_stages)):
+            if value < 1:
+                raise ConfigurationError(f"SmallConvNet needs {name} >= 1; got {value}", parameter=name)
         layers: list[nn.Module] = []
         in_channels = 3
         for stage in range(num_stages):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.models.layers import NoiseChannels
 
 __all__ = ["ViewProjector", "GridExternalHead"]
@@ -51,8 +52,9 @@ class GridExternalHead(nn.Module):
         output_dim: int | None = None,
     ) -> None:
         super().__init__()
-        if grid_height < 1 or grid_width < 1:
-            raise ValueError(f"the head grid must be at least 1x1; got {grid_height}x{grid_width}")
+        for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
+            if value < 1:
+                raise ConfigurationError(f"the head grid must be at least 1x1; got {name}={value}", parameter=name)
         self.feature_dim = feature_dim
         self.grid = (grid_height, grid_width)
         self.output_dim = output_dim or feature_dim

@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.models.layers import NoiseChannels, PaddingLayer
 
 __all__ = ["SpectrumCNN", "spectrum_block"]
@@ -51,7 +52,7 @@ class SpectrumCNN(nn.Module):
     ) -> None:
         super().__init__()
         if image_size % 8 != 0:
-            raise ValueError(f"SpectrumCNN pools by 8 before L9; image_size must be a multiple of 8, got {image_size}")
+            raise ConfigurationError(f"SpectrumCNN pools by 8 before L9; image_size must be a multiple of 8, got {image_size}", parameter="image_size")
         self.feature_dim = channels
         blocks: OrderedDict[str, nn.Module] = OrderedDict()
         blocks["L0"] = spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)

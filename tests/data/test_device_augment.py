@@ -65,7 +65,7 @@ def test_every_view_of_the_same_image_gets_its_own_parameters():
 def test_device_and_cpu_views_have_the_same_pixel_statistics():
     torch.manual_seed(3)
     images = SyntheticShapes(num_classes=4, train_per_class=1).split(True).images  # (4, 3, 32, 32) uint8
-    cpu_transform = view_transform(32, MEAN, STD)
+    cpu_transform = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD)
     cpu = torch.stack([cpu_transform(image) for image in images for _ in range(200)])
     gpu_like = device(ViewAugmentation.from_strengths(32))(images, num_views=200).flatten(0, 1)
     torch.testing.assert_close(gpu_like.mean(dim=(0, 2, 3)), cpu.mean(dim=(0, 2, 3)), atol=0.05, rtol=0)

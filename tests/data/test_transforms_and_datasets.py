@@ -10,7 +10,7 @@ from hfmca_lightning.data import (
     SyntheticShapes,
     view_transform,
 )
-from hfmca_lightning.data.transforms import eval_transform
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform
 from hfmca_lightning.errors import ConfigurationError
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -22,7 +22,7 @@ def _image() -> torch.Tensor:
 
 def test_strength_zero_is_no_distortion():
     image = _image()
-    identity = view_transform(32, MEAN, STD, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False)
+    identity = view_transform(ViewAugmentation.from_strengths(32, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False), MEAN, STD)
     plain = eval_transform(32, MEAN, STD)
     for _ in range(3):
         torch.testing.assert_close(identity(image), plain(image))
@@ -30,7 +30,7 @@ def test_strength_zero_is_no_distortion():
 
 def test_gray_strength_one_makes_every_view_grey():
     image = _image()
-    transform = view_transform(32, MEAN, STD, gray_strength=1.0, color_strength=0)
+    transform = view_transform(ViewAugmentation.from_strengths(32, gray_strength=1.0, color_strength=0), MEAN, STD)
     for _ in range(5):
         view = transform(image)
         torch.testing.assert_close(view[0], view[1], atol=1e-5, rtol=0)
@@ -38,17 +38,17 @@ def test_gray_strength_one_makes_every_view_grey():
 
 
 def test_crop_strength_maps_to_scale_range():
-    default = view_transform(32, MEAN, STD).transforms[1]
+    default = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD).transforms[1]
     assert default.scale == (0.08, 1.0)
-    extreme = view_transform(32, MEAN, STD, crop_strength=1.0).transforms[1]
+    extreme = view_transform(ViewAugmentation.from_strengths(32, crop_strength=1.0), MEAN, STD).transforms[1]
     assert extreme.scale == pytest.approx((1 / 1024, 1.0))
-    half = view_transform(32, MEAN, STD, crop_strength=0.5).transforms[1]
+    half = view_transform(ViewAugmentation.from_strengths(32, crop_strength=0.5), MEAN, STD).transforms[1]
     assert half.scale[0] == pytest.approx(1 - 0.5 * (1 - 1 / 1024))
 
 
 def test_color_strength_one_doubles_the_default_jitter():
-    jitter = view_transform(32, MEAN, STD, color_strength=1.0).transforms[3].transforms[0]
-    default = view_transform(32, MEAN, STD).transforms[3].transforms[0]
+    jitter = view_transform(ViewAugmentation.from_strengths(32, color_strength=1.0), MEAN, STD).transforms[3].transforms[0]
+    default = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD).transforms[3].transforms[0]
     assert jitter.brightness == (max(0, 1 - 0.8), 1 + 0.8)
     assert default.brightness == pytest.approx((0.6, 1.4)) and default.hue == pytest.approx((-0.1, 0.1))
     assert jitter.hue == pytest.approx((-0.2, 0.2))
@@ -56,13 +56,14 @@ def test_color_strength_one_doubles_the_default_jitter():
 
 @pytest.mark.parametrize("knob", ["crop_strength", "color_strength", "gray_strength"])
 def test_strength_outside_unit_interval_is_rejected(knob):
-    with pytest.raises(ValueError, match=f"{knob} must be in"):
-        view_transform(32, MEAN, STD, **{knob: 1.5})
+    with pytest.raises(ConfigurationError, match=f"{knob} must be in") as error:
+        MultiViewDataModule(SyntheticShapes(), **{knob: 1.5})
+    assert error.value.parameter == knob
 
 
 def test_every_view_draws_its_own_crop():
     source = SyntheticShapes(num_classes=2, train_per_class=2)
-    dataset = MultiViewDataset(source.split(True), view_transform(32, MEAN, STD, color_strength=0, gray_strength=0), num_views=6)
+    dataset = MultiViewDataset(source.split(True), view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD), num_views=6)
     views, _ = dataset[(0, 123)]
     assert views.shape == (6, 3, 32, 32)
     distinct = {tuple(v.flatten()[:50].tolist()) for v in views}
@@ -70,7 +71,7 @@ def test_every_view_draws_its_own_crop():
 
 
 def test_views_are_a_function_of_the_sample_seed_only():
-    dataset = MultiViewDataset(SyntheticShapes(num_classes=2, train_per_class=2).split(True), view_transform(32, MEAN, STD), 3)
+    dataset = MultiViewDataset(SyntheticShapes(num_classes=2, train_per_class=2).split(True), view_transform(ViewAugmentation.from_strengths(32), MEAN, STD), 3)
     first, _ = dataset[(1, 42)]
     torch.manual_seed(999)  # global state must not matter
     again, _ = dataset[(1, 42)]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from lightly.models.utils import deactivate_requires_grad, update_momentum
+from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
@@ -12,7 +15,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import configure_optimizers
 
-__all__ = ["SSLBaseline", "ProjectedPairBaseline"]
+__all__ = ["SSLBaseline", "ProjectedPairBaseline", "MomentumBaseline"]
 
 
 class SSLBaseline(KNNFeatureSteps, LightningModule):
@@ -70,3 +73,22 @@ class ProjectedPairBaseline(SSLBaseline):
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
         return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))
+
+
+class MomentumBaseline(SSLBaseline):
+    """A baseline with a momentum copy of some of its modules (MoCo's key encoder, BYOL's target network),
+    kept with lightly's ``update_momentum`` and its cosine momentum schedule from ``momentum`` to 1."""
+
+    momentum: float
+
+    def momentum_copy(self, module: nn.Module) -> nn.Module:
+        """A frozen copy of ``module`` that follows it by exponential moving average."""
+        copied = copy.deepcopy(module)
+        deactivate_requires_grad(copied)
+        return copied
+
+    def update_momentum_copies(self, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+        """One EMA step of every ``(module, momentum copy)`` pair, at this step's scheduled momentum."""
+        momentum = cosine_schedule(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0)
+        for module, copied in pairs:
+            update_momentum(module, copied, m=momentum)

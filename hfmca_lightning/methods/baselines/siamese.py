@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from lightly.loss import NegativeCosineSimilarity
 from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead
-from lightly.models.utils import deactivate_requires_grad, update_momentum
-from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
-from hfmca_lightning.methods.baselines.base import SSLBaseline
+from hfmca_lightning.methods.baselines.base import MomentumBaseline, SSLBaseline
 
 __all__ = ["BYOL", "SimSiam", "FastSiam"]
 
 
-class BYOL(SSLBaseline):
+class BYOL(MomentumBaseline):
     """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised."""
 
     def __init__(
@@ -32,17 +28,13 @@ class BYOL(SSLBaseline):
         super().__init__(backbone, optimizer, lr_scheduler)
         self.projection_head = BYOLProjectionHead(self.feature_dim, hidden_dim, output_dim)
         self.prediction_head = BYOLPredictionHead(output_dim, hidden_dim, output_dim)
-        self.momentum_backbone = copy.deepcopy(self.backbone)
-        self.momentum_projection_head = copy.deepcopy(self.projection_head)
-        deactivate_requires_grad(self.momentum_backbone)
-        deactivate_requires_grad(self.momentum_projection_head)
+        self.momentum_backbone = self.momentum_copy(self.backbone)
+        self.momentum_projection_head = self.momentum_copy(self.projection_head)
         self.momentum = momentum
         self.criterion = NegativeCosineSimilarity()
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
-        momentum = cosine_schedule(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0)
-        update_momentum(self.backbone, self.momentum_backbone, m=momentum)
-        update_momentum(self.projection_head, self.momentum_projection_head, m=momentum)
+        self.update_momentum_copies([(self.backbone, self.momentum_backbone), (self.projection_head, self.momentum_projection_head)])
         online = [self.prediction_head(self.projection_head(self.backbone(v))) for v in views[:2]]
         with torch.no_grad():
             target = [self.momentum_projection_head(self.momentum_backbone(v)) for v in views[:2]]

@@ -50,7 +50,10 @@ class HFMCACLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        super().parse_arguments(parser, args)
+        if isinstance(args, dict):  # a config built in Python (hfmca analyze): sys.argv is not ours to check
+            self.config = parser.parse_object(args)
+        else:
+            super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:

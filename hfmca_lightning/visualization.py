@@ -1,4 +1,4 @@
-"""Figures of the paper's analysis (SPEC §4), as matplotlib figures a person can read without the code.
+"""Figures of the paper's analysis (docs/conventions.md §4), as matplotlib figures a person can read without the code.
 
 Every function returns a ``matplotlib.figure.Figure`` (Agg backend, no display needed); :func:`save_figure`
 writes it as PNG. Inputs are plain tensors / arrays.

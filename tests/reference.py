@@ -7,7 +7,7 @@ import torch
 
 
 def reference_group_moments(low: torch.Tensor, high: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """R1, R2, P of SPEC §1 by explicit loops over groups and members (float64 numpy)."""
+    """R1, R2, P of docs/conventions.md §1 by explicit loops over groups and members (float64 numpy)."""
     z = low.detach().double().numpy()
     h = high.detach().double().numpy()
     groups, members, k1 = z.shape

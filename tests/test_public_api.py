@@ -1,4 +1,4 @@
-"""The stable public names of SPEC §7 exist with the documented signatures."""
+"""The stable public names of docs/conventions.md §7 exist with the documented signatures."""
 
 from __future__ import annotations
 

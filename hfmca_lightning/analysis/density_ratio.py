@@ -1,4 +1,4 @@
-"""Global-to-local density-ratio response: the telescoping propagation of paper Alg. 5 (SPEC §4).
+"""Global-to-local density-ratio response: the telescoping propagation of paper Alg. 5 (docs/conventions.md §4).
 
 Starting from ``varrho = 1`` on the top map, each cost pair ``(Z_s, Z_{s+1})`` sends the response down:
 

@@ -1,4 +1,4 @@
-"""Eigenspectrum, basis functions and local density ratio of a trained cost (paper Alg. 4; SPEC §4).
+"""Eigenspectrum, basis functions and local density ratio of a trained cost (paper Alg. 4; docs/conventions.md §4).
 
 From the regularised statistics ``A = R1 + reg I``, ``C = R2 + reg I`` and ``P``:
 

@@ -1,4 +1,4 @@
-"""Weighted k-nearest-neighbour classification of embeddings (paper Table 1 / lightly protocol, SPEC §6)."""
+"""Weighted k-nearest-neighbour classification of embeddings (paper Table 1 / lightly protocol, docs/conventions.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Global-batch statistics across processes (SPEC §1, "Reduction across devices").
+"""Global-batch statistics across processes (docs/conventions.md §1, across devices).
 
 The statistics are sums plus counts, so the whole-batch statistics are an all-reduce (sum) of the
 per-rank sums. The all-reduce must be autograd-aware: its backward all-reduces the gradients, so that

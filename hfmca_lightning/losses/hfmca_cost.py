@@ -1,4 +1,4 @@
-"""The HFMCA log-determinant dependence cost (paper Prop. 2, appendix Alg. 2 and 3; SPEC §1).
+"""The HFMCA log-determinant dependence cost (paper Prop. 2, appendix Alg. 2 and 3; docs/conventions.md §1).
 
 With ``A = R1 + reg I``, ``C = R2 + reg I`` and ``J = [[A, P], [P^T, C]]``,
 
@@ -28,7 +28,7 @@ class CostFactorisationError(RuntimeError):
 
 
 def check_reg(reg: float) -> float:
-    """Validate the regularisation constant (SPEC §1: ``reg <= 0`` is rejected)."""
+    """Validate the regularisation constant (docs/conventions.md §1: ``reg <= 0`` is rejected)."""
     if isinstance(reg, bool) or not isinstance(reg, (int, float)) or not math.isfinite(reg) or reg <= 0:
         raise ConfigurationError(
             f"reg must be a finite number > 0 (it makes the correlation matrices invertible); got {reg!r}. "
@@ -102,7 +102,7 @@ def hfmca_cost(
 
 
 class HFMCACost(nn.Module):
-    """HFMCA cost with the optional adaptive filter of paper Alg. 3 (SPEC §1).
+    """HFMCA cost with the optional adaptive filter of paper Alg. 3 (docs/conventions.md §1).
 
     In training mode (with gradients enabled) the returned tensor has the value of the exact cost
     ``r`` of the current batch and the gradient of the surrogate

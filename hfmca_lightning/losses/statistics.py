@@ -1,4 +1,4 @@
-"""Second-moment statistics behind the HFMCA cost (paper Prop. 2; SPEC §1, §3).
+"""Second-moment statistics behind the HFMCA cost (paper Prop. 2; docs/conventions.md §1, §3).
 
 Every cost compares two hierarchical levels: ``low`` members and the ``high`` feature of the group
 they belong to. The cost only needs three uncentered second moments,
@@ -59,7 +59,7 @@ class CorrelationStatistics:
         return self.high_outer_sum.shape[0]
 
     def means(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(R1, R2, P)`` of SPEC §1: the sums divided by their counts."""
+        """``(R1, R2, P)`` of docs/conventions.md §1: the sums divided by their counts."""
         return (
             self.low_outer_sum / self.member_count,
             self.high_outer_sum / self.group_count,
@@ -152,7 +152,7 @@ def window_coverage(
 
 
 def feature_map_statistics(low_map: Tensor, high_map: Tensor, geometry: WindowGeometry) -> CorrelationStatistics:
-    """Statistics between a block's input map and output map (internal cost, paper Alg. 2, SPEC §3).
+    """Statistics between a block's input map and output map (internal cost, paper Alg. 2, docs/conventions.md §3).
 
     Every output position ``q`` is a group whose members are the ``kernel**2`` input positions of its
     window (padding positions are zero members). Equal to :func:`group_statistics` on the unfolded
@@ -202,7 +202,7 @@ def feature_map_statistics(low_map: Tensor, high_map: Tensor, geometry: WindowGe
 
 
 def regularised_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(A, C, J)`` of SPEC §1: ``A = R1 + reg I``, ``C = R2 + reg I``, ``J = [[A, P], [P^T, C]]``."""
+    """``(A, C, J)`` of docs/conventions.md §1: ``A = R1 + reg I``, ``C = R2 + reg I``, ``J = [[A, P], [P^T, C]]``."""
     r1, r2, cross = stats.means()
     eye_low = torch.eye(stats.low_dim, dtype=r1.dtype, device=r1.device)
     eye_high = torch.eye(stats.high_dim, dtype=r2.dtype, device=r2.device)

@@ -1,6 +1,6 @@
 """Window geometry of a CNN block: which input positions each output position is computed from.
 
-An internal cost (paper §4, appendix "Details of decomposition with CNNs"; SPEC §3) pairs every output
+An internal cost (paper §4, appendix "Details of decomposition with CNNs"; docs/conventions.md §3) pairs every output
 position ``q`` of a block with the window of input positions it sees. For a chain of conv / pool layers
 that window is a square ``(kernel, stride, padding)``, composed layer by layer with
 

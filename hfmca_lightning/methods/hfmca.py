@@ -1,4 +1,4 @@
-"""HFMCA-SS(*): self-supervised training with the external cost (paper §3, Alg. 1; SPEC §2)."""
+"""HFMCA-SS(*): self-supervised training with the external cost (paper §3, Alg. 1; docs/conventions.md §2)."""
 
 from __future__ import annotations
 

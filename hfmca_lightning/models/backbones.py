@@ -11,7 +11,7 @@ __all__ = ["CIFARResNet18", "SmallConvNet"]
 
 
 class CIFARResNet18(nn.Module):
-    """torchvision ResNet-18 with the CIFAR stem (SPEC §2): 3x3 stride-1 ``conv1``, no max-pool, no fc.
+    """torchvision ResNet-18 with the CIFAR stem (docs/conventions.md §2): 3x3 stride-1 ``conv1``, no max-pool, no fc.
 
     Forgetting the CIFAR stem costs SimCLR ~10 kNN points on CIFAR (lightly #1419). The torchvision
     module names (``layer1.0``, ``layer4.1``, ...) are kept, so internal-cost hooks can name blocks.

@@ -1,4 +1,4 @@
-"""Heads of the external cost (paper §3, Alg. 1; SPEC §2)."""
+"""Heads of the external cost (paper §3, Alg. 1; docs/conventions.md §2)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["ViewProjector", "GridExternalHead"]
 class ViewProjector(nn.Module):
     """Per-view projector: ``(N, input_dim)`` backbone features -> ``(N, output_dim)`` in (0, 1).
 
-    Linear -> BN -> ReLU -> Linear -> BN -> sigmoid (the sigmoid output of SPEC §2; the BN keeps the
+    Linear -> BN -> ReLU -> Linear -> BN -> sigmoid (the sigmoid output of docs/conventions.md §2; the BN keeps the
     sigmoid out of saturation).
     """
 

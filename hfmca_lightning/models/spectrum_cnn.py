@@ -1,4 +1,4 @@
-"""The spectrum-analysis CNN of the paper's appendix tables (SPEC §3)."""
+"""The spectrum-analysis CNN of the paper's appendix tables (docs/conventions.md §3)."""
 
 from __future__ import annotations
 

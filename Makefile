@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-slow test-all demo clean
+.PHONY: install test test-slow test-all demo notebooks clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml
@@ -26,6 +26,10 @@ test-slow: $(STAMP)
 ## The main job: HFMCA-SS(*) on the embedded data set, offline, a few minutes on 2 CPU cores.
 demo: $(STAMP)
 	$(VENV)/bin/hfmca fit --config configs/demo.yaml
+
+## Re-run the notebooks and save them with their outputs (figures show on GitHub; the tests run them too).
+notebooks: $(STAMP)
+	$(PY) tools/execute_notebooks.py
 
 ## Everything.
 test-all: $(STAMP)

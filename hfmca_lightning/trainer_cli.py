@@ -50,8 +50,12 @@ class HFMCACLI(LightningCLI):
         )
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        if isinstance(args, dict):  # a config built in Python (hfmca analyze): sys.argv is not ours to check
+        # Arguments given in Python (main(args), hfmca analyze's dict) are the whole command: the process's
+        # own sys.argv (pytest's, a notebook kernel's) is not ours to compare them with.
+        if isinstance(args, dict):
             self.config = parser.parse_object(args)
+        elif args is not None:
+            self.config = parser.parse_args(args)
         else:
             super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")

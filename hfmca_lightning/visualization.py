@@ -145,10 +145,10 @@ def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title:
     return figure
 
 
-def save_figure(figure: Figure, path: str | Path) -> Path:
+def save_figure(figure: Figure, path: str | Path, dpi: int = 110) -> Path:
     """Write ``figure`` as a PNG (parents created) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path

@@ -100,6 +100,7 @@ class StopAfterEpochs(Callback):
 # --- the `hfmca` console script as a subprocess: real workers, real signals, real files -------------------
 
 HFMCA = Path(sys.executable).with_name("hfmca")
+DISTRIBUTED_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 SHRUNK_DATA = {
     "source": {"class_path": "hfmca_lightning.data.SyntheticShapes", "init_args": {"num_classes": 4, "train_per_class": 16, "test_per_class": 3}},
     "batch_size": 8,
@@ -118,9 +119,10 @@ def write_overrides(folder: Path, name: str, overrides: dict) -> Path:
 def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log") -> subprocess.Popen:
     """Start ``hfmca <args>`` in ``cwd`` (relative paths of the shipped configs land there) in its own process
     group, output to ``cwd/<log_name>``."""
-    # A fresh W&B environment: a WANDB_SERVICE inherited from this process (tests that ran wandb in-process)
-    # would make every subprocess share one W&B service, unlike separate runs of the command.
-    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    # A fresh shell's environment: a WANDB_SERVICE or MASTER_PORT inherited from this process (tests that ran
+    # W&B or DDP in-process leave them behind) would make every subprocess share one W&B service or one
+    # rendezvous port, unlike separate runs of the command.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_") and name not in DISTRIBUTED_ENVIRONMENT}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore")
     log = open(cwd / log_name, "w")
     return subprocess.Popen([str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

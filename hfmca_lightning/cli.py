@@ -57,13 +57,24 @@ def main(args: list[str] | None = None) -> None:
 
         HFMCACLI(args=args)
     except ConfigurationError as error:
-        _exit(f"hfmca: error: {error}", EXIT_CONFIGURATION)
+        _exit(f"hfmca: error: {_original_message(error)}", EXIT_CONFIGURATION)
     except ArgumentError as error:
         _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
     except CostFactorisationError as error:
         _exit(f"hfmca: error: {error}", EXIT_FAILED)
     except SIGTERMException:
         _exit("hfmca: stopped by SIGTERM; continue with the same command and `--ckpt_path last`.", EXIT_SIGTERM)
+
+
+def _original_message(error: BaseException) -> str:
+    """The error's own message, also when a DataLoader worker raised it (the main process re-raises it with
+    the worker's traceback in the message)."""
+    text = str(error)
+    if "Original Traceback" not in text:
+        return text
+    prefix = f"{type(error).__name__}: "
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return lines[-1][len(prefix):] if lines else text.strip().splitlines()[-1]
 
 
 def _exit(message: str, status: int) -> None:

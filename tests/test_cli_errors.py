@@ -1,5 +1,6 @@
 """Every bad input a user can give ``hfmca fit`` ends as one line, ``hfmca: error: ...``, with exit status 2,
-before any training: the line names the config key or the file, and says how to fix it."""
+before any training (an unreadable image: when it is first read, before any checkpoint): the line names the
+config key or the file, and says how to fix it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def trained_checkpoint(tmp_path_factory) -> Path:
 def image_folder(root: Path, damage: Callable[[Path], None]) -> dict:
     write_image_folder(root, per_class=6, num_classes=3, size=40)
     damage(root)
-    return {"data.init_args.source": {"class_path": "hfmca_lightning.data.ImageFolderSource", "init_args": {"root": str(root)}}}
+    return {"data.init_args.source": {"class_path": "hfmca_lightning.data.ImageFolderSource", "init_args": {"root": str(root), "image_size": 32}}}
 
 
 def truncated(checkpoint: Path, tmp: Path) -> Path:
@@ -110,6 +111,18 @@ def test_the_console_script_prints_the_same_single_line(tmp_path):
         "analysis (paper appendix)."
     ]
     assert len(result.stdout.strip().splitlines()) <= 2, result.stdout
+
+
+def test_an_image_a_worker_cannot_read_is_one_line_and_the_command_exits(tmp_path):
+    """Raised in a persistent data-loader worker (which ignores SIGTERM), re-raised in the main process with
+    the worker's traceback: still one line, and the process ends instead of waiting for the worker."""
+    changes = image_folder(tmp_path / "images", lambda root: (root / "train" / "class_1" / "3.png").write_bytes(b"not a png"))
+    overrides = tiny_overrides(tmp_path, **changes, **{"data.init_args.num_workers": 2})
+    result = run_hfmca(tmp_path, "fit", "--config", str(DEMO), "--config", str(overrides), timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(errors) == 1 and "cannot read image " in errors[0] and "3.png" in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
 
 
 def test_a_corrupt_last_checkpoint_is_named_when_resuming_with_last(tmp_path, capsys):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import signal
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from hfmca_lightning.data.datasets import (
@@ -17,9 +20,9 @@ from hfmca_lightning.data.datasets import (
     SeededRandomSampler,
     SingleViewDataset,
 )
-from hfmca_lightning.data.sources import ImageSource, LabelledImages
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transform
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.seeding import step_seed
 
@@ -32,9 +35,24 @@ BANK, QUERIES = 0, 1
 
 def _leave_sigterm_to_the_main_process(worker_id: int) -> None:
     """Data-loader workers ignore SIGTERM: SLURM signals every process of a job, and a worker that died of it
-    would crash the main process before it could write its preemption checkpoint. The main process stops
-    its workers itself when it exits."""
+    would crash the main process (PyTorch raises from its SIGCHLD handler, anywhere in a step) before it
+    could write its preemption checkpoint. The main process stops its workers itself: through the loader's
+    shutdown, or :func:`_stop_workers_at_exit`."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _stop_workers_at_exit() -> None:
+    """Kill the data-loader workers still alive when the main process exits (after an error, persistent
+    workers are never shut down). ``multiprocessing`` would SIGTERM and then wait for them, forever, as
+    they ignore SIGTERM; this runs before that (``atexit`` is last in, first out)."""
+    for child in multiprocessing.active_children():
+        if child.daemon:  # DataLoader workers are daemonic
+            child.kill()
+            child.join(timeout=5)
+
+
+atexit.register(_stop_workers_at_exit)
+
 
 
 @dataclass(frozen=True)
@@ -82,8 +100,11 @@ class MultiViewDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         seed: seeds shuffling and augmentation.
-        crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR default.
+        crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR CIFAR default.
         horizontal_flip: random horizontal flips in the views.
+        color_jitter: ``[brightness, contrast, saturation, hue]`` instead of the jitter of ``color_strength``.
+        blur / solarize: probability of a Gaussian blur / a solarisation; a list gives one per view kind,
+            cycled over the ``L`` views (BYOL: ``blur: [1.0, 0.1]``, ``solarize: [0.0, 0.2]``).
         augment_on_device: ``mode: views`` only. The loader yields resized uint8 images and the views
             are drawn on the accelerator after the batch is transferred (:class:`DeviceViewAugmentation`,
             same distributions, per-sample parameters); frees the CPU workers. Its random numbers
@@ -109,6 +130,9 @@ class MultiViewDataModule(LightningDataModule):
         color_strength: float | None = None,
         gray_strength: float | None = None,
         horizontal_flip: bool = True,
+        color_jitter: list[float] | None = None,
+        blur: float | list[float] = 0.0,
+        solarize: float | list[float] = 0.0,
         augment_on_device: bool = False,
     ) -> None:
         super().__init__()
@@ -130,12 +154,15 @@ class MultiViewDataModule(LightningDataModule):
         if augment_on_device and mode != "views":
             raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device")
         self.augment_on_device = augment_on_device
-        spec = ViewAugmentation.from_strengths(source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip)
-        self.train_transform = view_transform(spec, source.mean, source.std)
+        spec = ViewAugmentation.from_strengths(
+            source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip, color_jitter, blur, solarize
+        )
+        self.augmentation = spec
+        self.train_transforms = view_transforms(spec, source.mean, source.std)
         self.device_augmentation = DeviceViewAugmentation(spec, source.mean, source.std) if augment_on_device else None
-        self.eval_transform = eval_transform(source.image_size, source.mean, source.std)
+        self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
-        self._test_split: LabelledImages | None = None
+        self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
         self._resume_position: TrainingPosition | None = None
 
     @property
@@ -147,8 +174,15 @@ class MultiViewDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self._train_split is None:
-            self._train_split = self.source.split(train=True)
-            self._test_split = self.source.split(train=False)
+            self._train_split = self.source.training_split()
+            self._evaluation = self.source.evaluation_splits()
+            if self._evaluation is None:
+                rank_zero_warn(
+                    f"{type(self.source).__name__} has no labelled evaluation split: training runs, kNN evaluation "
+                    "is skipped (give the source labelled evaluation data to get it)."
+                )
+            if self.mode == "same_class" and UNLABELLED in set(self._train_split.targets):
+                raise ConfigurationError("mode 'same_class' groups images by class, but the training images have no labels", parameter="mode")
         processes = self.trainer.world_size if self.trainer is not None else 1
         if len(self._train_split) // processes < self.batch_size:
             shared = f" shared by {processes} processes" if processes > 1 else ""
@@ -163,7 +197,7 @@ class MultiViewDataModule(LightningDataModule):
         if self.augment_on_device:
             return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
         dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
-        return dataset_class(self._train_split, self.train_transform, self.num_views)
+        return dataset_class(self._train_split, self.train_transforms, self.num_views)
 
     def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:
         return DataLoader(
@@ -214,18 +248,24 @@ class MultiViewDataModule(LightningDataModule):
         return views, targets
 
     def val_dataloader(self) -> list[DataLoader]:
-        """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the train split and the test split."""
+        """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the source's labelled evaluation
+        splits (usually the train and the test split); none when the source has no labels."""
         self.setup()
+        if self._evaluation is None:
+            return []
+        bank, queries = self._evaluation
         loaders = {
-            BANK: self._loader(EvalDataset(self._train_split, self.eval_transform), self.eval_batch_size),
-            QUERIES: self._loader(EvalDataset(self._test_split, self.eval_transform), self.eval_batch_size),
+            BANK: self._loader(EvalDataset(bank, self.eval_transform), self.eval_batch_size),
+            QUERIES: self._loader(EvalDataset(queries, self.eval_transform), self.eval_batch_size),
         }
         return [loaders[index] for index in sorted(loaders)]
 
     def evaluation_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``count`` test images without augmentation: ``(images (N, C, H, W), targets (N,))``."""
+        """The first ``count`` evaluation queries (training images for sources without labels), without
+        augmentation: ``(images (N, C, H, W), targets (N,))``."""
         self.setup()
-        dataset = EvalDataset(self._test_split, self.eval_transform)
+        split = self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
+        dataset = EvalDataset(split, self.eval_transform)
         items = [dataset[index] for index in range(min(count, len(dataset)))]
         return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
 

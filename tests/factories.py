@@ -54,3 +54,17 @@ def write_image_folder(root: Path, per_class: int = 4, num_classes: int = 3, siz
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(folder / f"{index}.png")
     return root
+
+
+def write_stl10(root: Path, unlabelled: int = 6, train: int = 4, test: int = 3) -> Path:
+    """torchvision's ``stl10_binary`` layout: ``*_X.bin`` (uint8, each image 3 x 96 x 96 column-major),
+    ``*_y.bin`` (labels 1..10), ``unlabeled_X.bin``, ``class_names.txt``."""
+    folder = root / "stl10_binary"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, count in (("unlabeled", unlabelled), ("train", train), ("test", test)):
+        rng.integers(0, 256, (count, 3, 96, 96), dtype=np.uint8).tofile(folder / f"{name}_X.bin")
+        if name != "unlabeled":
+            (np.arange(count) % 10 + 1).astype(np.uint8).tofile(folder / f"{name}_y.bin")
+    (folder / "class_names.txt").write_text("\n".join(f"class{i}" for i in range(10)))
+    return folder

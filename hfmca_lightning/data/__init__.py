@@ -8,14 +8,28 @@ from hfmca_lightning.data.datasets import (
     SeededRandomSampler,
     SingleViewDataset,
 )
-from hfmca_lightning.data.sources import CIFAR, ArrayImages, ImageFolderSource, ImageSource, LabelledImages, SyntheticShapes
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform
+from hfmca_lightning.data.sources import (
+    CIFAR,
+    STL10,
+    UNLABELLED,
+    ArrayImages,
+    FolderImages,
+    ImageFolderSource,
+    ImageSource,
+    LabelledImages,
+    SyntheticShapes,
+    UnlabelledFolderSource,
+)
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform, view_transforms
 
 __all__ = [
     "BANK",
     "QUERIES",
     "CIFAR",
+    "STL10",
+    "UNLABELLED",
     "ArrayImages",
+    "FolderImages",
     "EvalDataset",
     "ImageFolderSource",
     "ImageSource",
@@ -26,7 +40,9 @@ __all__ = [
     "SeededRandomSampler",
     "SingleViewDataset",
     "SyntheticShapes",
+    "UnlabelledFolderSource",
     "ViewAugmentation",
     "eval_transform",
     "view_transform",
+    "view_transforms",
 ]

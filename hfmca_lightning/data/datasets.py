@@ -8,7 +8,7 @@ the batches an uninterrupted run would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -90,13 +90,21 @@ def _split_key(key: int | SampleKey) -> tuple[int, int | None]:
     return (key, None) if isinstance(key, int) else (int(key[0]), int(key[1]))
 
 
-class MultiViewDataset(Dataset):
-    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1)."""
+def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
+    return list(transform) if isinstance(transform, Sequence) else [transform]
 
-    def __init__(self, images: LabelledImages, transform: Callable, num_views: int) -> None:
+
+class MultiViewDataset(Dataset):
+    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1).
+
+    ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``). The
+    image is decoded once for its ``L`` views.
+    """
+
+    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
         if num_views < 1:
             raise ValueError(f"num_views must be >= 1; got {num_views}")
-        self.images, self.transform, self.num_views = images, transform, num_views
+        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
 
     def __len__(self) -> int:
         return len(self.images)
@@ -105,7 +113,7 @@ class MultiViewDataset(Dataset):
         index, seed = _split_key(key)
         image, target = self.images[index]
         with _seeded(seed):
-            views = torch.stack([self.transform(image) for _ in range(self.num_views)])
+            views = torch.stack([self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)])
         return views, target
 
 
@@ -121,11 +129,11 @@ class SameClassDataset(Dataset):
     """``L`` different images of one class: ``key -> (members (L, C, H, W), target)`` (supervised scenario).
 
     Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of its
-    class. Each member goes through ``transform``.
+    class. Member ``l`` goes through ``transform`` (or ``transform[l % len]``).
     """
 
-    def __init__(self, images: LabelledImages, transform: Callable, num_views: int) -> None:
-        self.images, self.transform, self.num_views = images, transform, num_views
+    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
+        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
         targets = torch.as_tensor(images.targets)
         self.by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
         smallest = min(self.by_class.items(), key=lambda item: len(item[1]))
@@ -147,7 +155,9 @@ class SameClassDataset(Dataset):
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         partners = candidates[torch.randperm(len(candidates), generator=generator)[: self.num_views - 1]].tolist()
         with _seeded(seed):
-            members = torch.stack([self.transform(self.images[i][0]) for i in [index, *partners]])
+            members = torch.stack(
+                [self.transforms[member % len(self.transforms)](self.images[i][0]) for member, i in enumerate([index, *partners])]
+            )
         return members, target
 
 

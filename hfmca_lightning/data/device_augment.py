@@ -13,13 +13,17 @@ import kornia.augmentation as K
 import torch
 from torch import Tensor, nn
 
-from hfmca_lightning.data.transforms import ViewAugmentation
+from hfmca_lightning.data.transforms import BLUR_SIGMA, ViewAugmentation
 
 __all__ = ["DeviceViewAugmentation"]
 
 
 class DeviceViewAugmentation(nn.Module):
-    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)``."""
+    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)``.
+
+    Crop, flip, colour jitter and greyscale are shared by all views; blur and solarisation follow the
+    spec's view kinds (view ``l`` of each group uses kind ``l % kinds``), as the CPU path does.
+    """
 
     def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         super().__init__()
@@ -32,12 +36,30 @@ class DeviceViewAugmentation(nn.Module):
         if spec.gray_p > 0:
             steps.append(K.RandomGrayscale(p=spec.gray_p))
         self.pipeline = nn.Sequential(*steps)
+        self.per_kind = nn.ModuleList()
+        for kind in range(spec.view_kinds):
+            blur_p, solarize_p = spec.kind(kind)
+            extras: list[nn.Module] = []
+            if blur_p > 0:
+                extras.append(K.RandomGaussianBlur(spec.blur_kernel, sigma=BLUR_SIGMA, p=blur_p))
+            if solarize_p > 0:
+                # threshold exactly SOLARIZE_THRESHOLD / 255 (no random shift), no brightness addition
+                extras.append(K.RandomSolarize(thresholds=0.0, additions=0.0, p=solarize_p))
+            self.per_kind.append(nn.Sequential(*extras))
         self.normalize = K.Normalize(mean=torch.tensor(mean), std=torch.tensor(std))
 
     def forward(self, images: Tensor, num_views: int) -> Tensor:
         if images.dtype != torch.uint8 or images.dim() != 4:
             raise ValueError(f"device augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
         batch = images.shape[0]
-        views = images.repeat_interleave(num_views, dim=0).float().div_(255)
-        views = self.normalize(self.pipeline(views))
+        views = self.pipeline(images.repeat_interleave(num_views, dim=0).float().div_(255))
+        kinds = len(self.per_kind)
+        if any(len(extras) for extras in self.per_kind):
+            view_kind = torch.arange(views.shape[0], device=views.device) % num_views % kinds
+            views = views.clone()
+            for kind, extras in enumerate(self.per_kind):
+                selected = view_kind == kind
+                if len(extras) and bool(selected.any()):
+                    views[selected] = extras(views[selected])
+        views = self.normalize(views)
         return views.reshape(batch, num_views, *views.shape[1:])

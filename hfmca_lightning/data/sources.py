@@ -1,14 +1,18 @@
-"""Image sources: where labelled images come from (docs/conventions.md §5).
+"""Image sources: where the images come from (docs/conventions.md §5).
 
-A source owns the on-disk (or generated) data and hands out the train and test splits as
-:class:`LabelledImages`, datasets of ``(uint8 tensor (3, H, W) or PIL image, class index)``. Every
-problem (missing root, wrong checksum, unreadable image) is raised by :meth:`ImageSource.prepare` or
-:meth:`ImageSource.split`, which the DataModule calls before any training starts.
+A source owns the on-disk (or generated) data and hands out its splits as :class:`LabelledImages`,
+datasets of ``(uint8 tensor (3, H, W) or PIL image, class index)``: the training split (labels may be
+unknown, ``-1``) and, when it has labels, the evaluation splits (kNN bank and queries). Missing roots,
+wrong checksums and malformed trees are raised by :meth:`ImageSource.prepare` or the split methods, which
+the DataModule calls before any training starts; an image that cannot be decoded is found when it is
+first read (folders of a million files start in seconds).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal, Sequence
@@ -20,13 +24,28 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10 as _TorchvisionCIFAR10
 from torchvision.datasets import CIFAR100 as _TorchvisionCIFAR100
-from torchvision.datasets import ImageFolder
+from torchvision.datasets import STL10 as _TorchvisionSTL10
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
+from torchvision.io import ImageReadMode, decode_image
 
 from hfmca_lightning.data.synthetic import SHAPES, generate_shapes
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
 
-__all__ = ["LabelledImages", "ArrayImages", "ImageSource", "CIFAR", "ImageFolderSource", "SyntheticShapes"]
+__all__ = [
+    "ArrayImages",
+    "CIFAR",
+    "FolderImages",
+    "ImageFolderSource",
+    "ImageSource",
+    "LabelledImages",
+    "STL10",
+    "SyntheticShapes",
+    "UnlabelledFolderSource",
+    "UNLABELLED",
+]
+
+UNLABELLED = -1  # the target of an image without a class
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
@@ -58,12 +77,17 @@ class ArrayImages(LabelledImages):
 
 
 class ImageSource(ABC):
-    """Where images come from. Subclasses are configured from YAML with ``class_path`` / ``init_args``."""
+    """Where images come from. Subclasses are configured from YAML with ``class_path`` / ``init_args``.
+
+    ``eval_resize``: the shorter side evaluation images are resized to before the centre crop of
+    ``image_size`` (``None``: ``image_size``; ImageNet's convention is 256 for 224).
+    """
 
     num_classes: int
     image_size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    eval_resize: int | None = None
 
     def prepare(self) -> None:
         """Download (if asked) and check that the data is there; run once, on one process."""
@@ -71,6 +95,14 @@ class ImageSource(ABC):
     @abstractmethod
     def split(self, train: bool) -> LabelledImages:
         """The train (``True``) or test (``False``) split."""
+
+    def training_split(self) -> LabelledImages:
+        """The images the model trains on (targets may be ``UNLABELLED``)."""
+        return self.split(train=True)
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        """``(bank, queries)`` for kNN and probes, both labelled, or ``None`` when the source has no labels."""
+        return self.split(train=True), self.split(train=False)
 
 
 class CIFAR(ImageSource):
@@ -149,88 +181,317 @@ class CIFAR(ImageSource):
         return ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
 
 
-class _CheckedImageFolder(ImageFolder):
-    """torchvision ImageFolder whose load errors name the file."""
+class FolderImages(LabelledImages):
+    """Image files decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
 
-    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+    JPEG, PNG, WebP and GIF go through torchvision's decoders (libjpeg-turbo), anything else through PIL.
+    A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming
+    it; with ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the
+    next readable image of the list in its place, so an epoch keeps its length.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
+        self.samples = samples
+        self.targets = [target for _, target in samples]
+        self.on_bad_image = on_bad_image
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        for attempt in range(min(len(self.samples), 100)):
+            path, target = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                return read_image(path), target
+            except (OSError, RuntimeError, ValueError, UnidentifiedImageError) as error:
+                if self.on_bad_image == "error":
+                    raise ConfigurationError(
+                        f"cannot read image {path}: {error}. Remove or replace the file, or set on_bad_image: skip."
+                    ) from None
+                self.skipped += 1
+                warnings.warn(f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process", stacklevel=2)
+        raise ConfigurationError(f"no readable image among 100 files from {self.samples[index][0]}: check the data folder")
+
+
+def read_image(path: str) -> Tensor:
+    """An image file as an RGB uint8 tensor ``(3, H, W)``."""
+    if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
         try:
-            return super().__getitem__(index)
-        except (OSError, UnidentifiedImageError) as error:
-            raise ConfigurationError(f"cannot read image {self.samples[index][0]}: {error}") from error
+            return decode_image(path, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # e.g. CMYK JPEGs, PNGs named .jpg: PIL reads those
+    with Image.open(path) as image:
+        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def _image_files(folder: Path) -> list[str]:
+    """Every image file under ``folder`` (recursively, links followed), sorted; no file is opened."""
+    found = []
+    for parent, directories, files in os.walk(folder, followlinks=True):
+        directories.sort()
+        found += [os.path.join(parent, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    return found
+
+
+def _read_class_list(path: str) -> list[str]:
+    lines = [line.split("#", 1)[0].strip() for line in Path(path).expanduser().read_text().splitlines()]
+    classes = [line for line in lines if line]
+    if not classes or len(set(classes)) != len(classes):
+        raise ConfigurationError(f"class_list {path} must list distinct class folder names, one per line", parameter="class_list")
+    return sorted(classes)
 
 
 class ImageFolderSource(ImageSource):
-    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout).
+    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included.
 
-    Every image header is opened once in :meth:`split`, so an unreadable file is reported by name
-    before training starts. Both splits must have the same class folders (by name), none of them empty.
+    Start-up only lists the files (no image is opened: 100k files take well under a second); images are
+    decoded when read, an unreadable one handled by ``on_bad_image``. Classes are the folder names,
+    sorted; both splits must have the same classes, none of them empty.
 
     Args:
         root: folder with one sub-folder per split.
-        train_dir / test_dir: names of the split folders.
+        train_dir / test_dir: names of the split folders (ImageNet: ``train`` / ``val``); ``test_dir: null``
+            trains without kNN evaluation.
+        class_list: a text file of class folder names, one per line (``#`` comments); only those classes
+            are used (``configs/imagenet100_classes.txt``: ImageNet-100).
         image_size: side of the (square) images fed to the network.
+        eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
         mean / std: normalisation (default ImageNet's).
+        on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
     """
 
     def __init__(
         self,
         root: str,
         train_dir: str = "train",
-        test_dir: str = "test",
-        image_size: int = 32,
+        test_dir: str | None = "test",
+        class_list: str | None = None,
+        image_size: int = 224,
+        eval_resize: int | None = None,
         mean: tuple[float, float, float] = IMAGENET_MEAN,
         std: tuple[float, float, float] = IMAGENET_STD,
+        on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
+        if on_bad_image not in ("error", "skip"):
+            raise ConfigurationError(f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image")
         self.root = Path(root).expanduser()
         self.train_dir, self.test_dir = train_dir, test_dir
+        self.class_list = class_list
         self.image_size = image_size
+        self.eval_resize = eval_resize
         self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
-        self.num_classes = 0
-        self.classes: list[str] = []
+        self.on_bad_image = on_bad_image
+        self.classes = _read_class_list(class_list) if class_list is not None else None
+        self.num_classes = len(self.classes) if self.classes else 0
+        self._splits: dict[bool, FolderImages] = {}
+
+    def _folder(self, train: bool) -> Path:
+        return self.root / (self.train_dir if train else str(self.test_dir))
 
     def prepare(self) -> None:
-        for split in (self.train_dir, self.test_dir):
+        splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
+        for split in splits:
             if not (self.root / split).is_dir():
                 raise DataNotFoundError(
                     f"image folder split not found: looked for {self.root / split}. Expected the layout "
-                    f"{self.root}/{{{self.train_dir},{self.test_dir}}}/<class name>/<image file>."
+                    f"{self.root}/{{{','.join(splits)}}}/<class name>/<image file>."
                 )
+
+    def split(self, train: bool) -> FolderImages:
+        if train not in self._splits:
+            self.prepare()
+            if not train and self.test_dir is None:
+                raise ConfigurationError(f"{self.root} has no test split (test_dir is null)", parameter="test_dir")
+            self._splits[train] = self._scan(self._folder(train))
+        return self._splits[train]
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        return None if self.test_dir is None else (self.split(True), self.split(False))
+
+    def _scan(self, folder: Path) -> FolderImages:
+        present = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+        if self.classes is None:
+            self.classes = present
+            self.num_classes = len(present)
+        missing = sorted(set(self.classes) - set(present))
+        if self.class_list is not None and missing:
+            raise ConfigurationError(
+                f"{folder} lacks {len(missing)} classes of class_list {self.class_list} (e.g. {missing[:3]}); "
+                "kNN and probes need the same classes in every split"
+            )
+        extra = sorted(set(present) - set(self.classes)) if self.class_list is None else []
+        if missing or extra:
+            raise ConfigurationError(
+                f"the splits of {self.root} have different class folders (only in {self.train_dir}: {missing[:5]}; "
+                f"only in {folder.name}: {extra[:5]}); kNN and probes need the same classes in every split"
+            )
+        samples: list[tuple[str, int]] = []
+        for target, name in enumerate(self.classes):
+            files = _image_files(folder / name)
+            if not files:
+                raise ConfigurationError(f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder or remove it.")
+            samples += [(path, target) for path in files]
+        return FolderImages(samples, self.on_bad_image)
+
+
+class UnlabelledFolderSource(ImageSource):
+    """Any tree of images without classes (every image file under ``root``), for training only.
+
+    kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
+    labelled subset) for its bank and queries; without it, training runs and kNN is skipped with a warning.
+
+    Args:
+        root: folder searched recursively for image files.
+        image_size / eval_resize / mean / std / on_bad_image: as :class:`ImageFolderSource`.
+        evaluation: the labelled source whose evaluation splits kNN and probes use.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 224,
+        eval_resize: int | None = None,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        on_bad_image: Literal["error", "skip"] = "error",
+        evaluation: ImageSource | None = None,
+    ) -> None:
+        self.root = Path(root).expanduser()
+        self.image_size = image_size
+        self.eval_resize = eval_resize
+        self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
+        self.on_bad_image = on_bad_image
+        self.evaluation = evaluation
+        self.num_classes = evaluation.num_classes if evaluation is not None else 0
+        self._images: FolderImages | None = None
+
+    def prepare(self) -> None:
+        if not self.root.is_dir():
+            raise DataNotFoundError(f"image folder not found: looked for {self.root}")
+        if self.evaluation is not None:
+            self.evaluation.prepare()
+
+    def split(self, train: bool) -> LabelledImages:
+        if not train:
+            splits = self.evaluation_splits()
+            if splits is None:
+                raise ConfigurationError(f"{self.root} has no labels: give `evaluation` a labelled source for test images")
+            return splits[1]
+        if self._images is None:
+            self.prepare()
+            files = _image_files(self.root)
+            if not files:
+                raise ConfigurationError(f"no image files under {self.root} (extensions: {', '.join(IMAGE_EXTENSIONS)})")
+            self._images = FolderImages([(path, UNLABELLED) for path in files], self.on_bad_image)
+        return self._images
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        if self.evaluation is None:
+            return None
+        splits = self.evaluation.evaluation_splits()
+        self.num_classes = self.evaluation.num_classes
+        return splits
+
+
+class _BinaryImages(LabelledImages):
+    """STL-10's ``*_X.bin`` (uint8, column-major 3 x 96 x 96 per image), memory-mapped, with its labels."""
+
+    def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
+        self.images = images
+        self.targets = [int(t) for t in targets]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        return torch.from_numpy(np.ascontiguousarray(self.images[index].transpose(0, 2, 1))), self.targets[index]
+
+
+class _ConcatImages(LabelledImages):
+    def __init__(self, parts: list[LabelledImages]) -> None:
+        self.parts = parts
+        self.targets = [target for part in parts for target in part.targets]
+        self.offsets = np.cumsum([0] + [len(part) for part in parts])
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        part = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.parts[part][index - int(self.offsets[part])]
+
+
+class STL10(ImageSource):
+    """STL-10 from torchvision's on-disk layout (``stl10_binary``): 100k unlabelled and 5k labelled training
+    images, 8k test images, 96 x 96.
+
+    Training uses the ``unlabeled`` images and, with ``train_on_labelled``, the labelled ones (the usual
+    protocol); kNN uses the labelled training images as bank and the test images as queries. The binaries
+    are memory-mapped, not loaded. md5 sums of the official release are checked unless ``verify: false``.
+
+    Args:
+        root: folder that holds (or will hold) ``stl10_binary``.
+        download: fetch and extract the archive (2.6 GB) if it is missing.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
+        train_on_labelled: add the 5k labelled training images to the training split.
+        image_size: side fed to the network (96: no resize).
+    """
+
+    mean, std = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
+    num_classes = 10
+
+    def __init__(self, root: str = "data", download: bool = False, verify: bool = True, train_on_labelled: bool = True, image_size: int = 96) -> None:
+        self.root = Path(root).expanduser()
+        self.download = download
+        self.verify = verify
+        self.train_on_labelled = train_on_labelled
+        self.image_size = image_size
+
+    @property
+    def folder(self) -> Path:
+        return self.root / _TorchvisionSTL10.base_folder
+
+    def _files(self) -> list[tuple[str, str]]:
+        return [*_TorchvisionSTL10.train_list, *_TorchvisionSTL10.test_list]
+
+    def prepare(self) -> None:
+        missing = [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
+        if missing and self.download:
+            try:
+                download_and_extract_archive(_TorchvisionSTL10.url, str(self.root), filename=_TorchvisionSTL10.filename, md5=_TorchvisionSTL10.tgz_md5)
+            except Exception as error:  # network errors come in many types
+                raise ConfigurationError(f"could not download STL-10 into {self.root}: {error}. Copy the extracted stl10_binary folder there instead.") from error
+            missing = [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
+        if missing:
+            raise DataNotFoundError(
+                f"STL-10 not found: looked for {missing[0]} (and {len(missing) - 1} other files). Set `download: true` "
+                "to fetch it (needs network), or set `root` to the folder that contains 'stl10_binary'."
+            )
+        if self.verify:
+            for name, md5 in self._files():
+                if not check_integrity(str(self.folder / name), md5):
+                    raise ConfigurationError(
+                        f"{self.folder / name} does not have the md5 sum of the official STL-10 release (partial download?). "
+                        "Delete it and download again; set `verify: false` only for data you generated yourself."
+                    )
+
+    def _read(self, name: str) -> _BinaryImages:
+        images = np.memmap(self.folder / f"{name}_X.bin", dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
+        labels_file = self.folder / f"{name}_y.bin"
+        targets = np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1 if labels_file.is_file() else np.full(len(images), UNLABELLED)
+        if len(targets) != len(images):
+            raise ConfigurationError(f"{labels_file} has {len(targets)} labels for {len(images)} images")
+        return _BinaryImages(images, targets)
 
     def split(self, train: bool) -> LabelledImages:
         self.prepare()
-        root = self.root / (self.train_dir if train else self.test_dir)
-        try:
-            folder = _CheckedImageFolder(str(root))
-        except FileNotFoundError as error:  # torchvision: a class folder without a single image
-            raise ConfigurationError(f"{root}: {error}. Add images to that class folder or remove it.") from None
-        for path, _ in folder.samples:
-            try:
-                with Image.open(path) as image:
-                    image.size  # noqa: B018 - reads the header
-            except (OSError, UnidentifiedImageError) as error:
-                raise ConfigurationError(f"cannot read image {path}: {error}. Remove or replace the file.") from error
-        if self.classes and folder.classes != self.classes:
-            only_train = sorted(set(self.classes) - set(folder.classes))
-            only_test = sorted(set(folder.classes) - set(self.classes))
-            raise ConfigurationError(
-                f"the splits of {self.root} have different class folders (only in {self.train_dir}: {only_train[:5]}; "
-                f"only in {self.test_dir}: {only_test[:5]}); kNN and probes need the same classes in both"
-            )
-        self.classes = list(folder.classes)
-        self.num_classes = len(folder.classes)
-        return _PILImages(folder)
+        return self._read("train" if train else "test")
 
-
-class _PILImages(LabelledImages):
-    def __init__(self, folder: ImageFolder) -> None:
-        self.folder = folder
-        self.targets = list(folder.targets)
-
-    def __len__(self) -> int:
-        return len(self.folder)
-
-    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
-        return self.folder[index]
+    def training_split(self) -> LabelledImages:
+        self.prepare()
+        unlabelled = self._read("unlabeled")
+        return _ConcatImages([unlabelled, self._read("train")]) if self.train_on_labelled else unlabelled
 
 
 class SyntheticShapes(ImageSource):

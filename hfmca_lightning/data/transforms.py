@@ -13,10 +13,16 @@ gray      RandomGrayscale p = t                            t = 0.2              
 At crop strength 0 the view is the whole image (scale and aspect ratio 1). Transforms run on one image
 at a time, so every view draws its own parameters (batched v2 transforms would share one draw,
 pytorch/vision #8484).
+
+ImageNet-scale sets add Gaussian blur and solarisation with per-view probabilities, as lightly's
+transforms: SimCLR ImageNet is ``color_strength=1, blur=0.5``; BYOL is
+``color_jitter=(0.4, 0.4, 0.2, 0.1), blur=(1.0, 0.1), solarize=(0.0, 0.2)`` (its two view distributions,
+alternating over the L views).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +30,11 @@ from torchvision.transforms import v2
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["ViewAugmentation", "view_transform", "eval_transform", "resize_transform", "DEFAULT_CROP_SCALE", "DEFAULT_COLOR_STRENGTH", "DEFAULT_GRAY_STRENGTH"]
+__all__ = ["ViewAugmentation", "view_transform", "view_transforms", "eval_transform", "resize_transform", "DEFAULT_CROP_SCALE", "DEFAULT_COLOR_STRENGTH", "DEFAULT_GRAY_STRENGTH"]
 
 DEFAULT_CROP_SCALE = (0.08, 1.0)
+BLUR_SIGMA = (0.1, 2.0)
+SOLARIZE_THRESHOLD = 128  # of 255, as lightly's RandomSolarization (PIL's solarize)
 DEFAULT_COLOR_STRENGTH = 0.5
 DEFAULT_GRAY_STRENGTH = 0.2
 
@@ -38,7 +46,12 @@ def _check_strength(name: str, value: float | None) -> None:
 
 @dataclass(frozen=True)
 class ViewAugmentation:
-    """The parameters of one SimCLR view distribution, shared by the CPU and the on-device pipelines."""
+    """The parameters of the view distribution, shared by the CPU and the on-device pipelines.
+
+    ``blur_p`` and ``solarize_p`` are per view: view ``l`` of a group uses entry ``l % len``, so
+    ``blur_p=(1.0, 0.1), solarize_p=(0.0, 0.2)`` alternates BYOL's two view distributions over the ``L``
+    views. The Gaussian blur has sigma in [0.1, 2] and a kernel of about 10 % of the image side (SimCLR).
+    """
 
     image_size: int
     crop_scale: tuple[float, float]
@@ -47,6 +60,22 @@ class ViewAugmentation:
     jitter_p: float
     gray_p: float
     horizontal_flip: bool
+    blur_p: tuple[float, ...] = (0.0,)
+    solarize_p: tuple[float, ...] = (0.0,)
+
+    @property
+    def view_kinds(self) -> int:
+        """How many different view distributions there are (views cycle through them)."""
+        return max(len(self.blur_p), len(self.solarize_p))
+
+    def kind(self, view: int) -> tuple[float, float]:
+        """``(blur probability, solarisation probability)`` of view number ``view``."""
+        return self.blur_p[view % len(self.blur_p)], self.solarize_p[view % len(self.solarize_p)]
+
+    @property
+    def blur_kernel(self) -> int:
+        """Odd kernel size of about 10 % of the image side, at least 3 (SimCLR: 23 at 224 px)."""
+        return max(3, int(0.1 * self.image_size) // 2 * 2 + 1)
 
     @classmethod
     def from_strengths(
@@ -56,10 +85,18 @@ class ViewAugmentation:
         color_strength: float | None = None,
         gray_strength: float | None = None,
         horizontal_flip: bool = True,
+        color_jitter: Sequence[float] | None = None,
+        blur: float | Sequence[float] = 0.0,
+        solarize: float | Sequence[float] = 0.0,
     ) -> ViewAugmentation:
-        """Map the Table 2 knobs (module docstring) to parameters."""
+        """Map the Table 2 knobs (module docstring) and the ImageNet-scale extras to parameters.
+
+        ``color_jitter`` (brightness, contrast, saturation, hue) replaces the jitter that ``color_strength``
+        gives (BYOL's is (0.4, 0.4, 0.2, 0.1)); ``blur`` and ``solarize`` are probabilities, one per view kind.
+        """
         for name, value in (("crop_strength", crop_strength), ("color_strength", color_strength), ("gray_strength", gray_strength)):
             _check_strength(name, value)
+        blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if crop_strength is None:
             scale, ratio = DEFAULT_CROP_SCALE, (3 / 4, 4 / 3)
         elif crop_strength == 0:
@@ -69,12 +106,26 @@ class ViewAugmentation:
         color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength
         gray = DEFAULT_GRAY_STRENGTH if gray_strength is None else gray_strength
         jitter = (0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
-        return cls(image_size, scale, ratio, jitter, 0.8 if color > 0 else 0.0, gray, horizontal_flip)
+        if color_jitter is not None:
+            if len(color_jitter) != 4 or any(value < 0 for value in color_jitter):
+                raise ConfigurationError(f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}", parameter="color_jitter")
+            jitter = tuple(float(value) for value in color_jitter)  # type: ignore[assignment]
+        jitter_p = 0.8 if any(jitter) else 0.0
+        return cls(image_size, scale, ratio, jitter, jitter_p, gray, horizontal_flip, blur_p, solarize_p)
 
 
-def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
-    """One random SimCLR view of a uint8 / PIL image -> normalised float ``(3, image_size, image_size)``,
-    drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation` draws from on the device)."""
+def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ...]:
+    values = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise ConfigurationError(f"{name} is a probability in [0, 1], or a list of them (one per view kind); got {value!r}", parameter=name)
+    return values
+
+
+def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0) -> v2.Compose:
+    """One random view (number ``view`` of its group) of a uint8 / PIL image -> normalised float
+    ``(3, image_size, image_size)``, drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation`
+    draws from on the device). Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter,
+    greyscale, blur, solarisation, normalisation."""
     steps: list[v2.Transform] = [v2.ToImage(), v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)]
     if spec.horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
@@ -82,16 +133,27 @@ def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[f
         steps.append(v2.RandomApply([v2.ColorJitter(*spec.jitter)], p=spec.jitter_p))
     if spec.gray_p > 0:
         steps.append(v2.RandomGrayscale(p=spec.gray_p))
+    blur_p, solarize_p = spec.kind(view)
+    if blur_p > 0:
+        steps.append(v2.RandomApply([v2.GaussianBlur(spec.blur_kernel, sigma=BLUR_SIGMA)], p=blur_p))
+    if solarize_p > 0:
+        steps.append(v2.RandomSolarize(threshold=SOLARIZE_THRESHOLD, p=solarize_p))
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     return v2.Compose(steps)
 
 
-def eval_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
-    """No augmentation: resize (shorter side) and centre-crop to ``image_size``, then normalise."""
+def view_transforms(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> list[v2.Compose]:
+    """One :func:`view_transform` per view kind; view ``l`` uses entry ``l % len``."""
+    return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
+
+
+def eval_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None) -> v2.Compose:
+    """No augmentation: resize the shorter side to ``resize`` (default ``image_size``; ImageNet: 256 for 224),
+    centre-crop ``image_size``, normalise."""
     return v2.Compose(
         [
             v2.ToImage(),
-            v2.Resize(image_size, antialias=True),
+            v2.Resize(resize or image_size, antialias=True),
             v2.CenterCrop(image_size),
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(mean, std),

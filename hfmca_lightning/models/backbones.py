@@ -2,31 +2,110 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Any
+
+import torchvision
 from torch import Tensor, nn
-from torchvision.models import resnet18
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["CIFARResNet18", "SmallConvNet"]
+__all__ = ["CIFARResNet18", "SmallConvNet", "TimmBackbone", "TorchvisionBackbone"]
+
+_CLASSIFIER_ATTRIBUTES = ("fc", "classifier", "heads", "head")
 
 
-class CIFARResNet18(nn.Module):
+class TorchvisionBackbone(nn.Module):
+    """Any torchvision classification model by name, its classifier removed: ``(N, 3, H, W) -> (N, feature_dim)``.
+
+    ``resnet50``, ``wide_resnet50_2``, ``resnext50_32x4d``, ``convnext_tiny``, ``efficientnet_b0``,
+    ``regnet_y_800mf``, ``vit_b_16``, ... (``torchvision.models.list_models()``). The last linear layer of the
+    classifier (``fc``, ``classifier``, ``heads`` or ``head``) becomes the identity and ``feature_dim`` is
+    its input size. The model sits under ``net``, so its torchvision module names are kept behind a
+    ``net.`` prefix (``net.layer1.0``: what internal-cost ``layers`` name).
+
+    Args:
+        name: the torchvision model name.
+        weights: torchvision weights to start from (e.g. ``IMAGENET1K_V2``; downloaded); ``None``: random.
+        cifar_stem: ResNet family only: 3x3 stride-1 ``conv1`` and no max-pool, for 32-px images.
+    """
+
+    def __init__(self, name: str = "resnet50", weights: str | None = None, cifar_stem: bool = False) -> None:
+        super().__init__()
+        available = torchvision.models.list_models(module=torchvision.models)
+        if name not in available:
+            close = difflib.get_close_matches(name, available, n=3)
+            raise ConfigurationError(
+                f"{name!r} is not a torchvision classification model{'; did you mean ' + ' / '.join(close) + '?' if close else ''} "
+                "(torchvision.models.list_models() lists them)",
+                parameter="name",
+            )
+        net = torchvision.models.get_model(name, weights=weights)
+        if cifar_stem:
+            if not isinstance(getattr(net, "conv1", None), nn.Conv2d) or not hasattr(net, "maxpool"):
+                raise ConfigurationError(f"cifar_stem replaces conv1 and the max-pool of ResNet-family models; {name} has none", parameter="cifar_stem")
+            net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+            net.maxpool = nn.Identity()
+        self.feature_dim = _remove_classifier(net, name)
+        self.net = net
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.net(images)
+
+
+def _remove_classifier(net: nn.Module, name: str) -> int:
+    """Replace the last ``nn.Linear`` of the classifier by the identity; return its input size."""
+    for attribute in _CLASSIFIER_ATTRIBUTES:
+        classifier = getattr(net, attribute, None)
+        if not isinstance(classifier, nn.Module):
+            continue
+        if isinstance(classifier, nn.Linear):
+            setattr(net, attribute, nn.Identity())
+            return classifier.in_features
+        linears = [(path, module) for path, module in classifier.named_modules() if isinstance(module, nn.Linear)]
+        if linears:
+            path, linear = linears[-1]
+            parent = classifier.get_submodule(path.rpartition(".")[0]) if "." in path else classifier
+            setattr(parent, path.rpartition(".")[2], nn.Identity())
+            return linear.in_features
+    raise ConfigurationError(f"cannot find the classifier of torchvision model {name} (looked for {', '.join(_CLASSIFIER_ATTRIBUTES)})", parameter="name")
+
+
+class CIFARResNet18(TorchvisionBackbone):
     """torchvision ResNet-18 with the CIFAR stem (docs/conventions.md §2): 3x3 stride-1 ``conv1``, no max-pool, no fc.
 
     Forgetting the CIFAR stem costs SimCLR ~10 kNN points on CIFAR (lightly #1419). The torchvision
     module names (``layer1.0``, ``layer4.1``, ...) are kept, so internal-cost hooks can name blocks.
-    Output: ``(N, 512)``.
+    Output: ``(N, 512)``. The same as ``TorchvisionBackbone(name="resnet18", cifar_stem=True)``.
     """
 
-    feature_dim = 512
-
     def __init__(self) -> None:
+        super().__init__("resnet18", cifar_stem=True)
+
+
+class TimmBackbone(nn.Module):
+    """Any timm model by name (ViT, Swin, ConvNeXt, ...), without classifier: ``(N, 3, H, W) -> (N, feature_dim)``.
+
+    Needs the optional extra ``timm`` (``pip install 'hfmca_lightning[timm]'``). Transformers have no
+    window geometry: they train with the external cost only (internal costs need convolutional blocks).
+
+    Args:
+        name: the timm model name (``timm.list_models()``), e.g. ``vit_small_patch16_224``.
+        pretrained: start from timm's pretrained weights (downloaded).
+        model_kwargs: more arguments of ``timm.create_model``, e.g. ``{img_size: 96, patch_size: 8}``.
+    """
+
+    def __init__(self, name: str = "vit_small_patch16_224", pretrained: bool = False, model_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
-        net = resnet18(weights=None)
-        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        net.maxpool = nn.Identity()
-        net.fc = nn.Identity()
-        self.net = net
+        try:
+            import timm
+        except ImportError:
+            raise ConfigurationError("TimmBackbone needs timm: pip install 'hfmca_lightning[timm]'") from None
+        if not timm.is_model(name):
+            close = difflib.get_close_matches(name, timm.list_models(), n=3)
+            raise ConfigurationError(f"{name!r} is not a timm model{'; did you mean ' + ' / '.join(close) + '?' if close else ''}", parameter="name")
+        self.net = timm.create_model(name, pretrained=pretrained, num_classes=0, **(model_kwargs or {}))
+        self.feature_dim = int(self.net.num_features)
 
     def forward(self, images: Tensor) -> Tensor:
         return self.net(images)

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from hfmca_lightning.data import CIFAR, ImageFolderSource, SyntheticShapes
+from hfmca_lightning.data import CIFAR, STL10, UNLABELLED, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
 from hfmca_lightning.errors import ConfigurationError
-from tests.factories import write_cifar, write_image_folder
+from tests.factories import write_cifar, write_image_folder, write_stl10
 
 
 @pytest.mark.parametrize(("name", "classes"), [("cifar10", 10), ("cifar100", 100)])
@@ -59,19 +59,91 @@ def test_image_folder_tree(tmp_path):
     train = source.split(train=True)
     assert len(train) == 6 and source.num_classes == 2
     assert sorted(set(train.targets)) == [0, 1]
+    image, target = train[0]
+    assert image.dtype == torch.uint8 and image.shape == (3, 40, 40) and target == 0
 
 
-def test_unreadable_image_is_named(tmp_path):
+def test_listing_a_folder_opens_no_image(tmp_path, monkeypatch):
+    write_image_folder(tmp_path, per_class=3, num_classes=2)
+    opened = []
+    monkeypatch.setattr("hfmca_lightning.data.sources.read_image", lambda path: opened.append(path))
+    train = ImageFolderSource(root=str(tmp_path)).split(train=True)
+    assert len(train) == 6 and opened == []
+    train[4]
+    assert opened == [train.samples[4][0]]
+
+
+def test_unreadable_image_is_named_when_read(tmp_path):
     write_image_folder(tmp_path, per_class=2, num_classes=2)
     broken = tmp_path / "train" / "class_1" / "broken.png"
     broken.write_bytes(b"not a png")
-    with pytest.raises(ConfigurationError, match=r"cannot read image .*broken\.png"):
-        ImageFolderSource(root=str(tmp_path)).split(train=True)
+    train = ImageFolderSource(root=str(tmp_path)).split(train=True)
+    index = [path for path, _ in train.samples].index(str(broken))
+    with pytest.raises(ConfigurationError, match=r"cannot read image .*broken\.png.*on_bad_image: skip"):
+        train[index]
 
 
-def test_missing_image_folder_split(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"looked for .*train"):
-        ImageFolderSource(root=str(tmp_path)).split(train=True)
+def test_unreadable_images_can_be_skipped_with_a_count(tmp_path):
+    write_image_folder(tmp_path, per_class=2, num_classes=2)
+    for name in ("a_broken.png", "b_broken.png"):
+        (tmp_path / "train" / "class_1" / name).write_bytes(b"not a png")
+    train = ImageFolderSource(root=str(tmp_path), on_bad_image="skip").split(train=True)
+    first = [path for path, _ in train.samples].index(str(tmp_path / "train" / "class_1" / "a_broken.png"))
+    with pytest.warns(UserWarning, match=r"skipping unreadable image .*a_broken\.png.*1 skipped so far"):
+        with pytest.warns(UserWarning, match=r"b_broken\.png.*2 skipped so far"):
+            image, target = train[first]
+    replacement = (first + 2) % len(train)  # the next readable image of the list
+    assert torch.equal(image, train[replacement][0]) and target == train.targets[replacement] and train.skipped == 2
+
+
+def test_jpeg_and_grey_images_decode_to_rgb(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "train" / "a"
+    folder.mkdir(parents=True)
+    Image.fromarray(np.full((30, 50, 3), 200, dtype=np.uint8)).save(folder / "photo.JPEG", quality=90)
+    Image.fromarray(np.full((20, 20), 7, dtype=np.uint8)).save(folder / "grey.png")
+    train = ImageFolderSource(root=str(tmp_path), test_dir=None).split(train=True)
+    shapes = sorted(tuple(train[i][0].shape) for i in range(len(train)))
+    assert shapes == [(3, 20, 20), (3, 30, 50)]
+
+
+def test_a_class_list_selects_classes_and_names_missing_ones(tmp_path):
+    write_image_folder(tmp_path / "images", per_class=2, num_classes=3)
+    chosen = tmp_path / "classes.txt"
+    chosen.write_text("# two of three\nclass_2\nclass_0\n")
+    source = ImageFolderSource(root=str(tmp_path / "images"), class_list=str(chosen))
+    train, test = source.evaluation_splits()
+    assert source.classes == ["class_0", "class_2"] and source.num_classes == 2
+    assert sorted(set(train.targets)) == [0, 1] and len(train) == 4 and len(test) == 4
+    chosen.write_text("class_0\nclass_7\n")
+    with pytest.raises(ConfigurationError, match=r"lacks 1 classes of class_list .*classes.txt \(e.g. \['class_7'\]\)"):
+        ImageFolderSource(root=str(tmp_path / "images"), class_list=str(chosen)).split(train=True)
+
+
+def test_an_unlabelled_tree_trains_without_evaluation_splits(tmp_path):
+    write_image_folder(tmp_path, per_class=2, num_classes=2)
+    source = UnlabelledFolderSource(root=str(tmp_path / "train"))
+    train = source.training_split()
+    assert len(train) == 4 and set(train.targets) == {UNLABELLED}
+    assert source.evaluation_splits() is None
+    labelled = UnlabelledFolderSource(root=str(tmp_path / "train"), evaluation=ImageFolderSource(root=str(tmp_path)))
+    bank, queries = labelled.evaluation_splits()
+    assert labelled.num_classes == 2 and len(bank) == 4 and len(queries) == 4
+
+
+def test_stl10_binaries_load_through_the_real_layout(tmp_path):
+    folder = write_stl10(tmp_path, unlabelled=6, train=4, test=3)
+    source = STL10(root=str(tmp_path), verify=False)
+    training = source.training_split()
+    assert len(training) == 10 and training.targets == [UNLABELLED] * 6 + [0, 1, 2, 3]
+    bank, queries = source.evaluation_splits()
+    assert len(bank) == 4 and len(queries) == 3 and queries.targets == [0, 1, 2]
+    image, _ = queries[1]
+    raw = np.fromfile(folder / "test_X.bin", dtype=np.uint8).reshape(-1, 3, 96, 96)[1]
+    assert image.shape == (3, 96, 96) and torch.equal(image, torch.from_numpy(raw.transpose(0, 2, 1).copy()))
+    with pytest.raises(ConfigurationError, match="md5 sum of the official STL-10 release"):
+        STL10(root=str(tmp_path)).prepare()
 
 
 def test_synthetic_shapes_are_deterministic_and_balanced():

@@ -118,7 +118,13 @@ class InternalCosts(nn.Module):
             try:
                 pair.geometry = window_geometry(modules[pair.module_path])
             except ValueError as error:
-                raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}", parameter="layers") from error
+                hint = ""
+                if any(isinstance(m, (nn.Linear, nn.MultiheadAttention)) for m in modules[pair.module_path].modules()):
+                    hint = (
+                        " Internal costs need blocks that map feature maps (B, C, H, W) through convolutions and pooling; "
+                        "transformer blocks (ViT, Swin) have no window geometry: train such backbones with the external cost only."
+                    )
+                raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}{hint}", parameter="layers") from error
             self._handles.append(modules[pair.module_path].register_forward_hook(partial(self._hook, pair)))
 
     def _hook(self, pair: InternalPair, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torchvision.transforms import v2
 
 from hfmca_lightning.data import (
     ArrayImages,
@@ -10,7 +11,7 @@ from hfmca_lightning.data import (
     SyntheticShapes,
     view_transform,
 )
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -123,3 +124,73 @@ def test_datamodule_rejects_bad_arguments():
     with pytest.raises(ConfigurationError, match="num_views must be >= 1") as error:
         MultiViewDataModule(SyntheticShapes(), num_views=0)
     assert error.value.parameter == "num_views"
+
+
+def _steps(transform, kind):
+    """The steps of one type in a v2 Compose, looking inside RandomApply."""
+    found = []
+    for step in transform.transforms:
+        inner = step.transforms if isinstance(step, v2.RandomApply) else [step]
+        found += [(step, s) for s in inner if isinstance(s, kind)]
+    return found
+
+
+def _jitter(transform):
+    [(apply, jitter)] = _steps(transform, v2.ColorJitter)
+    return apply.p, (jitter.brightness, jitter.contrast, jitter.saturation, jitter.hue)
+
+
+def _lightly_step(transform, name):
+    return next(step for step in transform.transforms if type(step).__name__ == name)
+
+
+@pytest.mark.parametrize("preset", ["simclr", "byol"])
+def test_imagenet_augmentations_match_lightlys(preset):
+    """SimCLR ImageNet (colour strength 1, blur 0.5) and BYOL's two views (blur 1 / 0.1, solarisation 0 / 0.2)
+    have lightly's parameters, view kind by view kind."""
+    from lightly.transforms import BYOLView1Transform, BYOLView2Transform, SimCLRTransform
+
+    if preset == "simclr":
+        spec = ViewAugmentation.from_strengths(224, color_strength=1.0, blur=0.5)
+        theirs = [SimCLRTransform(input_size=224).transforms[0].transform]
+    else:
+        spec = ViewAugmentation.from_strengths(224, color_jitter=[0.4, 0.4, 0.2, 0.1], blur=[1.0, 0.1], solarize=[0.0, 0.2])
+        theirs = [BYOLView1Transform(input_size=224).transform, BYOLView2Transform(input_size=224).transform]
+    ours = view_transforms(spec, MEAN, STD)
+    assert len(ours) == len(theirs)
+    for mine, lightly_transform in zip(ours, theirs):
+        crop = mine.transforms[1]
+        lightly_crop = lightly_transform.transforms[0]
+        assert (crop.size, crop.scale, crop.ratio) == (lightly_crop.size, lightly_crop.scale, lightly_crop.ratio)
+        lightly_apply = next(step for step in lightly_transform.transforms if isinstance(step, v2.RandomApply) or type(step).__name__ == "RandomApply")
+        lightly_jitter = lightly_apply.transforms[0]
+        p, ranges = _jitter(mine)
+        assert p == pytest.approx(lightly_apply.p)
+        expected = (lightly_jitter.brightness, lightly_jitter.contrast, lightly_jitter.saturation, lightly_jitter.hue)
+        for got, want in zip(ranges, expected):
+            assert tuple(got) == pytest.approx(tuple(want))
+        [(_, grey)] = _steps(mine, v2.RandomGrayscale)
+        assert grey.p == _lightly_step(lightly_transform, "RandomGrayscale").p
+        blur = _lightly_step(lightly_transform, "GaussianBlur")
+        found = _steps(mine, v2.GaussianBlur)
+        assert (found[0][0].p if found else 0.0) == blur.prob
+        assert not found or tuple(found[0][1].sigma) == pytest.approx(blur.sigmas)
+        solarize = next((step for step in lightly_transform.transforms if type(step).__name__ == "RandomSolarization"), None)
+        mine_solarize = [s for _, s in _steps(mine, v2.RandomSolarize)]
+        assert (mine_solarize[0].p if mine_solarize else 0.0) == (solarize.prob if solarize else 0.0)
+        assert not mine_solarize or mine_solarize[0].threshold == solarize.threshold
+
+
+def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
+    """Kind 0 blurred, kind 1 solarised, every time: a flat image of 200 stays 200 when blurred and becomes
+    255 - 200 = 55 when solarised; views 0, 2, ... are kind 0 and 1, 3, ... kind 1."""
+    from hfmca_lightning.data.device_augment import DeviceViewAugmentation
+
+    spec = ViewAugmentation.from_strengths(32, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False, blur=[1.0, 0.0], solarize=[0.0, 1.0])
+    flat = torch.full((3, 32, 32), 200, dtype=torch.uint8)
+    images = ArrayImages(flat.permute(1, 2, 0)[None].numpy(), [0])
+    cpu_views, _ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
+    device_views = DeviceViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)(flat[None], num_views=4)[0]
+    for views in (cpu_views, device_views):
+        means = [float(view.mean()) * 255 for view in views]
+        assert means == pytest.approx([200, 55, 200, 55], abs=1.5)

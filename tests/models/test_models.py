@@ -2,7 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from hfmca_lightning.models import CIFARResNet18, GridExternalHead, NoiseChannels, SmallConvNet, ViewProjector
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses import WindowGeometry
+from hfmca_lightning.methods import InternalCosts
+from hfmca_lightning.models import CIFARResNet18, GridExternalHead, NoiseChannels, SmallConvNet, TimmBackbone, TorchvisionBackbone, ViewProjector
 
 
 def test_cifar_resnet18_has_the_cifar_stem():
@@ -52,3 +55,53 @@ def test_noise_channels_append_uniform_noise():
     assert out.shape == (2, 23, 5, 5) and torch.equal(out[:, :3], x)
     assert 0 <= float(out[:, 3:].min()) and float(out[:, 3:].max()) <= 1
     assert NoiseChannels(0)(x) is x
+
+
+@pytest.mark.parametrize(("name", "feature_dim"), [("resnet50", 2048), ("wide_resnet50_2", 2048), ("convnext_tiny", 768), ("mobilenet_v3_small", 1024), ("vit_b_16", 768)])
+def test_any_torchvision_classifier_by_name_without_its_classifier(name, feature_dim):
+    backbone = TorchvisionBackbone(name).eval()
+    assert backbone.feature_dim == feature_dim
+    assert not [m for m in backbone.modules() if isinstance(m, nn.Linear) and m.out_features == 1000], "the 1000-way classifier is gone"
+    with torch.no_grad():
+        assert backbone(torch.rand(1, 3, 224, 224)).shape == (1, feature_dim)
+
+
+def test_cifar_resnet18_is_the_torchvision_resnet18_with_the_cifar_stem():
+    torch.manual_seed(0)
+    named = TorchvisionBackbone("resnet18", cifar_stem=True)
+    torch.manual_seed(0)
+    cifar = CIFARResNet18()
+    assert named.state_dict().keys() == cifar.state_dict().keys()
+    assert all(torch.equal(value, cifar.state_dict()[key]) for key, value in named.state_dict().items())
+    assert TorchvisionBackbone("resnet50", cifar_stem=True)(torch.rand(2, 3, 32, 32)).shape == (2, 2048)
+
+
+def test_backbone_names_and_stems_are_checked():
+    with pytest.raises(ConfigurationError, match="'resnet5' is not a torchvision classification model; did you mean resnet50") as error:
+        TorchvisionBackbone("resnet5")
+    assert error.value.parameter == "name"
+    with pytest.raises(ConfigurationError, match="cifar_stem replaces conv1 and the max-pool of ResNet-family models; convnext_tiny has none"):
+        TorchvisionBackbone("convnext_tiny", cifar_stem=True)
+
+
+def test_timm_vit_is_a_backbone_and_refuses_internal_costs_clearly():
+    pytest.importorskip("timm")
+    vit = TimmBackbone("vit_tiny_patch16_224", model_kwargs={"img_size": 32, "patch_size": 8})
+    assert vit.feature_dim == 192 and vit(torch.rand(2, 3, 32, 32)).shape == (2, 192)
+    with pytest.raises(ConfigurationError, match="transformer blocks .* have no window geometry: train such backbones with the external cost only"):
+        InternalCosts(["net.blocks.0"]).attach(vit)
+    with pytest.raises(ConfigurationError, match="is not a timm model; did you mean"):
+        TimmBackbone("vit_tiny_patch16_22")
+
+
+def test_internal_costs_on_resnet50_bottlenecks():
+    backbone = TorchvisionBackbone("resnet50")
+    internal = InternalCosts(["net.layer1.0", "net.layer2.0", "net.layer3.1"])
+    internal.attach(backbone)
+    # torchvision's Bottleneck strides in its 3x3 conv: the window is that conv's.
+    assert [pair.geometry for pair in internal.pairs] == [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(3, 1, 1)]
+    with internal.record() as recording:
+        backbone(torch.rand(2, 3, 64, 64))
+    costs = [pair.cost.forward_statistics(recording.statistics[pair.cost_name]) for pair in internal.pairs]
+    assert all(torch.isfinite(cost) and cost <= 0 for cost in costs)
+    assert recording.statistics["internal/layer2.0"].high_dim == 512

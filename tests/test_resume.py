@@ -41,8 +41,8 @@ def demo_overrides(folder: Path) -> Path:
 
 def cifar_overrides(folder: Path, every_n_train_steps: int) -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
-    model, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps, workers not persistent,
-    views drawn after the transfer (``augment_on_device``)."""
+    model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
+    workers not persistent, views drawn after the transfer (``augment_on_device``)."""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -51,6 +51,9 @@ def cifar_overrides(folder: Path, every_n_train_steps: int) -> Path:
             callback["init_args"]["every_n_train_steps"] = every_n_train_steps
     model = copy.deepcopy(TINY_NOISY_MODEL)
     model["external_head"] = {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 3, "grid_width": 3, "hidden_dim": 16, "noise_channels": 3}}
+    # A per-step warm-up schedule: its length comes from Trainer.estimated_stepping_batches, which makes
+    # Lightning build the training loader before it restores the checkpoint (Lightning issue #20550).
+    model["warmup_epochs"] = 1.0
     data = {"source": {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": "data", "verify": False}}, "batch_size": 8, "eval_batch_size": 64, "num_workers": 2, "persistent_workers": False, "augment_on_device": True}
     overrides = {"trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks}, "model": {"init_args": model}, "data": {"init_args": data}}
     return write_overrides(folder, "shrink.yaml", overrides)

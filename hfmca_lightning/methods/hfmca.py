@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
@@ -72,6 +75,27 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
         )
 
 
+def _recompute_without_bn_updates(module: nn.Module) -> tuple[Any, Any]:
+    """Contexts of ``torch.utils.checkpoint``: the first forward as usual; the recomputation in the backward
+    pass with BatchNorm momentum 0, so running statistics are updated once per step, not twice."""
+    return nullcontext(), _frozen_batchnorm_statistics(module)
+
+
+@contextmanager
+def _frozen_batchnorm_statistics(module: nn.Module) -> Iterator[None]:
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
 class HFMCAModule(KNNFeatureSteps, LightningModule):
     """HFMCA: backbone (+ internal costs) -> per-view projector -> external head LF (+ external cost).
 
@@ -101,6 +125,17 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         channels_last: run the backbone in channels-last memory format (faster convolutions on GPUs).
         compile_backbone: wrap the backbone's forward in ``torch.compile`` (weights and checkpoints are
             unchanged).
+        checkpoint_backbone: activation checkpointing of the backbone in training: its activations are
+            recomputed in the backward pass instead of kept (about a third more compute, a fraction of
+            the memory). BatchNorm running statistics are updated once, as without it. Not with internal
+            costs (their statistics come from the activations).
+        backbone_chunk_size: pass the ``B * L`` views through the backbone in chunks of this many images.
+            With ``checkpoint_backbone``, peak memory is then that of one chunk. Each chunk is a separate
+            BatchNorm batch (like ``per_view``).
+        warmup_epochs: linear learning-rate warm-up before the default cosine schedule (steps; lightly's
+            ``CosineWarmupScheduler``); 0: the paper's per-epoch cosine.
+        weight_decay_on_bias_and_norm: ``false`` exempts biases and normalisation parameters from weight
+            decay (and from LARS's layer-wise scaling), as large-batch SSL recipes do.
     """
 
     def __init__(
@@ -115,6 +150,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         views_through_backbone: Literal["concat", "per_view"] = "concat",
         channels_last: bool = False,
         compile_backbone: bool = False,
+        checkpoint_backbone: bool = False,
+        backbone_chunk_size: int | None = None,
+        warmup_epochs: float = 0.0,
+        weight_decay_on_bias_and_norm: bool = True,
     ) -> None:
         super().__init__()
         if views_through_backbone not in ("concat", "per_view"):
@@ -123,6 +162,16 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             raise ConfigurationError("HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train")
         if external_head is None and (projector is not None or external_cost is not None):
             raise ConfigurationError("projector / external_cost are given but there is no external_head to use them")
+        if checkpoint_backbone and internal_costs is not None:
+            raise ConfigurationError(
+                "checkpoint_backbone recomputes the backbone's activations in the backward pass, but internal costs take "
+                "their statistics from those activations: use one or the other",
+                parameter="checkpoint_backbone",
+            )
+        if backbone_chunk_size is not None and backbone_chunk_size < 1:
+            raise ConfigurationError(f"backbone_chunk_size must be >= 1 or null; got {backbone_chunk_size}", parameter="backbone_chunk_size")
+        if warmup_epochs < 0:
+            raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
         # Modules and optimiser callables are not hyper-parameters (and would make checkpoints unloadable
         # with weights_only=True); the hfmca CLI stores the whole config in every checkpoint instead.
         self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost", "internal_costs", "optimizer", "lr_scheduler"])
@@ -138,6 +187,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.views_through_backbone = views_through_backbone
+        self.checkpoint_backbone = checkpoint_backbone
+        self.backbone_chunk_size = backbone_chunk_size
+        self.warmup_epochs = warmup_epochs
+        self.weight_decay_on_bias_and_norm = weight_decay_on_bias_and_norm
         self.channels_last = channels_last
         if channels_last:
             self.backbone.to(memory_format=torch.channels_last)
@@ -149,6 +202,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return self._backbone_forward(images)
+
+    def _embed_for_training(self, images: Tensor) -> Tensor:
+        """:meth:`embed`, in chunks of ``backbone_chunk_size`` and with activation checkpointing if configured."""
+        chunks = images.split(self.backbone_chunk_size) if self.backbone_chunk_size else (images,)
+        if self.checkpoint_backbone and torch.is_grad_enabled():
+            features = [checkpoint(self.embed, chunk, use_reentrant=False, context_fn=partial(_recompute_without_bn_updates, self.backbone)) for chunk in chunks]
+        else:
+            features = [self.embed(chunk) for chunk in chunks]
+        return features[0] if len(features) == 1 else torch.cat(features)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -173,9 +235,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             raise ValueError(f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}")
         batch, num_views = views.shape[:2]
         if self.views_through_backbone == "concat":
-            features = self.embed(views.flatten(0, 1))
+            features = self._embed_for_training(views.flatten(0, 1))
         else:
-            features = torch.stack([self.embed(views[:, view]) for view in range(num_views)], dim=1).flatten(0, 1)
+            features = torch.stack([self._embed_for_training(views[:, view]) for view in range(num_views)], dim=1).flatten(0, 1)
         view_features = self.projector(features).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
@@ -258,7 +320,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         return modules
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.warmup_epochs, self.weight_decay_on_bias_and_norm)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_architecture(self, checkpoint)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
@@ -138,11 +139,18 @@ class InternalCosts(nn.Module):
             )
         assert pair.geometry is not None  # set by attach, which registered this hook
         try:
-            recording.statistics[pair.cost_name] = feature_map_statistics(low, output, pair.geometry)
+            stats = feature_map_statistics(low, output, pair.geometry)
         except ValueError as error:
             raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}") from error
+        # A block may run several times in one record block (views one at a time, chunks): statistics are
+        # sums with counts, so they add up to those of the whole batch.
+        previous = recording.statistics.get(pair.cost_name)
+        recording.statistics[pair.cost_name] = stats if previous is None else previous + stats
         if recording.keep_maps:
-            recording.maps[pair.cost_name] = (low.detach(), output.detach())
+            maps = (low.detach(), output.detach())
+            if pair.cost_name in recording.maps:
+                maps = tuple(torch.cat([old, new]) for old, new in zip(recording.maps[pair.cost_name], maps))  # type: ignore[assignment]
+            recording.maps[pair.cost_name] = maps
 
     @contextmanager
     def record(self, keep_maps: bool = False) -> Iterator[Recording]:

@@ -1,30 +1,72 @@
-"""Optimisers and schedules shared by every LightningModule of the project (paper Table 1 defaults)."""
+"""Optimisers and schedules shared by every LightningModule of the project (paper Table 1 defaults, and the
+large-batch settings of ImageNet-scale runs)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from lightly.utils.scheduler import CosineWarmupScheduler
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
 
-__all__ = ["cosine_schedule", "configure_optimizers"]
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["configure_optimizers", "cosine_schedule", "parameter_groups"]
 
 
-def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Cosine annealing to 0 over ``max_epochs`` (per epoch), or over all steps when epochs are unbounded."""
-    max_epochs = module.trainer.max_epochs
-    if max_epochs is not None and max_epochs > 0:
+def parameter_groups(module: nn.Module, weight_decay_on_bias_and_norm: bool = True) -> Any:
+    """The module's trainable parameters, as one group, or with ``weight_decay_on_bias_and_norm=False`` as two:
+    weights, and biases plus normalisation parameters (every parameter with at most one dimension) with
+    ``weight_decay: 0``. lightly's LARS also leaves zero-decay groups out of its layer-wise scaling, as
+    SimCLR and BYOL do."""
+    if weight_decay_on_bias_and_norm:
+        return module.parameters()
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in parameters if p.ndim > 1]}, {"params": [p for p in parameters if p.ndim <= 1], "weight_decay": 0.0}]
+
+
+def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, warmup_epochs: float = 0.0) -> dict[str, Any]:
+    """Cosine annealing to 0 over the run.
+
+    Without warm-up: per epoch over ``max_epochs`` (per step when epochs are unbounded). With
+    ``warmup_epochs > 0``: lightly's ``CosineWarmupScheduler`` per optimiser step, a linear warm-up over
+    ``warmup_epochs`` epochs then a cosine to 0 over the rest of ``Trainer.estimated_stepping_batches``.
+    """
+    trainer = module.trainer
+    max_epochs = trainer.max_epochs
+    if warmup_epochs <= 0 and max_epochs is not None and max_epochs > 0:
         return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs), "interval": "epoch"}
-    steps = max(1, int(module.trainer.estimated_stepping_batches))
-    return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps), "interval": "step"}
+    total = max(1, int(trainer.estimated_stepping_batches))
+    if warmup_epochs <= 0:
+        return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total), "interval": "step"}
+    steps_per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+    warmup = round(warmup_epochs * steps_per_epoch)
+    if warmup > total:
+        raise ConfigurationError(
+            f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)", parameter="warmup_epochs"
+        )
+    scheduler = CosineWarmupScheduler(optimizer, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
+    return {"scheduler": scheduler, "interval": "step"}
 
 
 def configure_optimizers(
-    module: LightningModule, optimizer: OptimizerCallable | None, lr_scheduler: LRSchedulerCallable | None
+    module: LightningModule,
+    optimizer: OptimizerCallable | None,
+    lr_scheduler: LRSchedulerCallable | None,
+    warmup_epochs: float = 0.0,
+    weight_decay_on_bias_and_norm: bool = True,
 ) -> dict[str, Any]:
     """``optimizer`` / ``lr_scheduler`` from the CLI, defaulting to the paper's Table 1 setting: SGD lr 0.06,
-    momentum 0.9, weight decay 5e-4, cosine annealing over the run."""
-    built = optimizer(module.parameters()) if optimizer is not None else torch.optim.SGD(module.parameters(), lr=0.06, momentum=0.9, weight_decay=5e-4)
-    schedule = lr_scheduler(built) if lr_scheduler is not None else cosine_schedule(module, built)
+    momentum 0.9, weight decay 5e-4, cosine annealing over the run (with ``warmup_epochs`` of linear warm-up).
+
+    Any ``torch.optim`` optimiser or ``lightly.utils.lars.LARS`` can be configured by ``class_path``;
+    ``weight_decay_on_bias_and_norm=False`` exempts biases and normalisation parameters from weight decay
+    (and from LARS's scaling).
+    """
+    groups = parameter_groups(module, weight_decay_on_bias_and_norm)
+    built = optimizer(groups) if optimizer is not None else torch.optim.SGD(groups, lr=0.06, momentum=0.9, weight_decay=5e-4)
+    schedule = lr_scheduler(built) if lr_scheduler is not None else cosine_schedule(module, built, warmup_epochs)
     return {"optimizer": built, "lr_scheduler": schedule}

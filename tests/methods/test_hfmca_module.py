@@ -66,3 +66,62 @@ def test_channels_last_and_compiled_backbone_give_the_same_features():
 def test_unknown_view_mode_is_rejected():
     with pytest.raises(ConfigurationError, match="views_through_backbone"):
         _bn_free_module(views_through_backbone="stacked")
+
+
+def _bn_module(**kwargs) -> HFMCAModule:
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8), **kwargs)
+
+
+def _gradients_and_running_stats(module: HFMCAModule, views: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    module.train()
+    module.objective(module.collect(views)).total.backward()
+    norm = module.backbone[1]
+    return [p.grad.clone() for p in module.parameters()], norm.running_mean.clone() if isinstance(norm, torch.nn.BatchNorm2d) else None
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_updates_batchnorm_once():
+    views = torch.rand(3, 4, 3, 8, 8)
+    plain_grads, plain_stats = _gradients_and_running_stats(_bn_module(), views)
+    checkpointed = _bn_module(checkpoint_backbone=True)
+    grads, stats = _gradients_and_running_stats(checkpointed, views)
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats, plain_stats)  # the recomputation leaves the running statistics alone
+    assert int(checkpointed.backbone[1].num_batches_tracked) == 1
+
+
+def test_chunks_through_the_backbone_equal_one_batch_without_batch_norm():
+    views = torch.rand(3, 4, 3, 8, 8)
+    whole, chunked = _bn_free_module(), _bn_free_module(backbone_chunk_size=5, checkpoint_backbone=True)
+    seen = []
+    chunked.backbone[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    whole_grads, _ = _gradients_and_running_stats(whole, views)
+    chunk_grads, _ = _gradients_and_running_stats(chunked, views)
+    assert seen[:3] == [5, 5, 2]  # 12 views in chunks of 5 (then the recomputation)
+    for got, expected in zip(chunk_grads, whole_grads):  # float32 sums in another order
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_internal_statistics_add_up_over_views_and_chunks():
+    def module(**kwargs) -> HFMCAModule:
+        torch.manual_seed(0)
+        backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0)
+        return HFMCAModule(backbone, external_head=GridExternalHead(4, 2, 2, 6), internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]), **kwargs).eval()
+
+    views = torch.rand(2, 4, 3, 32, 32)
+    with torch.no_grad():
+        reference = module().collect(views).statistics
+        for variant in (module(views_through_backbone="per_view"), module(backbone_chunk_size=3)):
+            statistics = variant.collect(views).statistics
+            for name in ("internal/L1", "internal/L3"):
+                assert int(statistics[name].group_count) == int(reference[name].group_count)
+                for got, expected in zip(statistics[name].means(), reference[name].means()):
+                    torch.testing.assert_close(got, expected)
+
+
+def test_checkpointing_and_internal_costs_are_exclusive():
+    with pytest.raises(ConfigurationError, match="checkpoint_backbone recomputes") as error:
+        HFMCAModule(SpectrumCNN(channels=4, hidden_dim=6), external_head=GridExternalHead(4, 3, 3, 6), internal_costs=InternalCosts(["blocks.L1"]), checkpoint_backbone=True)
+    assert error.value.parameter == "checkpoint_backbone"

@@ -68,3 +68,17 @@ def write_stl10(root: Path, unlabelled: int = 6, train: int = 4, test: int = 3) 
             (np.arange(count) % 10 + 1).astype(np.uint8).tofile(folder / f"{name}_y.bin")
     (folder / "class_names.txt").write_text("\n".join(f"class{i}" for i in range(10)))
     return folder
+
+
+def write_jpeg_tree(root: Path, classes: list[str], per_class: int = 1, splits: tuple[str, ...] = ("train", "val"), size: tuple[int, int] = (240, 300)) -> Path:
+    """An ImageNet-style tree ``root/<split>/<wnid>/<name>.JPEG`` of full-size JPEGs (``size`` = height, width)."""
+    rng = np.random.default_rng(0)
+    for split in splits:
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for item in range(per_class):
+                pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+                pixels[:, : size[1] // 2] = (index * 37) % 256  # a class-dependent half
+                Image.fromarray(pixels).save(folder / f"{name}_{item}.JPEG", quality=85)
+    return root

@@ -282,14 +282,19 @@ class ImageFolderSource(ImageSource):
         self.eval_resize = eval_resize
         self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
         self.on_bad_image = on_bad_image
-        self.classes = _read_class_list(class_list) if class_list is not None else None
-        self.num_classes = len(self.classes) if self.classes else 0
+        self.classes: list[str] | None = None
+        self.num_classes = 0
         self._splits: dict[bool, FolderImages] = {}
 
     def _folder(self, train: bool) -> Path:
         return self.root / (self.train_dir if train else str(self.test_dir))
 
     def prepare(self) -> None:
+        if self.class_list is not None and self.classes is None:
+            if not Path(self.class_list).expanduser().is_file():
+                raise DataNotFoundError(f"class_list file not found: {Path(self.class_list).expanduser().resolve()} (relative paths start at the working folder)")
+            self.classes = _read_class_list(self.class_list)
+            self.num_classes = len(self.classes)
         splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
         for split in splits:
             if not (self.root / split).is_dir():

@@ -44,6 +44,8 @@ def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, w
         return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total), "interval": "step"}
     steps_per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
     warmup = round(warmup_epochs * steps_per_epoch)
+    if trainer.fast_dev_run:  # a debugging run of a few batches: warm up over them
+        warmup = min(warmup, total)
     if warmup > total:
         raise ConfigurationError(
             f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)", parameter="warmup_epochs"

@@ -2,13 +2,15 @@
 
     python benchmarks/throughput.py                          # ResNet-18, CIFAR-sized views, auto device
     python benchmarks/throughput.py --device cuda --batch-size 64 --precision bf16
+    python benchmarks/throughput.py --device cuda --backbone resnet50 --image-size 224 --batch-size 32 --precision bf16
     python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
 
 Prints views/s for: the data path (CPU workers running the torchvision pipeline vs uint8 loading plus
 kornia augmentation on the device), the training step (backbone forward/backward alone vs HFMCA external
-cost with the views as one batch or one backbone call per view vs external + internal costs on every
-block) and the kNN evaluation pass; ratios are to the first
-row of each section. Uses the embedded SyntheticShapes data (no download).
+cost with the views as one batch or one backbone call per view, with activation checkpointing, with
+checkpointing in chunks, vs external + internal costs on every block) and the kNN evaluation pass; ratios
+are to the first row of each section, and on CUDA each step row's peak memory. Uses the embedded
+SyntheticShapes data (no download).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.evaluation import knn_predict
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
-from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
+from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, TorchvisionBackbone, ViewProjector
 
 
 def timed(step: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -41,24 +43,33 @@ def timed(step: Callable[[], object], repeats: int, device: torch.device) -> flo
     return (time.perf_counter() - start) / repeats
 
 
-def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat") -> HFMCAModule:
-    backbone = CIFARResNet18() if backbone_name == "resnet18" else SmallConvNet()
+INTERNAL_LAYERS = {
+    "resnet18": [f"net.layer{s}.{b}" for s in range(1, 5) for b in range(2)],
+    "resnet50": [f"net.layer{s}.{b}" for s, blocks in zip(range(1, 5), (3, 4, 6, 3)) for b in range(blocks)],
+    "small": ["features.0", "features.4"],
+}
+
+
+def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat", **memory: object) -> HFMCAModule:
+    backbones = {"resnet18": CIFARResNet18, "resnet50": lambda: TorchvisionBackbone("resnet50"), "small": SmallConvNet}
+    backbone = backbones[backbone_name]()
     grid = {4: (2, 2), 9: (3, 3), 16: (4, 4)}[views]
-    layers = [f"net.layer{s}.{b}" for s in range(1, 5) for b in range(2)] if backbone_name == "resnet18" else ["features.0", "features.4"]
     return HFMCAModule(
         backbone,
         projector=ViewProjector(backbone.feature_dim, 128, 512),
         external_head=GridExternalHead(128, *grid, hidden_dim=200),
         external_cost=HFMCACost(reg=0.1),
-        internal_costs=InternalCosts(layers) if internal else None,
+        internal_costs=InternalCosts(INTERNAL_LAYERS[backbone_name]) if internal else None,
         views_through_backbone=view_mode,
+        **memory,  # type: ignore[arg-type]
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backbone", choices=["resnet18", "small"], default="resnet18")
+    parser.add_argument("--backbone", choices=["resnet18", "resnet50", "small"], default="resnet18")
+    parser.add_argument("--image-size", type=int, default=32, help="side of the views in the step rows")
     parser.add_argument("--batch-size", type=int, default=64, help="images per step (each with --views views)")
     parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
     parser.add_argument("--steps", type=int, default=10)
@@ -88,16 +99,19 @@ def main() -> None:
     report(rows, args.batch_size * args.views)
 
     # Training step, forward + backward on the same views.
-    views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
+    views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
     rows = []
+    chunk = max(1, args.batch_size * args.views // 4)
     variants = (
-        ("step: backbone fwd/bwd alone", False, False, "concat"),
-        ("step: HFMCA external", False, True, "concat"),
-        ("step: HFMCA external, per-view backbone calls", False, True, "per_view"),
-        ("step: HFMCA external + internal", True, True, "concat"),
+        ("step: backbone fwd/bwd alone", False, False, "concat", {}),
+        ("step: HFMCA external", False, True, "concat", {}),
+        ("step: HFMCA external, per-view backbone calls", False, True, "per_view", {}),
+        ("step: HFMCA external, activation checkpointing", False, True, "concat", {"checkpoint_backbone": True}),
+        (f"step: HFMCA external, checkpointing, chunks of {chunk}", False, True, "concat", {"checkpoint_backbone": True, "backbone_chunk_size": chunk}),
+        ("step: HFMCA external + internal", True, True, "concat", {}),
     )
-    for label, internal, cost, view_mode in variants:
-        module = build(args.backbone, args.views, internal, view_mode).to(device).train()
+    for label, internal, cost, view_mode, memory in variants:
+        module = build(args.backbone, args.views, internal, view_mode, **memory).to(device).train()
 
         def step() -> None:
             module.zero_grad(set_to_none=True)
@@ -108,7 +122,12 @@ def main() -> None:
                     loss = module.objective(module.collect(views)).total
             loss.backward()
 
-        rows.append((label, timed(step, args.steps, device)))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = timed(step, args.steps, device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        rows.append((label, seconds, peak))
+        module = None  # frees this row's model before the next one is built
     report(rows, args.batch_size * args.views)
 
     # kNN pass: 10,000 queries against a 50,000 x 512 bank (CIFAR test vs train), chunked.
@@ -119,10 +138,12 @@ def main() -> None:
     report([("kNN: 10k queries vs 50k bank (k=200)", seconds)], 10_000, unit="queries/s")
 
 
-def report(rows: list[tuple[str, float]], items: int, unit: str = "views/s") -> None:
+def report(rows: list[tuple], items: int, unit: str = "views/s") -> None:
+    """One line per row: rate, time, ratio to the first row, and peak memory (GiB, CUDA) when measured."""
     base = rows[0][1]
-    for label, seconds in rows:
-        print(f"  {label:45s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row")
+    for label, seconds, *peak in rows:
+        memory = f"   peak {peak[0]:6.2f} GiB" if peak and peak[0] is not None else ("   peak memory: CUDA only" if peak else "")
+        print(f"  {label:52s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row{memory}")
 
 
 if __name__ == "__main__":

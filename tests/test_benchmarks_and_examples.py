@@ -52,3 +52,19 @@ def test_augmentation_sweep_reports_accuracy_and_external_cost(monkeypatch):
 def test_datamodule_example_runs(monkeypatch):
     accuracy = run_script("examples/custom_ssl_module.py", ["--epochs", "1", "--limit-train-batches", "3"], monkeypatch)
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/data_pipeline.py", "--root", str(tmp_path), "--files", "3000", "--jpegs", "3"])
+    runpy.run_path(str(REPO / "benchmarks" / "data_pipeline.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "MultiViewDataModule.setup(): " in out and "for 3,000 training images" in out
+    assert "decode + 9 views of 224 px" in out and "views/s" in out
+
+
+def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/throughput.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--workers", "0", "--views", "4"])
+    runpy.run_path(str(REPO / "benchmarks" / "throughput.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    for row in ("activation checkpointing", "checkpointing, chunks of 4", "external + internal", "peak memory"):
+        assert row in out, row

@@ -123,19 +123,30 @@ def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log") -> subproces
     # W&B or DDP in-process leave them behind) would make every subprocess share one W&B service or one
     # rendezvous port, unlike separate runs of the command.
     env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_") and name not in DISTRIBUTED_ENVIRONMENT}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore")
+    # PYTHONFAULTHANDLER: a run that hangs is sent SIGABRT, and every process prints where it was.
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     log = open(cwd / log_name, "w")
     return subprocess.Popen([str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+class HFMCATimeout(AssertionError):
+    """An ``hfmca`` subprocess did not finish in time; the message ends with every process's Python stacks."""
+
+
 def run_hfmca(cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmca.log") -> subprocess.CompletedProcess:
-    """Run ``hfmca <args>`` to completion; returns the process with ``stdout`` = its whole output."""
+    """Run ``hfmca <args>`` to completion; returns the process with ``stdout`` = its whole output.
+
+    On time-out every process of the run (DDP ranks, data-loader workers) gets SIGABRT, which makes it print
+    its Python stacks (faulthandler), then SIGKILL; :class:`HFMCATimeout` carries the output."""
     process = start_hfmca(cwd, *args, log_name=log_name)
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        time.sleep(3)
         os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError(f"hfmca {' '.join(args)} did not finish in {timeout} s:\n{(cwd / log_name).read_text()[-3000:]}")
+        process.wait()
+        raise HFMCATimeout(f"hfmca {' '.join(args)} did not finish in {timeout} s:\n{(cwd / log_name).read_text()[-8000:]}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, (cwd / log_name).read_text())
 
 

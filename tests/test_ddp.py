@@ -3,6 +3,8 @@ DDP equals the single-process kNN on the same bank (no sample counted twice)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from functools import partial
 
 import pytest
@@ -40,6 +42,11 @@ def data(batch_size: int) -> MultiViewDataModule:
 
 
 def trainer(devices: int, **kwargs) -> Trainer:
+    if devices > 1:
+        # A fresh rendezvous port for every spawned group (Lightning would reuse the first one it chose).
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     strategy = "ddp_spawn" if devices > 1 else "auto"
     settings = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     return Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**settings, **kwargs})

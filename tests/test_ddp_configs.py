@@ -2,20 +2,25 @@
 schedule shrunk) with two CPU processes (gloo), finishes in time, and writes its checkpoint and figures.
 
 A collective called on rank 0 only (``Trainer.log_dir`` inside a figure callback, once) hangs such a run
-at the end of its first epoch; the time limit turns that hang into a failure.
+at the end of its first epoch; the time limit turns that hang into a failure. A run that times out prints
+every process's stacks and is tried once more in a fresh folder, with a warning that carries the stacks:
+a deterministic hang fails twice, while the one unexplained hang CI saw in about thirty suite runs (gloo on
+a loaded 2-core machine; not reproduced in 30 isolated runs) leaves its stacks in the report.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.cli_helpers import REPO, run_hfmca, write_overrides
+from tests.cli_helpers import REPO, HFMCATimeout, run_hfmca, write_overrides
 from tests.factories import write_cifar
 
-TIME_LIMIT = 240  # seconds; a healthy run takes 15-40 s on 2 CPU cores
+TIME_LIMIT = 150  # seconds; a healthy run takes 10-30 s on 2 CPU cores
 
 SHIPPED = [
     "demo.yaml",
@@ -70,9 +75,16 @@ def figure_files(folder: Path) -> set[str]:
 def test_shipped_config_runs_under_ddp_with_two_processes(name, tmp_path):
     path = REPO / "configs" / name
     config = yaml.safe_load(path.read_text())
-    overrides = write_overrides(tmp_path, "shrink.yaml", shrunk(config, tmp_path))
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-    result = run_hfmca(tmp_path, "fit", "--config", str(path), "--config", str(overrides), *ddp, timeout=TIME_LIMIT)
+    try:
+        overrides = write_overrides(tmp_path, "shrink.yaml", shrunk(copy.deepcopy(config), tmp_path))
+        result = run_hfmca(tmp_path, "fit", "--config", str(path), "--config", str(overrides), *ddp, timeout=TIME_LIMIT)
+    except HFMCATimeout as hang:
+        warnings.warn(f"first DDP run of {name} hung; retrying once. {hang}", stacklevel=1)
+        tmp_path = tmp_path / "retry"
+        tmp_path.mkdir()
+        overrides = write_overrides(tmp_path, "shrink.yaml", shrunk(copy.deepcopy(config), tmp_path))
+        result = run_hfmca(tmp_path, "fit", "--config", str(path), "--config", str(overrides), *ddp, timeout=TIME_LIMIT)
     assert result.returncode == 0, result.stdout[-4000:]
 
     checkpoint_folders = {callback["init_args"]["dirpath"] for callback in config["trainer"]["callbacks"] if "dirpath" in callback.get("init_args", {})}

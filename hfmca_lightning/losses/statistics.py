@@ -14,7 +14,10 @@ computed outside autocast, whatever the dtype of the features.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,7 @@ __all__ = [
     "CorrelationStatistics",
     "group_statistics",
     "feature_map_statistics",
+    "StatisticsPrecision",
     "window_coverage",
     "regularised_blocks",
 ]
@@ -151,18 +155,30 @@ def window_coverage(
     return padded[0, 0, p : p + height, p : p + width]
 
 
-def feature_map_statistics(low_map: Tensor, high_map: Tensor, geometry: WindowGeometry) -> CorrelationStatistics:
+StatisticsPrecision = Literal["fast", "float64"]
+
+
+def feature_map_statistics(
+    low_map: Tensor, high_map: Tensor, geometry: WindowGeometry, precision: StatisticsPrecision = "fast"
+) -> CorrelationStatistics:
     """Statistics between a block's input map and output map (internal cost, paper Alg. 2, docs/conventions.md §3).
 
     Every output position ``q`` is a group whose members are the ``kernel**2`` input positions of its
     window (padding positions are zero members). Equal to :func:`group_statistics` on the unfolded
-    windows, but computed without unfolding: window means by average pooling, R1 as a
-    coverage-weighted sum over input positions.
+    windows, but computed without unfolding: window means by average pooling, R1 as a coverage-weighted
+    sum over input positions.
+
+    ``precision="fast"`` (training): window means come from a float32 box convolution and, for maps with at least as many positions
+    as channels (the costly early layers), the products run in float32 one image at a time in the maps' own
+    ``(B, K, H*W)`` layout (no permuted copies, TF32 off), summed in float64; small deep-layer maps use one
+    float64 product. ``"float64"``: every step in float64 (analysis; the
+    reference the fast path is tested against: costs agree to 1e-6 and gradients to 1e-5, relative).
 
     Args:
         low_map: ``(B, K1, H, W)`` block input ``Z_s``.
         high_map: ``(B, K2, H', W')`` block output ``Z_{s+1}``.
         geometry: the block's window ``(kernel, stride, padding)``.
+        precision: ``fast`` or ``float64``.
     """
     if low_map.dim() != 4 or high_map.dim() != 4:
         raise ValueError(
@@ -181,24 +197,104 @@ def feature_map_statistics(low_map: Tensor, high_map: Tensor, geometry: WindowGe
             f"positions, but the block output is {tuple(high_map.shape[-2:])}: the geometry does not "
             "describe this block (pass the right geometry or check the hooked modules)"
         )
-    with torch.autocast(device_type=low_map.device.type, enabled=False):
-        z = _float64(low_map)
-        h = _float64(high_map)
-        p = geometry.padding
-        window_mean = F.avg_pool2d(F.pad(z, (p, p, p, p)), geometry.kernel, geometry.stride)
-        coverage = window_coverage(z.shape[-2:], h.shape[-2:], geometry, device=z.device)
-        members = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-        weights = coverage.expand(z.shape[0], -1, -1).reshape(-1, 1)
-        outputs = h.permute(0, 2, 3, 1).reshape(-1, h.shape[1])
-        means = window_mean.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
-        groups = outputs.shape[0]
+    if precision not in ("fast", "float64"):
+        raise ValueError(f"precision must be 'fast' or 'float64'; got {precision!r}")
+    dtype = torch.float32 if precision == "fast" else torch.float64
+    with torch.autocast(device_type=low_map.device.type, enabled=False), _exact_float32_products():
+        z_map = low_map.to(dtype)
+        z = z_map.flatten(2)  # (B, K1, H*W): the native layout, a view for NCHW maps
+        h = high_map.to(dtype).flatten(2)  # (B, K2, H'*W')
+        coverage = window_coverage(low_map.shape[-2:], high_map.shape[-2:], geometry, device=z.device).to(dtype).flatten()
+        if precision == "fast":
+            window_mean = _window_means(z_map, geometry).flatten(2)
+            low_outer, high_outer = _WeightedGram.apply(z, coverage), _WeightedGram.apply(h, None)
+        else:
+            p = geometry.padding
+            window_mean = F.avg_pool2d(F.pad(z_map, (p, p, p, p)), geometry.kernel, geometry.stride).flatten(2)
+            low_outer, high_outer = _summed_products(z * coverage, z), _summed_products(h, h)
+        groups = h.shape[0] * h.shape[2]
         return CorrelationStatistics(
-            low_outer_sum=(members * weights).T @ members,
-            high_outer_sum=outputs.T @ outputs,
-            cross_sum=means.T @ outputs,
+            low_outer_sum=low_outer,
+            high_outer_sum=high_outer,
+            cross_sum=_summed_products(window_mean, h),
             member_count=_count(groups * geometry.kernel**2, z),
             group_count=_count(groups, z),
         )
+
+
+def _window_means(z_map: Tensor, geometry: WindowGeometry) -> Tensor:
+    """The mean of every ``kernel x kernel`` window (zero padding counted) as a depthwise convolution with a
+    constant ``1 / kernel**2`` kernel: the same numbers as average pooling, 6x faster forward and backward
+    on the CPU (oneDNN), and fast on GPUs."""
+    channels, k = z_map.shape[1], geometry.kernel
+    box = torch.full((channels, 1, k, k), 1.0 / k**2, dtype=z_map.dtype, device=z_map.device)
+    return F.conv2d(z_map, box, stride=geometry.stride, padding=geometry.padding, groups=channels)
+
+
+def _large(x: Tensor) -> bool:
+    """Whether a ``(B, K, N)`` map has at least as many positions per image as channels (the early layers)."""
+    return x.shape[2] >= x.shape[1]
+
+
+def _channel_rows(x: Tensor) -> Tensor:
+    """``(B, K, N)`` -> float64 ``(K, B * N)``, converted and transposed in one copy."""
+    rows = torch.empty((x.shape[1], x.shape[0], x.shape[2]), dtype=torch.float64, device=x.device)
+    return rows.copy_(x.transpose(0, 1)).reshape(x.shape[1], -1)
+
+
+class _WeightedGram(torch.autograd.Function):
+    """``sum_b Z_b diag(w) Z_b^T`` (float64) for ``Z (B, K, N)`` and position weights ``w (N,)`` or none.
+
+    Large maps: one float32 product per image in the map's own layout, summed in float64. Small deep-layer
+    maps: one float64 product over all rows (float32 would show in their gradients: many channels, few
+    samples). The backward pass uses the symmetry, ``dZ_b = (G + G^T) Z_b diag(w)``: one product per image
+    instead of the two autograd would run.
+    """
+
+    @staticmethod
+    def forward(ctx, z: Tensor, weights: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.shape, ctx.dtype = z.shape, z.dtype
+        if _large(z):
+            weighted = z if weights is None else z * weights
+            ctx.save_for_backward(weighted)
+            return torch.bmm(weighted, z.transpose(1, 2)).to(torch.float64).sum(dim=0)
+        rows = _channel_rows(z)
+        weighted = rows if weights is None else rows * weights.to(torch.float64).repeat(z.shape[0])
+        ctx.save_for_backward(weighted)
+        return weighted @ rows.T
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (weighted,) = ctx.saved_tensors
+        symmetric = grad + grad.T
+        if weighted.dtype != torch.float64:  # large map, float32
+            with _exact_float32_products():
+                return torch.matmul(symmetric.to(weighted.dtype), weighted), None
+        batch, channels, positions = ctx.shape
+        grad_rows = (symmetric @ weighted).reshape(channels, batch, positions)
+        return grad_rows.transpose(0, 1).to(ctx.dtype), None
+
+
+def _summed_products(left: Tensor, right: Tensor) -> Tensor:
+    """``sum_b left[b] @ right[b]^T`` (float64) for ``(B, K1, N)`` and ``(B, K2, N)`` maps: per image in float32
+    for large maps, one float64 product over all rows for small ones (as :class:`_WeightedGram`)."""
+    if _large(left) and _large(right):
+        return torch.bmm(left, right.transpose(1, 2)).to(torch.float64).sum(dim=0)
+    return _channel_rows(left) @ _channel_rows(right).T
+
+
+@contextmanager
+def _exact_float32_products() -> Iterator[None]:
+    """Full float32 matrix products on CUDA (no TF32), whatever ``torch.set_float32_matmul_precision`` says."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def regularised_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
-from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
+from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import configure_optimizers
@@ -241,16 +241,17 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         view_features = self.projector(features).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
-    def collect(self, batch: Tensor, keep_maps: bool = False) -> Collected:
+    def collect(self, batch: Tensor, keep_maps: bool = False, precision: StatisticsPrecision | None = None) -> Collected:
         """The one forward pass of the module: the statistics of every cost pair of ``batch``.
 
         ``batch`` is ``(B, L, C, H, W)`` groups (the external pair needs them; the backbone sees ``B * L``
         images) or ``(B, C, H, W)`` images (internal pairs only). Statistics are this process's, not yet
         synchronised across ranks, keyed by cost name (``external``, ``internal/L3``); with ``keep_maps`` the
-        internal pairs' detached ``(input map, output map)`` come too. Training, the callbacks, inspection
-        and ``hfmca analyze`` all go through here.
+        internal pairs' detached ``(input map, output map)`` come too. ``precision`` overrides the internal
+        costs' statistics precision (analysis uses ``float64``). Training, the callbacks, inspection and
+        ``hfmca analyze`` all go through here.
         """
-        with self.internal_costs.record(keep_maps) if self.internal_costs is not None else nullcontext() as recording:
+        with self.internal_costs.record(keep_maps, precision) if self.internal_costs is not None else nullcontext() as recording:
             if self.external_head is not None and batch.dim() == 5:
                 view_features, group_features = self.encode_views(batch)
                 features = None

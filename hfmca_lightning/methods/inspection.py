@@ -46,9 +46,10 @@ def _evaluating(module: HFMCAModule) -> Iterator[None]:
 
 @torch.no_grad()
 def collect_for_analysis(module: HFMCAModule, batch: Tensor, keep_maps: bool = False) -> Collected:
-    """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device."""
+    """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device, with
+    float64 statistics."""
     with _evaluating(module):
-        return module.collect(batch.to(module.device), keep_maps=keep_maps)
+        return module.collect(batch.to(module.device), keep_maps=keep_maps, precision="float64")
 
 
 def collect_statistics(module: HFMCAModule, batches: Iterable[Tensor]) -> dict[str, CorrelationStatistics]:

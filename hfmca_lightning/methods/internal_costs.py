@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
-from hfmca_lightning.losses.statistics import CorrelationStatistics, feature_map_statistics
+from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, feature_map_statistics
 from hfmca_lightning.losses.window_geometry import WindowGeometry, window_geometry
 
 __all__ = ["InternalCosts", "InternalPair", "Recording", "internal_cost_name"]
@@ -59,6 +59,7 @@ class Recording:
     the statistics of every pair and, when asked, its detached ``(input map, output map)``."""
 
     keep_maps: bool = False
+    precision: StatisticsPrecision = "fast"
     statistics: dict[str, CorrelationStatistics] = field(default_factory=dict)
     maps: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
@@ -78,15 +79,28 @@ class InternalCosts(nn.Module):
             a ResNet BasicBlock or ``blocks.L3`` for :class:`~hfmca_lightning.models.SpectrumCNN`.
         weight: lambda of the paper's objective ``external + weight * sum(internal)``.
         reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
+        precision: of the statistics in training, ``fast`` (float32 products per image summed in float64; costs
+            agree with ``float64`` to 1e-6, gradients to 1e-5) or ``float64``. Analysis uses ``float64``.
     """
 
-    def __init__(self, layers: list[str], weight: float = 1.0, reg: float = 0.1, beta: float = 0.0, sync_dist: bool = False) -> None:
+    def __init__(
+        self,
+        layers: list[str],
+        weight: float = 1.0,
+        reg: float = 0.1,
+        beta: float = 0.0,
+        sync_dist: bool = False,
+        precision: StatisticsPrecision = "fast",
+    ) -> None:
         super().__init__()
         if not layers:
             raise ConfigurationError("internal costs need at least one layer name", parameter="layers")
         if len(set(layers)) != len(layers):
             raise ConfigurationError(f"internal cost layers must be distinct; got {layers}", parameter="layers")
+        if precision not in ("fast", "float64"):
+            raise ConfigurationError(f"precision must be 'fast' or 'float64'; got {precision!r}", parameter="precision")
         self.weight = weight
+        self.precision = precision
         log_names = _log_names(list(layers))
         # ModuleDict keys cannot hold dots; they name the cost buffers in checkpoints.
         self.costs = nn.ModuleDict(
@@ -139,7 +153,7 @@ class InternalCosts(nn.Module):
             )
         assert pair.geometry is not None  # set by attach, which registered this hook
         try:
-            stats = feature_map_statistics(low, output, pair.geometry)
+            stats = feature_map_statistics(low, output, pair.geometry, recording.precision)
         except ValueError as error:
             raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}") from error
         # A block may run several times in one record block (views one at a time, chunks): statistics are
@@ -153,10 +167,10 @@ class InternalCosts(nn.Module):
             recording.maps[pair.cost_name] = maps
 
     @contextmanager
-    def record(self, keep_maps: bool = False) -> Iterator[Recording]:
+    def record(self, keep_maps: bool = False, precision: StatisticsPrecision | None = None) -> Iterator[Recording]:
         """Collect the statistics (and, with ``keep_maps``, the detached maps) of the forward passes inside
-        this block into the yielded :class:`Recording`."""
-        recording = Recording(keep_maps)
+        this block into the yielded :class:`Recording`, in ``precision`` (default: the configured one)."""
+        recording = Recording(keep_maps, precision or self.precision)
         self._recording = recording
         try:
             yield recording

@@ -50,7 +50,7 @@ def small_network_pairs() -> list[LayerPair]:
         block = block.double()
         with torch.no_grad():
             y = block(x)
-        decomposition = decompose(feature_map_statistics(x, y, geometry), reg=1e-3)
+        decomposition = decompose(feature_map_statistics(x, y, geometry, precision="float64"), reg=1e-3)
         pairs.append(LayerPair(f"B{index}", x, y, geometry, decomposition))
         x = nn.functional.avg_pool2d(y, 2) if index == 0 else y
     return pairs

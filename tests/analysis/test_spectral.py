@@ -60,7 +60,7 @@ def test_density_ratio_is_the_weighted_sum_of_basis_products():
 
 def test_decomposition_of_feature_map_statistics_satisfies_the_cost_identity():
     torch.manual_seed(3)
-    stats = feature_map_statistics(torch.rand(3, 4, 6, 6), torch.rand(3, 4, 3, 3), WindowGeometry(4, 2, 1))
+    stats = feature_map_statistics(torch.rand(3, 4, 6, 6), torch.rand(3, 4, 3, 3), WindowGeometry(4, 2, 1), precision="float64")
     sigma = decompose(stats, reg=1e-3).eigenvalues
     cost = cost_from_statistics(stats, reg=1e-3)
     assert cost.item() == pytest.approx(torch.log1p(-sigma).sum().item(), rel=1e-9)

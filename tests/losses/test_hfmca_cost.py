@@ -56,7 +56,7 @@ def test_feature_map_cost_matches_unfolded_reference(geometry: WindowGeometry):
     torch.manual_seed(4)
     low_map = torch.rand(2, 5, 6, 6)
     high_map = torch.rand(2, 4, *geometry.output_size((6, 6)))
-    cost = cost_from_statistics(feature_map_statistics(low_map, high_map, geometry), reg=0.01)
+    cost = cost_from_statistics(feature_map_statistics(low_map, high_map, geometry, precision="float64"), reg=0.01)
     members, highs = reference_unfold_windows(low_map, high_map, geometry.kernel, geometry.stride, geometry.padding)
     expected = reference_cost(*reference_group_moments(members, highs), reg=0.01)
     assert cost.item() == pytest.approx(expected, rel=1e-10)

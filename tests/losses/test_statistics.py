@@ -53,7 +53,7 @@ def test_feature_map_statistics_equal_unfolded_windows(geometry: WindowGeometry,
     torch.manual_seed(2)
     low_map = torch.rand(2, 3, *size)
     high_map = torch.rand(2, 4, *geometry.output_size(size))
-    stats = feature_map_statistics(low_map, high_map, geometry)
+    stats = feature_map_statistics(low_map, high_map, geometry, precision="float64")
     members, highs = reference_unfold_windows(low_map, high_map, geometry.kernel, geometry.stride, geometry.padding)
     assert float(stats.group_count) == members.shape[0]
     assert float(stats.member_count) == members.shape[0] * members.shape[1]
@@ -103,3 +103,60 @@ def test_group_statistics_reject_malformed_shapes(low, high, message):
 def test_feature_map_statistics_reject_a_geometry_that_does_not_fit():
     with pytest.raises(ValueError, match="does not describe this block"):
         feature_map_statistics(torch.rand(1, 2, 8, 8), torch.rand(1, 2, 8, 8), WindowGeometry(3, 2, 1))
+
+
+def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeometry, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ResNet-like block input (post-ReLU) and a sigmoid output map, correlated through a 1x1 mixing."""
+    torch.manual_seed(seed)
+    low = torch.relu(torch.randn(batch, k1, size, size))
+    mixed = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(low, [geometry.padding] * 4), geometry.kernel, geometry.stride)
+    high = torch.sigmoid(torch.einsum("bkhw,kl->blhw", mixed, torch.randn(k1, k2) / k1**0.5) + 0.3 * torch.randn(batch, k2, *mixed.shape[-2:]))
+    return low.requires_grad_(), high.requires_grad_()
+
+
+@pytest.mark.parametrize(
+    ("k1", "k2", "size", "geometry"),
+    [(64, 64, 32, WindowGeometry(5, 1, 2)), (64, 128, 32, WindowGeometry(7, 2, 3)), (256, 512, 8, WindowGeometry(7, 2, 3)), (64, 64, 34, WindowGeometry(3, 1, 1))],
+    ids=["layer1 block", "layer2 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
+)
+def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry):
+    """The training path (float32 products per image, summed in float64): cost within 1e-6 and gradients
+    within 1e-5 of the all-float64 path, relative."""
+    from hfmca_lightning.losses import cost_from_statistics
+
+    low, high = realistic_pair(18, k1, k2, size, geometry, seed=k1 + size)
+    results = {}
+    for precision in ("float64", "fast"):
+        cost = cost_from_statistics(feature_map_statistics(low, high, geometry, precision=precision), reg=0.1)
+        results[precision] = (cost.item(), *torch.autograd.grad(cost, (low, high)))
+    exact, fast = results["float64"], results["fast"]
+    assert abs(fast[0] - exact[0]) <= 1e-6 * abs(exact[0])
+    for got, expected in zip(fast[1:], exact[1:]):
+        assert float((got.double() - expected.double()).norm() / expected.double().norm()) <= 1e-5
+
+
+def test_fast_statistics_make_no_copy_of_a_large_map():
+    """The fast path uses a float32 map as it is: no op of it copies the map into another layout or dtype
+    (the float64 path makes several); deep layers (few positions, many channels) may copy their small maps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__ in ("clone.default", "_to_copy.default", "constant_pad_nd.default"):
+                self.sizes.append(out.numel())
+            return out
+
+    geometry = WindowGeometry(5, 1, 2)
+    low, high = realistic_pair(4, 16, 16, 32, geometry, seed=0)
+    map_size = low[0].numel()
+    with Copies() as fast:
+        feature_map_statistics(low.detach(), high.detach(), geometry, precision="fast")
+    with Copies() as exact:
+        feature_map_statistics(low.detach(), high.detach(), geometry, precision="float64")
+    assert max(exact.sizes) >= low.numel()
+    assert not fast.sizes or max(fast.sizes) < map_size, fast.sizes

@@ -38,7 +38,7 @@ def _capture_io(module: nn.Module) -> dict[str, torch.Tensor]:
 def test_window_mean_blocks_match_the_hand_computed_statistics():
     backbone = window_mean_backbone()
     names = [name for name, _ in backbone.named_children()]
-    internal = InternalCosts(names, reg=1e-3)
+    internal = InternalCosts(names, reg=1e-3, precision="float64")
     internal.attach(backbone)
     geometries = {pair.module_path: pair.geometry for pair in internal.pairs}
     assert [geometries[n] for n in names] == [
@@ -66,7 +66,7 @@ def test_window_mean_blocks_match_the_hand_computed_statistics():
 
 def test_resnet_stride2_block_statistics_match_unfolded_windows():
     backbone = CIFARResNet18()
-    internal = InternalCosts(["net.layer2.0", "net.layer2.1"])
+    internal = InternalCosts(["net.layer2.0", "net.layer2.1"], precision="float64")
     internal.attach(backbone)
     assert [(pair.module_path, pair.log_name, pair.cost_name, pair.geometry) for pair in internal.pairs] == [
         ("net.layer2.0", "layer2.0", "internal/layer2.0", WindowGeometry(7, 2, 3)),

@@ -79,7 +79,7 @@ class InternalCosts(nn.Module):
             a ResNet BasicBlock or ``blocks.L3`` for :class:`~hfmca_lightning.models.SpectrumCNN`.
         weight: lambda of the paper's objective ``external + weight * sum(internal)``.
         reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
-        precision: of the statistics in training, ``fast`` (float32 products per image summed in float64; costs
+        precision: of the statistics in training, ``fast`` (float32 products summed in float64, see ``feature_map_statistics``; costs
             agree with ``float64`` to 1e-6, gradients to 1e-5) or ``float64``. Analysis uses ``float64``.
     """
 

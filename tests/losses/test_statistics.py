@@ -120,7 +120,7 @@ def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeom
     ids=["layer1 block", "layer2 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
 )
 def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry):
-    """The training path (float32 products per image, summed in float64): cost within 1e-6 and gradients
+    """The training path (float32 products, summed in float64; deep maps centred): cost within 1e-6 and gradients
     within 1e-5 of the all-float64 path, relative."""
     from hfmca_lightning.losses import cost_from_statistics
 
@@ -160,3 +160,24 @@ def test_fast_statistics_make_no_copy_of_a_large_map():
         feature_map_statistics(low.detach(), high.detach(), geometry, precision="float64")
     assert max(exact.sizes) >= low.numel()
     assert not fast.sizes or max(fast.sizes) < map_size, fast.sizes
+
+
+def test_centred_float32_products_keep_the_precision_a_plain_float32_product_loses():
+    """Deep maps are multiplied over thousands of positions at once: with a large common mean (post-ReLU
+    features) a plain float32 sum loses digits that the dependence needs; shifting by the means first and
+    adding the mean terms in float64 keeps the product within float32 rounding of the centred moments."""
+    from hfmca_lightning.losses.statistics import _shifted_products
+
+    torch.manual_seed(0)
+    left = 50.0 + torch.randn(64, 8192)
+    right = 50.0 + 0.5 * left[:32] + torch.randn(32, 8192)
+    weights = torch.randint(1, 10, (8192,)).float()
+    exact = (left.double() * weights.double()) @ right.double().T
+    centred_exact = exact - torch.outer(left.double() @ weights.double(), right.double() @ weights.double()) / weights.double().sum()
+    scale = centred_exact.abs().max()
+    shifted = _shifted_products(left, right, weights)
+    plain = ((left * weights) @ right.T).double()
+    assert float((shifted - exact).abs().max() / scale) < 1e-5
+    assert float((plain - exact).abs().max() / scale) > 1e-4  # what the shift avoids
+    # float64 rows: the plain product.
+    torch.testing.assert_close(_shifted_products(left.double(), right.double(), weights.double()), exact, rtol=1e-12, atol=0)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-slow test-all demo notebooks clean
+.PHONY: install test test-slow test-all demo notebooks gpu-check gpu-wheels clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml
@@ -30,6 +30,19 @@ demo: $(STAMP)
 ## Re-run the notebooks and save them with their outputs (figures show on GitHub; the tests run them too).
 notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py
+
+## Measure a GPU: docs/benchmarks/gpu-<device>.md (benchmarks/gpu_check.py; exits 2 without CUDA). Uses the
+## venv's Python where there is one, else python3 (GPU machines with torch preinstalled, nothing from the network).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+## Wheels that a GPU machine without network needs for `make gpu-check` (kornia for the device-augmentation rows;
+## 7 MB), into the git-ignored .whl/ that the device tool carries (see README, "Measuring a GPU").
+gpu-wheels:
+	$(PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl kornia==0.9.0 kornia_rs==0.2.0
 
 ## Everything.
 test-all: $(STAMP)

@@ -16,10 +16,17 @@ from hfmca_lightning.callbacks import KNNEvaluation
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule
-from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
 
-BASELINES = {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "fastsiam": FastSiam}
+
+
+def baselines() -> dict[str, type[LightningModule]]:
+    """The lightly-based baselines by name (imported on use: the HFMCA rows and gpu_check need no lightly)."""
+    from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg
+
+    return {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "fastsiam": FastSiam}
+
+
 DISPLAY = {"hfmca": "HFMCA-SS(*)", "simclr": "SimCLR", "moco": "MoCo v2", "byol": "BYOL", "simsiam": "SimSiam", "barlowtwins": "Barlow Twins", "vicreg": "VICReg", "fastsiam": "FastSiam"}
 GRIDS = {4: (2, 2), 9: (3, 3), 16: (4, 4)}
 
@@ -28,19 +35,20 @@ def views_of(method: str, hfmca_views: int) -> int:
     return hfmca_views if method == "hfmca" else 4 if method == "fastsiam" else 2
 
 
-def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None) -> LightningModule:
+def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any) -> LightningModule:
     """The method with the Table 1 optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine). ``head_dim``
-    shrinks every head (hidden and output width) for quick CPU runs."""
+    shrinks every head (hidden and output width) for quick CPU runs; ``hfmca_options`` go to HFMCAModule
+    (channels_last, compile_backbone, ...)."""
     net = CIFARResNet18() if backbone == "resnet18" else SmallConvNet(width=16, num_stages=3)
     if method == "hfmca":
         k = head_dim or 128
-        return HFMCAModule(net, ViewProjector(net.feature_dim, k, head_dim or 512), GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200), HFMCACost(reg=0.1, sync_dist=True))
+        return HFMCAModule(net, ViewProjector(net.feature_dim, k, head_dim or 512), GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200), HFMCACost(reg=0.1, sync_dist=True), **hfmca_options)
     dims: dict[str, Any] = {"hidden_dim": head_dim, "output_dim": head_dim} if head_dim else {}
     if head_dim and method in ("simsiam", "fastsiam"):
         dims["prediction_dim"] = max(8, head_dim // 2)
     if head_dim and method == "moco":
         dims["memory_bank_size"] = 256
-    return BASELINES[method](net, **dims)
+    return baselines()[method](net, **dims)
 
 
 def build_data(dataset: str, root: str, views: int, batch_size: int, workers: int, per_class: int, **strengths: float | None) -> MultiViewDataModule:
@@ -56,6 +64,7 @@ class Measurement:
     knn_by_epoch: list[float] = field(default_factory=list)
     external_cost_by_epoch: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
+    epoch_seconds: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
     views_seen: int = 0
     peak_memory: str = ""
@@ -82,7 +91,8 @@ class _Recorder(Callback):
             self._costs.append(float(trainer.callback_metrics["cost/external"]))
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.m.train_seconds += time.perf_counter() - self._start
+        self.m.epoch_seconds.append(time.perf_counter() - self._start)
+        self.m.train_seconds += self.m.epoch_seconds[-1]
         if self._costs:
             self.m.external_cost_by_epoch.append(sum(self._costs) / len(self._costs))
 
@@ -91,10 +101,13 @@ class _Recorder(Callback):
             self.m.knn_by_epoch.append(float(trainer.callback_metrics["knn/top1"]))
 
 
-def train_and_measure(module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200) -> Measurement:
+def train_and_measure(
+    module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200,
+    accelerator: str = "auto", precision: str = "32-true",
+) -> Measurement:
     measurement = Measurement()
     trainer = Trainer(
-        max_epochs=epochs, accelerator="auto", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_epochs=epochs, accelerator=accelerator, devices=1, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
         callbacks=[KNNEvaluation(k=k), _Recorder(measurement)],
     )

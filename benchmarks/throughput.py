@@ -9,19 +9,27 @@ Prints views/s for: the data path (CPU workers running the torchvision pipeline 
 kornia augmentation on the device), the training step (backbone forward/backward alone vs HFMCA external
 cost with the views as one batch or one backbone call per view, with activation checkpointing, with
 checkpointing in chunks, vs external + internal costs on every block) and the kNN evaluation pass; ratios
-are to the first row of each section, and on CUDA each step row's peak memory. Uses the embedded
-SyntheticShapes data (no download).
+are to the first row of each section, and on CUDA each step row's memory. The step rows are built first
+and timed in interleaved rounds (medians; benchmarks/step_timing.py), so that a machine whose speed drifts
+during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from step_timing import format_rows, measure_rows  # noqa: E402
 
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.evaluation import knn_predict
@@ -50,7 +58,9 @@ INTERNAL_LAYERS = {
 }
 
 
-def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat", **memory: object) -> HFMCAModule:
+def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat", **options: object) -> HFMCAModule:
+    """An HFMCA-SS(*) module (optionally with internal costs on every block); ``options`` go to HFMCAModule
+    (checkpoint_backbone, backbone_chunk_size, channels_last, compile_backbone)."""
     backbones = {"resnet18": CIFARResNet18, "resnet50": lambda: TorchvisionBackbone("resnet50"), "small": SmallConvNet}
     backbone = backbones[backbone_name]()
     grid = {4: (2, 2), 9: (3, 3), 16: (4, 4)}[views]
@@ -61,8 +71,49 @@ def build(backbone_name: str, views: int, internal: bool, view_mode: str = "conc
         external_cost=HFMCACost(reg=0.1),
         internal_costs=InternalCosts(INTERNAL_LAYERS[backbone_name]) if internal else None,
         views_through_backbone=view_mode,
-        **memory,  # type: ignore[arg-type]
+        **options,  # type: ignore[arg-type]
     )
+
+
+def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast: AbstractContextManager, augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:
+    """One forward/backward of ``module`` on ``views``: the backbone alone (``cost=False``: a plain loss on its
+    features) or the HFMCA objective; ``augment`` first turns a uint8 batch into views on the device."""
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        with autocast:
+            batch = augment(views) if augment is not None else views
+            if not cost:
+                loss = module.embed(batch.flatten(0, 1)).float().square().mean()
+            else:
+                loss = module.objective(module.collect(batch)).total
+        loss.backward()
+
+    return step
+
+
+def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
+    """Seconds per batch of ``views``-view groups: CPU workers running the torchvision pipeline per view, and
+    uint8 batches augmented on ``device`` (kornia), both delivered on ``device``. SyntheticShapes images of
+    side ``image_size``; ``steps`` batches after ``workers`` + 1 warm-up batches (the loader's prefetch)."""
+    warmup = workers + 1
+    source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
+    rows = []
+    for on_device in (False, True):
+        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, augment_on_device=on_device)
+        data.setup()
+        loader = iter(data.train_dataloader())
+
+        def next_views(loader=loader, data=data, on_device=on_device) -> torch.Tensor:
+            images, _ = next(loader)
+            images = images.to(device, non_blocking=True)
+            return data.device_augmentation(images, views) if on_device else images
+
+        for _ in range(warmup - 1):
+            next_views()
+        seconds = timed(next_views, steps, device)
+        rows.append(("data: uint8 + kornia on device" if on_device else f"data: torchvision on {workers} CPU workers", seconds))
+    return rows
 
 
 def main() -> None:
@@ -82,25 +133,10 @@ def main() -> None:
     print(f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision {args.precision}")
 
     # Data path: CPU workers (torchvision, per view) vs uint8 loading + on-device kornia views.
-    source = SyntheticShapes(num_classes=10, train_per_class=max(20, args.batch_size * (args.steps + 2) // 10))
-    rows = []
-    for on_device in (False, True):
-        data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, augment_on_device=on_device)
-        data.setup()
-        loader = iter(data.train_dataloader())
+    report(data_path_rows(args.views, args.batch_size, args.steps, args.workers, device), args.batch_size * args.views)
 
-        def next_views() -> torch.Tensor:
-            images, _ = next(loader)
-            images = images.to(device, non_blocking=True)
-            return data.device_augmentation(images.to(device), args.views) if on_device else images
-
-        seconds = timed(next_views, args.steps, device)
-        rows.append(("data: uint8 + kornia on device" if on_device else f"data: torchvision on {args.workers} CPU workers", seconds))
-    report(rows, args.batch_size * args.views)
-
-    # Training step, forward + backward on the same views.
+    # Training step, forward + backward on the same views, rows timed side by side (step_timing).
     views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
-    rows = []
     chunk = max(1, args.batch_size * args.views // 4)
     variants = (
         ("step: backbone fwd/bwd alone", False, False, "concat", {}),
@@ -110,25 +146,11 @@ def main() -> None:
         (f"step: HFMCA external, checkpointing, chunks of {chunk}", False, True, "concat", {"checkpoint_backbone": True, "backbone_chunk_size": chunk}),
         ("step: HFMCA external + internal", True, True, "concat", {}),
     )
-    for label, internal, cost, view_mode, memory in variants:
-        module = build(args.backbone, args.views, internal, view_mode, **memory).to(device).train()
-
-        def step() -> None:
-            module.zero_grad(set_to_none=True)
-            with autocast:
-                if not cost:
-                    loss = module.backbone(views.flatten(0, 1)).float().square().mean()
-                else:
-                    loss = module.objective(module.collect(views)).total
-            loss.backward()
-
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = timed(step, args.steps, device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        rows.append((label, seconds, peak))
-        module = None  # frees this row's model before the next one is built
-    report(rows, args.batch_size * args.views)
+    rows = [
+        (label, partial(training_step, build(args.backbone, args.views, internal, view_mode, **memory).to(device).train(), views, cost, autocast))
+        for label, internal, cost, view_mode, memory in variants
+    ]
+    print("\n".join(format_rows(measure_rows(rows, args.steps, device), args.batch_size * args.views)))
 
     # kNN pass: 10,000 queries against a 50,000 x 512 bank (CIFAR test vs train), chunked.
     bank = torch.randn(50_000, 512, device=device)
@@ -143,7 +165,7 @@ def report(rows: list[tuple], items: int, unit: str = "views/s") -> None:
     base = rows[0][1]
     for label, seconds, *peak in rows:
         memory = f"   peak {peak[0]:6.2f} GiB" if peak and peak[0] is not None else ("   peak memory: CUDA only" if peak else "")
-        print(f"  {label:52s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row{memory}")
+        print(f"  {label:58s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row{memory}")
 
 
 if __name__ == "__main__":

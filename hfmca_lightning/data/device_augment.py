@@ -9,7 +9,6 @@ v2 transforms, pytorch/vision #8484). The distributions are those of :func:`view
 
 from __future__ import annotations
 
-import kornia.augmentation as K
 import torch
 from torch import Tensor, nn
 
@@ -27,6 +26,8 @@ class DeviceViewAugmentation(nn.Module):
 
     def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         super().__init__()
+        import kornia.augmentation as K  # only device augmentation needs kornia
+
         size = (spec.image_size, spec.image_size)
         steps: list[nn.Module] = [K.RandomResizedCrop(size, scale=spec.crop_scale, ratio=spec.crop_ratio)]
         if spec.horizontal_flip:

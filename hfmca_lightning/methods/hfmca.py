@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -19,7 +18,7 @@ from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
-from hfmca_lightning.methods.optim import configure_optimizers
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
 __all__ = ["Collected", "HFMCAModule", "Objective", "check_checkpoint_architecture"]

@@ -4,17 +4,23 @@ large-batch settings of ImageNet-scale runs)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Union
 
 import torch
-from lightly.utils.scheduler import CosineWarmupScheduler
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["configure_optimizers", "cosine_schedule", "parameter_groups"]
+__all__ = ["LRSchedulerCallable", "OptimizerCallable", "configure_optimizers", "cosine_schedule", "parameter_groups"]
+
+# The types of Lightning's CLI (lightning.pytorch.cli), spelled out here so that the methods import without
+# jsonargparse (installed with the CLI; GPU machines without it still train from Python).
+OptimizerCallable = Callable[[Iterable], Optimizer]
+LRSchedulerCallable = Callable[[Optimizer], Union[LRScheduler, ReduceLROnPlateau]]
 
 
 def parameter_groups(module: nn.Module, weight_decay_on_bias_and_norm: bool = True) -> Any:
@@ -50,6 +56,8 @@ def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, w
         raise ConfigurationError(
             f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)", parameter="warmup_epochs"
         )
+    from lightly.utils.scheduler import CosineWarmupScheduler  # only runs with a warm-up need lightly
+
     scheduler = CosineWarmupScheduler(optimizer, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
     return {"scheduler": scheduler, "interval": "step"}
 

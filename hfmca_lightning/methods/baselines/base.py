@@ -8,12 +8,11 @@ from typing import Any
 from lightly.models.utils import deactivate_requires_grad, update_momentum
 from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
-from hfmca_lightning.methods.optim import configure_optimizers
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 
 __all__ = ["SSLBaseline", "ProjectedPairBaseline", "MomentumBaseline"]
 

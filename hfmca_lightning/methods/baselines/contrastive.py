@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lightly.loss import NTXentLoss
 from lightly.models.modules import MoCoProjectionHead, SimCLRProjectionHead
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 from hfmca_lightning.methods.baselines.base import MomentumBaseline, ProjectedPairBaseline
 
 __all__ = ["SimCLR", "MoCo"]

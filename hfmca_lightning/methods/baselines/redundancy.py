@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lightly.loss import BarlowTwinsLoss, VICRegLoss
 from lightly.models.modules import BarlowTwinsProjectionHead
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 from hfmca_lightning.methods.baselines.base import ProjectedPairBaseline
 
 __all__ = ["BarlowTwins", "VICReg"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from lightly.loss import NegativeCosineSimilarity
 from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
 
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 from hfmca_lightning.methods.baselines.base import MomentumBaseline, SSLBaseline
 
 __all__ = ["BYOL", "SimSiam", "FastSiam"]

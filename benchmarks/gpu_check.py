@@ -1,0 +1,298 @@
+"""One command that measures a GPU: ``make gpu-check`` (``python benchmarks/gpu_check.py``).
+
+Writes ``docs/benchmarks/gpu-<device>.md`` with
+
+* training-step rows at 64 images x 9 views in bf16 (ResNet-18, CIFAR-sized views): the backbone alone, the
+  HFMCA external cost, external + internal costs on all 8 BasicBlocks, each plain, channels-last and
+  compiled + channels-last, and the external step fed by on-device augmentation; views/s, time relative to
+  the backbone row of the same settings, and the memory each step allocates;
+* the data path: CPU workers running torchvision per view vs uint8 batches augmented on the GPU (kornia),
+  against what the fastest training step consumes;
+* bf16-vs-float32 agreement of every cost, and fast-vs-float64 internal statistics (costs and backbone
+  gradients) on the GPU;
+* 3 epochs of HFMCA-SS(*) on a CIFAR-sized SyntheticShapes set (50k images) with kNN: seconds per epoch
+  and top-1 per epoch;
+* the targets of an H100 in bf16 (20k views/s, external <= 1.05x and internal <= 1.3x the backbone step,
+  data path >= the step's consumption), each marked met or not.
+
+Without CUDA it says so and exits with status 2: it never silently measures the CPU. ``--device cpu``
+runs the same script at tiny sizes (``--tiny``) to test it. Needs torch, torchvision, lightning and
+numpy; kornia for the device-augmentation rows (carried as a wheel to machines without it: ``make
+gpu-wheels``); never jsonargparse, wandb or lightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+from step_timing import StepRow, format_rows, measure_rows  # noqa: E402
+from throughput import build, data_path_rows, training_step  # noqa: E402
+
+NO_CUDA_MESSAGE = (
+    "gpu_check: CUDA is not available here (torch {torch}, {build}). This check measures a GPU and never "
+    "silently measures the CPU: run it on a machine with a CUDA GPU, or pass --device cpu --tiny to test the script."
+)
+
+
+@dataclass
+class Target:
+    """One stated target and what was measured against it (``met`` is None when it could not be measured)."""
+
+    what: str
+    measured: str
+    met: bool | None
+
+
+@dataclass
+class TrainingRun:
+    backbone: str
+    images: int
+    views: int
+    batch_size: int
+    epoch_seconds: list[float]
+    knn_top1: list[float]
+    peak_memory: str
+
+
+@dataclass
+class GpuCheckResult:
+    """Everything the report shows; :func:`write_report` turns it into Markdown."""
+
+    device_name: str
+    environment: dict[str, str]
+    settings: dict[str, str]
+    items_per_step: int
+    step_rows: list[StepRow]
+    data_rows: list[tuple[str, float]]
+    agreement: list[tuple[str, float, float | None]]
+    gradient_agreement: float | None
+    training: TrainingRun | None
+    targets: list[Target] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def device_slug(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3`` (the report's file name)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def _rate(items: int, seconds: float | None) -> str:
+    return f"{items / seconds:,.0f}" if seconds else "—"
+
+
+def write_report(result: GpuCheckResult, path: Path) -> str:
+    """Write the Markdown report of ``result`` to ``path`` and return it."""
+    lines = [f"# GPU check: {result.device_name}", ""]
+    lines += [f"- {key}: {value}" for key, value in result.environment.items()]
+    lines += [f"- {key}: {value}" for key, value in result.settings.items()]
+    lines += [f"- whole check: {result.seconds:.0f} s", "", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
+    for target in result.targets:
+        verdict = "—" if target.met is None else ("yes" if target.met else "**no**")
+        lines.append(f"| {target.what} | {target.measured} | {verdict} |")
+    lines += ["", f"## Training step ({result.items_per_step} views per step; medians of interleaved rounds)", ""]
+    lines += ["| row | views/s | ms / step | vs backbone row of the same settings | step memory (GiB) |", "| --- | ---: | ---: | ---: | ---: |"]
+    baselines = {row.label.split(": ", 1)[1]: row.seconds for row in result.step_rows if row.label.startswith("backbone alone")}
+    for row in result.step_rows:
+        if row.seconds is None:
+            lines.append(f"| {row.label} | failed: {row.error} | | | |")
+            continue
+        settings = row.label.split(": ", 1)[1] if ": " in row.label else ""
+        base = baselines.get(settings)
+        ratio = f"{row.seconds / base:.2f}x" if base else "—"
+        memory = f"{row.step_memory_gib:.2f}" if row.step_memory_gib is not None else "—"
+        lines.append(f"| {row.label} | {_rate(result.items_per_step, row.seconds)} | {row.seconds * 1000:.1f} | {ratio} | {memory} |")
+    lines += ["", "## Data path", "", "| path | views/s |", "| --- | ---: |"]
+    lines += [f"| {label} | {_rate(result.items_per_step, seconds)} |" for label, seconds in result.data_rows]
+    lines += ["", "## Precision", "", "| cost | bf16 vs float32 (relative) | fast vs float64 statistics (relative) |", "| --- | ---: | ---: |"]
+    for name, bf16, fast in result.agreement:
+        lines.append(f"| {name} | {bf16:.2e} | {'—' if fast is None else f'{fast:.2e}'} |")
+    if result.gradient_agreement is not None:
+        lines += ["", f"Backbone gradients, fast vs float64 internal statistics (float32 model): relative difference {result.gradient_agreement:.2e}."]
+    lines += ["", "## Training", ""]
+    if result.training is None:
+        lines.append("Not run.")
+    else:
+        run = result.training
+        lines += [
+            f"HFMCA-SS(*), {run.backbone}, SyntheticShapes {run.images:,} images, {run.views} views, batch {run.batch_size}; peak memory {run.peak_memory}.",
+            "",
+            "| epoch | seconds | kNN top-1 |",
+            "| ---: | ---: | ---: |",
+        ]
+        for epoch, (seconds, top1) in enumerate(zip(run.epoch_seconds, run.knn_top1 + [float("nan")] * len(run.epoch_seconds)), start=1):
+            lines.append(f"| {epoch} | {seconds:.1f} | {top1:.3f} |")
+    text = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
+
+
+def step_rows(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager) -> list[StepRow]:
+    """The training-step rows: backbone / external / external + internal x plain / channels-last / compiled."""
+    views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
+    settings = {"plain": {}, "channels_last": {"channels_last": True}, "compiled + channels_last": {"channels_last": True, "compile_backbone": True}}
+    if args.no_compile:
+        settings.pop("compiled + channels_last")
+    rows = []
+    for what, internal, cost in (("backbone alone", False, False), ("external", False, True), ("external + internal", True, True)):
+        for setting, options in settings.items():
+            make = partial(lambda i, c, o: training_step(build(args.backbone, args.views, i, **o).to(device).train(), views, c, autocast), internal, cost, options)
+            rows.append((f"{what}: {setting}", make))
+
+    def augmented_step() -> object:
+        from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+
+        data = MultiViewDataModule(SyntheticShapes(train_per_class=2, test_per_class=1, image_size=args.image_size), num_views=args.views, augment_on_device=True)
+        augment = data.device_augmentation.to(device)
+        images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8, device=device)
+        module = build(args.backbone, args.views, False, channels_last=True).to(device).train()
+        return training_step(module, images, True, autocast, augment=lambda batch: augment(batch, args.views))
+
+    rows.append(("external, device augmentation: channels_last", augmented_step))
+    return measure_rows(rows, args.steps, device)
+
+
+def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float]:
+    """Relative differences of every cost: bf16 autocast vs float32, and fast vs float64 internal statistics
+    (with the backbone-gradient difference of the latter), on one batch of real augmented views."""
+    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+
+    data = MultiViewDataModule(SyntheticShapes(train_per_class=max(2, args.batch_size // 10 + 1), image_size=args.image_size), num_views=args.views, batch_size=args.batch_size)
+    data.setup()
+    views = next(iter(data.train_dataloader()))[0].to(device)
+    torch.manual_seed(0)
+    module = build(args.backbone, args.views, True).to(device).train()
+
+    def costs(precision: str, autocast: AbstractContextManager) -> tuple[dict[str, float], list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        with autocast:
+            objective = module.objective(module.collect(views, precision=precision))
+        objective.total.backward()
+        gradients = [p.grad.detach().double().flatten() for p in module.backbone.parameters() if p.grad is not None]
+        return {name: float(cost) for name, cost in objective.costs.items()}, gradients
+
+    state = {k: v.clone() for k, v in module.state_dict().items()}  # BN statistics move in train mode
+    reference, reference_grads = costs("float64", nullcontext())
+    module.load_state_dict(state)
+    fast, fast_grads = costs("fast", nullcontext())
+    module.load_state_dict(state)
+    bf16, _ = costs("fast", torch.autocast(device.type, dtype=torch.bfloat16))
+    rows = [
+        (name, abs(bf16[name] - fast[name]) / abs(fast[name]), None if name == "external" else abs(fast[name] - reference[name]) / abs(reference[name]))
+        for name in fast
+    ]
+    difference = torch.cat(fast_grads) - torch.cat(reference_grads)
+    return rows, float(difference.norm() / torch.cat(reference_grads).norm())
+
+
+def training_run(args: argparse.Namespace, device: torch.device) -> TrainingRun:
+    """``args.epochs`` epochs of HFMCA-SS(*) on SyntheticShapes with kNN after each (bf16 on CUDA)."""
+    from common import build_method, train_and_measure
+
+    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+
+    per_class = max(1, args.train_images // 10)
+    source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(2, per_class // 5), image_size=args.image_size)
+    data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, augment_on_device=device.type == "cuda")
+    backbone = "resnet18" if args.backbone == "resnet18" else "small"
+    module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true")
+    return TrainingRun(backbone, per_class * 10, args.views, args.batch_size, measurement.epoch_seconds, measurement.knn_by_epoch, measurement.peak_memory)
+
+
+def targets(result: GpuCheckResult) -> list[Target]:
+    """The issue's H100 bf16 targets against the measured rows."""
+    rows = {row.label: row.seconds for row in result.step_rows}
+    items = result.items_per_step
+    found: list[Target] = []
+    trained = [s for label, s in rows.items() if s and label.startswith("external") and "internal" not in label]
+    best = min(trained) if trained else None
+    found.append(Target("ResNet-18 9-view training >= 20,000 views/s (best external row)", f"{_rate(items, best)} views/s", None if best is None else items / best >= 20_000))
+    for what, limit in (("external", 1.05), ("external + internal", 1.3)):
+        ratios = []
+        for setting in ("plain", "channels_last", "compiled + channels_last"):
+            base, row = rows.get(f"backbone alone: {setting}"), rows.get(f"{what}: {setting}")
+            if base and row:
+                ratios.append(row / base)
+        measured = min(ratios) if ratios else None
+        found.append(Target(f"{what} <= {limit}x the backbone step (best setting)", "—" if measured is None else f"{measured:.2f}x", None if measured is None else measured <= limit))
+    data = min((s for label, s in result.data_rows), default=None)
+    found.append(Target("data path >= the fastest step's consumption", f"{_rate(items, data)} vs {_rate(items, best)} views/s", None if data is None or best is None else data <= best))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to test this script")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (with --device cpu: a test of the script)")
+    parser.add_argument("--backbone", choices=["resnet18", "small"], default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds of the step rows")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-images", type=int, default=50_000)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.backbone, args.batch_size, args.steps, args.epochs, args.train_images, args.image_size = "small", 4, 1, 1, 40, 16
+        args.workers, args.no_compile = min(args.workers, 1), True
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build_info = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        print(NO_CUDA_MESSAGE.format(torch=torch.__version__, build=build_info), file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU (script test, not a measurement)"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    environment = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "CUDA": str(torch.version.cuda),
+        "python": platform.python_version(),
+        "CPU cores": str(os.cpu_count()),
+        "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    settings = {"step rows": f"{args.backbone}, {args.batch_size} images x {args.views} views of {args.image_size} px, bf16 autocast, {args.steps} rounds"}
+
+    def section(title: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {title}", flush=True)
+
+    section("training-step rows")
+    rows = step_rows(args, device, autocast)
+    print("\n".join(format_rows(rows, args.batch_size * args.views)))
+    section("data path")
+    data = data_path_rows(args.views, args.batch_size, max(args.steps, 3), args.workers, device, image_size=args.image_size)
+    section("precision")
+    costs, gradient = agreement(args, device)
+    section(f"training: {args.epochs} epochs on {args.train_images} images")
+    run = training_run(args, device)
+    result = GpuCheckResult(name, environment, settings, args.batch_size * args.views, rows, data, costs, gradient, run)
+    result.targets = targets(result)
+    result.seconds = time.perf_counter() - start
+    path = Path(args.out_dir) / f"gpu-{device_slug(name.split(' (')[0])}.md"
+    print(write_report(result, path))
+    section(f"report written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

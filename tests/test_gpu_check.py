@@ -1,0 +1,106 @@
+"""`make gpu-check` (benchmarks/gpu_check.py): refuses without CUDA, runs end to end on the CPU at tiny sizes
+without the packages GPU machines lack, and writes a report whose numbers follow from the measurements."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_check import GpuCheckResult, Target, TrainingRun, device_slug, targets, write_report  # noqa: E402
+from step_timing import StepRow  # noqa: E402
+
+# What the lent GPU machines do not have (the device tool's KINDS.md); kornia travels as a wheel.
+MISSING_ON_GPU_MACHINES = ("jsonargparse", "wandb", "lightly")
+
+BLOCKING_RUNNER = """
+import importlib.abc, runpy, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {missing!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}")
+sys.meta_path.insert(0, Missing())
+sys.argv = ["benchmarks/gpu_check.py"] + sys.argv[1:]
+runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
+"""
+
+
+def test_without_cuda_it_says_so_and_exits_non_zero(tmp_path: Path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(["make", "--no-print-directory", "gpu-check", f"GPU_CHECK_ARGS=--out-dir {tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "CUDA is not available" in result.stderr and "never silently measures the CPU" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no report of CPU numbers
+
+
+def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(tmp_path: Path):
+    runner = BLOCKING_RUNNER.format(missing=set(MISSING_ON_GPU_MACHINES))
+    result = subprocess.run(
+        [sys.executable, "-c", runner, "--device", "cpu", "--tiny", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (report,) = tmp_path.glob("gpu-*.md")
+    text = report.read_text()
+    for heading in ("## Targets", "## Training step", "## Data path", "## Precision", "## Training"):
+        assert heading in text
+    for row in ("backbone alone: plain", "external: channels_last", "external + internal: plain", "external, device augmentation"):
+        assert f"| {row}" in text and f"| {row} | failed" not in text
+    assert "data: torchvision on 1 CPU workers" in text and "data: uint8 + kornia on device" in text
+    # The fast statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost).
+    internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]
+    assert internal_rows and all(float(line.split("|")[3]) < 1e-6 for line in internal_rows)
+    assert "| 1 |" in text  # one training epoch with its kNN top-1
+
+
+def fake_result() -> GpuCheckResult:
+    rows = [
+        StepRow("backbone alone: plain", 0.020, 1.0),
+        StepRow("backbone alone: channels_last", 0.016, 0.9),
+        StepRow("external: plain", 0.021, 1.1),
+        StepRow("external: channels_last", 0.0165, 1.0),
+        StepRow("external + internal: plain", 0.030, 2.0),
+        StepRow("external + internal: channels_last", 0.024, 1.9),
+        StepRow("external + internal: compiled + channels_last", None, None, "Unsupported: hooks"),
+        StepRow("external, device augmentation: channels_last", 0.018, 1.2),
+    ]
+    training = TrainingRun("resnet18", 50_000, 9, 64, [30.0, 25.0, 25.5], [0.41, 0.55, 0.61], "3.10 GiB (GPU)")
+    return GpuCheckResult(
+        "NVIDIA H100 80GB HBM3", {"torch": "2.11.0"}, {"step rows": "resnet18"}, 576, rows,
+        [("data: torchvision on 16 CPU workers", 0.050), ("data: uint8 + kornia on device", 0.004)],
+        [("external", 2e-3, None), ("internal/layer1.0", 3e-3, 4e-8)], 2e-7, training,
+    )
+
+
+def test_targets_follow_from_the_rows():
+    speed, external, internal, data = targets(fake_result())
+    assert speed.measured == "34,909 views/s" and speed.met  # 576 views / 0.0165 s, the fastest external row
+    assert external.measured == "1.03x" and external.met  # 0.0165 / 0.016, the best setting
+    assert internal.measured == "1.50x" and internal.met is False  # 0.024 / 0.016
+    assert data.met  # 0.004 s per batch on the device vs 0.016 s per step
+
+
+def test_report_writer_on_a_fake_result(tmp_path: Path):
+    result = fake_result()
+    result.targets = [Target("external <= 1.05x", "1.03x", True), Target("internal <= 1.3x", "1.50x", False), Target("x", "—", None)]
+    text = write_report(result, tmp_path / "gpu-nvidia-h100-80gb-hbm3.md")
+    assert (tmp_path / "gpu-nvidia-h100-80gb-hbm3.md").read_text() == text
+    assert "| external <= 1.05x | 1.03x | yes |" in text and "| internal <= 1.3x | 1.50x | **no** |" in text and "| x | — | — |" in text
+    # Ratios are to the backbone row of the same settings; rates are views per second.
+    assert "| external: plain | 27,429 | 21.0 | 1.05x | 1.10 |" in text
+    assert "| external + internal: channels_last | 24,000 | 24.0 | 1.50x | 1.90 |" in text
+    assert "| external + internal: compiled + channels_last | failed: Unsupported: hooks |" in text
+    assert "| data: uint8 + kornia on device | 144,000 |" in text
+    assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 |" in text and "| external | 2.00e-03 | — |" in text
+    assert "| 3 | 25.5 | 0.610 |" in text
+
+
+@pytest.mark.parametrize(("name", "slug"), [("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"), ("NVIDIA H200", "nvidia-h200"), ("", "device")])
+def test_report_file_names(name: str, slug: str):
+    assert device_slug(name) == slug

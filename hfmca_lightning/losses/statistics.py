@@ -207,6 +207,13 @@ def feature_map_statistics(
         z = z_map.flatten(2)  # (B, K1, H*W): the native layout, a view for NCHW maps
         h = high_map.to(dtype).flatten(2)  # (B, K2, H'*W')
         coverage = window_coverage(low_map.shape[-2:], high_map.shape[-2:], geometry, device=z.device).to(dtype).flatten()
+        groups = h.shape[0] * h.shape[2]
+        counts = _count(groups * geometry.kernel**2, z), _count(groups, z)
+        if precision == "fast" and _fits_per_image_products(z, h):
+            rows, columns = _window_band(z_map.shape[-2], geometry, z_map), _window_band(z_map.shape[-1], geometry, z_map)
+            h_map = high_map.to(dtype)
+            low_outer, high_outer, cross = _LargeMapStatistics.apply(z_map, h_map, coverage, rows, columns)
+            return CorrelationStatistics(low_outer, high_outer, cross, *counts)
         if precision == "fast":
             window_mean = _window_means(z_map, geometry).flatten(2)
             low_outer, high_outer = _WeightedGram.apply(z, coverage), _WeightedGram.apply(h, None)
@@ -214,14 +221,7 @@ def feature_map_statistics(
             p = geometry.padding
             window_mean = F.avg_pool2d(F.pad(z_map, (p, p, p, p)), geometry.kernel, geometry.stride).flatten(2)
             low_outer, high_outer = _summed_products(z * coverage, z), _summed_products(h, h)
-        groups = h.shape[0] * h.shape[2]
-        return CorrelationStatistics(
-            low_outer_sum=low_outer,
-            high_outer_sum=high_outer,
-            cross_sum=_summed_products(window_mean, h),
-            member_count=_count(groups * geometry.kernel**2, z),
-            group_count=_count(groups, z),
-        )
+        return CorrelationStatistics(low_outer, high_outer, _summed_products(window_mean, h), *counts)
 
 
 def _window_means(z_map: Tensor, geometry: WindowGeometry) -> Tensor:
@@ -242,6 +242,60 @@ def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
     start = torch.arange(out, device=like.device)[:, None] * s - p
     position = torch.arange(size, device=like.device)[None, :]
     return ((position >= start) & (position < start + k)).to(like.dtype) / k
+
+
+def _fits_per_image_products(z: Tensor, h: Tensor) -> bool:
+    """Whether every product of a block's statistics is efficient one image at a time: each image's input
+    ``z (K1, N)`` and output ``h (K2, N')`` have at least as many positions as channels (the early layers)."""
+    return z.shape[2] >= z.shape[1] and h.shape[2] >= max(z.shape[1], h.shape[1])
+
+
+class _LargeMapStatistics(torch.autograd.Function):
+    """``(sum_b Z_b diag(w) Z_b^T, sum_b H_b H_b^T, sum_b M_b H_b^T)`` (float64) of a block's input maps ``Z``,
+    output maps ``H`` and window means ``M = R_H Z R_W^T``, for maps with many positions per image.
+
+    Every product per image in the maps' own ``(K, H*W)`` layout, in their dtype, summed in float64. Nothing
+    but the two maps is kept for the backward pass (autograd would keep ``Z diag(w)`` and ``M`` too), which
+    recomputes the window means and writes each input gradient in one accumulating product,
+
+        dZ_b = (G1 + G1^T) Z_b diag(w) + R_H^T (G3 H_b) R_W,    dH_b = (G2 + G2^T) H_b + G3^T M_b,
+
+    instead of adding up gradients from parts.
+    """
+
+    @staticmethod
+    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        z_rows, h_rows = z_map.flatten(2), h_map.flatten(2)
+        means = torch.matmul(torch.matmul(rows, z_map), columns.T).flatten(2)
+        low = torch.bmm(z_rows * coverage, z_rows.transpose(1, 2)).to(torch.float64).sum(dim=0)
+        high = torch.bmm(h_rows, h_rows.transpose(1, 2)).to(torch.float64).sum(dim=0)
+        cross = torch.bmm(means, h_rows.transpose(1, 2)).to(torch.float64).sum(dim=0)
+        ctx.save_for_backward(z_map, h_map, coverage, rows, columns)
+        return low, high, cross
+
+    @staticmethod
+    def backward(ctx, grad_low: Tensor | None, grad_high: Tensor | None, grad_cross: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        z_map, h_map, coverage, rows, columns = ctx.saved_tensors
+        dtype, (k1, k2) = z_map.dtype, (z_map.shape[1], h_map.shape[1])
+
+        def as_matrix(grad: Tensor | None, size: tuple[int, int], symmetric: bool = False) -> Tensor:
+            if grad is None:
+                return torch.zeros(size, dtype=dtype, device=z_map.device)
+            return (grad + grad.T if symmetric else grad).to(dtype)
+
+        low, high, cross = as_matrix(grad_low, (k1, k1), True), as_matrix(grad_high, (k2, k2), True), as_matrix(grad_cross, (k1, k2))
+        batch, (out_height, out_width) = z_map.shape[0], h_map.shape[-2:]
+        z_rows, h_rows = z_map.flatten(2), h_map.flatten(2)
+        grad_z = grad_h = None
+        with _exact_float32_products():
+            if ctx.needs_input_grad[0]:
+                d_means = torch.matmul(cross, h_rows).view(batch, k1, out_height, out_width)
+                grad_z = torch.matmul(torch.matmul(rows.T, d_means), columns)
+                grad_z.flatten(2).baddbmm_(low.expand(batch, k1, k1), z_rows * coverage)
+            if ctx.needs_input_grad[1]:
+                means = torch.matmul(torch.matmul(rows, z_map), columns.T).flatten(2)
+                grad_h = torch.bmm(high.expand(batch, k2, k2), h_rows).baddbmm_(cross.T.expand(batch, k2, k1), means).view(h_map.shape)
+        return grad_z, grad_h, None, None, None
 
 
 def _large(x: Tensor) -> bool:

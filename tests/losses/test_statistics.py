@@ -181,3 +181,23 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     assert float((plain - exact).abs().max() / scale) > 1e-4  # what the shift avoids
     # float64 rows: the plain product.
     torch.testing.assert_close(_shifted_products(left.double(), right.double(), weights.double()), exact, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("geometry", [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(5, 2, 2)])
+def test_early_layer_statistics_have_the_gradients_of_their_forward(geometry):
+    """The early-layer path writes its own backward pass (recomputed window means, one accumulating product
+    per map): numerical gradients of all three sums agree with it, in float64."""
+    from hfmca_lightning.losses.statistics import _LargeMapStatistics, _window_band
+
+    torch.manual_seed(0)
+    low = torch.rand(2, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    size = geometry.output_size((6, 6))
+    high = torch.rand(2, 3, *size, dtype=torch.float64, requires_grad=True)
+    coverage = window_coverage((6, 6), size, geometry).flatten()
+    rows, columns = _window_band(6, geometry, low), _window_band(6, geometry, low)
+    assert torch.autograd.gradcheck(lambda z, h: _LargeMapStatistics.apply(z, h, coverage, rows, columns), (low, high))
+    # and its forward is the reference statistics
+    stats = CorrelationStatistics(*_LargeMapStatistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0))
+    reference = feature_map_statistics(low, high, geometry, precision="float64")
+    for got, expected in zip((stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum), (reference.low_outer_sum, reference.high_outer_sum, reference.cross_sum)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

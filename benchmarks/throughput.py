@@ -5,13 +5,13 @@
     python benchmarks/throughput.py --device cuda --backbone resnet50 --image-size 224 --batch-size 32 --precision bf16
     python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
 
-Prints views/s for: the data path (CPU workers running the torchvision pipeline vs uint8 loading plus
-kornia augmentation on the device), the training step (backbone forward/backward alone vs HFMCA external
-cost with the views as one batch or one backbone call per view, with activation checkpointing, with
-checkpointing in chunks, vs external + internal costs on every block) and the kNN evaluation pass; ratios
-are to the first row of each section, and on CUDA each step row's memory. The step rows are built first
-and timed in interleaved rounds (medians; benchmarks/step_timing.py), so that a machine whose speed drifts
-during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
+Prints views/s for: the data path (CPU workers running the torchvision pipeline per view, or kornia per
+image, vs uint8 loading plus kornia augmentation on the device), the training step (backbone
+forward/backward alone vs HFMCA external cost with the views as one batch or one backbone call per view,
+with activation checkpointing, with checkpointing in chunks, vs external + internal costs on every block)
+and the kNN evaluation pass; ratios are to the first row of each section, and on CUDA each step row's
+memory. The step rows are built first and timed in interleaved rounds (medians; benchmarks/step_timing.py),
+so that a machine whose speed drifts during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
 """
 
 from __future__ import annotations
@@ -93,26 +93,30 @@ def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast
 
 
 def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
-    """Seconds per batch of ``views``-view groups: CPU workers running the torchvision pipeline per view, and
-    uint8 batches augmented on ``device`` (kornia), both delivered on ``device``. SyntheticShapes images of
+    """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
+    pipeline per view, CPU workers drawing an image's views in one batched kornia call, and uint8 batches
+    augmented on ``device`` (kornia). SyntheticShapes images of
     side ``image_size``; ``steps`` batches after ``workers`` + 1 warm-up batches (the loader's prefetch)."""
     warmup = workers + 1
     source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
     rows = []
-    for on_device in (False, True):
-        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, augment_on_device=on_device)
+    for label, options in (
+        (f"data: torchvision per view on {workers} CPU workers", {}),
+        (f"data: kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
+        ("data: uint8 + kornia on device", {"augment_on_device": True}),
+    ):
+        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)
         data.setup()
         loader = iter(data.train_dataloader())
 
-        def next_views(loader=loader, data=data, on_device=on_device) -> torch.Tensor:
+        def next_views(loader=loader, data=data) -> torch.Tensor:
             images, _ = next(loader)
             images = images.to(device, non_blocking=True)
-            return data.device_augmentation(images, views) if on_device else images
+            return data.device_augmentation(images, views) if data.augment_on_device else images
 
         for _ in range(warmup - 1):
             next_views()
-        seconds = timed(next_views, steps, device)
-        rows.append(("data: uint8 + kornia on device" if on_device else f"data: torchvision on {workers} CPU workers", seconds))
+        rows.append((label, timed(next_views, steps, device)))
     return rows
 
 

@@ -52,7 +52,8 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
         assert heading in text
     for row in ("backbone alone: plain", "external: channels_last", "external + internal: plain", "external, device augmentation"):
         assert f"| {row}" in text and f"| {row} | failed" not in text
-    assert "data: torchvision on 1 CPU workers" in text and "data: uint8 + kornia on device" in text
+    for path in ("torchvision per view on 1 CPU workers", "kornia per image on 1 CPU workers", "uint8 + kornia on device"):
+        assert f"| data: {path} |" in text
     # The fast statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost).
     internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]
     assert internal_rows and all(float(line.split("|")[3]) < 1e-6 for line in internal_rows)

@@ -21,7 +21,7 @@ from hfmca_lightning.data.datasets import (
     SingleViewDataset,
 )
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
-from hfmca_lightning.data.device_augment import DeviceViewAugmentation
+from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.seeding import step_seed
@@ -109,6 +109,10 @@ class MultiViewDataModule(LightningDataModule):
             are drawn on the accelerator after the batch is transferred (:class:`DeviceViewAugmentation`,
             same distributions, per-sample parameters); frees the CPU workers. Its random numbers
             are seeded from ``(seed, batch index, rank)``, so runs and resumes are reproducible.
+        worker_augmentation: how CPU workers draw the views of mode ``views``: ``torchvision`` (one pipeline
+            call per view) or ``kornia`` (all ``L`` views of an image in one batched call of the device
+            pipeline on the CPU; same distributions, about 2x faster on CIFAR-sized images; per-sample
+            seeds as ever). ImageNet-sized views with blur are faster with ``torchvision`` (PIL's blur).
 
     Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
     the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
@@ -134,6 +138,7 @@ class MultiViewDataModule(LightningDataModule):
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
         augment_on_device: bool = False,
+        worker_augmentation: Literal["torchvision", "kornia"] = "torchvision",
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
@@ -154,12 +159,21 @@ class MultiViewDataModule(LightningDataModule):
         if augment_on_device and mode != "views":
             raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device")
         self.augment_on_device = augment_on_device
+        if worker_augmentation not in ("torchvision", "kornia"):
+            raise ConfigurationError(f"worker_augmentation must be 'torchvision' or 'kornia'; got {worker_augmentation!r}", parameter="worker_augmentation")
+        if worker_augmentation == "kornia" and (mode != "views" or augment_on_device):
+            raise ConfigurationError(
+                "worker_augmentation 'kornia' draws the views of mode 'views' in the CPU workers; it does not apply with "
+                f"mode {mode!r} or augment_on_device: true", parameter="worker_augmentation",
+            )
+        self.worker_augmentation = worker_augmentation
         spec = ViewAugmentation.from_strengths(
             source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip, color_jitter, blur, solarize
         )
         self.augmentation = spec
         self.train_transforms = view_transforms(spec, source.mean, source.std)
         self.device_augmentation = DeviceViewAugmentation(spec, source.mean, source.std) if augment_on_device else None
+        self.sample_views = SampleViews(DeviceViewAugmentation(spec, source.mean, source.std)) if worker_augmentation == "kornia" else None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
@@ -196,6 +210,8 @@ class MultiViewDataModule(LightningDataModule):
         self.setup()
         if self.augment_on_device:
             return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
+        if self.sample_views is not None:
+            return MultiViewDataset(self._train_split, self.train_transforms, self.num_views, all_views=self.sample_views)
         dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
         return dataset_class(self._train_split, self.train_transforms, self.num_views)
 

@@ -97,14 +97,17 @@ def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
 class MultiViewDataset(Dataset):
     """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1).
 
-    ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``). The
-    image is decoded once for its ``L`` views.
+    ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); or
+    ``all_views(image, L) -> (L, C, H, W)`` draws the ``L`` views in one batched call instead. The image is
+    decoded once for its ``L`` views.
     """
 
-    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
+    def __init__(
+        self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int, all_views: Callable[[Tensor, int], Tensor] | None = None
+    ) -> None:
         if num_views < 1:
             raise ValueError(f"num_views must be >= 1; got {num_views}")
-        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
+        self.images, self.transforms, self.num_views, self.all_views = images, _transform_list(transform), num_views, all_views
 
     def __len__(self) -> int:
         return len(self.images)
@@ -113,6 +116,8 @@ class MultiViewDataset(Dataset):
         index, seed = _split_key(key)
         image, target = self.images[index]
         with _seeded(seed):
+            if self.all_views is not None:
+                return self.all_views(image, self.num_views), target
             views = torch.stack([self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)])
         return views, target
 

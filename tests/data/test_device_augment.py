@@ -97,3 +97,28 @@ def test_datamodule_turns_uint8_batches_into_views_after_transfer():
 def test_device_augmentation_needs_view_mode():
     with pytest.raises(ConfigurationError, match="augment_on_device supports mode 'views' only"):
         MultiViewDataModule(SyntheticShapes(), mode="same_class", augment_on_device=True)
+
+
+def test_cpu_workers_can_draw_all_views_of_an_image_in_one_batched_call():
+    """worker_augmentation 'kornia': the device pipeline, per sample, in the workers; views are a function of
+    the sample seed (as the per-view path), whatever the number of workers."""
+    source = SyntheticShapes(num_classes=3, train_per_class=4)
+    datamodule = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=0, worker_augmentation="kornia")
+    datamodule.setup()
+    dataset = datamodule.train_dataset()
+    views, target = dataset[(2, 77)]
+    assert views.shape == (5, 3, 32, 32) and views.dtype == torch.float32
+    assert torch.equal(dataset[(2, 77)][0], views) and not torch.equal(dataset[(2, 78)][0], views)
+    torch.manual_seed(77)
+    image = datamodule._train_split[2][0]
+    expected = datamodule.sample_views.augmentation(image[None], 5)[0]
+    torch.testing.assert_close(views, expected, rtol=0, atol=0)
+    serial = next(iter(datamodule.train_dataloader()))[0]
+    with_workers = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=2, worker_augmentation="kornia")
+    torch.testing.assert_close(next(iter(with_workers.train_dataloader()))[0], serial, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"mode": "same_class"}, {"augment_on_device": True}])
+def test_kornia_worker_augmentation_is_for_views_drawn_in_workers(options):
+    with pytest.raises(ConfigurationError, match="worker_augmentation 'kornia'"):
+        MultiViewDataModule(SyntheticShapes(), worker_augmentation="kornia", **options)

@@ -99,9 +99,11 @@ def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_sched
         for row, step in zip(logged, (1, 3)):
             expected = reference.by_step[step][name]
             got = [float(row[f"eigenvalues/{name}/{rank:02d}"]) for rank in range(1, 6)]
-            np.testing.assert_allclose(got, expected[:5], rtol=1e-6, atol=1e-9)
-            assert float(row[f"spectrum/{name}/top1"]) == pytest.approx(expected[0], rel=1e-6, abs=1e-9)
-            assert float(row[f"spectrum/{name}/top10_mean"]) == pytest.approx(expected[:10].mean(), rel=1e-6, abs=1e-9)
+            # Float32 statistics (the fast path): a forward with gradients and one without may round differently
+            # (matmul folds differently), ~1e-7 in the statistics, ~1e-6 in the smallest logged eigenvalues.
+            np.testing.assert_allclose(got, expected[:5], rtol=1e-5, atol=1e-9)
+            assert float(row[f"spectrum/{name}/top1"]) == pytest.approx(expected[0], rel=1e-5, abs=1e-9)
+            assert float(row[f"spectrum/{name}/top10_mean"]) == pytest.approx(expected[:10].mean(), rel=1e-5, abs=1e-9)
             assert float(row[f"spectrum/{name}/num_above_0.5"]) == float((expected > 0.5).sum())
     for step in (1, 3):
         np.testing.assert_allclose(reference.external[step], reference.by_step[step]["external"], rtol=1e-6, atol=1e-9)

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from hfmca_lightning.data.datamodule import BANK, QUERIES
+from hfmca_lightning.callbacks.gather import gather_in_dataset_order
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.knn import knn_predict
 
@@ -63,8 +64,10 @@ class KNNEvaluation(Callback):
         if trainer.sanity_checking or not self._features[BANK] or not self._features[QUERIES]:
             return
         loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-        bank, bank_targets = (self._gathered(pl_module, store[BANK], loaders[BANK]) for store in (self._features, self._targets))
-        queries, query_targets = (self._gathered(pl_module, store[QUERIES], loaders[QUERIES]) for store in (self._features, self._targets))
+        bank, bank_targets = (gather_in_dataset_order(pl_module, store[BANK], len(loaders[BANK].dataset)) for store in (self._features, self._targets))
+        queries, query_targets = (
+            gather_in_dataset_order(pl_module, store[QUERIES], len(loaders[QUERIES].dataset)) for store in (self._features, self._targets)
+        )
         num_classes = getattr(trainer.datamodule, "num_classes", None)
         if num_classes is None:
             num_classes = int(bank_targets.max()) + 1
@@ -80,17 +83,6 @@ class KNNEvaluation(Callback):
         pl_module.log("knn/top1_max", self.best, sync_dist=True)
 
     on_test_epoch_end = on_validation_epoch_end
-
-    @staticmethod
-    def _gathered(pl_module: LightningModule, pieces: list[torch.Tensor], loader: Any) -> torch.Tensor:
-        """This rank's rows, or under DDP all ranks' rows in dataset order without sampler padding."""
-        local = torch.cat(pieces)
-        world = pl_module.trainer.world_size
-        if world == 1:
-            return local
-        gathered = pl_module.all_gather(local)  # (W, n_per_rank, ...): row j of rank r is sample j * W + r
-        ordered = gathered.transpose(0, 1).reshape(-1, *local.shape[1:])
-        return ordered[: len(loader.dataset)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

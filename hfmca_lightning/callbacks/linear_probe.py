@@ -1,0 +1,190 @@
+"""Online linear probe: a linear classifier trained beside the run on detached backbone features."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+
+from hfmca_lightning.callbacks.gather import gather_in_dataset_order
+from hfmca_lightning.data.datamodule import QUERIES
+from hfmca_lightning.data.sources import UNLABELLED
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.linear import topk_accuracies
+
+__all__ = ["LinearProbe"]
+
+
+@contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode (BN running statistics frozen), each restored to its own mode after."""
+    modes = {submodule: submodule.training for submodule in module.modules()}
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in modes.items():
+            submodule.training = training
+
+
+class LinearProbe(Callback):
+    """Online linear evaluation (lightly's ``OnlineLinearClassifier`` on BN-standardised features), logged as
+    ``linear/train_loss``, ``linear/top1`` and ``linear/top5``.
+
+    After every training step the module's features ``(B, D)`` of the first view of each group are computed
+    **without gradients and in eval mode** (so the backbone's gradients, BatchNorm statistics and random
+    streams are exactly those of a run without the probe), standardised by a ``BatchNorm1d`` without affine
+    parameters and fed to the classifier, which takes one step of its own SGD optimiser. Under DDP its
+    gradients and BN statistics are averaged over the processes, so every process holds the same probe.
+    During validation it scores the features of the ``QUERIES`` loader (test split) that the module's
+    ``validation_step`` returns (the same outputs :class:`KNNEvaluation` uses), gathered over processes in
+    dataset order. Probe weights and optimiser state live in the checkpoint (exact resume).
+
+    Works with every module of the package (``forward`` returns backbone features). Costs one extra
+    forward pass of ``B`` images per step (``1 / L`` of the views).
+
+    Args:
+        feature_dim: ``D``, the module's feature dimension; default: the backbone's ``feature_dim``.
+        num_classes: default: the DataModule's ``num_classes``.
+        lr, momentum, weight_decay: of the probe's SGD. topk: accuracies to log (each capped at ``num_classes``).
+    """
+
+    def __init__(
+        self,
+        feature_dim: int | None = None,
+        num_classes: int | None = None,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        topk: tuple[int, ...] = (1, 5),
+    ) -> None:
+        super().__init__()
+        for name, value in (("feature_dim", feature_dim), ("num_classes", num_classes)):
+            if value is not None and value < 1:
+                raise ConfigurationError(f"LinearProbe needs {name} >= 1; got {value}", parameter=name)
+        if lr <= 0:
+            raise ConfigurationError(f"LinearProbe needs lr > 0; got {lr}", parameter="lr")
+        self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.standardise: nn.BatchNorm1d | None = None
+        self.classifier: Any = None  # lightly's OnlineLinearClassifier, built in setup
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._logits: list[Tensor] = []
+        self._targets: list[Tensor] = []
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return list(self.classifier.classification_head.parameters())
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        data_classes = getattr(trainer.datamodule, "num_classes", None)
+        if self.num_classes is not None and data_classes is not None and data_classes != self.num_classes:
+            raise ConfigurationError(
+                f"LinearProbe has num_classes={self.num_classes} but the data has {data_classes} classes; "
+                f"set its num_classes to {data_classes} or leave it out",
+                parameter="num_classes",
+            )
+        self.num_classes = self.num_classes or data_classes
+        self.feature_dim = self.feature_dim or getattr(getattr(pl_module, "backbone", None), "feature_dim", None)
+        if self.num_classes is None or self.feature_dim is None:
+            raise ConfigurationError(
+                "LinearProbe cannot tell the number of classes or the feature dimension from the data and backbone; set its num_classes and feature_dim"
+            )
+        if self.classifier is None:
+            from lightly.utils.benchmarking import OnlineLinearClassifier
+
+            # Built without drawing from the global random streams (a run with the probe trains like one without).
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.standardise = nn.BatchNorm1d(self.feature_dim, affine=False)
+                self.classifier = OnlineLinearClassifier(self.feature_dim, self.num_classes, topk=tuple(min(k, self.num_classes) for k in self.topk))
+            self.optimizer = torch.optim.SGD(self._parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        self.standardise.to(pl_module.device)
+        self.classifier.to(pl_module.device)
+        if self._pending_state is not None:
+            self.load_state_dict(self._pending_state)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        images, targets = batch
+        if images.dim() == 5:
+            images = images[:, 0]
+        labelled = targets != UNLABELLED
+        distributed = trainer.world_size > 1
+        if int(labelled.sum()) < 2 and not distributed:
+            return  # nothing to learn from (unlabelled images; BN needs two rows)
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = None
+        if int(labelled.sum()) >= 2:
+            with torch.no_grad(), _evaluating(pl_module):
+                features = pl_module(images[labelled])
+            if features.shape[-1] != self.feature_dim:
+                raise ConfigurationError(
+                    f"LinearProbe has feature_dim={self.feature_dim} but the module's features have {features.shape[-1]}", parameter="feature_dim"
+                )
+            self.standardise.train()
+            self.classifier.train()
+            with torch.enable_grad():
+                loss, _ = self.classifier.shared_step((self.standardise(features.float()), targets[labelled]), batch_idx)
+                loss.backward()
+        if distributed:  # every process takes part, also one without labelled rows (zero gradients)
+            for parameter in self._parameters():
+                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+                parameter.grad = trainer.strategy.reduce(grad, reduce_op="mean")
+            for buffer in (self.standardise.running_mean, self.standardise.running_var):
+                buffer.copy_(trainer.strategy.reduce(buffer.clone(), reduce_op="mean"))
+        self.optimizer.step()
+        if loss is not None:
+            pl_module.log("linear/train_loss", loss.detach())
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logits.clear()
+        self._targets.clear()
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if dataloader_idx != QUERIES:
+            return
+        if not isinstance(outputs, dict) or "features" not in outputs or "targets" not in outputs:
+            raise TypeError(f"LinearProbe needs {type(pl_module).__name__}.validation_step to return {{'features', 'targets'}}")
+        self.standardise.eval()
+        with torch.no_grad():
+            self._logits.append(self.classifier(self.standardise(outputs["features"].float())))
+        self._targets.append(outputs["targets"].detach())
+
+    on_test_batch_end = on_validation_batch_end
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or not self._logits:
+            return
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        length = len(loaders[QUERIES].dataset)
+        logits = gather_in_dataset_order(pl_module, self._logits, length)
+        targets = gather_in_dataset_order(pl_module, self._targets, length)
+        prefix = "linear/test_top" if trainer.testing else "linear/top"
+        for k, accuracy in topk_accuracies(logits, targets, self.num_classes, self.topk).items():
+            pl_module.log(f"{prefix}{k}", accuracy, prog_bar=k == 1 and not trainer.testing, sync_dist=True)
+
+    on_test_epoch_end = on_validation_epoch_end
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.classifier is None:
+            return dict(self._pending_state or {})
+        return {"standardise": self.standardise.state_dict(), "classifier": self.classifier.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.classifier is None:  # not set up yet: applied in setup
+            self._pending_state = state_dict
+            return
+        self._pending_state = None
+        self.standardise.load_state_dict(state_dict["standardise"])
+        self.classifier.load_state_dict(state_dict["classifier"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])

@@ -8,7 +8,7 @@ Uses W&B's workspace library (``pip install 'hfmca_lightning[dashboard]'``, i.e.
 view has a fixed internal name derived from its title, so running the command again updates the saved
 view instead of adding another. Its sections follow the keys that ``hfmca fit`` logs:
 
-* **Costs and kNN**: ``cost/*`` and ``knn/top1`` / ``knn/top1_max``;
+* **Costs and kNN**: ``cost/*``, ``knn/top1`` / ``knn/top1_max`` and the online probe's ``linear/*``;
 * **Eigenvalue dynamics**: per cost pair, the ``eigenvalues/<pair>/01..20`` series in one panel (the
   paper's learning-dynamics figure, as lines);
 * **Spectrum distributions**: per pair, ``spectrum/<pair>/eigenvalues``, the whole spectrum as a W&B
@@ -61,6 +61,8 @@ def eigenvalue_dynamics_workspace(entity: str, project: str, pairs: list[str] | 
             panels=[
                 reports.LinePlot(title="Costs (lower = stronger dependence)", metric_regex=r"^cost/.*$"),
                 reports.LinePlot(title="kNN top-1", y=["knn/top1", "knn/top1_max"]),
+                reports.LinePlot(title="Online linear probe", y=["linear/top1", "linear/top5"]),
+                reports.LinePlot(title="Linear probe training loss", y=["linear/train_loss"]),
             ],
         ),
         workspaces.Section(

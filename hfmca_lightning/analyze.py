@@ -17,42 +17,22 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import yaml
+import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from hfmca_lightning.analysis.spectral import decompose
-from hfmca_lightning.callbacks.stored_config import saved_config
-from hfmca_lightning.checkpoint_io import read_checkpoint
-from hfmca_lightning.data.datamodule import MultiViewDataModule
+from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
+from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
-from hfmca_lightning.methods.inspection import collect_for_analysis, collect_statistics, default_figure_layers, layer_pairs, spectra
-from hfmca_lightning.trainer_cli import HFMCACLI
+from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, layer_pairs, residual_blocks, spectra
+from hfmca_lightning.runs import backbone_of, load_run
 from hfmca_lightning.visualization import basis_functions_figure, heatmap_overlay_figure, layer_spectra_figure, save_figure
 
-__all__ = ["load_run", "analyze", "compare", "run_analysis_command"]
-
-
-def load_run(ckpt_path: str | Path, config_path: str | Path | None = None) -> tuple[HFMCAModule, MultiViewDataModule]:
-    """Rebuild the module (with the checkpoint's weights, in eval mode) and data module of a run."""
-    ckpt_path = Path(ckpt_path)
-    checkpoint = read_checkpoint(ckpt_path)
-    text = Path(config_path).read_text() if config_path else saved_config(checkpoint)
-    if text is None:
-        raise ConfigurationError(f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML")
-    config = {key: value for key, value in yaml.safe_load(text).items() if key in ("seed_everything", "trainer", "model", "data")}
-    config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False)
-    cli = HFMCACLI(args=config, run=False)
-    module = cli.model
-    if not isinstance(module, HFMCAModule) or not isinstance(cli.datamodule, MultiViewDataModule):
-        raise ConfigurationError("hfmca analyze needs a run of HFMCAModule on a MultiViewDataModule")
-    module.on_load_checkpoint(checkpoint)
-    module.load_state_dict(checkpoint["state_dict"])
-    module.eval()
-    cli.datamodule.setup("fit")
-    return module, cli.datamodule
+__all__ = ["load_run", "analysis_module", "analyze", "compare", "run_analysis_command"]
 
 
 def _training_batches(datamodule: MultiViewDataModule, count: int) -> Iterator[Tensor]:
@@ -82,12 +62,39 @@ def _write_index(out: Path, title: str, figures: list[tuple[str, str]], table: d
     return path
 
 
+def analysis_module(module: LightningModule, internal_layers: list[str] | None = None) -> HFMCAModule:
+    """The HFMCA view of any trained module: an :class:`HFMCAModule` itself, or (for the baselines, or when
+    ``internal_layers`` names backbone modules) a wrapper of its backbone with float64 internal costs on
+    ``internal_layers`` (default: every residual block), so that any model's layer spectra, heatmaps and
+    basis functions come from the same maths (the paper's spectra across supervision types)."""
+    if isinstance(module, HFMCAModule) and internal_layers is None:
+        return module
+    backbone = backbone_of(module)
+    layers = internal_layers or residual_blocks(backbone)
+    if not layers:
+        raise ConfigurationError(
+            f"{type(backbone).__name__} has no residual blocks to analyse; name its blocks with --internal_layers "
+            "(module names of the backbone, e.g. net.layer1.0)"
+        )
+    return HFMCAModule(backbone, internal_costs=InternalCosts(layers, precision="float64")).eval()
+
+
 def analyze(
-    ckpt_path: str | Path, out: str | Path, config_path: str | Path | None = None, num_batches: int = 4, num_images: int = 8, layers: list[str] | None = None
+    ckpt_path: str | Path,
+    out: str | Path,
+    config_path: str | Path | None = None,
+    num_batches: int = 4,
+    num_images: int = 8,
+    layers: list[str] | None = None,
+    internal_layers: list[str] | None = None,
 ) -> Path:
     """Spectra (PNG + JSON) over ``num_batches`` training batches, density-ratio heatmaps and basis functions
-    of ``num_images`` test images at ``layers`` (default: the three lowest internal layers), ``index.html``."""
-    module, datamodule = load_run(ckpt_path, config_path)
+    of ``num_images`` test images at ``layers`` (default: the three lowest internal layers), ``index.html``.
+
+    Any checkpoint of the package: baselines (and HFMCA runs given ``internal_layers``) are analysed through
+    :func:`analysis_module`."""
+    run_module, datamodule = load_run(ckpt_path, config_path)
+    module = analysis_module(run_module, internal_layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     statistics = collect_statistics(module, _training_batches(datamodule, num_batches))
@@ -113,49 +120,79 @@ def analyze(
     return _write_index(out, f"HFMCA analysis of {ckpt_path}", figures, eigenvalues)
 
 
-def _layer_outputs(module: HFMCAModule, images: Tensor) -> dict[str, Tensor]:
-    """Output map of every internal layer (by log name), plus the backbone output as ``backbone``."""
-    collected = collect_for_analysis(module, images, keep_maps=module.internal_costs is not None)
-    outputs: dict[str, Tensor] = {}
-    if module.internal_costs is not None:
-        outputs.update({pair.log_name: collected.maps[pair.cost_name][1] for pair in module.internal_costs.pairs})
-    features = collected.features
-    assert features is not None  # images (N, C, H, W) have no external pair
-    outputs["backbone"] = features[..., None, None] if features.dim() == 2 else features
-    return outputs
-
-
 def _positions(feature_map: Tensor) -> Tensor:
+    """``(N, C, H, W)`` maps or ``(N, D)`` features -> one row per position ``(N * H * W, C)``."""
+    if feature_map.dim() == 2:
+        return feature_map
     return feature_map.permute(0, 2, 3, 1).reshape(-1, feature_map.shape[1])
 
 
+@torch.no_grad()
+def _module_outputs(module: LightningModule, images: Tensor, names: list[str]) -> dict[str, Tensor]:
+    """Output of every named backbone module on ``images`` (eval mode), plus the features as ``backbone``."""
+    backbone = backbone_of(module)
+    outputs: dict[str, Tensor] = {}
+    handles = [
+        backbone.get_submodule(name).register_forward_hook(lambda _m, _a, output, name=name: outputs.__setitem__(name, output.detach()))
+        for name in names
+    ]
+    try:
+        outputs["backbone"] = module(images).detach()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def comparable_layers(module: LightningModule) -> list[str]:
+    """Backbone module names compared by default: the internal-cost layers of an HFMCA run, else its residual blocks."""
+    if isinstance(module, HFMCAModule) and module.internal_costs is not None:
+        return module.internal_costs.layers
+    return residual_blocks(backbone_of(module))
+
+
 def compare(
-    ckpt_a: str | Path, ckpt_b: str | Path, out: str | Path, num_batches: int = 4, reg: float = 1e-3
+    ckpt_a: str | Path, ckpt_b: str | Path, out: str | Path, num_batches: int = 4, reg: float = 1e-3, layers: list[str] | None = None
 ) -> Path:
-    """Eigenvalues between the normalised features of two models at each common layer, on the same images
-    (the test split of model A's data): values near 1 = parallel eigenfunctions, near 0 = orthogonal."""
+    """Eigenvalues between the normalised features of two models at each common backbone layer (by module
+    name) and at their outputs (``backbone``), on the same images (the test split of model A's data): values
+    near 1 = parallel eigenfunctions, near 0 = orthogonal. Any two checkpoints of the package (HFMCA vs
+    SimCLR, supervised vs self-supervised, ...)."""
     model_a, data_a = load_run(ckpt_a)
     model_b, _ = load_run(ckpt_b)
+    names_b = set(dict(backbone_of(model_b).named_modules()))
+    if layers is None:
+        layers = [name for name in comparable_layers(model_a) if name in names_b]
+    missing = [name for name in layers if name not in names_b or name not in dict(backbone_of(model_a).named_modules())]
+    if missing:
+        raise ConfigurationError(f"--layers {missing} are not modules of both backbones")
     statistics: dict[str, CorrelationStatistics] = {}
-    for index, (images, _) in enumerate(data_a.val_dataloader()[1]):
+    loaders = data_a.val_dataloader()
+    if not loaders:
+        raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
+    for index, (images, _) in enumerate(loaders[QUERIES]):
         if index >= num_batches:
             break
-        outputs_a, outputs_b = _layer_outputs(model_a, images), _layer_outputs(model_b, images)
-        for name in [n for n in outputs_a if n in outputs_b]:
-            if outputs_a[name].shape[-2:] != outputs_b[name].shape[-2:]:
+        outputs_a, outputs_b = _module_outputs(model_a, images, layers), _module_outputs(model_b, images, layers)
+        for name in [*layers, "backbone"]:
+            if outputs_a[name].shape[2:] != outputs_b[name].shape[2:]:
                 continue
-            pair = group_statistics(_positions(outputs_a[name])[:, None], _positions(outputs_b[name]))
+            pair = group_statistics(_positions(outputs_a[name]).double()[:, None], _positions(outputs_b[name]).double())
             statistics[name] = statistics[name] + pair if name in statistics else pair
     if not statistics:
-        raise ConfigurationError("the two models have no layer in common (same internal cost layer names and map sizes)")
+        raise ConfigurationError("the two models have no layer in common (same backbone module names and map sizes)")
     eigenvalues = {name: decompose(stats, reg=reg).eigenvalues.tolist() for name, stats in statistics.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cross_spectra.json").write_text(json.dumps(eigenvalues, indent=1))
-    title = f"Spectrum across models: {Path(ckpt_a).parent.parent.name} vs {Path(ckpt_b).parent.parent.name}"
+    title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
     save_figure(layer_spectra_figure(eigenvalues, title=title), out / "cross_spectra.png")
     caption = "Eigenvalues between the normalised features of the two models at each layer (1: same subspace, 0: orthogonal)."
     return _write_index(out, title, [("cross_spectra.png", caption)], eigenvalues)
+
+
+def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:
+    return f"{Path(ckpt_path).parent.parent.name} ({type(module).__name__})"
 
 
 def run_analysis_command(argv: list[str]) -> None:
@@ -169,14 +206,19 @@ def run_analysis_command(argv: list[str]) -> None:
     one.add_argument("--num_batches", type=int, default=4, help="training batches for the statistics")
     one.add_argument("--num_images", type=int, default=8, help="test images for heatmaps")
     one.add_argument("--layers", nargs="*", default=None, help="internal layers to draw (log names such as L2 L4 L6)")
+    one.add_argument(
+        "--internal_layers", nargs="*", default=None,
+        help="backbone modules to analyse (e.g. net.layer1.0); default: an HFMCA run's internal-cost layers, a baseline's residual blocks",
+    )
     two = commands.add_parser("compare", help="cross-model eigenvalues per layer of two checkpoints")
     two.add_argument("--ckpt_a", required=True)
     two.add_argument("--ckpt_b", required=True)
     two.add_argument("--out", required=True)
     two.add_argument("--num_batches", type=int, default=4, help="test batches of model A's data")
+    two.add_argument("--layers", nargs="*", default=None, help="backbone module names (default: A's internal-cost layers or residual blocks)")
     args = parser.parse_args(argv)
     if args.command == "analyze":
-        index = analyze(args.ckpt_path, args.out, args.config, args.num_batches, args.num_images, args.layers)
+        index = analyze(args.ckpt_path, args.out, args.config, args.num_batches, args.num_images, args.layers, args.internal_layers)
     else:
-        index = compare(args.ckpt_a, args.ckpt_b, args.out, args.num_batches)
+        index = compare(args.ckpt_a, args.ckpt_b, args.out, args.num_batches, layers=args.layers)
     print(f"wrote {index}")

@@ -23,7 +23,9 @@ TINY_SPECTRUM = {
 
 
 def train(tmp_path: Path, config: str) -> Path:
-    model = TINY_SPECTRUM if "unsupervised" not in config else {"init_args": {"backbone": TINY_SPECTRUM["init_args"]["backbone"]}}
+    model = TINY_SPECTRUM if "selfsupervised" in config else {"init_args": {"backbone": TINY_SPECTRUM["init_args"]["backbone"]}}
+    if "simclr" in config:  # the baseline on the same (tiny) spectrum CNN: the backbones share module names
+        model["init_args"].update(hidden_dim=12, output_dim=6)
     data = {"data.init_args.batch_size": 4, "data.init_args.source.init_args.train_per_class": 10, "trainer.limit_val_batches": 0}
     main(["fit", "--config", str(REPO / "configs" / config), "--config", str(tiny_overrides(tmp_path, model=model, **data)), "--trainer.limit_train_batches", "3"])
     return tmp_path / "checkpoints" / "last.ckpt"
@@ -32,7 +34,9 @@ def train(tmp_path: Path, config: str) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    return {name: train(root / name, f"spectrum_{name}.yaml") for name in ("selfsupervised", "unsupervised")}
+    runs = {name: train(root / name, f"spectrum_{name}.yaml") for name in ("selfsupervised", "unsupervised")}
+    runs["simclr"] = train(root / "simclr", "baselines/simclr_cifar10.yaml")
+    return runs
 
 
 def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoints, tmp_path, capsys):
@@ -65,7 +69,7 @@ def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
     out = tmp_path / "compare"
     main(["compare", "--ckpt_a", str(checkpoints["selfsupervised"]), "--ckpt_b", str(checkpoints["unsupervised"]), "--out", str(out), "--num_batches", "1"])
     spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert set(spectra) == {*(f"L{i}" for i in range(1, 10)), "backbone"}
+    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
     assert all(0 <= value < 1 for values in spectra.values() for value in values)
     assert (out / "cross_spectra.png").stat().st_size > 10_000
 
@@ -74,10 +78,54 @@ def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path):
     out = tmp_path / "self"
     main(["compare", "--ckpt_a", str(checkpoints["unsupervised"]), "--ckpt_b", str(checkpoints["unsupervised"]), "--out", str(out), "--num_batches", "1"])
     spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert spectra["L1"][0] > 0.95  # noise channels make the two passes differ slightly
+    assert spectra["blocks.L1"][0] > 0.95  # noise channels make the two passes differ slightly
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["analyze", "--ckpt_path", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path)])
     assert "hfmca: error: checkpoint not found" in capsys.readouterr().err
+
+
+def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):
+    """A baseline's checkpoint compares with an HFMCA one at the same backbone modules (by name)."""
+    out = tmp_path / "hfmca_vs_simclr"
+    main(["compare", "--ckpt_a", str(checkpoints["selfsupervised"]), "--ckpt_b", str(checkpoints["simclr"]), "--out", str(out), "--num_batches", "1"])
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
+    assert all(0 <= value < 1 for values in spectra.values() for value in values)
+    assert "SimCLR" in (out / "index.html").read_text()
+
+
+def test_compare_equals_the_eigenvalues_of_the_two_models_features(checkpoints, tmp_path):
+    """The cross spectrum at the output is that of group_statistics between the two models' features."""
+    from hfmca_lightning.losses.statistics import group_statistics
+
+    out = tmp_path / "check"
+    main(["compare", "--ckpt_a", str(checkpoints["selfsupervised"]), "--ckpt_b", str(checkpoints["simclr"]), "--out", str(out), "--num_batches", "1", "--layers", "blocks.L2"])
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert set(spectra) == {"blocks.L2", "backbone"}
+    model_a, data = load_run(checkpoints["selfsupervised"])
+    model_b, _ = load_run(checkpoints["simclr"])
+    images, _ = next(iter(data.val_dataloader()[1]))
+    with torch.no_grad():
+        stats = group_statistics(model_a(images).double()[:, None], model_b(images).double())
+    expected = decompose(stats, reg=1e-3).eigenvalues
+    torch.testing.assert_close(torch.tensor(spectra["backbone"], dtype=torch.float64), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
+    out = tmp_path / "simclr_analysis"
+    main(["analyze", "--ckpt_path", str(checkpoints["simclr"]), "--out", str(out), "--num_batches", "1", "--num_images", "2",
+          "--internal_layers", "blocks.L2", "blocks.L4", "blocks.L6", "--layers", "L2"])
+    spectra = json.loads((out / "spectra.json").read_text())
+    assert list(spectra) == ["internal/L2", "internal/L4", "internal/L6"]
+    assert all(0 <= value <= 1 for values in spectra.values() for value in values)
+    assert (out / "density_ratio.png").exists() and (out / "basis_L2.png").exists()
+
+
+def test_residual_blocks_are_found_by_default():
+    from hfmca_lightning.methods.inspection import residual_blocks
+    from hfmca_lightning.models import CIFARResNet18
+
+    assert residual_blocks(CIFARResNet18()) == [f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hfmca_lightning.analysis.density_ratio import LayerPair, basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
@@ -25,8 +25,18 @@ __all__ = [
     "density_ratio_heatmaps",
     "layer_basis_maps",
     "layer_pairs",
+    "residual_blocks",
     "spectra",
 ]
+
+
+RESIDUAL_BLOCK_TYPES = ("BasicBlock", "Bottleneck")
+
+
+def residual_blocks(backbone: nn.Module) -> list[str]:
+    """Module names of the backbone's residual blocks (torchvision and timm ResNets' ``BasicBlock`` /
+    ``Bottleneck``), in forward order: the layers analysed by default for models trained without internal costs."""
+    return [name for name, module in backbone.named_modules() if type(module).__name__ in RESIDUAL_BLOCK_TYPES]
 
 
 def default_figure_layers(log_names: list[str]) -> list[str]:

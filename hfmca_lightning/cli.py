@@ -4,6 +4,9 @@
     hfmca fit --config configs/cifar10_ss.yaml --ckpt_path last      # resume exactly
     hfmca validate --config configs/cifar10_ss.yaml --ckpt_path last
     hfmca analyze --ckpt_path runs/demo/checkpoints/last.ckpt --out analysis/demo
+    hfmca linear --ckpt_path runs/demo/checkpoints/last.ckpt                         # linear evaluation
+    hfmca knn --ckpt_path runs/demo/checkpoints/last.ckpt --k 20 200 --temperature 0.07 0.1
+    hfmca export --ckpt_path runs/demo/checkpoints/last.ckpt --out exported/demo      # plain weights
     hfmca dashboard --entity E --project P                           # the W&B eigenvalue-dynamics view
 
 A mistake in the configuration, the data or a checkpoint ends the command before training with one line,
@@ -27,19 +30,23 @@ __all__ = ["main"]
 
 EXIT_CONFIGURATION, EXIT_FAILED, EXIT_SIGTERM = 2, 1, 128 + 15
 ANALYSIS_COMMANDS = ("analyze", "compare")
+EVALUATION_COMMANDS = ("linear", "knn")
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``hfmca`` console script.
 
     ``fit`` / ``validate`` / ``test`` go to LightningCLI; ``analyze`` and ``compare`` to
-    :mod:`hfmca_lightning.analyze`. Configuration errors: one line, exit status 2; a run that fails:
+    :mod:`hfmca_lightning.analyze`; ``linear`` and ``knn`` to :mod:`hfmca_lightning.evaluate`; ``export`` to
+    :mod:`hfmca_lightning.export`. Configuration errors: one line, exit status 2; a run that fails:
     one line, exit status 1; SIGTERM: checkpoint written, exit status 143.
     """
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in (["-h"], ["--help"]):
         print(
             "hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n"
+            "hfmca linear --help / hfmca knn --help: linear and kNN evaluation of a checkpoint.\n"
+            "hfmca export --help: a trained backbone as plain torchvision / timm weights.\n"
             "hfmca dashboard --help: create the W&B eigenvalue-dynamics view of a project.\n"
         )
     try:
@@ -47,6 +54,16 @@ def main(args: list[str] | None = None) -> None:
             from hfmca_lightning.analyze import run_analysis_command
 
             run_analysis_command(argv)
+            return
+        if argv and argv[0] in EVALUATION_COMMANDS:
+            from hfmca_lightning.evaluate import run_evaluation_command
+
+            run_evaluation_command(argv)
+            return
+        if argv and argv[0] == "export":
+            from hfmca_lightning.export import run_export_command
+
+            run_export_command(argv[1:])
             return
         if argv and argv[0] == "dashboard":
             from hfmca_lightning.dashboard import run_dashboard_command

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import signal
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ from hfmca_lightning.data.datasets import (
 )
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, resize_transform, view_transforms
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.seeding import step_seed
 
@@ -275,6 +276,22 @@ class MultiViewDataModule(LightningDataModule):
             QUERIES: self._loader(EvalDataset(queries, self.eval_transform), self.eval_batch_size),
         }
         return [loaders[index] for index in sorted(loaders)]
+
+    def labelled_splits(self) -> tuple[LabelledImages, LabelledImages]:
+        """The labelled ``(train, test)`` splits of the evaluation protocols: the kNN bank and queries, the
+        linear classifier's training and test data."""
+        self.setup()
+        if self._evaluation is None:
+            raise ConfigurationError(f"{type(self.source).__name__} has no labelled evaluation splits; kNN and linear evaluation need them")
+        return self._evaluation
+
+    def finetune_dataloader(self, indices: Sequence[int] | None = None, seed: int = 0) -> DataLoader:
+        """Shuffled (seeded), augmented ``(image, target)`` batches of ``batch_size`` images from the labelled
+        training split (or its ``indices``, for label fractions): supervised fine-tuning."""
+        train, _ = self.labelled_splits()
+        dataset = EvalDataset(train, finetune_transform(self.source.image_size, self.source.mean, self.source.std))
+        subset = dataset if indices is None else torch.utils.data.Subset(dataset, list(indices))
+        return self._loader(subset, self.batch_size, shuffle=True, drop_last=len(subset) > self.batch_size, generator=torch.Generator().manual_seed(seed))
 
     def evaluation_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` evaluation queries (training images for sources without labels), without

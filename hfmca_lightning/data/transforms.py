@@ -191,6 +191,20 @@ def eval_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, .
     )
 
 
+def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
+    """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
+    (scale 0.08..1), horizontal flip, normalise."""
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean, std),
+        ]
+    )
+
+
 def resize_transform(image_size: int) -> v2.Compose:
     """uint8 image resized (shorter side) and centre-cropped to ``image_size``: the CPU half of on-device augmentation."""
     return v2.Compose([v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])

@@ -1,5 +1,16 @@
-"""Pure evaluation maths on embeddings (no Lightning)."""
+"""Pure evaluation maths on embeddings (no Lightning): kNN, linear classifiers, feature extraction."""
 
-from hfmca_lightning.evaluation.knn import knn_accuracy, knn_predict
+from hfmca_lightning.evaluation.features import extract_features
+from hfmca_lightning.evaluation.knn import knn_accuracy, knn_grid, knn_predict
+from hfmca_lightning.evaluation.linear import LinearClassifier, class_balanced_subset, topk_accuracies, train_linear_classifier
 
-__all__ = ["knn_accuracy", "knn_predict"]
+__all__ = [
+    "LinearClassifier",
+    "class_balanced_subset",
+    "extract_features",
+    "knn_accuracy",
+    "knn_grid",
+    "knn_predict",
+    "topk_accuracies",
+    "train_linear_classifier",
+]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["knn_predict", "knn_accuracy"]
+__all__ = ["knn_predict", "knn_accuracy", "knn_grid"]
 
 
 def knn_predict(
@@ -55,3 +57,20 @@ def knn_accuracy(
     """Top-1 accuracy in [0, 1] of :func:`knn_predict` on labelled queries."""
     predicted = knn_predict(queries, bank, bank_targets, num_classes, **kwargs)  # type: ignore[arg-type]
     return (predicted == query_targets).float().mean().item()
+
+
+def knn_grid(
+    queries: Tensor,
+    query_targets: Tensor,
+    bank: Tensor,
+    bank_targets: Tensor,
+    num_classes: int,
+    ks: Sequence[int],
+    temperatures: Sequence[float],
+) -> list[dict[str, float]]:
+    """:func:`knn_accuracy` for every ``(k, temperature)``: rows ``{"k", "temperature", "top1"}``, k-major."""
+    return [
+        {"k": k, "temperature": t, "top1": knn_accuracy(queries, query_targets, bank, bank_targets, num_classes, k=k, temperature=t)}
+        for k in ks
+        for t in temperatures
+    ]

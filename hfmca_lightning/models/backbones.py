@@ -47,6 +47,7 @@ class TorchvisionBackbone(nn.Module):
             net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
         self.feature_dim = _remove_classifier(net, name)
+        self.architecture, self.cifar_stem = name, cifar_stem  # what `hfmca export` writes down
         self.net = net
 
     def forward(self, images: Tensor) -> Tensor:
@@ -106,6 +107,7 @@ class TimmBackbone(nn.Module):
             raise ConfigurationError(f"{name!r} is not a timm model{'; did you mean ' + ' / '.join(close) + '?' if close else ''}", parameter="name")
         self.net = timm.create_model(name, pretrained=pretrained, num_classes=0, **(model_kwargs or {}))
         self.feature_dim = int(self.net.num_features)
+        self.architecture, self.model_kwargs = name, dict(model_kwargs or {})  # what `hfmca export` writes down
 
     def forward(self, images: Tensor) -> Tensor:
         return self.net(images)

@@ -1,0 +1,41 @@
+"""Linear evaluation maths against plain references."""
+
+from __future__ import annotations
+
+import torch
+
+from hfmca_lightning.evaluation import class_balanced_subset, topk_accuracies, train_linear_classifier
+
+
+def test_topk_accuracies_match_a_plain_count():
+    generator = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(50, 7, generator=generator), torch.randint(0, 7, (50,), generator=generator)
+    ranked = logits.argsort(dim=1, descending=True)
+    for k, accuracy in topk_accuracies(logits, targets, 7, ks=(1, 3, 5)).items():
+        expected = sum(int(targets[i]) in ranked[i, :k].tolist() for i in range(50)) / 50
+        assert abs(accuracy - expected) < 1e-6, k
+
+
+def test_top5_of_fewer_classes_is_capped():
+    assert topk_accuracies(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]), 3, ks=(5,)) == {5: 1.0}
+
+
+def test_class_balanced_subset_takes_the_same_share_of_every_class():
+    targets = torch.arange(4).repeat_interleave(torch.tensor([100, 50, 20, 10]))
+    subset = class_balanced_subset(targets, 0.1, seed=3)
+    assert torch.bincount(targets[subset]).tolist() == [10, 5, 2, 1]
+    assert len(set(subset.tolist())) == len(subset)
+    assert torch.equal(subset, class_balanced_subset(targets, 0.1, seed=3))
+    assert not torch.equal(subset, class_balanced_subset(targets, 0.1, seed=4))
+    assert torch.equal(class_balanced_subset(targets, 1.0), torch.arange(len(targets)))
+
+
+def test_classifier_separates_separable_classes_whatever_their_scale():
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(5, 16, generator=generator) * 4
+    targets = torch.arange(5).repeat(40)
+    features = (centres[targets] + torch.randn(200, 16, generator=generator)) * 1000 + 50  # a badly scaled feature space
+    classifier = train_linear_classifier(features, targets, 5, epochs=30, batch_size=32)
+    assert topk_accuracies(classifier.logits(features), targets, 5)[1] == 1.0
+    again = train_linear_classifier(features, targets, 5, epochs=30, batch_size=32)
+    torch.testing.assert_close(again.linear.weight, classifier.linear.weight, rtol=0, atol=0)

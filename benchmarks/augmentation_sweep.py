@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> str:
             torch.manual_seed(0)
             module = build_method("hfmca", args.backbone, args.hfmca_views, args.head_dim)
             data = build_data(args.data, args.root, args.hfmca_views, args.batch_size, args.workers, args.per_class, **{KNOBS[knob]: strength})
-            measured = train_and_measure(module, data, args.epochs, limit, args.knn_k)
+            measured = train_and_measure(module, data, args.epochs, limit, args.knn_k, linear_epochs=args.linear_epochs)
             rows.append([f"{strength:g}", f"{100 * max(measured.knn_by_epoch):.1f}", f"{measured.external_cost_by_epoch[-1]:.2f}"])
             print(f"{knob} {strength:g}: kNN {rows[-1][1]} %, external cost {rows[-1][2]}", flush=True)
         sections.append(f"### {knob} strength\n\n" + markdown_table(["Strength", "A (%)", "EC"], rows))

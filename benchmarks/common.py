@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from hfmca_lightning.callbacks import KNNEvaluation
+from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.evaluation import extract_features, topk_accuracies, train_linear_classifier
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
@@ -62,6 +63,8 @@ def build_data(dataset: str, root: str, views: int, batch_size: int, workers: in
 @dataclass
 class Measurement:
     knn_by_epoch: list[float] = field(default_factory=list)
+    linear_by_epoch: list[float] = field(default_factory=list)
+    offline_linear: float = float("nan")
     external_cost_by_epoch: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     epoch_seconds: list[float] = field(default_factory=list)
@@ -72,6 +75,10 @@ class Measurement:
     def knn_at(self, epoch: int) -> float:
         """Best kNN top-1 up to ``epoch`` (1-based), as the paper's Table 1 reports."""
         return max(self.knn_by_epoch[:epoch]) if len(self.knn_by_epoch) >= epoch else float("nan")
+
+    def linear_at(self, epoch: int) -> float:
+        """Best online linear-probe top-1 up to ``epoch`` (1-based)."""
+        return max(self.linear_by_epoch[:epoch]) if len(self.linear_by_epoch) >= epoch else float("nan")
 
 
 class _Recorder(Callback):
@@ -99,28 +106,44 @@ class _Recorder(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and "knn/top1" in trainer.callback_metrics:
             self.m.knn_by_epoch.append(float(trainer.callback_metrics["knn/top1"]))
+        if not trainer.sanity_checking and "linear/top1" in trainer.callback_metrics:
+            self.m.linear_by_epoch.append(float(trainer.callback_metrics["linear/top1"]))
 
 
 def train_and_measure(
     module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200,
-    accelerator: str = "auto", precision: str = "32-true",
+    accelerator: str = "auto", precision: str = "32-true", linear_epochs: int | None = 100,
 ) -> Measurement:
+    """Train ``epochs`` epochs with kNN and (unless ``linear_epochs`` is None: the GPU check, whose machine
+    lacks lightly) the online linear probe every epoch and an offline linear classifier at the end."""
     measurement = Measurement()
     trainer = Trainer(
         max_epochs=epochs, accelerator=accelerator, devices=1, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
-        callbacks=[KNNEvaluation(k=k), _Recorder(measurement)],
+        callbacks=[KNNEvaluation(k=k), *([LinearProbe()] if linear_epochs else []), _Recorder(measurement)],
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.fit(module, data)
     measurement.wall_seconds = time.perf_counter() - start
+    if linear_epochs:
+        measurement.offline_linear = offline_linear_top1(module, data, linear_epochs)
     if torch.cuda.is_available():
         measurement.peak_memory = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (GPU)"
     else:
         measurement.peak_memory = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process RSS)"
     return measurement
+
+
+def offline_linear_top1(module: LightningModule, data: MultiViewDataModule, epochs: int) -> float:
+    """Top-1 on the test split of a linear classifier trained on the final frozen features (``hfmca linear``'s protocol)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    module.to(device)
+    loaders = data.val_dataloader()
+    (train, train_targets), (test, test_targets) = (extract_features(module, loader, device) for loader in loaders)
+    classifier = train_linear_classifier(train.to(device), train_targets.to(device), data.num_classes, epochs=epochs)
+    return topk_accuracies(classifier.logits(test.to(device)).cpu(), test_targets, data.num_classes, ks=(1,))[1]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -141,6 +164,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, epochs_help: str) ->
     parser.add_argument("--per-class", type=int, default=100, help="synthetic data: training images per class")
     parser.add_argument("--limit-train-batches", type=float, default=1.0, help="fraction (<= 1) or number of batches per epoch")
     parser.add_argument("--knn-k", type=int, default=200)
+    parser.add_argument("--linear-epochs", type=int, default=100, help="of the offline linear classifier on the final features")
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.epilog = epochs_help
 

@@ -21,15 +21,19 @@ def test_harness_prints_a_complete_table_for_hfmca_simclr_and_fastsiam(monkeypat
         "benchmarks/harness.py",
         ["--data", "synthetic", "--backbone", "small", "--epochs", "1", "2", "--head-dim", "32", "--batch-size", "16",
          "--limit-train-batches", "2", "--methods", "hfmca", "simclr", "fastsiam", "--workers", "0", "--per-class", "10",
-         "--knn-k", "10", "--hfmca-views", "4", "--out", str(out)],
+         "--knn-k", "10", "--hfmca-views", "4", "--linear-epochs", "5", "--out", str(out)],
         monkeypatch,
     )
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0].startswith("| Method | Views | kNN top-1 @ epoch 1 | kNN top-1 @ epoch 2 | Wall time | Peak memory | Views/s")
+    assert rows[0].startswith(
+        "| Method | Views | kNN / linear top-1 @ epoch 1 | kNN / linear top-1 @ epoch 2 | Linear top-1 (offline, final) | Wall time | Peak memory | Views/s"
+    )
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| HFMCA-SS(*)", "| SimCLR", "| FastSiam"]
     for row in rows[1:]:
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert len(cells) == 7 and all(cells) and "nan" not in row, row
+        assert len(cells) == 8 and all(cells) and "nan" not in row, row
+        knn, linear = (float(value) for value in cells[3].split(" / "))
+        assert 0 <= knn <= 100 and 0 <= linear <= 100 and 0 <= float(cells[4]) <= 100
     assert out.read_text().strip().endswith(rows[-1].strip())
 
 
@@ -38,7 +42,7 @@ def test_augmentation_sweep_reports_accuracy_and_external_cost(monkeypatch):
         "benchmarks/augmentation_sweep.py",
         ["--data", "synthetic", "--backbone", "small", "--epochs", "1", "--head-dim", "16", "--knobs", "crop", "gray",
          "--strengths", "0", "1", "--limit-train-batches", "2", "--hfmca-views", "4", "--batch-size", "16",
-         "--workers", "0", "--per-class", "10", "--knn-k", "10"],
+         "--workers", "0", "--per-class", "10", "--knn-k", "10", "--linear-epochs", "5"],
         monkeypatch,
     )
     assert "### crop strength" in table and "### gray strength" in table

@@ -163,7 +163,8 @@ def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: 
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (weights, buffers, optimiser state), flattened by key path."""
+    """Every tensor of a checkpoint (weights, buffers, optimiser state, callback states such as the online
+    linear probe's), flattened by key path."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -177,5 +178,5 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
             for index, child in enumerate(node):
                 visit(child, f"{key}/{index}")
 
-    visit({"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}, "")
+    visit({"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"], "callbacks": checkpoint.get("callbacks", {})}, "")
     return tensors

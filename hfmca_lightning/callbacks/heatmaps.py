@@ -2,35 +2,64 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.inspection import default_figure_layers, density_ratio_heatmaps
+from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, density_ratio_heatmaps
 from hfmca_lightning.visualization import heatmap_overlay_figure
 
 __all__ = ["DensityRatioHeatmapCallback"]
+
+
+class _Counted:
+    """Iterates over image batches and counts the images."""
+
+    def __init__(self, batches: Iterator[Tensor]) -> None:
+        self.batches, self.images = batches, 0
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for batch in self.batches:
+            self.images += batch.shape[0]
+            yield batch
 
 
 class DensityRatioHeatmapCallback(FigureCallback):
     """Every ``every_n_epochs``, the telescoping density-ratio response of a fixed set of test images.
 
     The first ``num_images`` images of the evaluation split (``datamodule.evaluation_images``) go through
-    the backbone; each internal pair is decomposed (Alg. 4) from the statistics of those images and the
-    response is propagated from the top hooked layer down (Alg. 5). The figure overlays the response at
+    the backbone; each internal pair is decomposed (Alg. 4) from statistics **accumulated over the first
+    ``statistics_images`` images** of that split (default 2,000; all of them when the split is smaller, with a
+    warning), in float64 and eval mode, not from the few drawn images: with 9 images and 64 features the
+    decomposition of independent features shows spurious eigenvalues above 0.5. The response is then
+    propagated from the top hooked layer down (Alg. 5). The figure overlays the response at
     ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
     ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
     internal costs. Rank 0 only.
     """
 
-    def __init__(self, num_images: int = 8, layers: list[str] | None = None, every_n_epochs: int = 1, output_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        num_images: int = 8,
+        layers: list[str] | None = None,
+        every_n_epochs: int = 1,
+        output_dir: str | None = None,
+        statistics_images: int = 2000,
+    ) -> None:
         super().__init__(output_dir)
-        for name, value in (("num_images", num_images), ("every_n_epochs", every_n_epochs)):
+        for name, value in (("num_images", num_images), ("every_n_epochs", every_n_epochs), ("statistics_images", statistics_images)):
             if value < 1:
                 raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 1; got {value}", parameter=name)
         self.num_images = num_images
         self.layers = layers
         self.every_n_epochs = every_n_epochs
+        self.statistics_images = statistics_images
+        self.last_statistics_images = 0  # how many images the last figure's decomposition came from
+        self._warned = False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         internal = getattr(pl_module, "internal_costs", None)
@@ -44,8 +73,15 @@ class DensityRatioHeatmapCallback(FigureCallback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
-        images, _ = trainer.datamodule.evaluation_images(self.num_images)
-        heatmaps = density_ratio_heatmaps(pl_module, images)
+        datamodule = trainer.datamodule
+        images, _ = datamodule.evaluation_images(self.num_images)
+        counted = _Counted(datamodule.evaluation_batches(self.statistics_images))
+        statistics = collect_statistics(pl_module, counted)
+        if counted.images < self.statistics_images and not self._warned:
+            rank_zero_warn(f"DensityRatioHeatmapCallback: the evaluation split has {counted.images} images, fewer than statistics_images={self.statistics_images}")
+            self._warned = True
+        self.last_statistics_images = counted.images
+        heatmaps = density_ratio_heatmaps(pl_module, images, statistics)
         chosen = self.layers or default_figure_layers(list(heatmaps))
         figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen})
         self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -301,6 +301,16 @@ class MultiViewDataModule(LightningDataModule):
         dataset = EvalDataset(split, self.eval_transform)
         items = [dataset[index] for index in range(min(count, len(dataset)))]
         return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
+
+    def evaluation_batches(self, count: int) -> Iterator[torch.Tensor]:
+        """The first ``count`` images of the split :meth:`evaluation_images` draws from, without augmentation,
+        in batches of ``eval_batch_size`` (never all in memory at once)."""
+        self.setup()
+        split = self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
+        dataset = EvalDataset(split, self.eval_transform)
+        for start in range(0, min(count, len(dataset)), self.eval_batch_size):
+            stop = min(start + self.eval_batch_size, count, len(dataset))
+            yield torch.stack([dataset[index][0] for index in range(start, stop)])
 
     def denormalise(self, images: torch.Tensor) -> torch.Tensor:
         """Undo the normalisation: ``(N, 3, H, W)`` network inputs -> pixel values in [0, 1]."""

@@ -130,3 +130,37 @@ def test_heatmap_callback_rejects_unknown_layers():
     trainer = Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False)
     with pytest.raises(ConfigurationError, match=r"\['L42'\] are not internal cost layers"):
         trainer.fit(module, tiny_data())
+
+
+def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_drawn_ones(tmp_path, monkeypatch):
+    """The decomposition the figure is drawn with comes from the first ``statistics_images`` evaluation images
+    (float64, eval mode), not from the 3 drawn images."""
+    import hfmca_lightning.callbacks.heatmaps as heatmaps_module
+    from hfmca_lightning.methods.inspection import collect_statistics
+
+    used = {}
+    original = heatmaps_module.density_ratio_heatmaps
+
+    def spy(module, images, statistics=None):
+        used["statistics"], used["images"] = statistics, images.shape[0]
+        return original(module, images, statistics)
+
+    monkeypatch.setattr(heatmaps_module, "density_ratio_heatmaps", spy)
+    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=10), num_views=4, batch_size=6, eval_batch_size=7, num_workers=0)
+    callback = DensityRatioHeatmapCallback(num_images=3, layers=["L1"], statistics_images=24, output_dir=str(tmp_path))
+    module = tiny_spectrum_module(noise_channels=0)
+    trainer = Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, callbacks=[callback], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert used["images"] == 3 and callback.last_statistics_images == 24
+    images, _ = data.evaluation_images(24)
+    expected = collect_statistics(module, [images])
+    for name, stats in expected.items():
+        got = used["statistics"][name]
+        assert int(got.group_count) == int(stats.group_count) > int(collect_statistics(module, [images[:3]])[name].group_count)
+        torch.testing.assert_close(got.cross_sum, stats.cross_sum, rtol=1e-9, atol=1e-9)
+
+
+def test_heatmap_statistics_image_count_must_be_positive():
+    with pytest.raises(ConfigurationError, match="statistics_images >= 1"):
+        DensityRatioHeatmapCallback(statistics_images=0)

@@ -87,6 +87,8 @@ def analyze(
     num_images: int = 8,
     layers: list[str] | None = None,
     internal_layers: list[str] | None = None,
+    image_class: int | None = None,
+    first_image: int = 0,
 ) -> Path:
     """Spectra (PNG + JSON) over ``num_batches`` training batches, density-ratio heatmaps and basis functions
     of ``num_images`` test images at ``layers`` (default: the three lowest internal layers), ``index.html``.
@@ -103,7 +105,7 @@ def analyze(
     save_figure(layer_spectra_figure(eigenvalues, title=f"Spectrum per layer pair ({Path(ckpt_path).name})"), out / "spectra.png")
     figures = [("spectra.png", "Eigenvalues of every cost pair; red: mean of the 10 largest (spectra.json has the numbers).")]
     if module.internal_costs is not None:
-        images, _ = datamodule.evaluation_images(num_images)
+        images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
         pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics)}
         heatmaps = telescoping_response(list(pairs.values()))
         chosen = layers or default_figure_layers(list(heatmaps))
@@ -206,6 +208,8 @@ def run_analysis_command(argv: list[str]) -> None:
     one.add_argument("--num_batches", type=int, default=4, help="training batches for the statistics")
     one.add_argument("--num_images", type=int, default=8, help="test images for heatmaps")
     one.add_argument("--layers", nargs="*", default=None, help="internal layers to draw (log names such as L2 L4 L6)")
+    one.add_argument("--image_class", type=int, default=None, help="draw only test images of this class")
+    one.add_argument("--first_image", type=int, default=0, help="index of the first test image considered")
     one.add_argument(
         "--internal_layers", nargs="*", default=None,
         help="backbone modules to analyse (e.g. net.layer1.0); default: an HFMCA run's internal-cost layers, a baseline's residual blocks",
@@ -218,7 +222,7 @@ def run_analysis_command(argv: list[str]) -> None:
     two.add_argument("--layers", nargs="*", default=None, help="backbone module names (default: A's internal-cost layers or residual blocks)")
     args = parser.parse_args(argv)
     if args.command == "analyze":
-        index = analyze(args.ckpt_path, args.out, args.config, args.num_batches, args.num_images, args.layers, args.internal_layers)
+        index = analyze(args.ckpt_path, args.out, args.config, args.num_batches, args.num_images, args.layers, args.internal_layers, args.image_class, args.first_image)
     else:
         index = compare(args.ckpt_a, args.ckpt_b, args.out, args.num_batches, layers=args.layers)
     print(f"wrote {index}")

@@ -57,6 +57,24 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
         assert name in page
 
 
+def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, monkeypatch):
+    import hfmca_lightning.analyze as analyze_module
+
+    drawn = {}
+    original = analyze_module.heatmap_overlay_figure
+
+    def spy(images, maps):
+        drawn["images"] = images
+        return original(images, maps)
+
+    monkeypatch.setattr(analyze_module, "heatmap_overlay_figure", spy)
+    main(["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), "--out", str(tmp_path / "by_class"), "--num_batches", "1", "--num_images", "2", "--image_class", "1"])
+    _, datamodule = load_run(checkpoints["selfsupervised"])
+    images, targets = datamodule.evaluation_images(2, target=1)
+    assert targets.tolist() == [1, 1]
+    torch.testing.assert_close(drawn["images"], datamodule.denormalise(images), rtol=0, atol=0)
+
+
 def test_loaded_run_has_the_checkpoint_weights(checkpoints):
     module, _ = load_run(checkpoints["unsupervised"])
     saved = torch.load(checkpoints["unsupervised"], weights_only=True)["state_dict"]

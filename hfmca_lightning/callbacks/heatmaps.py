@@ -36,7 +36,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
     ``statistics_images`` images** of that split (default 2,000; all of them when the split is smaller, with a
     warning), in float64 and eval mode, not from the few drawn images: with 9 images and 64 features the
     decomposition of independent features shows spurious eigenvalues above 0.5. The response is then
-    propagated from the top hooked layer down (Alg. 5). The figure overlays the response at
+    propagated from the top hooked layer down (Alg. 5). ``image_class`` draws only images of that class (the
+    appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure overlays the response at
     ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
     ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
     internal costs. Rank 0 only.
@@ -49,6 +50,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
         every_n_epochs: int = 1,
         output_dir: str | None = None,
         statistics_images: int = 2000,
+        image_class: int | None = None,
+        first_image: int = 0,
     ) -> None:
         super().__init__(output_dir)
         for name, value in (("num_images", num_images), ("every_n_epochs", every_n_epochs), ("statistics_images", statistics_images)):
@@ -58,6 +61,7 @@ class DensityRatioHeatmapCallback(FigureCallback):
         self.layers = layers
         self.every_n_epochs = every_n_epochs
         self.statistics_images = statistics_images
+        self.image_class, self.first_image = image_class, first_image
         self.last_statistics_images = 0  # how many images the last figure's decomposition came from
         self._warned = False
 
@@ -74,7 +78,7 @@ class DensityRatioHeatmapCallback(FigureCallback):
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
         datamodule = trainer.datamodule
-        images, _ = datamodule.evaluation_images(self.num_images)
+        images, _ = datamodule.evaluation_images(self.num_images, target=self.image_class, start=self.first_image)
         counted = _Counted(datamodule.evaluation_batches(self.statistics_images))
         statistics = collect_statistics(pl_module, counted)
         if counted.images < self.statistics_images and not self._warned:

@@ -293,13 +293,18 @@ class MultiViewDataModule(LightningDataModule):
         subset = dataset if indices is None else torch.utils.data.Subset(dataset, list(indices))
         return self._loader(subset, self.batch_size, shuffle=True, drop_last=len(subset) > self.batch_size, generator=torch.Generator().manual_seed(seed))
 
-    def evaluation_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``count`` evaluation queries (training images for sources without labels), without
+    def evaluation_images(self, count: int, target: int | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` evaluation queries (training images for sources without labels) from index ``start`` on,
+        only those of class ``target`` when given (the appendix's figures show samples of one class), without
         augmentation: ``(images (N, C, H, W), targets (N,))``."""
         self.setup()
         split = self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
         dataset = EvalDataset(split, self.eval_transform)
-        items = [dataset[index] for index in range(min(count, len(dataset)))]
+        indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target][:count]
+        if not indices:
+            which = f" of class {target}" if target is not None else ""
+            raise ConfigurationError(f"the evaluation split has no images{which} from index {start} on ({len(split)} images)")
+        items = [dataset[index] for index in indices]
         return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
 
     def evaluation_batches(self, count: int) -> Iterator[torch.Tensor]:

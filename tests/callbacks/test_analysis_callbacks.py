@@ -164,3 +164,33 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
 def test_heatmap_statistics_image_count_must_be_positive():
     with pytest.raises(ConfigurationError, match="statistics_images >= 1"):
         DensityRatioHeatmapCallback(statistics_images=0)
+
+
+def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
+    import hfmca_lightning.callbacks.heatmaps as heatmaps_module
+
+    drawn = {}
+    original = heatmaps_module.heatmap_overlay_figure
+
+    def spy(images, maps):
+        drawn["images"] = images
+        return original(images, maps)
+
+    monkeypatch.setattr(heatmaps_module, "heatmap_overlay_figure", spy)
+    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4), num_views=4, batch_size=6, num_workers=0)
+    callback = DensityRatioHeatmapCallback(num_images=3, layers=["L1"], statistics_images=12, image_class=2, first_image=1, output_dir=str(tmp_path))
+    trainer = Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, callbacks=[callback], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(tiny_spectrum_module(noise_channels=0), data)
+    images, targets = data.evaluation_images(3, target=2, start=1)
+    assert targets.tolist() == [2, 2, 2]
+    torch.testing.assert_close(drawn["images"], data.denormalise(images), rtol=0, atol=0)
+    split = data.labelled_splits()[1]
+    expected = [index for index, target in enumerate(split.targets) if target == 2 and index >= 1][:3]
+    torch.testing.assert_close(images, torch.stack([data.eval_transform(split[index][0]) for index in expected]), rtol=0, atol=0)
+
+
+def test_a_class_without_images_is_one_clear_error():
+    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2), num_views=4, batch_size=6, num_workers=0)
+    with pytest.raises(ConfigurationError, match="no images of class 7"):
+        data.evaluation_images(3, target=7)

@@ -55,11 +55,9 @@ net.eval()  # net(images) -> (N, {feature_dim}) features
 """
 
 
-def _classifier_attribute(net: nn.Module) -> str:
-    for attribute in ("fc", "classifier", "heads", "head"):
-        if isinstance(getattr(net, attribute, None), nn.Module):
-            return attribute
-    return "fc"
+def _python_path(module_path: str) -> str:
+    """``classifier.2`` -> ``classifier[2]`` (Sequential entries are indexed, not attributes)."""
+    return "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in module_path.split(".")).lstrip(".")
 
 
 def backbone_description(backbone: nn.Module, backbone_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -70,9 +68,9 @@ def backbone_description(backbone: nn.Module, backbone_config: dict[str, Any] | 
     if architecture is not None and hasattr(backbone, "cifar_stem"):  # TorchvisionBackbone / CIFARResNet18
         state = {key.removeprefix("net."): value for key, value in state.items()}
         stem = "cifar" if backbone.cifar_stem else "standard"
-        classifier = _classifier_attribute(backbone.net)
+        classifier = _python_path(backbone.classifier_path)
         load = TORCHVISION_LOAD.format(architecture=architecture, stem=CIFAR_STEM if backbone.cifar_stem else "", classifier=classifier, feature_dim=feature_dim)
-        return {"library": "torchvision", "architecture": architecture, "stem": stem, "classifier": f"{classifier} replaced by nn.Identity()", "feature_dim": feature_dim, "load": load}, state
+        return {"library": "torchvision", "architecture": architecture, "stem": stem, "classifier": f"{backbone.classifier_path} replaced by nn.Identity()", "feature_dim": feature_dim, "load": load}, state
     if architecture is not None and hasattr(backbone, "model_kwargs"):  # TimmBackbone
         state = {key.removeprefix("net."): value for key, value in state.items()}
         kwargs = "".join(f", {key}={value!r}" for key, value in backbone.model_kwargs.items())

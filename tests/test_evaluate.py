@@ -135,3 +135,20 @@ def test_bad_label_fraction_is_one_line(simclr_run, capsys):
         main(["linear", "--ckpt_path", str(simclr_run), "--label_fraction", "2"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "hfmca: error: --label_fraction must be in (0, 1]; got 2.0"
+
+
+def test_a_classifier_inside_a_sequential_is_replaced_where_it_was(tmp_path):
+    """MobileNetV3's classifier is Linear-Hardswish-Dropout-Linear: only the last Linear goes, and the JSON's
+    snippet says so (replacing the whole classifier would drop layers and fail the strict load)."""
+    from hfmca_lightning.export import backbone_description
+    from hfmca_lightning.models import TorchvisionBackbone
+
+    backbone = TorchvisionBackbone("mobilenet_v3_small").eval()
+    description, state = backbone_description(backbone, None)
+    assert description["classifier"] == "classifier.3 replaced by nn.Identity()" and "net.classifier[3] = nn.Identity()" in description["load"]
+    torch.save(state, tmp_path / "backbone.pt")
+    namespace: dict = {}
+    exec(description["load"].replace('"backbone.pt"', repr(str(tmp_path / "backbone.pt"))), namespace)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["net"](images), backbone(images), rtol=0, atol=1e-6)

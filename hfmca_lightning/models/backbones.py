@@ -46,7 +46,7 @@ class TorchvisionBackbone(nn.Module):
                 raise ConfigurationError(f"cifar_stem replaces conv1 and the max-pool of ResNet-family models; {name} has none", parameter="cifar_stem")
             net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
-        self.feature_dim = _remove_classifier(net, name)
+        self.feature_dim, self.classifier_path = _remove_classifier(net, name)
         self.architecture, self.cifar_stem = name, cifar_stem  # what `hfmca export` writes down
         self.net = net
 
@@ -54,21 +54,22 @@ class TorchvisionBackbone(nn.Module):
         return self.net(images)
 
 
-def _remove_classifier(net: nn.Module, name: str) -> int:
-    """Replace the last ``nn.Linear`` of the classifier by the identity; return its input size."""
+def _remove_classifier(net: nn.Module, name: str) -> tuple[int, str]:
+    """Replace the last ``nn.Linear`` of the classifier by the identity; return its input size and its module
+    path in ``net`` (``fc``, ``classifier.2``, ``heads.head``)."""
     for attribute in _CLASSIFIER_ATTRIBUTES:
         classifier = getattr(net, attribute, None)
         if not isinstance(classifier, nn.Module):
             continue
         if isinstance(classifier, nn.Linear):
             setattr(net, attribute, nn.Identity())
-            return classifier.in_features
+            return classifier.in_features, attribute
         linears = [(path, module) for path, module in classifier.named_modules() if isinstance(module, nn.Linear)]
         if linears:
             path, linear = linears[-1]
             parent = classifier.get_submodule(path.rpartition(".")[0]) if "." in path else classifier
             setattr(parent, path.rpartition(".")[2], nn.Identity())
-            return linear.in_features
+            return linear.in_features, f"{attribute}.{path}"
     raise ConfigurationError(f"cannot find the classifier of torchvision model {name} (looked for {', '.join(_CLASSIFIER_ATTRIBUTES)})", parameter="name")
 
 

@@ -22,15 +22,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 
-from hfmca_lightning.callbacks.stored_config import saved_config
 from hfmca_lightning.checkpoint_io import read_checkpoint
 from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import extract_features
-from hfmca_lightning.runs import backbone_of, load_run
+from hfmca_lightning.runs import backbone_of, load_run, run_config
 
 __all__ = ["export_backbone", "backbone_description", "run_export_command"]
 
@@ -83,23 +81,18 @@ def backbone_description(backbone: nn.Module, backbone_config: dict[str, Any] | 
     return description, state
 
 
-def _backbone_config(ckpt_path: Path, config_path: str | Path | None) -> dict[str, Any] | None:
-    text = Path(config_path).read_text() if config_path else saved_config(read_checkpoint(ckpt_path))
-    config = yaml.safe_load(text) if text else {}
-    return ((config.get("model") or {}).get("init_args") or {}).get("backbone")
-
-
 def export_backbone(
     ckpt_path: str | Path, out: str | Path, *, embeddings: list[str] | None = None, device: str = "cpu", config_path: str | Path | None = None
 ) -> Path:
     """Write ``backbone.pt``, ``backbone.json`` and, for each split in ``embeddings`` (``train``: the labelled
     training split; ``test``), ``embeddings_<split>.npz``. Returns the JSON's path."""
     ckpt_path, out = Path(ckpt_path), Path(out)
-    module, datamodule = load_run(ckpt_path, config_path)
-    backbone = backbone_of(module)
-    description, state = backbone_description(backbone, _backbone_config(ckpt_path, config_path))
-    source = datamodule.source
     checkpoint = read_checkpoint(ckpt_path)
+    module, datamodule = load_run(ckpt_path, config_path, checkpoint=checkpoint)
+    backbone = backbone_of(module)
+    backbone_config = ((run_config(ckpt_path, checkpoint, config_path).get("model") or {}).get("init_args") or {}).get("backbone")
+    description, state = backbone_description(backbone, backbone_config)
+    source = datamodule.source
     description.update(
         normalisation={"mean": list(source.mean), "std": list(source.std), "pixel_range": "[0, 1] before normalisation"},
         image_size=source.image_size,

@@ -8,6 +8,7 @@ package is accepted (:class:`~hfmca_lightning.methods.HFMCAModule` and every bas
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from lightning.pytorch import LightningModule
@@ -19,21 +20,30 @@ from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.trainer_cli import HFMCACLI
 
-__all__ = ["load_run", "backbone_of"]
+__all__ = ["load_run", "run_config", "backbone_of"]
 
 
-def load_run(ckpt_path: str | Path, config_path: str | Path | None = None) -> tuple[LightningModule, MultiViewDataModule]:
-    """Rebuild the module (with the checkpoint's weights, in eval mode) and the DataModule of a run.
-
-    The config is the one ``hfmca fit`` stored in the checkpoint, or ``config_path`` for checkpoints
-    written elsewhere. The DataModule is set up (its splits are read).
-    """
-    ckpt_path = Path(ckpt_path)
-    checkpoint = read_checkpoint(ckpt_path)
+def run_config(ckpt_path: str | Path, checkpoint: dict[str, Any], config_path: str | Path | None = None) -> dict[str, Any]:
+    """The run's config: the YAML ``hfmca fit`` stored in ``checkpoint``, or ``config_path`` for checkpoints written elsewhere."""
     text = Path(config_path).read_text() if config_path else saved_config(checkpoint)
     if text is None:
         raise ConfigurationError(f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML")
-    config = {key: value for key, value in yaml.safe_load(text).items() if key in ("seed_everything", "trainer", "model", "data")}
+    return yaml.safe_load(text)
+
+
+def load_run(
+    ckpt_path: str | Path, config_path: str | Path | None = None, checkpoint: dict[str, Any] | None = None
+) -> tuple[LightningModule, MultiViewDataModule]:
+    """Rebuild the module (with the checkpoint's weights, in eval mode) and the DataModule of a run.
+
+    The config is the one ``hfmca fit`` stored in the checkpoint, or ``config_path`` for checkpoints
+    written elsewhere. The DataModule is set up (its splits are read). ``checkpoint``: the file's contents
+    when the caller has already read it.
+    """
+    ckpt_path = Path(ckpt_path)
+    if checkpoint is None:
+        checkpoint = read_checkpoint(ckpt_path)
+    config = {key: value for key, value in run_config(ckpt_path, checkpoint, config_path).items() if key in ("seed_everything", "trainer", "model", "data")}
     config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False)
     cli = HFMCACLI(args=config, run=False)
     module, datamodule = cli.model, cli.datamodule

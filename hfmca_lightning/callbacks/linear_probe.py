@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,21 +12,10 @@ from hfmca_lightning.callbacks.gather import gather_in_dataset_order
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.features import evaluation_mode
 from hfmca_lightning.evaluation.linear import topk_accuracies
 
 __all__ = ["LinearProbe"]
-
-
-@contextmanager
-def _evaluating(module: nn.Module) -> Iterator[None]:
-    """Every submodule in eval mode (BN running statistics frozen), each restored to its own mode after."""
-    modes = {submodule: submodule.training for submodule in module.modules()}
-    module.eval()
-    try:
-        yield
-    finally:
-        for submodule, training in modes.items():
-            submodule.training = training
 
 
 class LinearProbe(Callback):
@@ -113,13 +100,14 @@ class LinearProbe(Callback):
         if images.dim() == 5:
             images = images[:, 0]
         labelled = targets != UNLABELLED
+        count = int(labelled.sum())
         distributed = trainer.world_size > 1
-        if int(labelled.sum()) < 2 and not distributed:
+        if count < 2 and not distributed:
             return  # nothing to learn from (unlabelled images; BN needs two rows)
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
-        if int(labelled.sum()) >= 2:
-            with torch.no_grad(), _evaluating(pl_module):
+        if count >= 2:
+            with torch.no_grad(), evaluation_mode(pl_module):
                 features = pl_module(images[labelled])
             if features.shape[-1] != self.feature_dim:
                 raise ConfigurationError(

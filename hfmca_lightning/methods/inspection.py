@@ -6,8 +6,7 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.density_ratio import LayerPair, basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.features import evaluation_mode
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
@@ -44,21 +44,11 @@ def default_figure_layers(log_names: list[str]) -> list[str]:
     return log_names[:3]
 
 
-@contextmanager
-def _evaluating(module: HFMCAModule) -> Iterator[None]:
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
-
-
 @torch.no_grad()
 def collect_for_analysis(module: HFMCAModule, batch: Tensor, keep_maps: bool = False) -> Collected:
     """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device, with
     float64 statistics."""
-    with _evaluating(module):
+    with evaluation_mode(module):
         return module.collect(batch.to(module.device), keep_maps=keep_maps, precision="float64")
 
 

@@ -14,7 +14,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
-from hfmca_lightning.evaluation import extract_features, topk_accuracies, train_linear_classifier
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
@@ -138,12 +137,9 @@ def train_and_measure(
 
 def offline_linear_top1(module: LightningModule, data: MultiViewDataModule, epochs: int) -> float:
     """Top-1 on the test split of a linear classifier trained on the final frozen features (``hfmca linear``'s protocol)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    module.to(device)
-    loaders = data.val_dataloader()
-    (train, train_targets), (test, test_targets) = (extract_features(module, loader, device) for loader in loaders)
-    classifier = train_linear_classifier(train.to(device), train_targets.to(device), data.num_classes, epochs=epochs)
-    return topk_accuracies(classifier.logits(test.to(device)).cpu(), test_targets, data.num_classes, ks=(1,))[1]
+    from hfmca_lightning.evaluate import frozen_linear_accuracy  # imports the CLI (jsonargparse): only where linear runs
+
+    return frozen_linear_accuracy(module, data, epochs=epochs, device="cuda" if torch.cuda.is_available() else "cpu")[1]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -25,7 +25,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import class_balanced_subset, extract_features, knn_grid, topk_accuracies, train_linear_classifier
 from hfmca_lightning.runs import backbone_of, load_run
 
-__all__ = ["split_features", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
+__all__ = ["split_features", "frozen_linear_accuracy", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
 
 
 def default_device() -> str:
@@ -43,6 +43,30 @@ def split_features(module: LightningModule, datamodule: MultiViewDataModule, dev
     module.to(device)
     loaders = datamodule.val_dataloader()
     return {index: extract_features(module, loaders[index], device) for index in (BANK, QUERIES)}
+
+
+def frozen_linear_accuracy(
+    module: LightningModule,
+    datamodule: MultiViewDataModule,
+    subset: torch.Tensor | None = None,
+    *,
+    epochs: int = 100,
+    batch_size: int = 256,
+    lr: float = 0.1,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict[int, float]:
+    """Top-1 / top-5 on the test split of a linear classifier trained on the frozen features of the labelled
+    training split (its rows ``subset`` when given), features computed once."""
+    features = split_features(module, datamodule, device)
+    train_features, train_labels = features[BANK]
+    if subset is not None:
+        train_features, train_labels = train_features[subset], train_labels[subset]
+    classifier = train_linear_classifier(
+        train_features.to(device), train_labels.to(device), datamodule.num_classes, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed
+    )
+    test_features, test_labels = features[QUERIES]
+    return topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, datamodule.num_classes)
 
 
 def _write(out: Path, name: str, result: dict[str, Any], table: str) -> Path:
@@ -70,21 +94,14 @@ def linear_evaluation(
     labelled training split (class-balanced). Writes ``linear.json`` / ``linear.md`` (``finetune.*``)."""
     device = device or default_device()
     module, datamodule = load_run(ckpt_path, config_path)
-    train_split, _ = datamodule.labelled_splits()
-    num_classes = datamodule.num_classes
+    train_split, test_split = datamodule.labelled_splits()
     train_targets = torch.as_tensor(train_split.targets)
     subset = class_balanced_subset(train_targets, label_fraction, seed)
     seed_everything(seed, verbose=False)
     if finetune:
         top = _finetune(module, datamodule, subset, epochs=epochs, lr=lr, seed=seed, device=device)
     else:
-        features = split_features(module, datamodule, device)
-        train_features, train_labels = features[BANK]
-        classifier = train_linear_classifier(
-            train_features[subset].to(device), train_labels[subset].to(device), num_classes, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed
-        )
-        test_features, test_labels = features[QUERIES]
-        top = topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, num_classes)
+        top = frozen_linear_accuracy(module, datamodule, subset, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device)
     protocol = "finetune" if finetune else "linear"
     result = {
         "checkpoint": str(ckpt_path),
@@ -92,7 +109,7 @@ def linear_evaluation(
         "protocol": "full fine-tuning" if finetune else "linear classifier on frozen features",
         "label_fraction": label_fraction,
         "train_samples": len(subset),
-        "test_samples": len(datamodule.labelled_splits()[1]),
+        "test_samples": len(test_split),
         "epochs": epochs,
         "lr": lr,
         "seed": seed,

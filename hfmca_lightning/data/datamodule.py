@@ -293,12 +293,16 @@ class MultiViewDataModule(LightningDataModule):
         subset = dataset if indices is None else torch.utils.data.Subset(dataset, list(indices))
         return self._loader(subset, self.batch_size, shuffle=True, drop_last=len(subset) > self.batch_size, generator=torch.Generator().manual_seed(seed))
 
+    def _figure_split(self) -> LabelledImages:
+        """The split figures and their statistics draw from: the test split, or the training split of a source without labels."""
+        self.setup()
+        return self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
+
     def evaluation_images(self, count: int, target: int | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` evaluation queries (training images for sources without labels) from index ``start`` on,
         only those of class ``target`` when given (the appendix's figures show samples of one class), without
         augmentation: ``(images (N, C, H, W), targets (N,))``."""
-        self.setup()
-        split = self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
+        split = self._figure_split()
         dataset = EvalDataset(split, self.eval_transform)
         indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target][:count]
         if not indices:
@@ -310,9 +314,7 @@ class MultiViewDataModule(LightningDataModule):
     def evaluation_batches(self, count: int) -> Iterator[torch.Tensor]:
         """The first ``count`` images of the split :meth:`evaluation_images` draws from, without augmentation,
         in batches of ``eval_batch_size`` (never all in memory at once)."""
-        self.setup()
-        split = self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
-        dataset = EvalDataset(split, self.eval_transform)
+        dataset = EvalDataset(self._figure_split(), self.eval_transform)
         for start in range(0, min(count, len(dataset)), self.eval_batch_size):
             stop = min(start + self.eval_batch_size, count, len(dataset))
             yield torch.stack([dataset[index][0] for index in range(start, stop)])

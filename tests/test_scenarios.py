@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 
 from hfmca_lightning.cli import main
+from hfmca_lightning.models import SpectrumCNN
+from hfmca_lightning.runs import load_run
 from tests.cli_helpers import REPO, logged, tiny_overrides
+from tests.models.test_spectrum_cnn import block_sizes
 
 TINY_SPECTRUM_CNN = {"class_path": "hfmca_lightning.models.SpectrumCNN", "init_args": {"channels": 8, "hidden_dim": 16, "noise_channels": 2}}
 TINY_HEAD = {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 8, "grid_height": 3, "grid_width": 3, "hidden_dim": 16, "noise_channels": 2}}
@@ -39,6 +42,10 @@ def test_scenario_trains_real_steps_and_logs_every_cost(config, model, internal,
     assert bool(logged(tmp_path, "cost/external")) == has_head
     assert len(logged(tmp_path, "cost/total")) == 2
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    backbone = load_run(tmp_path / "checkpoints" / "last.ckpt")[0].backbone
+    if isinstance(backbone, SpectrumCNN):  # the shipped configs train the tables' literal layout
+        assert backbone.layout == "paper"
+        assert block_sizes(backbone, 32)["L9"] == (2, 4, 1)
 
 
 def test_unsupervised_internal_costs_decrease_on_the_embedded_data(tmp_path):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Literal
 
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.models.layers import NoiseChannels, PaddingLayer
 
-__all__ = ["SpectrumCNN", "spectrum_block"]
+__all__ = ["SpectrumCNN", "spectrum_block", "SpectrumLayout"]
+
+SpectrumLayout = Literal["paper", "three_pools"]
 
 
 def spectrum_block(
@@ -17,7 +20,7 @@ def spectrum_block(
 ) -> nn.Sequential:
     """Padding, noise channels, 1x1 conv -> ``kernel`` conv (no padding) -> 1x1 conv, each with BN; ReLU
     between, sigmoid at the end. ``kernel = 3, padding = 1`` is the paper's L1..L8 (window (3, 1, 1));
-    ``kernel = 1, padding = 0`` its all-1x1 L0 / L9 body."""
+    ``kernel = 1`` its all-1x1 L0 / L9 body."""
     return nn.Sequential(
         PaddingLayer(padding),
         NoiseChannels(noise_channels),
@@ -34,35 +37,55 @@ def spectrum_block(
 
 
 class SpectrumCNN(nn.Module):
-    """Blocks ``L0`` .. ``L9`` of the paper's appendix, for spectrum analysis with internal costs.
+    """Blocks ``L0`` .. ``L9`` of the paper's appendix tables, for spectrum analysis with internal costs.
 
-    ``L0``: all 1x1 (3 -> channels). ``L1`` .. ``L8``: padding 1, noise channels, 1x1 / 3x3 / 1x1 convs,
-    sigmoid; 2x2 average pooling after ``L2``, ``L4`` and ``L6`` (32 -> 16 -> 8 -> 4). ``L9``: 1x1 convs,
-    then 4x4 average pooling to a 1x1 map. Internal costs go on ``L1`` .. ``L9`` (module names are the
-    block names). Output ``(N, channels)``.
+    ``layout="paper"`` (default) follows the tables literally: every block, ``L0`` and ``L9`` included,
+    starts with a padding layer (pad 1) and 20 noise channels; ``L0`` is all 1x1 (3 -> channels), ``L1`` ..
+    ``L8`` are 1x1 / 3x3 (no padding) / 1x1 and keep the size; "average pooling with a kernel size of 2 is
+    applied every two blocks from L1 to L8" — after ``L2``, ``L4``, ``L6`` and ``L8``; ``L9`` is all 1x1 and
+    ends with the average pool that leaves one position. For a 32x32 image::
 
-    Deviations from the tables, where they contradict themselves: ``L0`` and ``L9`` have no padding
-    layer (their convolutions are all 1x1, so padding would only add zero positions — in ``L9`` it would
-    even shift the 4x4 pool off the map), and pooling comes after every second block of ``L1`` .. ``L6``
-    (three pools), the only reading under which ``L9``'s 4x4 pool sees a 4x4 map of a 32x32 image.
+        L0: 32 -> pad 34 -> 34     L1..L8 keep the size; pools 34 -> 17 -> 8 -> 4 -> 2
+        L9: 2 -> pad 4 -> 4 -> 4x4 pool -> 1
+
+    ``layout="three_pools"``: the earlier reading — no padding layer in ``L0`` / ``L9``, pools after ``L2``,
+    ``L4``, ``L6`` (32 -> 16 -> 8 -> 4), ``L9``'s 4x4 pool over the unpadded 4x4 map. Internal costs go on
+    ``L1`` .. ``L9`` (module names are the block names). Output ``(N, channels)``.
     """
 
     def __init__(
-        self, in_channels: int = 3, channels: int = 64, hidden_dim: int = 200, noise_channels: int = 20, image_size: int = 32
+        self,
+        in_channels: int = 3,
+        channels: int = 64,
+        hidden_dim: int = 200,
+        noise_channels: int = 20,
+        image_size: int = 32,
+        layout: SpectrumLayout = "paper",
     ) -> None:
         super().__init__()
-        if image_size % 8 != 0:
-            raise ConfigurationError(f"SpectrumCNN pools by 8 before L9; image_size must be a multiple of 8, got {image_size}", parameter="image_size")
+        if layout not in ("paper", "three_pools"):
+            raise ConfigurationError(f"layout must be 'paper' or 'three_pools'; got {layout!r}", parameter="layout")
         self.feature_dim = channels
+        self.layout = layout
+        outer_padding, pools_after = (1, (2, 4, 6, 8)) if layout == "paper" else (0, (2, 4, 6))
+        size = image_size + 2 * outer_padding
+        for _ in pools_after:
+            size //= 2
+        if size < 1 or (layout == "three_pools" and image_size % 8 != 0):
+            needed = "at least 14" if layout == "paper" else "a multiple of 8"
+            raise ConfigurationError(
+                f"SpectrumCNN(layout={layout!r}) pools {len(pools_after)} times before L9; image_size must be {needed}, got {image_size}",
+                parameter="image_size",
+            )
         blocks: OrderedDict[str, nn.Module] = OrderedDict()
-        blocks["L0"] = spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)
+        blocks["L0"] = spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=outer_padding)
         for index in range(1, 9):
             blocks[f"L{index}"] = spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1)
-            if index in (2, 4, 6):
+            if index in pools_after:
                 blocks[f"pool{index}"] = nn.AvgPool2d(2)
-        final = image_size // 8
+        final_pool = size + 2 * outer_padding  # 4 for a 32x32 image in either layout
         blocks["L9"] = nn.Sequential(
-            spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(final)
+            spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=outer_padding), nn.AvgPool2d(final_pool)
         )
         self.blocks = nn.Sequential(blocks)
 

@@ -26,7 +26,7 @@ DEMO_TINY_MODEL = {
     "init_args": {
         "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 8, "num_stages": 2}},
         "projector": {"class_path": "hfmca_lightning.models.ViewProjector", "init_args": {"input_dim": 16, "output_dim": 16, "hidden_dim": 32}},
-        "external_head": {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16}},
+        "external_head": {"class_path": "hfmca_lightning.models.GridExternalHead", "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16, "noise_channels": 0}},
     }
 }
 

@@ -24,7 +24,7 @@ PER_RANK_BATCH = 4
 def bn_free_module() -> HFMCAModule:
     """BN-free, so per-rank and whole-batch normalisation cannot differ; the cost syncs its statistics."""
     torch.manual_seed(0)
-    head = GridExternalHead(feature_dim=6, grid_height=2, grid_width=2, hidden_dim=8)
+    head = GridExternalHead(feature_dim=6, grid_height=2, grid_width=2, hidden_dim=8, noise_channels=0)
     head.layers = nn.Sequential(*[nn.Identity() if isinstance(layer, nn.BatchNorm2d) else layer for layer in head.layers])
     return HFMCAModule(
         backbone=nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()),

@@ -37,7 +37,8 @@ class GridExternalHead(nn.Module):
     """The external head LF: L view features on a ``grid_height x grid_width`` grid -> one feature.
 
     ``(B, L, K)`` with ``L = grid_height * grid_width`` is laid out as a ``(B, K, gh, gw)`` map, view
-    ``l`` at ``(l // gw, l % gw)``; optional U(0, 1) noise channels are appended; then
+    ``l`` at ``(l // gw, l % gw)``; ``noise_channels`` U(0, 1) noise channels are appended (the appendix LF table's
+    NoiseChannel, 64 -> 84: 20 by default, 0 turns them off); then
     1x1 conv (K -> hidden) + BN + ReLU, ``gh x gw`` conv without padding (hidden -> hidden) + BN + ReLU,
     1x1 conv (hidden -> output) + BN + sigmoid. Output ``(B, output_dim)``.
     """
@@ -48,7 +49,7 @@ class GridExternalHead(nn.Module):
         grid_height: int = 3,
         grid_width: int = 3,
         hidden_dim: int = 200,
-        noise_channels: int = 0,
+        noise_channels: int = 20,
         output_dim: int | None = None,
     ) -> None:
         super().__init__()

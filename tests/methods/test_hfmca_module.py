@@ -19,7 +19,7 @@ def test_a_projector_without_a_head_is_rejected():
 def test_cost_modules_are_named_like_their_logs():
     module = HFMCAModule(
         SpectrumCNN(channels=4, hidden_dim=8, noise_channels=0),
-        external_head=GridExternalHead(4, 3, 3, 8),
+        external_head=GridExternalHead(4, 3, 3, 8, noise_channels=0),
         internal_costs=InternalCosts(["blocks.L1", "blocks.L9"], reg=1e-3, beta=0.5),
     )
     costs = module.cost_modules()
@@ -32,7 +32,7 @@ def test_cost_modules_are_named_like_their_logs():
 def _bn_free_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
     backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8), **kwargs)
+    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0), **kwargs)
 
 
 def test_per_view_and_concatenated_views_agree_without_batch_norm_in_the_backbone():
@@ -46,7 +46,7 @@ def test_per_view_and_concatenated_views_agree_without_batch_norm_in_the_backbon
 
 
 def test_per_view_batch_norm_sees_one_view_at_a_time():
-    module = HFMCAModule(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(3)), external_head=GridExternalHead(3, 1, 2, 4), views_through_backbone="per_view")
+    module = HFMCAModule(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(3)), external_head=GridExternalHead(3, 1, 2, 4, noise_channels=0), views_through_backbone="per_view")
     seen = []
     module.backbone[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     module.encode_views(torch.rand(5, 2, 3, 1, 1))
@@ -71,7 +71,7 @@ def test_unknown_view_mode_is_rejected():
 def _bn_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
     backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8), **kwargs)
+    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0), **kwargs)
 
 
 def _gradients_and_running_stats(module: HFMCAModule, views: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -108,7 +108,7 @@ def test_internal_statistics_add_up_over_views_and_chunks():
     def module(**kwargs) -> HFMCAModule:
         torch.manual_seed(0)
         backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0)
-        return HFMCAModule(backbone, external_head=GridExternalHead(4, 2, 2, 6), internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]), **kwargs).eval()
+        return HFMCAModule(backbone, external_head=GridExternalHead(4, 2, 2, 6, noise_channels=0), internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]), **kwargs).eval()
 
     views = torch.rand(2, 4, 3, 32, 32)
     with torch.no_grad():
@@ -123,5 +123,5 @@ def test_internal_statistics_add_up_over_views_and_chunks():
 
 def test_checkpointing_and_internal_costs_are_exclusive():
     with pytest.raises(ConfigurationError, match="checkpoint_backbone recomputes") as error:
-        HFMCAModule(SpectrumCNN(channels=4, hidden_dim=6), external_head=GridExternalHead(4, 3, 3, 6), internal_costs=InternalCosts(["blocks.L1"]), checkpoint_backbone=True)
+        HFMCAModule(SpectrumCNN(channels=4, hidden_dim=6), external_head=GridExternalHead(4, 3, 3, 6, noise_channels=0), internal_costs=InternalCosts(["blocks.L1"]), checkpoint_backbone=True)
     assert error.value.parameter == "checkpoint_backbone"

@@ -19,7 +19,7 @@ from tests.cli_helpers import DEMO, tiny_overrides
 
 def small_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
-    return HFMCAModule(SmallConvNet(width=4, num_stages=2), ViewProjector(8, 6, 8), GridExternalHead(6, 2, 2, 8), **kwargs)
+    return HFMCAModule(SmallConvNet(width=4, num_stages=2), ViewProjector(8, 6, 8), GridExternalHead(6, 2, 2, 8, noise_channels=0), **kwargs)
 
 
 def test_bias_and_norm_parameters_can_be_exempt_from_weight_decay():

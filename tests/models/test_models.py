@@ -30,7 +30,7 @@ def test_projector_outputs_in_unit_interval():
 
 
 def test_head_places_view_l_at_row_l_div_gw_and_column_l_mod_gw():
-    head = GridExternalHead(feature_dim=1, grid_height=2, grid_width=3, hidden_dim=1)
+    head = GridExternalHead(feature_dim=1, grid_height=2, grid_width=3, hidden_dim=1, noise_channels=0)
     captured = {}
     head.layers[1].register_forward_hook(lambda module, args, out: captured.setdefault("grid", args[0]))
     head.eval()

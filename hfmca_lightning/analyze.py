@@ -28,7 +28,7 @@ from hfmca_lightning.losses.statistics import CorrelationStatistics, group_stati
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
-from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, layer_pairs, residual_blocks, spectra
+from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, heatmap_placements, layer_pairs, residual_blocks, spectra
 from hfmca_lightning.runs import backbone_of, load_run
 from hfmca_lightning.visualization import basis_functions_figure, heatmap_overlay_figure, layer_spectra_figure, save_figure
 
@@ -112,7 +112,8 @@ def analyze(
         unknown = set(chosen) - set(heatmaps)
         if unknown:
             raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
-        save_figure(heatmap_overlay_figure(datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}), out / "density_ratio.png")
+        overlay = heatmap_overlay_figure(datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}, placements=heatmap_placements(module))
+        save_figure(overlay, out / "density_ratio.png")
         figures.append(("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}."))
         for name in chosen:
             maps, values = basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0]), pairs[name].decomposition.eigenvalues

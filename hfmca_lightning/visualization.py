@@ -18,11 +18,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from hfmca_lightning.losses.window_geometry import WindowGeometry  # noqa: E402
+
 __all__ = [
     "learning_dynamics_figure",
     "layer_spectra_figure",
     "heatmap_overlay_figure",
     "basis_functions_figure",
+    "external_cost_curves_figure",
     "save_figure",
 ]
 
@@ -84,11 +87,19 @@ def layer_spectra_figure(spectra: Mapping[str, torch.Tensor | np.ndarray], title
     return figure
 
 
-def heatmap_overlay_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Tensor], title: str = "Global-to-local density-ratio response") -> Figure:
+def heatmap_overlay_figure(
+    images: torch.Tensor,
+    heatmaps: Mapping[str, torch.Tensor],
+    title: str = "Global-to-local density-ratio response",
+    placements: Mapping[str, WindowGeometry] | None = None,
+) -> Figure:
     """Rows: images; columns: the image, then its response at each layer overlaid on it (upsampled).
 
     Args:
         images: ``(N, 3, H, W)`` in [0, 1]. heatmaps: ``{layer: (N, h, w)}``.
+        placements: ``{layer: geometry from the image to that map}`` (:func:`~hfmca_lightning.losses.input_geometry`):
+            map position ``j`` is drawn centred on pixel ``j * stride - padding + (kernel - 1) / 2``, one stride wide
+            (padding positions fall outside the image and are cut off). Layers without one are stretched over the image.
     """
     names = list(heatmaps)
     count = images.shape[0]
@@ -104,7 +115,9 @@ def heatmap_overlay_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Te
             heat = (heat - heat.min()) / (np.ptp(heat) + 1e-12)
             ax = axes[row, column]
             ax.imshow(pictures[row])
-            mappable = ax.imshow(heat, cmap="jet", alpha=0.55, extent=(-0.5, width - 0.5, height - 0.5, -0.5), vmin=0, vmax=1, interpolation="bilinear")
+            mappable = ax.imshow(heat, cmap="jet", alpha=0.55, extent=_extent(heat.shape, (height, width), (placements or {}).get(name)), vmin=0, vmax=1, interpolation="bilinear")
+            ax.set_xlim(-0.5, width - 0.5)
+            ax.set_ylim(height - 0.5, -0.5)
             if row == 0:
                 ax.set_title(name, fontsize=10)
     axes[0, 0].set_title("input", fontsize=10)
@@ -115,6 +128,17 @@ def heatmap_overlay_figure(images: torch.Tensor, heatmaps: Mapping[str, torch.Te
         figure.colorbar(mappable, ax=axes, shrink=0.6, label="response (min-max scaled per image)")
     figure.suptitle(title)
     return figure
+
+
+def _extent(map_size: tuple[int, ...], image_size: tuple[int, int], placement: WindowGeometry | None) -> tuple[float, float, float, float]:
+    """imshow extent ``(left, right, bottom, top)`` of an ``(h, w)`` map over an ``(H, W)`` image (pixel ``i`` spans
+    ``[i - 1/2, i + 1/2]``): from the map's placement, or stretched over the image without one."""
+    (rows, columns), (height, width) = map_size[-2:], image_size
+    if placement is None:
+        return (-0.5, width - 0.5, height - 0.5, -0.5)
+    k, s, p = placement.kernel, placement.stride, placement.padding
+    start = -p + (k - 1) / 2 - s / 2  # left edge of position 0
+    return (start, start + columns * s, start + rows * s, start)
 
 
 def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title: str = "Basis functions", columns: int = 8) -> Figure:
@@ -141,6 +165,35 @@ def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title:
         ax.set_title(f"k={index + 1}  σ={float(eigenvalues[index]):.2f}", fontsize=7)
     if mappable is not None:
         figure.colorbar(mappable, ax=axes, shrink=0.6, label="$\\hat\\phi_k$ value")
+    figure.suptitle(title)
+    return figure
+
+
+def external_cost_curves_figure(
+    curves: Mapping[str, Mapping[float, Sequence[float]]], title: str = "External cost (dependence level) during training", smoothing: int = 1
+) -> Figure:
+    """The figure beside paper Table 2: one panel per augmentation protocol, one curve of the external cost per
+    distortion strength (darker = stronger); lower cost = more dependence between the views and their group.
+
+    Args:
+        curves: ``{protocol: {strength: external cost per training step}}``.
+        smoothing: moving-average window in steps (1 = raw values).
+    """
+    names = list(curves)
+    figure, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False, constrained_layout=True)
+    for ax, name in zip(axes[0], names):
+        strengths = sorted(curves[name])
+        colours = plt.get_cmap("viridis_r")(np.linspace(0.15, 0.95, max(len(strengths), 2)))
+        for colour, strength in zip(colours, strengths):
+            values = _array(curves[name][strength])
+            if smoothing > 1 and len(values) >= smoothing:
+                values = np.convolve(values, np.ones(smoothing) / smoothing, mode="valid")
+            ax.plot(np.arange(1, len(values) + 1) + (smoothing - 1 if smoothing > 1 and len(values) else 0), values, color=colour, label=f"{strength:g}")
+        ax.set_title(f"{name} strength")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("external cost $r$ (lower = more dependence)")
+        ax.grid(alpha=0.3)
+        ax.legend(title="strength", fontsize=8, title_fontsize=8)
     figure.suptitle(title)
     return figure
 

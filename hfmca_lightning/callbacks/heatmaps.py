@@ -10,7 +10,7 @@ from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, density_ratio_heatmaps
+from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, density_ratio_heatmaps, heatmap_placements
 from hfmca_lightning.visualization import heatmap_overlay_figure
 
 __all__ = ["DensityRatioHeatmapCallback"]
@@ -87,5 +87,5 @@ class DensityRatioHeatmapCallback(FigureCallback):
         self.last_statistics_images = counted.images
         heatmaps = density_ratio_heatmaps(pl_module, images, statistics)
         chosen = self.layers or default_figure_layers(list(heatmaps))
-        figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen})
+        figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}, placements=heatmap_placements(pl_module))
         self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

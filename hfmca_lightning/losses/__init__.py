@@ -9,7 +9,7 @@ from hfmca_lightning.losses.statistics import (
     regularised_blocks,
     window_coverage,
 )
-from hfmca_lightning.losses.window_geometry import WindowGeometry, window_geometry
+from hfmca_lightning.losses.window_geometry import WindowGeometry, input_geometry, window_geometry
 
 __all__ = [
     "CorrelationStatistics",
@@ -21,6 +21,7 @@ __all__ = [
     "feature_map_statistics",
     "group_statistics",
     "hfmca_cost",
+    "input_geometry",
     "regularised_blocks",
     "window_coverage",
     "window_geometry",

@@ -18,7 +18,7 @@ from typing import Sequence
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-__all__ = ["WindowGeometry", "window_geometry"]
+__all__ = ["WindowGeometry", "window_geometry", "input_geometry"]
 
 
 @dataclass(frozen=True)
@@ -175,4 +175,28 @@ def _compose(layers: Sequence[nn.Module]) -> WindowGeometry:
     geometry = WindowGeometry.identity()
     for layer in layers:
         geometry = geometry.then(window_geometry(layer))
+    return geometry
+
+
+def input_geometry(root: nn.Module, name: str) -> WindowGeometry:
+    """Geometry from ``root``'s input image to the input map of its submodule ``name``: which image pixels each
+    position of that map sees. Composes every module registered before each component of ``name`` (children
+    are assumed to run in registration order, as for :func:`window_geometry`).
+
+    Position ``j`` of the map is centred on image pixel ``j * stride - padding + (kernel - 1) / 2`` (figures
+    place heatmaps with it: a spectrum CNN's maps carry the padding ring of ``L0``).
+
+    Raises:
+        ValueError: when a module before ``name`` has no fixed window geometry, or ``name`` is not a submodule.
+    """
+    geometry, module = WindowGeometry.identity(), root
+    for part in name.split("."):
+        children = dict(module.named_children())
+        if part not in children:
+            raise ValueError(f"{type(module).__name__} has no child module {part!r} (looking for {name!r})")
+        for child_name, child in children.items():
+            if child_name == part:
+                break
+            geometry = geometry.then(window_geometry(child))
+        module = children[part]
     return geometry

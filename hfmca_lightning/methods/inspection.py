@@ -16,6 +16,7 @@ from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.features import evaluation_mode
 from hfmca_lightning.losses.statistics import CorrelationStatistics
+from hfmca_lightning.losses.window_geometry import WindowGeometry, input_geometry
 from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
 __all__ = [
@@ -83,6 +84,18 @@ def layer_pairs(module: HFMCAModule, images: Tensor, statistics: dict[str, Corre
         assert pair.geometry is not None
         pairs.append(LayerPair(pair.log_name, low, high, pair.geometry, decompose(stats, reg=pair.cost.reg)))
     return pairs
+
+
+def heatmap_placements(module: HFMCAModule) -> dict[str, WindowGeometry]:
+    """``{log name: geometry from the image to the layer's input map}`` for every hooked layer whose position in
+    the image can be derived (:func:`~hfmca_lightning.losses.input_geometry`); figures place heatmaps with it."""
+    placements: dict[str, WindowGeometry] = {}
+    for pair in module.internal_costs.pairs if module.internal_costs is not None else []:
+        try:
+            placements[pair.log_name] = input_geometry(module.backbone, pair.module_path)
+        except ValueError:
+            continue  # a module without a fixed window before it: the figure stretches this map over the image
+    return placements
 
 
 def density_ratio_heatmaps(module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None) -> dict[str, Tensor]:

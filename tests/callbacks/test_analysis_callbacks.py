@@ -15,7 +15,7 @@ from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
-from hfmca_lightning.losses import HFMCACost
+from hfmca_lightning.losses import HFMCACost, WindowGeometry
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead, SpectrumCNN
 
@@ -172,9 +172,9 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
     drawn = {}
     original = heatmaps_module.heatmap_overlay_figure
 
-    def spy(images, maps):
-        drawn["images"] = images
-        return original(images, maps)
+    def spy(images, maps, **options):
+        drawn["images"], drawn["placements"] = images, options["placements"]
+        return original(images, maps, **options)
 
     monkeypatch.setattr(heatmaps_module, "heatmap_overlay_figure", spy)
     data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4), num_views=4, batch_size=6, num_workers=0)
@@ -185,6 +185,8 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
     images, targets = data.evaluation_images(3, target=2, start=1)
     assert targets.tolist() == [2, 2, 2]
     torch.testing.assert_close(drawn["images"], data.denormalise(images), rtol=0, atol=0)
+    # maps are placed on the image by their geometry: L1's input carries L0's padding ring, L3's one 2x2 pool more
+    assert drawn["placements"]["L1"] == WindowGeometry(1, 1, 1) and drawn["placements"]["L3"] == WindowGeometry(6, 2, 3)
     split = data.labelled_splits()[1]
     expected = [index for index, target in enumerate(split.targets) if target == 2 and index >= 1][:3]
     torch.testing.assert_close(images, torch.stack([data.eval_transform(split[index][0]) for index in expected]), rtol=0, atol=0)
@@ -194,3 +196,17 @@ def test_a_class_without_images_is_one_clear_error():
     data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2), num_views=4, batch_size=6, num_workers=0)
     with pytest.raises(ConfigurationError, match="no images of class 7"):
         data.evaluation_images(3, target=7)
+
+
+def test_heatmaps_are_drawn_where_their_map_positions_lie_in_the_image():
+    from hfmca_lightning.visualization import heatmap_overlay_figure
+
+    images = torch.rand(1, 3, 32, 32)
+    maps = {"L2": torch.rand(1, 34, 34), "L6": torch.rand(1, 8, 8), "plain": torch.rand(1, 16, 16)}
+    placements = {"L2": WindowGeometry(3, 1, 2), "L6": WindowGeometry(16, 4, 7)}
+    figure = heatmap_overlay_figure(images, maps, placements=placements)
+    extents = {name: figure.axes[column].get_images()[-1].get_extent() for column, name in enumerate(maps, start=1)}
+    assert extents["L2"] == [-1.5, 32.5, 32.5, -1.5]  # position j centred on pixel j - 1: the padding ring lies outside
+    assert extents["L6"] == [-1.5, 30.5, 30.5, -1.5]  # centre 4 j - 7 + 7.5 = 4 j + 0.5, four pixels wide
+    assert extents["plain"] == [-0.5, 31.5, 31.5, -0.5]  # no placement: stretched over the image
+    assert figure.axes[1].get_xlim() == (-0.5, 31.5)  # the view stays on the image

@@ -125,3 +125,42 @@ def test_output_size_rejects_inputs_smaller_than_the_window():
     assert WindowGeometry(3, 2, 1).output_size((32, 32)) == (16, 16)
     with pytest.raises(ValueError, match="does not fit"):
         WindowGeometry(5, 1, 0).output_size((3, 3))
+
+
+class InputMapOf(nn.Module):
+    """The input map of ``root``'s submodule ``name`` for an image (the part of the network before it)."""
+
+    def __init__(self, root: nn.Module, name: str) -> None:
+        super().__init__()
+        self.root, self.name = root, name
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        captured = []
+        handle = self.root.get_submodule(self.name).register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        try:
+            self.root(images)
+        finally:
+            handle.remove()
+        return captured[0]
+
+
+@pytest.mark.parametrize(
+    ("backbone", "name", "size", "expected"),
+    [
+        ("spectrum", "blocks.L1", 16, WindowGeometry(1, 1, 1)),  # L0's padding ring: map position 0 is padding
+        ("spectrum", "blocks.L3", 16, WindowGeometry(6, 2, 3)),  # L0 pad, L1, L2 (3, 1, 1), 2x2 pool
+        ("resnet", "layer1.0", 16, WindowGeometry(3, 1, 1)),  # the CIFAR stem conv
+        ("resnet", "layer3.0", 16, WindowGeometry(25, 2, 12)),
+    ],
+)
+def test_input_geometry_matches_the_probed_receptive_field_of_the_map(backbone, name, size, expected):
+    from hfmca_lightning.losses import input_geometry
+    from hfmca_lightning.models import SpectrumCNN, TorchvisionBackbone
+
+    if backbone == "spectrum":
+        root = SpectrumCNN(channels=3, hidden_dim=4, noise_channels=0, image_size=16)
+    else:
+        root, name = TorchvisionBackbone("resnet18", cifar_stem=True), f"net.{name}"
+    geometry = input_geometry(root, name)
+    assert geometry == expected
+    assert probed_windows(InputMapOf(root, name), size, 3) == windows_of(geometry, size)

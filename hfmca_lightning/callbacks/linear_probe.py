@@ -96,7 +96,7 @@ class LinearProbe(Callback):
             self.load_state_dict(self._pending_state)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        images, targets = batch
+        images, targets = batch[0], batch[1]  # (views, target[, grids])
         if images.dim() == 5:
             images = images[:, 0]
         labelled = targets != UNLABELLED

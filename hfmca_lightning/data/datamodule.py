@@ -114,6 +114,9 @@ class MultiViewDataModule(LightningDataModule):
             call per view) or ``kornia`` (all ``L`` views of an image in one batched call of the device
             pipeline on the CPU; same distributions, about 2x faster on CIFAR-sized images; per-sample
             seeds as ever). ImageNet-sized views with blur are faster with ``torchvision`` (PIL's blur).
+        view_grids: ``g > 0`` (mode ``views``, CPU ``torchvision`` augmentation): training batches become
+            ``(views, target, grids (B, L, g, g, 2))``, the source-image positions of a ``g x g`` grid over each
+            view (:class:`ViewWithGrid`) — what VICRegL matches local features by. 0: plain ``(views, target)``.
 
     Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
     the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
@@ -140,6 +143,7 @@ class MultiViewDataModule(LightningDataModule):
         solarize: float | list[float] = 0.0,
         augment_on_device: bool = False,
         worker_augmentation: Literal["torchvision", "kornia"] = "torchvision",
+        view_grids: int = 0,
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
@@ -168,11 +172,18 @@ class MultiViewDataModule(LightningDataModule):
                 f"mode {mode!r} or augment_on_device: true", parameter="worker_augmentation",
             )
         self.worker_augmentation = worker_augmentation
+        if view_grids < 0 or (view_grids > 0 and (mode != "views" or augment_on_device or worker_augmentation != "torchvision")):
+            raise ConfigurationError(
+                f"view_grids (the side of the grid of crop positions VICRegL matches local features with) must be >= 0 and "
+                f"needs mode 'views' with the CPU torchvision augmentation; got view_grids={view_grids}, mode={mode!r}, "
+                f"augment_on_device={augment_on_device}, worker_augmentation={worker_augmentation!r}", parameter="view_grids",
+            )
+        self.view_grids = view_grids
         spec = ViewAugmentation.from_strengths(
             source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip, color_jitter, blur, solarize
         )
         self.augmentation = spec
-        self.train_transforms = view_transforms(spec, source.mean, source.std)
+        self.train_transforms = view_transforms(spec, source.mean, source.std, grid_size=view_grids)
         self.device_augmentation = DeviceViewAugmentation(spec, source.mean, source.std) if augment_on_device else None
         self.sample_views = SampleViews(DeviceViewAugmentation(spec, source.mean, source.std)) if worker_augmentation == "kornia" else None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)

@@ -95,7 +95,8 @@ def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
 
 
 class MultiViewDataset(Dataset):
-    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1).
+    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1), or
+    ``(views, target, grids (L, g, g, 2))`` when the transforms return views with grids (:class:`ViewWithGrid`).
 
     ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); or
     ``all_views(image, L) -> (L, C, H, W)`` draws the ``L`` views in one batched call instead. The image is
@@ -118,8 +119,10 @@ class MultiViewDataset(Dataset):
         with _seeded(seed):
             if self.all_views is not None:
                 return self.all_views(image, self.num_views), target
-            views = torch.stack([self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)])
-        return views, target
+            views = [self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)]
+        if isinstance(views[0], tuple):  # ViewWithGrid: (views, target, grids (L, g, g, 2))
+            return torch.stack([view for view, _ in views]), target, torch.stack([grid for _, grid in views])
+        return torch.stack(views), target
 
 
 class SingleViewDataset(MultiViewDataset):

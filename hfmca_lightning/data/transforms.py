@@ -136,6 +136,13 @@ def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[f
     steps: list[v2.Transform] = [v2.ToImage(), v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)]
     if spec.horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
+    return v2.Compose(steps + appearance_steps(spec, mean, std, view))
+
+
+def appearance_steps(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0) -> list[nn.Module]:
+    """The steps of :func:`view_transform` after the crop and flip: colour jitter, greyscale, blur,
+    solarisation (with the probabilities of view kind ``view``), conversion to float and normalisation."""
+    steps: list[nn.Module] = []
     if spec.jitter_p > 0:
         steps.append(v2.RandomApply([v2.ColorJitter(*spec.jitter)], p=spec.jitter_p))
     if spec.gray_p > 0:
@@ -145,8 +152,41 @@ def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[f
         steps.append(RandomGaussianBlur(p=blur_p, sigma=BLUR_SIGMA))
     if solarize_p > 0:
         steps.append(v2.RandomSolarize(threshold=SOLARIZE_THRESHOLD, p=solarize_p))
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    return v2.Compose(steps)
+    return steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+
+
+class ViewWithGrid(nn.Module):
+    """A view and where it came from: image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)``
+    pixel position in the source image of the centre of cell ``(i, j)`` (row, column) of a ``g x g`` grid over
+    the view, after its flip. Crop and flip are lightly's location-recording ``RandomResizedCropWithLocation`` /
+    ``RandomHorizontalFlipWithLocation`` (VICRegL's), with the crop scale, aspect ratio and flip of ``spec``;
+    then the appearance steps of :func:`view_transform`.
+
+    The cell centres are ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's
+    ``RandomResizedCropAndFlip`` spaces them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell),
+    which puts the last centre outside the crop, so its grid is not used.
+    """
+
+    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int, grid_size: int) -> None:
+        super().__init__()
+        from lightly.transforms.random_crop_and_flip_with_grid import RandomHorizontalFlipWithLocation, RandomResizedCropWithLocation
+
+        self.grid_size = grid_size
+        self.to_image = v2.ToImage()
+        self.crop = RandomResizedCropWithLocation(size=spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)
+        self.flip = RandomHorizontalFlipWithLocation(p=0.5 if spec.horizontal_flip else 0.0)
+        self.appearance = v2.Compose(appearance_steps(spec, mean, std, view))
+
+    def forward(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        view, location = self.crop(self.to_image(image))
+        view, location = self.flip(view, location)
+        cells = torch.arange(self.grid_size, dtype=torch.float32) + 0.5
+        x = location.left + cells * (location.width / self.grid_size)
+        y = location.top + cells * (location.height / self.grid_size)
+        if location.horizontal_flip:
+            x = x.flip(0)
+        grid_x, grid_y = torch.meshgrid(x, y, indexing="xy")  # [i, j] = (x_j, y_i)
+        return self.appearance(view), torch.stack([grid_x, grid_y], dim=-1)
 
 
 class RandomGaussianBlur(nn.Module):
@@ -172,8 +212,11 @@ class RandomGaussianBlur(nn.Module):
         return f"p={self.p}, sigma={self.sigma}"
 
 
-def view_transforms(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> list[v2.Compose]:
-    """One :func:`view_transform` per view kind; view ``l`` uses entry ``l % len``."""
+def view_transforms(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0) -> list[nn.Module]:
+    """One :func:`view_transform` per view kind (view ``l`` uses entry ``l % len``); with ``grid_size > 0`` one
+    :class:`ViewWithGrid` per kind instead (views with the positions of their grid cells, for VICRegL)."""
+    if grid_size > 0:
+        return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
 
 

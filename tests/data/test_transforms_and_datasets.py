@@ -194,3 +194,36 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     for views in (cpu_views, device_views):
         means = [float(view.mean()) * 255 for view in views]
         assert means == pytest.approx([200, 55, 200, 55], abs=1.5)
+
+
+def test_view_grids_give_the_source_position_of_every_cell_centre():
+    """On an image whose pixels hold their own coordinates, each view, sampled at the centre of grid cell (i, j),
+    shows the source position that ``grids[i, j]`` names (crops, aspect ratios and flips included)."""
+    from hfmca_lightning.data.transforms import ViewAugmentation, ViewWithGrid
+
+    size, cells = 32, 4
+    spec = ViewAugmentation.from_strengths(size, None, 0.0, 0.0, True, None, 0.0, 0.0)  # SimCLR crops and flips, no colour
+    transform = ViewWithGrid(spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), 0, cells)
+    rows, columns = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+    image = torch.stack([columns * 8, rows * 8, torch.zeros_like(rows)]).to(torch.uint8)  # value 8 k at pixel k (centre k + 1/2)
+    centres = (torch.arange(cells) + 0.5) / cells * 2 - 1  # cell centres in grid_sample's [-1, 1] coordinates
+    sample_at = torch.stack(torch.meshgrid(centres, centres, indexing="xy"), dim=-1)[None]  # [i, j] = (x_j, y_i)
+    flips = 0
+    for seed in range(20):
+        torch.manual_seed(seed)
+        view, grid = transform(image)
+        assert view.shape == (3, size, size) and grid.shape == (cells, cells, 2)
+        seen = torch.nn.functional.grid_sample(view[None, :2].double(), sample_at.double(), align_corners=False)[0] * 255 / 8 + 0.5
+        torch.testing.assert_close(seen.permute(1, 2, 0), grid.double(), atol=0.3, rtol=0)
+        flips += bool(grid[0, 0, 0] > grid[0, -1, 0])
+    assert 0 < flips < 20
+
+
+def test_view_grids_come_with_the_views_in_training_batches():
+    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4, image_size=16), num_views=3, batch_size=4, num_workers=0, view_grids=2)
+    views, targets, grids = next(iter(data.train_dataloader()))
+    assert views.shape == (4, 3, 3, 16, 16) and targets.shape == (4,) and grids.shape == (4, 3, 2, 2, 2)
+    assert float(grids.min()) >= 0 and float(grids.max()) <= 16
+    with pytest.raises(ConfigurationError) as error:
+        MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4), num_views=2, augment_on_device=True, view_grids=4)
+    assert error.value.parameter == "view_grids"

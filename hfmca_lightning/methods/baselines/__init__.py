@@ -2,7 +2,7 @@
 
 from hfmca_lightning.methods.baselines.base import SSLBaseline
 from hfmca_lightning.methods.baselines.contrastive import MoCo, SimCLR
-from hfmca_lightning.methods.baselines.redundancy import BarlowTwins, VICReg
+from hfmca_lightning.methods.baselines.redundancy import BarlowTwins, VICReg, VICRegL
 from hfmca_lightning.methods.baselines.siamese import BYOL, FastSiam, SimSiam
 
-__all__ = ["BYOL", "BarlowTwins", "FastSiam", "MoCo", "SSLBaseline", "SimCLR", "SimSiam", "VICReg"]
+__all__ = ["BYOL", "BarlowTwins", "FastSiam", "MoCo", "SSLBaseline", "SimCLR", "SimSiam", "VICReg", "VICRegL"]

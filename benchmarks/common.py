@@ -10,29 +10,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
-from hfmca_lightning.methods import HFMCAModule
+from hfmca_lightning.methods import HFMCAModule, InternalCosts
+from hfmca_lightning.methods.inspection import residual_blocks
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
 
 
 
 def baselines() -> dict[str, type[LightningModule]]:
     """The lightly-based baselines by name (imported on use: the HFMCA rows and gpu_check need no lightly)."""
-    from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg
+    from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
 
-    return {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "fastsiam": FastSiam}
+    return {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "vicregl": VICRegL, "fastsiam": FastSiam}
 
 
-DISPLAY = {"hfmca": "HFMCA-SS(*)", "simclr": "SimCLR", "moco": "MoCo v2", "byol": "BYOL", "simsiam": "SimSiam", "barlowtwins": "Barlow Twins", "vicreg": "VICReg", "fastsiam": "FastSiam"}
+DISPLAY = {"hfmca": "HFMCA-SS(*)", "hfmca_internal": "HFMCA-SS", "simclr": "SimCLR", "moco": "MoCo v2", "byol": "BYOL", "simsiam": "SimSiam", "barlowtwins": "Barlow Twins", "vicreg": "VICReg", "vicregl": "VICRegL", "fastsiam": "FastSiam"}
+VIEW_GRIDS = {"vicregl": 4}  # VICRegL's crop grids: the 4x4 local map of both backbones on 32 px images
 GRIDS = {4: (2, 2), 9: (3, 3), 16: (4, 4)}
 
 
 def views_of(method: str, hfmca_views: int) -> int:
-    return hfmca_views if method == "hfmca" else 4 if method == "fastsiam" else 2
+    return hfmca_views if method.startswith("hfmca") else 4 if method == "fastsiam" else 2
+
+
+def internal_layers_of(net: nn.Module) -> list[str]:
+    """Where HFMCA-SS puts its internal costs: every residual block (ResNet-18: the 8 BasicBlocks, as
+    ``configs/cifar10_ss_internal.yaml``), or every conv of the small CPU backbone."""
+    blocks = residual_blocks(net)
+    return blocks or [name for name, module in net.named_modules() if isinstance(module, nn.Conv2d)]
 
 
 def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any) -> LightningModule:
@@ -40,23 +50,27 @@ def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int
     shrinks every head (hidden and output width) for quick CPU runs; ``hfmca_options`` go to HFMCAModule
     (channels_last, compile_backbone, ...)."""
     net = CIFARResNet18() if backbone == "resnet18" else SmallConvNet(width=16, num_stages=3)
-    if method == "hfmca":
+    if method.startswith("hfmca"):
         k = head_dim or 128
+        if method == "hfmca_internal":
+            hfmca_options.setdefault("internal_costs", InternalCosts(internal_layers_of(net), reg=0.1, sync_dist=True))
         return HFMCAModule(net, ViewProjector(net.feature_dim, k, head_dim or 512), GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200), HFMCACost(reg=0.1, sync_dist=True), **hfmca_options)
     dims: dict[str, Any] = {"hidden_dim": head_dim, "output_dim": head_dim} if head_dim else {}
     if head_dim and method in ("simsiam", "fastsiam"):
         dims["prediction_dim"] = max(8, head_dim // 2)
     if head_dim and method == "moco":
         dims["memory_bank_size"] = 256
+    if method == "vicregl":  # local features: the last 4x4 map; lightly's (20, 4) matches are for 7x7 maps
+        dims.update(num_matches=(6, 2), local_layer=None if backbone == "resnet18" else "features")
     return baselines()[method](net, **dims)
 
 
-def build_data(dataset: str, root: str, views: int, batch_size: int, workers: int, per_class: int, **strengths: float | None) -> MultiViewDataModule:
+def build_data(dataset: str, root: str, views: int, batch_size: int, workers: int, per_class: int, view_grids: int = 0, **strengths: float | None) -> MultiViewDataModule:
     if dataset == "synthetic":
         source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(10, per_class // 4))
     else:
         source = CIFAR(name=dataset, root=root, download=True)
-    return MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **strengths)
+    return MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, view_grids=view_grids, **strengths)
 
 
 @dataclass
@@ -65,11 +79,21 @@ class Measurement:
     linear_by_epoch: list[float] = field(default_factory=list)
     offline_linear: float = float("nan")
     external_cost_by_epoch: list[float] = field(default_factory=list)
+    external_cost_by_step: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     epoch_seconds: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
     views_seen: int = 0
     peak_memory: str = ""
+    epochs: int = 0  # the run's max_epochs
+    schedule_length: int = 0  # the cosine's T_max, in units of schedule_interval
+    schedule_interval: str = ""  # "epoch" or "step"
+    learning_rates: list[float] = field(default_factory=list)  # the first group's rate at the start of every epoch, then at the end
+
+    @property
+    def best_knn(self) -> float:
+        """Best kNN top-1 of the run (lightly's benchmarks report the maximum over the run)."""
+        return max(self.knn_by_epoch) if self.knn_by_epoch else float("nan")
 
     def knn_at(self, epoch: int) -> float:
         """Best kNN top-1 up to ``epoch`` (1-based), as the paper's Table 1 reports."""
@@ -86,15 +110,28 @@ class _Recorder(Callback):
         self._start = 0.0
         self._costs: list[float] = []
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.m.epochs = int(trainer.max_epochs or 0)
+        if trainer.lr_scheduler_configs:
+            config = trainer.lr_scheduler_configs[0]
+            scheduler = config.scheduler
+            length = getattr(scheduler, "T_max", None) or getattr(scheduler, "max_epochs", None)  # torch cosine / lightly's warm-up cosine
+            self.m.schedule_length, self.m.schedule_interval = int(length or 0), config.interval
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.perf_counter()
         self._costs = []
+        self.m.learning_rates.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.m.learning_rates.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         views = batch[0]
         self.m.views_seen += views.shape[0] * views.shape[1]
         if "cost/external" in trainer.callback_metrics:
             self._costs.append(float(trainer.callback_metrics["cost/external"]))
+            self.m.external_cost_by_step.append(self._costs[-1])
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.m.epoch_seconds.append(time.perf_counter() - self._start)
@@ -111,15 +148,15 @@ class _Recorder(Callback):
 
 def train_and_measure(
     module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200,
-    accelerator: str = "auto", precision: str = "32-true", linear_epochs: int | None = 100,
+    accelerator: str = "auto", precision: str = "32-true", linear_epochs: int | None = 100, online_probe: bool = True,
 ) -> Measurement:
-    """Train ``epochs`` epochs with kNN and (unless ``linear_epochs`` is None: the GPU check, whose machine
-    lacks lightly) the online linear probe every epoch and an offline linear classifier at the end."""
+    """Train ``epochs`` epochs with kNN and (``online_probe``; off for the GPU check, whose machine lacks lightly)
+    the online linear probe every epoch, and an offline linear classifier of ``linear_epochs`` at the end (None: none)."""
     measurement = Measurement()
     trainer = Trainer(
         max_epochs=epochs, accelerator=accelerator, devices=1, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
-        callbacks=[KNNEvaluation(k=k), *([LinearProbe()] if linear_epochs else []), _Recorder(measurement)],
+        callbacks=[KNNEvaluation(k=k), *([LinearProbe()] if online_probe else []), _Recorder(measurement)],
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

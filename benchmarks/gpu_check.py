@@ -212,7 +212,7 @@ def training_run(args: argparse.Namespace, device: torch.device) -> TrainingRun:
     backbone = "resnet18" if args.backbone == "resnet18" else "small"
     module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true", linear_epochs=None)
+    measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true", linear_epochs=None, online_probe=False)
     return TrainingRun(backbone, per_class * 10, args.views, args.batch_size, measurement.epoch_seconds, measurement.knn_by_epoch, measurement.peak_memory)
 
 

@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--per-class", type=int, default=None, help="training images per class (default: the config's)")
     parser.add_argument("--limit-train-batches", type=float, default=1.0)
     parser.add_argument("--workers", type=int, default=None, help="default: the config's num_workers")
+    parser.add_argument("--seed", type=int, default=None, help="default: the config's seed_everything")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     base = yaml.safe_load(Path(args.config).read_text())
+    if args.seed is not None:  # the model's initialisation, the data order and the views all follow it
+        base["seed_everything"] = base["data"]["init_args"]["seed"] = args.seed
     epochs = args.epochs or int(base["trainer"]["max_epochs"])
     if args.workers is not None:
         base["data"]["init_args"]["num_workers"] = args.workers
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> str:
         rows.append([LABELS[setting], f"{100 * knn[-1]:.1f}", f"{seconds[-1]:.0f} s", f"{100 * max(within):.1f}" if within else "-", ", ".join(f"{100 * a:.0f}" for a in knn)])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     header = ["Setting", "kNN top-1 (final)", "Training time", f"Best kNN top-1 within {budget:.0f} s", "kNN top-1 per epoch"]
-    table = f"{Path(args.config).name}, {epochs} epochs each, {device}\n\n" + markdown_table(header, rows)
+    table = f"{Path(args.config).name}, {epochs} epochs each, seed {base.get('seed_everything')}, {device}\n\n" + markdown_table(header, rows)
     write_table(table, args.out)
     return table
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from lightning.pytorch.loggers import WandbLogger
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
 
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
@@ -33,8 +35,12 @@ class EigenspectrumCallback(FigureCallback):
     * to W&B loggers also ``spectrum/<name>/eigenvalues``, the whole spectrum as a ``wandb.Histogram`` over
       [0, 1] (W&B draws its distribution over time without any panel set-up).
 
-    The statistics are those of one training batch (all ranks together): ``B * L`` member samples for the
-    external pair, ``B * L * H' * W'`` output positions for an internal one. Values go straight to the
+    The statistics are those of one training batch (all ranks together): ``B`` groups (``B * L`` members)
+    for the external pair, ``B * L * H' * W'`` groups (output positions) for an internal one. With
+    ``accumulate_batches = N > 1`` they are summed over the last ``N`` training batches (the logged one and the
+    ``N - 1`` before it; fewer right after a start or resume): ``N`` times the samples, at the price of mixing
+    statistics of ``N`` consecutive parameter values (the adaptive filter of Alg. 3 makes the same trade).
+    Values go straight to the
     loggers (once per scheduled step, at the step of that batch). At the end of every training
     epoch it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
     ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest eigenvalues) and
@@ -42,12 +48,23 @@ class EigenspectrumCallback(FigureCallback):
     and figures are rank 0's; the history is kept in checkpoints.
     """
 
-    def __init__(self, every_n_steps: int = 50, top_k: int = 20, threshold: float = 0.5, output_dir: str | None = None) -> None:
+    def __init__(
+        self, every_n_steps: int = 50, top_k: int = 20, threshold: float = 0.5, output_dir: str | None = None, accumulate_batches: int = 1
+    ) -> None:
         super().__init__(output_dir)
-        for name, value, valid in (("every_n_steps", every_n_steps, every_n_steps >= 1), ("top_k", top_k, top_k >= 1), ("threshold", threshold, 0 < threshold < 1)):
+        checks = (
+            ("every_n_steps", every_n_steps, every_n_steps >= 1), ("top_k", top_k, top_k >= 1), ("threshold", threshold, 0 < threshold < 1),
+            ("accumulate_batches", accumulate_batches, accumulate_batches >= 1),
+        )
+        for name, value, valid in checks:
             if not valid:
-                raise ConfigurationError(f"EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1 and 0 < threshold < 1; got {name}={value}", parameter=name)
+                raise ConfigurationError(
+                    f"EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1 and accumulate_batches >= 1; got {name}={value}",
+                    parameter=name,
+                )
         self.every_n_steps = every_n_steps
+        self.accumulate_batches = accumulate_batches
+        self._recent: deque[dict[str, CorrelationStatistics]] = deque(maxlen=accumulate_batches)
         self.top_k = top_k
         self.threshold = threshold
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
@@ -56,11 +73,15 @@ class EigenspectrumCallback(FigureCallback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
-        if step == self._last_logged_step or (step - 1) % self.every_n_steps != 0:
-            return
         statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
-        if not statistics:
+        if not statistics or step == self._last_logged_step:
             return
+        if self.accumulate_batches > 1:
+            self._recent.append(statistics)
+        if (step - 1) % self.every_n_steps != 0:
+            return
+        if self.accumulate_batches > 1:
+            statistics = {name: sum((recent[name] for recent in list(self._recent)[1:]), self._recent[0][name]) for name in statistics}
         self._last_logged_step = step
         costs = pl_module.cost_modules()  # type: ignore[operator]
         metrics: dict[str, float] = {}

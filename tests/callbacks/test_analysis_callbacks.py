@@ -210,3 +210,32 @@ def test_heatmaps_are_drawn_where_their_map_positions_lie_in_the_image():
     assert extents["L6"] == [-1.5, 30.5, 30.5, -1.5]  # centre 4 j - 7 + 7.5 = 4 j + 0.5, four pixels wide
     assert extents["plain"] == [-0.5, 31.5, 31.5, -0.5]  # no placement: stretched over the image
     assert figure.axes[1].get_xlim() == (-0.5, 31.5)  # the view stays on the image
+
+
+def test_spectra_can_come_from_statistics_summed_over_the_last_batches():
+    from hfmca_lightning.analysis.spectral import decompose
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.statistics: list[dict] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.statistics.append(outputs["statistics"])
+
+    record, spectrum = Record(), EigenspectrumCallback(every_n_steps=3, top_k=5, accumulate_batches=3)
+    module = tiny_spectrum_module()
+    Trainer(max_epochs=1, logger=False, callbacks=[record, spectrum], enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, tiny_data())
+    assert len(record.statistics) == 4  # 24 images, batch 6; logged after batches 0 and 3
+    costs = module.cost_modules()
+    for name in ("external", "internal/L1", "internal/L9"):
+        (first_step, first), (last_step, last) = spectrum.history[name]
+        assert (first_step, last_step) == (1, 4)
+        alone = decompose(record.statistics[0][name], reg=costs[name].reg).eigenvalues[:5]
+        summed = record.statistics[1][name] + record.statistics[2][name] + record.statistics[3][name]
+        assert float(summed.group_count) == 3 * float(record.statistics[3][name].group_count)
+        np.testing.assert_allclose(first, alone.tolist(), rtol=1e-10)  # one batch seen so far
+        np.testing.assert_allclose(last, decompose(summed, reg=costs[name].reg).eigenvalues[:5].tolist(), rtol=1e-10)
+    with pytest.raises(ConfigurationError) as error:
+        EigenspectrumCallback(accumulate_batches=0)
+    assert error.value.parameter == "accumulate_batches"

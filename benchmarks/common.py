@@ -85,7 +85,6 @@ class Measurement:
     wall_seconds: float = 0.0
     views_seen: int = 0
     peak_memory: str = ""
-    epochs: int = 0  # the run's max_epochs
     schedule_length: int = 0  # the cosine's T_max, in units of schedule_interval
     schedule_interval: str = ""  # "epoch" or "step"
     learning_rates: list[float] = field(default_factory=list)  # the first group's rate at the start of every epoch, then at the end
@@ -111,7 +110,6 @@ class _Recorder(Callback):
         self._costs: list[float] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.m.epochs = int(trainer.max_epochs or 0)
         if trainer.lr_scheduler_configs:
             config = trainer.lr_scheduler_configs[0]
             scheduler = config.scheduler

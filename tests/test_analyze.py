@@ -63,9 +63,10 @@ def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, mo
     drawn = {}
     original = analyze_module.heatmap_overlay_figure
 
-    def spy(images, maps):
+    def spy(images, maps, **options):
         drawn["images"] = images
-        return original(images, maps)
+        assert set(maps) <= set(options["placements"])  # every drawn map is placed on the image by its geometry
+        return original(images, maps, **options)
 
     monkeypatch.setattr(analyze_module, "heatmap_overlay_figure", spy)
     main(["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), "--out", str(tmp_path / "by_class"), "--num_batches", "1", "--num_images", "2", "--image_class", "1"])

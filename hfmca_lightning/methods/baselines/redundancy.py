@@ -10,11 +10,9 @@ from lightly.models.modules.heads import VicRegLLocalProjectionHead
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.baselines.base import SSLBaseline
+from hfmca_lightning.methods.baselines.base import ProjectedPairBaseline, SSLBaseline
 from hfmca_lightning.methods.inspection import residual_blocks
-
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
-from hfmca_lightning.methods.baselines.base import ProjectedPairBaseline
 
 __all__ = ["BarlowTwins", "VICReg", "VICRegL"]
 

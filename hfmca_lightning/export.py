@@ -3,7 +3,7 @@
     hfmca export --ckpt_path runs/cifar10_ss/checkpoints/last.ckpt --out exported/cifar10_ss
     hfmca export --ckpt_path ... --out ... --embeddings train test     # + features and labels (npz)
 
-Writes ``backbone.pt`` (a ``state_dict``: tensors only, ``torch.load(..., weights_only=True)``),
+Writes ``backbone.pt`` (a ``state_dict``: tensors and plain extra state such as SpectrumCNN's layout; ``torch.load(..., weights_only=True)``),
 ``backbone.json`` (library, architecture, stem, feature dimension, input normalisation, how to load it)
 and, with ``--embeddings``, ``embeddings_<split>.npz`` (``features (N, D)`` float32, ``labels (N,)``).
 
@@ -61,7 +61,7 @@ def _python_path(module_path: str) -> str:
 def backbone_description(backbone: nn.Module, backbone_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What ``backbone.json`` says about ``backbone`` and the ``state_dict`` to save (keys as the library's model has them)."""
     feature_dim = int(getattr(backbone, "feature_dim", 0)) or None
-    state = {key: value.detach().cpu().contiguous() for key, value in backbone.state_dict().items()}
+    state = {key: value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value for key, value in backbone.state_dict().items()}
     architecture = getattr(backbone, "architecture", None)
     if architecture is not None and hasattr(backbone, "cifar_stem"):  # TorchvisionBackbone / CIFARResNet18
         state = {key.removeprefix("net."): value for key, value in state.items()}

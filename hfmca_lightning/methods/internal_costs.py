@@ -151,8 +151,10 @@ class InternalCosts(nn.Module):
             raise ConfigurationError(
                 f"internal cost layer {pair.module_path!r} must map one (B, C, H, W) tensor to one (B, C', H', W') tensor"
             )
-        assert pair.geometry is not None  # set by attach, which registered this hook
         try:
+            # Re-derived on every pass (microseconds): a block's window may change after attach, e.g. SpectrumCNN
+            # taking the layout of loaded weights.
+            pair.geometry = window_geometry(module)
             stats = feature_map_statistics(low, output, pair.geometry, recording.precision)
         except ValueError as error:
             raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}") from error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Literal
 
@@ -51,6 +52,9 @@ class SpectrumCNN(nn.Module):
     ``layout="three_pools"``: the earlier reading — no padding layer in ``L0`` / ``L9``, pools after ``L2``,
     ``L4``, ``L6`` (32 -> 16 -> 8 -> 4), ``L9``'s 4x4 pool over the unpadded 4x4 map. Internal costs go on
     ``L1`` .. ``L9`` (module names are the block names). Output ``(N, channels)``.
+
+    The layout is saved with the weights (``state_dict`` extra state); loading weights of the other layout
+    switches to it with a warning, and weights saved before layouts existed load as ``three_pools``.
     """
 
     def __init__(
@@ -63,31 +67,60 @@ class SpectrumCNN(nn.Module):
         layout: SpectrumLayout = "paper",
     ) -> None:
         super().__init__()
+        self.feature_dim = channels
+        self.image_size = image_size
+        outer = {"L0": spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)}
+        inner = {f"L{index}": spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1) for index in range(1, 9)}
+        last = {"L9": nn.Sequential(spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(1))}
+        self.layout = layout
+        self.blocks = self._arranged({**outer, **inner, **last}, layout)
+
+    def _arranged(self, blocks: dict[str, nn.Module], layout: str) -> nn.Sequential:
+        """``blocks`` L0..L9 (these very modules) with the padding of L0 / L9 and the pools of ``layout``."""
         if layout not in ("paper", "three_pools"):
             raise ConfigurationError(f"layout must be 'paper' or 'three_pools'; got {layout!r}", parameter="layout")
-        self.feature_dim = channels
-        self.layout = layout
         outer_padding, pools_after = (1, (2, 4, 6, 8)) if layout == "paper" else (0, (2, 4, 6))
-        size = image_size + 2 * outer_padding
+        size = self.image_size + 2 * outer_padding
         for _ in pools_after:
             size //= 2
-        if size < 1 or (layout == "three_pools" and image_size % 8 != 0):
+        if size < 1 or (layout == "three_pools" and self.image_size % 8 != 0):
             needed = "at least 14" if layout == "paper" else "a multiple of 8"
             raise ConfigurationError(
-                f"SpectrumCNN(layout={layout!r}) pools {len(pools_after)} times before L9; image_size must be {needed}, got {image_size}",
+                f"SpectrumCNN(layout={layout!r}) pools {len(pools_after)} times before L9; image_size must be {needed}, got {self.image_size}",
                 parameter="image_size",
             )
-        blocks: OrderedDict[str, nn.Module] = OrderedDict()
-        blocks["L0"] = spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=outer_padding)
-        for index in range(1, 9):
-            blocks[f"L{index}"] = spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1)
+        arranged: OrderedDict[str, nn.Module] = OrderedDict()
+        for index in range(10):
+            arranged[f"L{index}"] = blocks[f"L{index}"]
             if index in pools_after:
-                blocks[f"pool{index}"] = nn.AvgPool2d(2)
-        final_pool = size + 2 * outer_padding  # 4 for a 32x32 image in either layout
-        blocks["L9"] = nn.Sequential(
-            spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=outer_padding), nn.AvgPool2d(final_pool)
-        )
-        self.blocks = nn.Sequential(blocks)
+                arranged[f"pool{index}"] = nn.AvgPool2d(2)
+        arranged["L0"][0].padding = (outer_padding,) * 4  # its PaddingLayer
+        block_l9, _ = arranged["L9"]
+        block_l9[0].padding = (outer_padding,) * 4
+        arranged["L9"][1] = nn.AvgPool2d(size + 2 * outer_padding)  # 4 for a 32x32 image in either layout
+        return nn.Sequential(arranged)
+
+    def get_extra_state(self) -> dict[str, str]:
+        """The layout travels with the weights (it changes the function, not the parameters)."""
+        return {"layout": self.layout}
+
+    def set_extra_state(self, state: dict[str, str]) -> None:
+        """Take the layout of the loaded weights, with a warning when it differs from the configured one."""
+        layout = state["layout"]
+        if layout != self.layout:
+            warnings.warn(
+                f"SpectrumCNN: the loaded weights were trained with layout {layout!r}; using it instead of the configured {self.layout!r}",
+                stacklevel=2,
+            )
+            self.blocks = self._arranged({name: module for name, module in self.blocks.named_children() if not name.startswith("pool")}, layout)
+            self.layout = layout
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        # Weights saved before layouts existed (no extra state) are the three-pool network.
+        key = prefix + "_extra_state"
+        if key not in state_dict and any(name.startswith(prefix + "blocks.") for name in state_dict):
+            state_dict[key] = {"layout": "three_pools"}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     @property
     def internal_layers(self) -> list[str]:

@@ -67,3 +67,47 @@ def test_bad_layouts_are_configuration_errors(kwargs, parameter):
     with pytest.raises(ConfigurationError) as error:
         SpectrumCNN(**kwargs)
     assert error.value.parameter == parameter
+
+
+def test_the_layout_travels_with_the_weights():
+    torch.manual_seed(0)
+    paper = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0).eval()
+    state = paper.state_dict()
+    assert state["_extra_state"] == {"layout": "paper"}
+    configured_otherwise = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0, layout="three_pools").eval()
+    with pytest.warns(UserWarning, match="trained with layout 'paper'"):
+        configured_otherwise.load_state_dict(state)
+    assert configured_otherwise.layout == "paper"
+    images = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(configured_otherwise(images), paper(images), rtol=0, atol=0)
+    assert block_sizes(configured_otherwise, 32)["L9"] == (2, 4, 1)
+
+
+def test_weights_saved_before_layouts_existed_load_as_the_three_pool_network():
+    torch.manual_seed(0)
+    old = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0, layout="three_pools").eval()
+    state = {key: value for key, value in old.state_dict().items() if key != "_extra_state"}  # what earlier versions saved
+    model = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0).eval()
+    with pytest.warns(UserWarning, match="trained with layout 'three_pools'"):
+        model.load_state_dict(state)  # strict: nothing missing
+    assert model.layout == "three_pools" and block_sizes(model, 32)["L9"] == (4, 4, 1)
+    images = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(model(images), old(images), rtol=0, atol=0)
+
+
+def test_internal_costs_follow_a_layout_taken_from_loaded_weights():
+    from hfmca_lightning.methods import HFMCAModule, InternalCosts
+    from hfmca_lightning.methods.inspection import collect_for_analysis
+
+    def module(layout: str) -> HFMCAModule:
+        backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0, layout=layout)
+        return HFMCAModule(backbone, internal_costs=InternalCosts(backbone.internal_layers, reg=1e-3)).eval()
+
+    trained, configured = module("three_pools"), module("paper")
+    with pytest.warns(UserWarning, match="three_pools"):
+        configured.load_state_dict(trained.state_dict())
+    images = torch.rand(3, 3, 32, 32)
+    got, expected = collect_for_analysis(configured, images).statistics, collect_for_analysis(trained, images).statistics
+    assert configured.internal_costs.pairs[-1].geometry == WindowGeometry(4, 4, 0)  # L9 without the padding ring
+    for name in expected:
+        torch.testing.assert_close(got[name].low_outer_sum, expected[name].low_outer_sum)

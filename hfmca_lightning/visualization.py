@@ -185,10 +185,11 @@ def external_cost_curves_figure(
         strengths = sorted(curves[name])
         colours = plt.get_cmap("viridis_r")(np.linspace(0.15, 0.95, max(len(strengths), 2)))
         for colour, strength in zip(colours, strengths):
-            values = _array(curves[name][strength])
+            values, first_step = _array(curves[name][strength]), 1
             if smoothing > 1 and len(values) >= smoothing:
                 values = np.convolve(values, np.ones(smoothing) / smoothing, mode="valid")
-            ax.plot(np.arange(1, len(values) + 1) + (smoothing - 1 if smoothing > 1 and len(values) else 0), values, color=colour, label=f"{strength:g}")
+                first_step = smoothing  # each mean is drawn at the last step of its window
+            ax.plot(np.arange(first_step, first_step + len(values)), values, color=colour, label=f"{strength:g}")
         ax.set_title(f"{name} strength")
         ax.set_xlabel("training step")
         ax.set_ylabel("external cost $r$ (lower = more dependence)")

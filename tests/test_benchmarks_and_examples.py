@@ -139,3 +139,11 @@ def test_demo_views_settings_change_only_views_grid_and_noise():
     assert l9 == base
     simclr = namespace["setting_config"](base, "simclr", None)
     assert simclr["model"]["class_path"].endswith("SimCLR") and simclr["model"]["init_args"]["backbone"] == base["model"]["init_args"]["backbone"]
+
+
+def test_external_cost_curves_shorter_than_the_smoothing_window_are_drawn_raw_from_step_one():
+    from hfmca_lightning.visualization import external_cost_curves_figure
+
+    (panel,) = external_cost_curves_figure({"crop": {0.5: [-3.0, -4.0, -5.0]}}, smoothing=20).axes
+    x, y = panel.get_lines()[0].get_data()
+    assert list(x) == [1, 2, 3] and list(y) == [-3.0, -4.0, -5.0]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections import deque
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -76,12 +78,10 @@ class EigenspectrumCallback(FigureCallback):
         statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
         if not statistics or step == self._last_logged_step:
             return
-        if self.accumulate_batches > 1:
-            self._recent.append(statistics)
+        self._recent.append(statistics)  # the last accumulate_batches batches' statistics
         if (step - 1) % self.every_n_steps != 0:
             return
-        if self.accumulate_batches > 1:
-            statistics = {name: sum((recent[name] for recent in list(self._recent)[1:]), self._recent[0][name]) for name in statistics}
+        statistics = {name: reduce(operator.add, (recent[name] for recent in self._recent)) for name in statistics}
         self._last_logged_step = step
         costs = pl_module.cost_modules()  # type: ignore[operator]
         metrics: dict[str, float] = {}

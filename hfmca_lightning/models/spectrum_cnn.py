@@ -69,11 +69,12 @@ class SpectrumCNN(nn.Module):
         super().__init__()
         self.feature_dim = channels
         self.image_size = image_size
-        outer = {"L0": spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)}
-        inner = {f"L{index}": spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1) for index in range(1, 9)}
-        last = {"L9": nn.Sequential(spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(1))}
+        # L0's and L9's padding and L9's final pool depend on the layout: _arranged sets them.
+        blocks = {"L0": spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)}
+        blocks.update({f"L{index}": spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1) for index in range(1, 9)})
+        blocks["L9"] = nn.Sequential(spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(1))
         self.layout = layout
-        self.blocks = self._arranged({**outer, **inner, **last}, layout)
+        self.blocks = self._arranged(blocks, layout)
 
     def _arranged(self, blocks: dict[str, nn.Module], layout: str) -> nn.Sequential:
         """``blocks`` L0..L9 (these very modules) with the padding of L0 / L9 and the pools of ``layout``."""
@@ -94,9 +95,8 @@ class SpectrumCNN(nn.Module):
             arranged[f"L{index}"] = blocks[f"L{index}"]
             if index in pools_after:
                 arranged[f"pool{index}"] = nn.AvgPool2d(2)
-        arranged["L0"][0].padding = (outer_padding,) * 4  # its PaddingLayer
-        block_l9, _ = arranged["L9"]
-        block_l9[0].padding = (outer_padding,) * 4
+        arranged["L0"][0].padding = (outer_padding,) * 4  # the blocks' PaddingLayers
+        arranged["L9"][0][0].padding = (outer_padding,) * 4
         arranged["L9"][1] = nn.AvgPool2d(size + 2 * outer_padding)  # 4 for a 32x32 image in either layout
         return nn.Sequential(arranged)
 

@@ -4,21 +4,23 @@ With ``A = R1 + reg I``, ``C = R2 + reg I`` and ``J = [[A, P], [P^T, C]]``,
 
     r = logdet J - logdet A - logdet C = sum_k log(1 - sigma_k)  <= 0,
 
-where ``sigma_k`` is the eigenspectrum (:func:`hfmca_lightning.analysis.eigenspectrum`). One Cholesky
-factor of ``J`` gives both ``logdet J`` and ``logdet A`` (its leading block is the factor of ``A``), so
-``r = 2 sum log diag(L_J)[K1:] - 2 sum log diag(L_C)``. Everything is float64, outside autocast.
+where ``sigma_k`` is the eigenspectrum (:func:`hfmca_lightning.analysis.eigenspectrum`). ``J`` is factored
+block by block, ``L_J = [[L_A, 0], [W^T, L_S]]`` with ``W = L_A^-1 P`` and ``S = C - W^T W``, so
+``logdet J - logdet A = logdet S`` and ``r = 2 sum log diag(L_S) - 2 sum log diag(L_C)``; ``J`` itself is
+never assembled. Everything is float64, outside autocast.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.distributed import all_reduce_statistics
-from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, regularised_blocks
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 
 __all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError"]
 
@@ -61,39 +63,83 @@ def _logdet_from_factor(factor: Tensor) -> Tensor:
     return 2.0 * torch.log(torch.diagonal(factor)).sum()
 
 
-def _exact_cost(c: Tensor, joint: Tensor, low_dim: int, *, name: str, reg: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(r, L_J, L_C)``: the cost from the Cholesky factors of ``J`` and ``C``, and the factors."""
-    joint_factor = cholesky_factor(joint, what="joint matrix J", cost_name=name, reg=reg)
-    high_factor = cholesky_factor(c, what="high-level matrix C = R2 + reg I", cost_name=name, reg=reg)
-    # logdet J - logdet A is the log-det of the Schur complement: the trailing block of L_J.
-    cost = _logdet_from_factor(joint_factor[low_dim:, low_dim:]) - _logdet_from_factor(high_factor)
-    return cost, joint_factor, high_factor
+@dataclass(frozen=True)
+class _BlockFactors:
+    """Cholesky factors of ``J = [[A, P], [P^T, C]]`` by blocks, and of ``C``: ``L_J = [[L_A, 0], [W^T, L_S]]``
+    with ``W = L_A^-1 P`` and ``S = C - W^T W`` (the Schur complement of ``A`` in ``J``)."""
+
+    low: Tensor  # L_A  (K1, K1)
+    coupling: Tensor  # W  (K1, K2)
+    schur: Tensor  # L_S  (K2, K2)
+    high: Tensor  # L_C  (K2, K2)
+
+    def cost(self) -> Tensor:
+        """``r = logdet J - logdet A - logdet C = logdet S - logdet C``."""
+        return _logdet_from_factor(self.schur) - _logdet_from_factor(self.high)
 
 
-def _surrogate_gradients(joint_factor: Tensor, high_factor: Tensor, low_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float, smoothed: bool = False) -> _BlockFactors:
+    """Factor ``J`` block by block (what LAPACK does inside, without assembling the ``(K1+K2)^2`` matrix):
+    two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable."""
+    label = "smoothed " if smoothed else ""
+    hat = "_hat" if smoothed else ""
+    low = cholesky_factor(a, what=f"{label}low-level matrix A{hat} = R1 + reg I", cost_name=name, reg=reg)
+    coupling = torch.linalg.solve_triangular(low, cross, upper=False)
+    schur = cholesky_factor(
+        torch.addmm(c, coupling.T, coupling, alpha=-1.0),
+        what=f"{label}joint matrix J{hat} = [[A, P], [P^T, C]] (its Schur complement C - P^T A^-1 P)",
+        cost_name=name,
+        reg=reg,
+    )
+    high = cholesky_factor(c, what=f"{label}high-level matrix C{hat} = R2 + reg I", cost_name=name, reg=reg)
+    return _BlockFactors(low, coupling, schur, high)
+
+
+def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``tr(J_hat^-1 J) - tr(A_hat^-1 A) - tr(C_hat^-1 C)`` w.r.t. ``A``, ``C`` and ``P``.
 
-    From the Cholesky factors of ``J_hat`` (whose leading block factors ``A_hat`` and whose trailing block
-    factors the Schur complement ``S = C_hat - P^T A_hat^-1 P``) and of ``C_hat``, by the block inverse
-    of ``J_hat``: with ``X = A_hat^-1 P`` and ``Y = X S^-1``, the gradients are ``Y X^T`` (A), ``S^-1 -
-    C_hat^-1`` (C) and ``-2 Y`` (P, which appears twice in ``J``). One triangular solve and two small
-    inverses instead of inverting ``J_hat``, ``A_hat`` and ``C_hat``.
+    By the block inverse of ``J_hat``: with ``X = A_hat^-1 P = L_A^-T W`` and ``Y = X S^-1``, the gradients are
+    ``Y X^T`` (A), ``S^-1 - C_hat^-1`` (C) and ``-2 Y`` (P, which appears twice in ``J``). At ``J_hat = J`` this
+    is the gradient of ``r`` itself. One triangular solve and two small inverses instead of inverting
+    ``J_hat``, ``A_hat`` and ``C_hat``.
     """
-    k1 = low_dim
-    low_factor, schur_factor = joint_factor[:k1, :k1], joint_factor[k1:, k1:]
-    # L_J = [[L_A, 0], [L21, L_S]] with L21 = P^T L_A^-T, so A^-1 P = L_A^-T L21^T.
-    low_inv_cross = torch.linalg.solve_triangular(low_factor.T, joint_factor[k1:, :k1].T, upper=True)
-    inv_schur = torch.cholesky_inverse(schur_factor)
+    low_inv_cross = torch.linalg.solve_triangular(factors.low.T, factors.coupling, upper=True)
+    inv_schur = torch.cholesky_inverse(factors.schur)
     weighted = low_inv_cross @ inv_schur
-    return weighted @ low_inv_cross.T, inv_schur - torch.cholesky_inverse(high_factor), -2.0 * weighted
+    return weighted @ low_inv_cross.T, inv_schur - torch.cholesky_inverse(factors.high), -2.0 * weighted
+
+
+def _marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(A, C, P)`` of docs/conventions.md §1 from the sums, each in one pass (no assembled ``J``)."""
+    a = stats.low_outer_sum / stats.member_count
+    a.diagonal().add_(reg)
+    c = stats.high_outer_sum / stats.group_count
+    c.diagonal().add_(reg)
+    return a, c, stats.cross_sum / stats.group_count
+
+
+class _FilteredCost(torch.autograd.Function):
+    """Value ``r`` of the current statistics, gradient of the trace surrogate at the given factors (paper
+    Alg. 3), straight to the statistics' sums: ``dr/d(low sum) = G_A / n_members`` and so on. One node instead
+    of the dozen elementwise passes over ``(K1+K2)^2`` matrices that autograd would record."""
+
+    @staticmethod
+    def forward(ctx, low_outer_sum: Tensor, high_outer_sum: Tensor, cross_sum: Tensor, cost: Tensor, member_count: Tensor, group_count: Tensor, factors: _BlockFactors) -> Tensor:  # type: ignore[override]
+        grad_low, grad_high, grad_cross = _surrogate_gradients(factors)
+        ctx.save_for_backward(grad_low / member_count, grad_high / group_count, grad_cross / group_count)
+        return cost.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_low, grad_high, grad_cross = ctx.saved_tensors
+        return grad_low * grad, grad_high * grad, grad_cross * grad, None, None, None, None
 
 
 def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
     """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
     check_reg(reg)
     with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
-        _, c, joint = regularised_blocks(stats, reg)
-        return _exact_cost(c, joint, stats.low_dim, name=name, reg=reg)[0]
+        return _block_factors(*_marginal_blocks(stats, reg), name=name, reg=reg).cost()
 
 
 def hfmca_cost(
@@ -193,20 +239,18 @@ class HFMCACost(nn.Module):
         return self.joint_ema / (1.0 - self.beta ** int(self.num_updates))
 
     def _filtered_cost(self, stats: CorrelationStatistics) -> Tensor:
-        a, c, joint = regularised_blocks(stats, self.reg)
         k1 = stats.low_dim
         with torch.no_grad():
-            joint_hat = self._update_ema(joint.detach()) if self.beta > 0 else joint.detach()
-            exact, joint_factor, high_factor = _exact_cost(c.detach(), joint.detach(), k1, name=self.name, reg=self.reg)
+            a, c, cross = _marginal_blocks(stats.detach(), self.reg)
+            factors = _block_factors(a, c, cross, name=self.name, reg=self.reg)
+            exact = factors.cost()
             if self.beta > 0:
-                joint_factor = cholesky_factor(joint_hat, what="smoothed joint matrix J_hat", cost_name=self.name, reg=self.reg)
-                high_factor = cholesky_factor(
-                    joint_hat[k1:, k1:], what="smoothed high-level matrix C_hat", cost_name=self.name, reg=self.reg
+                joint = torch.cat([torch.cat([a, cross], dim=1), torch.cat([cross.T, c], dim=1)], dim=0)
+                joint_hat = self._update_ema(joint)
+                factors = _block_factors(
+                    joint_hat[:k1, :k1], joint_hat[k1:, k1:], joint_hat[:k1, k1:], name=self.name, reg=self.reg, smoothed=True
                 )
-            grad_low, grad_high, grad_cross = _surrogate_gradients(joint_factor, high_factor, k1)
-        cross = joint[:k1, k1:]
-        surrogate = (grad_low * a).sum() + (grad_high * c).sum() + (grad_cross * cross).sum()
-        return exact + (surrogate - surrogate.detach())
+        return _FilteredCost.apply(stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, exact, stats.member_count, stats.group_count, factors)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         # The EMA's size is only known after the first step: take it from the checkpoint.

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
@@ -42,7 +43,7 @@ def check_reg(reg: float) -> float:
 
 def cholesky_factor(matrix: Tensor, *, what: str, cost_name: str, reg: float) -> Tensor:
     """Lower Cholesky factor of a symmetric positive-definite matrix, or a clear error naming the cost."""
-    factor, info = torch.linalg.cholesky_ex(matrix)
+    factor, info = _cholesky_ex(matrix)
     if bool(info.any()):
         if not bool(torch.isfinite(matrix).all()):
             hint = (
@@ -57,6 +58,19 @@ def cholesky_factor(matrix: Tensor, *, what: str, cost_name: str, reg: float) ->
             + hint
         )
     return factor
+
+
+def _cholesky_ex(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.cholesky_ex``; on CPUs of ``[[M, 0], [0, I_8]]`` when the size is a multiple of 64 (the
+    factor's leading block is M's): MKL's Cholesky runs 1.5x to 3x slower at those sizes (2.0 ms at 512 against
+    0.8 ms at 520 on two cores), and feature dimensions usually are such multiples."""
+    size = matrix.shape[-1]
+    if matrix.device.type != "cpu" or size < 128 or size % 64:
+        return torch.linalg.cholesky_ex(matrix)
+    padded = F.pad(matrix, (0, 8, 0, 8))
+    padded.diagonal()[size:] = 1.0
+    factor, info = torch.linalg.cholesky_ex(padded)
+    return factor[:size, :size], info
 
 
 def _logdet_from_factor(factor: Tensor) -> Tensor:
@@ -87,7 +101,7 @@ def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float
     coupling = torch.linalg.solve_triangular(low, cross, upper=False)
     schur = cholesky_factor(
         torch.addmm(c, coupling.T, coupling, alpha=-1.0),
-        what=f"{label}joint matrix J{hat} = [[A, P], [P^T, C]] (its Schur complement C - P^T A^-1 P)",
+        what=f"Schur complement C - P^T A^-1 P of the {label}joint matrix J{hat} = [[A, P], [P^T, C]]",
         cost_name=name,
         reg=reg,
     )

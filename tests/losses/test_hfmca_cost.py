@@ -219,3 +219,25 @@ def test_changing_feature_dimensions_between_steps_is_an_error():
     _grads(module, *_inputs(4, 2, 3, 3))
     with pytest.raises(ValueError, match="feature dimensions changed"):
         _grads(module, *_inputs(4, 2, 5, 3))
+
+
+@pytest.mark.parametrize("size", [64, 128, 512, 520])
+def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int):
+    """On CPUs matrices whose size is a multiple of 64 are factored with an identity block appended (MKL is
+    slow at those sizes): the factor, its gradient and the failure column are those of the plain matrix."""
+    from hfmca_lightning.losses.hfmca_cost import _cholesky_ex
+
+    torch.manual_seed(size)
+    x = torch.randn(2 * size, size, dtype=torch.float64)
+    matrix = (x.T @ x / size + 0.1 * torch.eye(size, dtype=torch.float64)).requires_grad_(True)
+    factor, info = _cholesky_ex(matrix)
+    expected = torch.linalg.cholesky(matrix)
+    assert factor.shape == (size, size) and int(info) == 0
+    torch.testing.assert_close(factor, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(size, size, dtype=torch.float64)
+    (got,) = torch.autograd.grad((factor * weights).sum(), matrix)
+    (want,) = torch.autograd.grad((expected * weights).sum(), matrix)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    broken = matrix.detach().clone()
+    broken[size // 2, size // 2] = -1.0
+    assert int(_cholesky_ex(broken)[1]) == int(torch.linalg.cholesky_ex(broken)[1]) > 0

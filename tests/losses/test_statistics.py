@@ -165,39 +165,55 @@ def test_fast_statistics_make_no_copy_of_a_large_map():
 def test_centred_float32_products_keep_the_precision_a_plain_float32_product_loses():
     """Deep maps are multiplied over thousands of positions at once: with a large common mean (post-ReLU
     features) a plain float32 sum loses digits that the dependence needs; shifting by the means first and
-    adding the mean terms in float64 keeps the product within float32 rounding of the centred moments."""
-    from hfmca_lightning.losses.statistics import _shifted_products
+    adding the mean terms in float64 keeps every sum within float32 rounding of the centred moments."""
+    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _float64_statistics, _window_band
 
     torch.manual_seed(0)
-    left = 50.0 + torch.randn(64, 8192)
-    right = 50.0 + 0.5 * left[:32] + torch.randn(32, 8192)
-    weights = torch.randint(1, 10, (8192,)).float()
-    exact = (left.double() * weights.double()) @ right.double().T
-    centred_exact = exact - torch.outer(left.double() @ weights.double(), right.double() @ weights.double()) / weights.double().sum()
-    scale = centred_exact.abs().max()
-    shifted = _shifted_products(left, right, weights)
-    plain = ((left * weights) @ right.T).double()
-    assert float((shifted - exact).abs().max() / scale) < 1e-5
-    assert float((plain - exact).abs().max() / scale) > 1e-4  # what the shift avoids
-    # float64 rows: the plain product.
-    torch.testing.assert_close(_shifted_products(left.double(), right.double(), weights.double()), exact, rtol=1e-12, atol=0)
+    geometry = WindowGeometry(3, 1, 1)
+    z = 50.0 + torch.randn(512, 64, 4, 4)
+    h = 50.0 + 0.5 * z[:, :32] + torch.randn(512, 32, 4, 4)
+    coverage = window_coverage((4, 4), (4, 4), geometry)
+    rows = _window_band(4, geometry, z)
+    shifted = _CentredRowStatistics.apply(z, h, coverage.float().flatten(), rows, rows)
+    exact = _float64_statistics(z.double(), h.double(), coverage, geometry)
+    plain = _float64_statistics(z, h, coverage.float(), geometry)  # the same sums in float32
+    # the scale of the dependence: the moments of the maps centred by their channel means
+    def centred(x):
+        return (x - x.mean((0, 2), keepdim=True)).double()
+
+    means = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(z, (1, 1, 1, 1)), 3, 1).flatten(2)
+    zc, hc, mc = centred(z.flatten(2)), centred(h.flatten(2)), centred(means)
+    scales = (torch.einsum("bkn,bln->kl", zc * coverage.flatten(), zc), torch.einsum("bkn,bln->kl", hc, hc), torch.einsum("bkn,bln->kl", mc, hc))
+    errors = [float((got - expected).abs().max() / scale.abs().max()) for got, expected, scale in zip(shifted, exact, scales)]
+    lost = [float((got.double() - expected).abs().max() / scale.abs().max()) for got, expected, scale in zip(plain, exact, scales)]
+    assert all(got.dtype == torch.float64 for got in shifted)
+    assert errors[0] < 1e-5 and errors[1] < 1e-5, errors
+    assert lost[0] > 1e-4 and lost[1] > 1e-4, lost  # what the shift avoids
+    # the cross sum also carries the float32 rounding of the window means: still well below the plain sum's
+    assert errors[2] < lost[2] / 2, (errors, lost)
 
 
+@pytest.mark.parametrize("path", ["per image", "centred rows"])
 @pytest.mark.parametrize("geometry", [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(5, 2, 2)])
-def test_early_layer_statistics_have_the_gradients_of_their_forward(geometry):
-    """The early-layer path writes its own backward pass (recomputed window means, one accumulating product
-    per map): numerical gradients of all three sums agree with it, in float64."""
-    from hfmca_lightning.losses.statistics import _LargeMapStatistics, _window_band
+def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
+    """The fast path writes its own backward pass (window means recomputed for early layers, kept for deep
+    ones; one accumulating product per map): numerical gradients of all three sums agree with it in float64,
+    for the per-image products (early layers) and the centred products over all rows (deep layers)."""
+    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _per_image, _PerImageStatistics, _window_band
 
     torch.manual_seed(0)
-    low = torch.rand(2, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    channels = (2, 3) if path == "per image" else (40, 50)
+    low = torch.rand(2, channels[0], 6, 6, dtype=torch.float64, requires_grad=True)
     size = geometry.output_size((6, 6))
-    high = torch.rand(2, 3, *size, dtype=torch.float64, requires_grad=True)
+    high = torch.rand(2, channels[1], *size, dtype=torch.float64, requires_grad=True)
+    assert _per_image(low.flatten(2), high.flatten(2)) == (path == "per image")
     coverage = window_coverage((6, 6), size, geometry).flatten()
     rows, columns = _window_band(6, geometry, low), _window_band(6, geometry, low)
-    assert torch.autograd.gradcheck(lambda z, h: _LargeMapStatistics.apply(z, h, coverage, rows, columns), (low, high))
+    statistics = _PerImageStatistics if path == "per image" else _CentredRowStatistics
+    # gradcheck over the 3,000 inputs of the deep case is slow: one random direction per output there
+    assert torch.autograd.gradcheck(lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path != "per image")
     # and its forward is the reference statistics
-    stats = CorrelationStatistics(*_LargeMapStatistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0))
+    stats = CorrelationStatistics(*statistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0))
     reference = feature_map_statistics(low, high, geometry, precision="float64")
     for got, expected in zip((stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum), (reference.low_outer_sum, reference.high_outer_sum, reference.cross_sum)):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -120,7 +120,7 @@ def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor
     low_inv_cross = torch.linalg.solve_triangular(factors.low.T, factors.coupling, upper=True)
     inv_schur = torch.cholesky_inverse(factors.schur)
     weighted = low_inv_cross @ inv_schur
-    return weighted @ low_inv_cross.T, inv_schur - torch.cholesky_inverse(factors.high), -2.0 * weighted
+    return weighted @ low_inv_cross.T, inv_schur.sub_(torch.cholesky_inverse(factors.high)), weighted.mul_(-2.0)
 
 
 def _marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -139,14 +139,14 @@ class _FilteredCost(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, low_outer_sum: Tensor, high_outer_sum: Tensor, cross_sum: Tensor, cost: Tensor, member_count: Tensor, group_count: Tensor, factors: _BlockFactors) -> Tensor:  # type: ignore[override]
-        grad_low, grad_high, grad_cross = _surrogate_gradients(factors)
-        ctx.save_for_backward(grad_low / member_count, grad_high / group_count, grad_cross / group_count)
+        ctx.save_for_backward(*_surrogate_gradients(factors), member_count, group_count)
         return cost.clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grad_low, grad_high, grad_cross = ctx.saved_tensors
-        return grad_low * grad, grad_high * grad, grad_cross * grad, None, None, None, None
+        grad_low, grad_high, grad_cross, member_count, group_count = ctx.saved_tensors
+        per_member, per_group = grad / member_count, grad / group_count  # scalars: one pass per matrix
+        return grad_low * per_member, grad_high * per_group, grad_cross * per_group, None, None, None, None
 
 
 def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:

@@ -147,3 +147,13 @@ def test_external_cost_curves_shorter_than_the_smoothing_window_are_drawn_raw_fr
     (panel,) = external_cost_curves_figure({"crop": {0.5: [-3.0, -4.0, -5.0]}}, smoothing=20).axes
     x, y = panel.get_lines()[0].get_data()
     assert list(x) == [1, 2, 3] and list(y) == [-3.0, -4.0, -5.0]
+
+
+def test_internal_cost_breakdown_prints_the_statistics_and_cost_parts(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/internal_cost_breakdown.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--views", "4"])
+    runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "step: backbone fwd/bwd alone" in out and "step: HFMCA external + internal" in out
+    # both hooked convolutions of the small network, their backward nodes and the labelled factorisations
+    for part in ("statistics forward, input (3, 32, 32)", "statistics forward, input (32, 16, 16)", "statistics backward", "cost factorisations"):
+        assert part in out, part

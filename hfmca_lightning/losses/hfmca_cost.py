@@ -236,7 +236,8 @@ class HFMCACost(nn.Module):
             stats = self.synchronise(stats)
         if not (self.training and torch.is_grad_enabled()):
             return cost_from_statistics(stats, reg=self.reg, name=self.name)
-        with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
+        # A labelled range in profiles (torch.profiler, benchmarks/internal_cost_breakdown.py).
+        with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False), torch.profiler.record_function("HFMCACost.factorise"):
             return self._filtered_cost(stats)
 
     def _update_ema(self, joint: Tensor) -> Tensor:

@@ -327,8 +327,8 @@ def _shifted(product: Tensor, left_sum: Tensor, left_mean: Tensor, right_sum: Te
 
 def _gradient_matrices(grads: tuple[Tensor | None, Tensor | None, Tensor | None], dims: tuple[int, int], like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(G1 + G1^T, G2 + G2^T, G3)`` in the maps' dtype from the gradients of the three sums (zeros for None)."""
-    (k1, k2), sizes = dims, ((dims[0], dims[0]), (dims[1], dims[1]), dims)
-    matrices = []
+    k1, k2 = dims
+    sizes, matrices = ((k1, k1), (k2, k2), (k1, k2)), []
     for grad, size, symmetric in zip(grads, sizes, (True, True, False)):
         if grad is None:
             matrices.append(like.new_zeros(size))

@@ -1,0 +1,79 @@
+"""Where the time of the internal costs goes: the training step with and without them, and inside it the
+statistics (forward and backward, by block input shape) and the cost factorisations, in one run.
+
+    python benchmarks/internal_cost_breakdown.py                 # ResNet-18, 8 images x 9 views, CPU
+    python benchmarks/internal_cost_breakdown.py --device cuda --batch-size 64
+
+The two steps (backbone alone; external + internal costs on every BasicBlock, as in benchmarks/throughput.py)
+are timed in interleaved rounds (medians). The parts are read from one profiled internal step: the CPU time
+of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics` and their backward
+nodes) and of the labelled `HFMCACost.factorise` ranges, each as a fraction of the backbone step. On CUDA
+the profile's CPU times are launch times, so the parts are printed only on CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from step_timing import format_rows, measure_rows  # noqa: E402
+from throughput import build, training_step  # noqa: E402
+
+STATISTICS_NODES = ("_PerImageStatistics", "_CentredRowStatistics")
+
+
+def profiled_parts(step: Callable[[], None]) -> dict[str, float]:
+    """Seconds of one profiled step in each part: statistics forward / backward by input shape, factorisations."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        step()
+    parts: dict[str, float] = defaultdict(float)
+    for event in profiler.key_averages(group_by_input_shape=True):
+        seconds = event.cpu_time_total / 1e6
+        if event.key in STATISTICS_NODES:
+            shape = event.input_shapes[0][1:] if event.input_shapes and event.input_shapes[0] else ["?"]
+            parts[f"statistics forward, input {tuple(shape)}"] += seconds
+        elif event.key in tuple(f"{node}Backward" for node in STATISTICS_NODES):
+            parts["statistics backward (all blocks)"] += seconds
+        elif event.key == "HFMCACost.factorise":
+            parts["cost factorisations and gradients (every cost)"] += seconds
+    return dict(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backbone", choices=["resnet18", "resnet50", "small"], default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
+    parser.add_argument("--steps", type=int, default=8, help="interleaved timing rounds")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
+    internal = partial(training_step, build(args.backbone, args.views, True).to(device).train(), views, True, nullcontext())
+    rows = [
+        ("step: backbone fwd/bwd alone", partial(training_step, build(args.backbone, args.views, False).to(device).train(), views, False, nullcontext())),
+        ("step: HFMCA external + internal", internal),
+    ]
+    measured = measure_rows(rows, args.steps, device)
+    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views")
+    print("\n".join(format_rows(measured, args.batch_size * args.views)))
+    if device.type != "cpu" or measured[0].seconds is None:
+        return
+    backbone = measured[0].seconds
+    print("parts of one profiled internal step (CPU time, fraction of the backbone step):")
+    for label, seconds in profiled_parts(internal()).items():
+        print(f"  {label:58s} {seconds * 1000:9.1f} ms   {seconds / backbone:6.3f}")
+
+
+if __name__ == "__main__":
+    main()

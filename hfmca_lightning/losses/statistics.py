@@ -415,8 +415,9 @@ class _CentredRowStatistics(torch.autograd.Function):
             low = _symmetric_product(weighted.flatten(1), z_rows.flatten(1))
             high = _symmetric_product(h_rows.flatten(1), h_rows.flatten(1))
             cross = (m_rows.flatten(1) @ h_rows.flatten(1).T).to(torch.float64)
-        weighted_sum = weighted.sum(dim=(1, 2), dtype=torch.float64)
-        h_sum, m_sum = h_rows.sum(dim=(1, 2), dtype=torch.float64), m_rows.sum(dim=(1, 2), dtype=torch.float64)
+        # Sums of shifted rows are small: float32 sums lose nothing that matters (a float64 sum would first
+        # copy the rows to float64).
+        weighted_sum, h_sum, m_sum = (rows_.sum(dim=(1, 2)).to(torch.float64) for rows_ in (weighted, h_rows, m_rows))
         coverage_total, groups = batch * coverage.sum(dtype=torch.float64), float(h_rows.shape[1] * h_rows.shape[2])
         ctx.save_for_backward(weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage, rows, columns)
         ctx.shapes = (z_map.shape, h_map.shape)

@@ -168,14 +168,14 @@ def feature_map_statistics(
     windows, but computed without unfolding: window means by average pooling, R1 as a coverage-weighted
     sum over input positions.
 
-    ``precision="fast"`` (training): float32 arithmetic, float64 sums. Window means are two banded matrix
-    products (:func:`_window_means`). Maps with at least as many positions per image as channels (the costly
-    early layers) are multiplied one image at a time in their own ``(B, K, H*W)`` layout (no permuted copies;
-    TF32 off on CUDA) and the per-image products summed in float64; small deep-layer maps are multiplied over
-    all rows at once after subtracting their means (:class:`_CentredRowStatistics`). Each path is one
-    autograd node with its own backward pass. ``"float64"``: every step in
-    float64 with average pooling (analysis, and the reference the fast path is tested against: costs agree
-    to 1e-6 and gradients to 1e-5, relative).
+    ``precision="fast"`` (training): float32 arithmetic (TF32 off on CUDA), float64 sums. Window means are
+    banded matrix products (:func:`_window_means`). Inputs with at least as many positions per image as
+    channels (the costly early layers) are multiplied one image at a time in their own ``(B, K, H*W)``
+    layout, in chunks on CPUs, and the per-image products summed in float64 (:class:`_PerImageStatistics`);
+    small deep-layer maps are multiplied over all rows at once after subtracting their means
+    (:class:`_CentredRowStatistics`). Each path is one autograd node with its own backward pass.
+    ``"float64"``: every step in float64 with average pooling (analysis, and the reference the fast path is
+    tested against: costs agree to 1e-6 and gradients to 1e-5, relative).
 
     Args:
         low_map: ``(B, K1, H, W)`` block input ``Z_s``.

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from hfmca_lightning.losses.hfmca_cost import check_reg
-from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, regularised_blocks
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, marginal_blocks
 
 __all__ = ["SpectralDecomposition", "decompose", "eigenspectrum", "inverse_sqrt"]
 
@@ -63,8 +63,7 @@ class SpectralDecomposition:
 def decompose(stats: CorrelationStatistics, *, reg: float = 0.1) -> SpectralDecomposition:
     """Alg. 4: whiten the regularised statistics and take the SVD of the whitened cross-correlation."""
     check_reg(reg)
-    a, c, _ = regularised_blocks(stats.detach(), reg)
-    cross = stats.cross_sum.detach() / stats.group_count.detach()
+    a, c, cross = marginal_blocks(stats.detach(), reg)
     low_whitening = inverse_sqrt(a)
     high_whitening = inverse_sqrt(c)
     u, singular_values, vh = torch.linalg.svd(low_whitening @ cross @ high_whitening, full_matrices=False)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.distributed import all_reduce_statistics
-from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, joint_matrix, marginal_blocks
 
 __all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError"]
 
@@ -123,15 +123,6 @@ def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor
     return weighted @ low_inv_cross.T, inv_schur.sub_(torch.cholesky_inverse(factors.high)), weighted.mul_(-2.0)
 
 
-def _marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(A, C, P)`` of docs/conventions.md §1 from the sums, each in one pass (no assembled ``J``)."""
-    a = stats.low_outer_sum / stats.member_count
-    a.diagonal().add_(reg)
-    c = stats.high_outer_sum / stats.group_count
-    c.diagonal().add_(reg)
-    return a, c, stats.cross_sum / stats.group_count
-
-
 class _FilteredCost(torch.autograd.Function):
     """Value ``r`` of the current statistics, gradient of the trace surrogate at the given factors (paper
     Alg. 3), straight to the statistics' sums: ``dr/d(low sum) = G_A / n_members`` and so on. One node instead
@@ -153,7 +144,7 @@ def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name
     """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
     check_reg(reg)
     with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
-        return _block_factors(*_marginal_blocks(stats, reg), name=name, reg=reg).cost()
+        return _block_factors(*marginal_blocks(stats, reg), name=name, reg=reg).cost()
 
 
 def hfmca_cost(
@@ -256,12 +247,11 @@ class HFMCACost(nn.Module):
     def _filtered_cost(self, stats: CorrelationStatistics) -> Tensor:
         k1 = stats.low_dim
         with torch.no_grad():
-            a, c, cross = _marginal_blocks(stats.detach(), self.reg)
+            a, c, cross = marginal_blocks(stats.detach(), self.reg)
             factors = _block_factors(a, c, cross, name=self.name, reg=self.reg)
             exact = factors.cost()
             if self.beta > 0:
-                joint = torch.cat([torch.cat([a, cross], dim=1), torch.cat([cross.T, c], dim=1)], dim=0)
-                joint_hat = self._update_ema(joint)
+                joint_hat = self._update_ema(joint_matrix(a, c, cross))
                 factors = _block_factors(
                     joint_hat[:k1, :k1], joint_hat[k1:, k1:], joint_hat[:k1, k1:], name=self.name, reg=self.reg, smoothed=True
                 )

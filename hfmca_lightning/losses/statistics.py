@@ -32,6 +32,8 @@ __all__ = [
     "StatisticsPrecision",
     "window_coverage",
     "regularised_blocks",
+    "marginal_blocks",
+    "joint_matrix",
 ]
 
 
@@ -211,7 +213,8 @@ def feature_map_statistics(
         z_map, h_map = low_map.to(torch.float32), high_map.to(torch.float32)
         rows, columns = _window_band(z_map.shape[-2], geometry, z_map), _window_band(z_map.shape[-1], geometry, z_map)
         statistics = _PerImageStatistics if _per_image(z_map.flatten(2), h_map.flatten(2)) else _CentredRowStatistics
-        sums = statistics.apply(z_map, h_map, coverage.to(torch.float32).flatten(), rows, columns)
+        with _exact_float32_products():  # the forward passes; each backward pass sets it itself
+            sums = statistics.apply(z_map, h_map, coverage.to(torch.float32).flatten(), rows, columns)
         return CorrelationStatistics(*sums, *counts)
 
 
@@ -228,24 +231,21 @@ def _float64_statistics(z_map: Tensor, h_map: Tensor, coverage: Tensor, geometry
 
 
 def _window_means(z_map: Tensor, rows: Tensor, columns: Tensor, out: Tensor | None = None) -> Tensor:
-    """``(B, K, H', W')``: the mean of every window (zero padding counted), ``R_H Z R_W^T`` with the banded
-    matrices of :func:`_window_band`: the numbers of average pooling as matrix products (on CPUs several times
-    faster than ``avg_pool2d``). Two products per image for large maps; for maps of at most 64 positions one
-    product with the Kronecker matrix ``R_H (x) R_W`` over all images (instead of thousands of tiny ones)."""
-    if z_map.shape[-2] * z_map.shape[-1] <= 64:
-        pooled = torch.matmul(z_map.flatten(2), torch.kron(rows, columns).T)
-        pooled = pooled.view(*z_map.shape[:2], rows.shape[0], columns.shape[0])
+    """``(..., H', W')``: the mean of every window (zero padding counted), ``R_H Z R_W^T`` with the banded
+    ``(H', H)`` / ``(W', W)`` matrices of :func:`_window_band`: the numbers of average pooling as matrix
+    products (on CPUs several times faster than ``avg_pool2d``). Two products per image for large maps; for
+    maps of at most 64 positions one product with the Kronecker matrix ``R_H (x) R_W`` over all images
+    (instead of thousands of tiny ones)."""
+    if max(rows.shape) * max(columns.shape) <= 64:
+        pooled = torch.matmul(z_map.flatten(-2), torch.kron(rows, columns).T)
+        pooled = pooled.view(*z_map.shape[:-2], rows.shape[0], columns.shape[0])
         return pooled if out is None else out.copy_(pooled)
     return torch.matmul(torch.matmul(rows, z_map), columns.T, out=out)
 
 
 def _window_means_adjoint(d_means: Tensor, rows: Tensor, columns: Tensor, out: Tensor | None = None) -> Tensor:
-    """The adjoint of :func:`_window_means`, ``R_H^T D R_W``: ``(B, K, H', W')`` -> ``(B, K, H, W)``."""
-    if rows.shape[1] * columns.shape[1] <= 64:
-        spread = torch.matmul(d_means.flatten(2), torch.kron(rows, columns))
-        spread = spread.view(*d_means.shape[:2], rows.shape[1], columns.shape[1])
-        return spread if out is None else out.copy_(spread)
-    return torch.matmul(torch.matmul(rows.T, d_means), columns, out=out)
+    """The adjoint of :func:`_window_means`, ``R_H^T D R_W``: ``(..., H', W')`` -> ``(..., H, W)``."""
+    return _window_means(d_means, rows.T, columns.T, out)
 
 
 def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
@@ -353,8 +353,7 @@ class _PerImageStatistics(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        with _exact_float32_products():
-            sums, means = _per_image_products(z_map, h_map, coverage, rows, columns)
+        sums, means = _per_image_products(z_map, h_map, coverage, rows, columns)
         ctx.save_for_backward(z_map, h_map, coverage, rows, columns, means)
         return sums
 
@@ -392,9 +391,10 @@ class _CentredRowStatistics(torch.autograd.Function):
 
     The window means are pooled from the shifted rows (pooling the large uncentred values in float32 would
     put its rounding into the cross products). Forward and backward work on the ``(K, B, N)`` rows (one
-    transposing copy of each map in, one of each gradient out), so every product is one large matrix product; the backward adds the mean terms as rank-1
-    updates, ``dZ = (G1 + G1^T) (C + mu 1^T) diag(w) + R^T(G3 (D + nu 1^T))`` and so on. Kept for it: the
-    shifted rows of the three maps (small) and their means.
+    transposing copy of each map in, one of each gradient out), so every product is one large matrix
+    product; the backward adds the mean terms as rank-1 updates,
+    ``dZ = (G1 + G1^T) (C + mu 1^T) diag(w) + R^T(G3 (D + nu 1^T))`` and so on. Kept for it: the shifted rows
+    of the three maps (small) and their means.
     """
 
     @staticmethod
@@ -411,10 +411,9 @@ class _CentredRowStatistics(torch.autograd.Function):
         m_rows.sub_(pooled_mean[:, None, None])
         m_mean = pooled_mean.to(torch.float64) + z_mean * pooled_ones.to(torch.float64).mean()
         weighted = z_rows * coverage
-        with _exact_float32_products():
-            low = _symmetric_product(weighted.flatten(1), z_rows.flatten(1))
-            high = _symmetric_product(h_rows.flatten(1), h_rows.flatten(1))
-            cross = (m_rows.flatten(1) @ h_rows.flatten(1).T).to(torch.float64)
+        low = _symmetric_product(weighted.flatten(1), z_rows.flatten(1))
+        high = _symmetric_product(h_rows.flatten(1), h_rows.flatten(1))
+        cross = (m_rows.flatten(1) @ h_rows.flatten(1).T).to(torch.float64)
         # Sums of shifted rows are small: float32 sums lose nothing that matters (a float64 sum would first
         # copy the rows to float64).
         weighted_sum, h_sum, m_sum = (rows_.sum(dim=(1, 2)).to(torch.float64) for rows_ in (weighted, h_rows, m_rows))
@@ -464,12 +463,22 @@ def _exact_float32_products() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(A, C, P)`` of docs/conventions.md §1: ``A = R1 + reg I``, ``C = R2 + reg I`` and ``P``, each from its sum
+    in one pass."""
+    a = stats.low_outer_sum / stats.member_count
+    a.diagonal().add_(reg)
+    c = stats.high_outer_sum / stats.group_count
+    c.diagonal().add_(reg)
+    return a, c, stats.cross_sum / stats.group_count
+
+
+def joint_matrix(a: Tensor, c: Tensor, cross: Tensor) -> Tensor:
+    """``J = [[A, P], [P^T, C]]``."""
+    return torch.cat([torch.cat([a, cross], dim=1), torch.cat([cross.T, c], dim=1)], dim=0)
+
+
 def regularised_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(A, C, J)`` of docs/conventions.md §1: ``A = R1 + reg I``, ``C = R2 + reg I``, ``J = [[A, P], [P^T, C]]``."""
-    r1, r2, cross = stats.means()
-    eye_low = torch.eye(stats.low_dim, dtype=r1.dtype, device=r1.device)
-    eye_high = torch.eye(stats.high_dim, dtype=r2.dtype, device=r2.device)
-    a = r1 + reg * eye_low
-    c = r2 + reg * eye_high
-    joint = torch.cat([torch.cat([a, cross], dim=1), torch.cat([cross.T, c], dim=1)], dim=0)
-    return a, c, joint
+    a, c, cross = marginal_blocks(stats, reg)
+    return a, c, joint_matrix(a, c, cross)

@@ -389,8 +389,8 @@ class _CentredRowStatistics(torch.autograd.Function):
     the centred moments, which carry the dependence, instead of the uncentred ones (large for post-ReLU
     features): a plain float32 product over thousands of rows loses digits that the gradients show.
 
-    The window means are pooled from the shifted rows (pooling the large uncentred values in float32 would
-    put its rounding into the cross products). Forward and backward work on the ``(K, B, N)`` rows (one
+    The window means are pooled from the shifted rows, already in the rows' layout (no transposing copy of
+    the means), and shifted by their own means. Forward and backward work on the ``(K, B, N)`` rows (one
     transposing copy of each map in, one of each gradient out), so every product is one large matrix
     product; the backward adds the mean terms as rank-1 updates,
     ``dZ = (G1 + G1^T) (C + mu 1^T) diag(w) + R^T(G3 (D + nu 1^T))`` and so on. Kept for it: the shifted rows
@@ -402,8 +402,8 @@ class _CentredRowStatistics(torch.autograd.Function):
         (batch, k1), height, width = z_map.shape[:2], *z_map.shape[-2:]
         z_rows, z_mean = _centred_rows(z_map.flatten(2))
         h_rows, h_mean = _centred_rows(h_map.flatten(2))
-        # Window means of the shifted rows, M = pool(C) + mu pool(1), shifted by their own means: pooling the
-        # small shifted values keeps float32 pooling's rounding off the cross products.
+        # Window means from the shifted rows in their (K1, B, H, W) layout, M = pool(C) + mu pool(1), then
+        # shifted by their own means.
         pooled_ones = _window_means(z_map.new_ones(1, 1, height, width), rows, columns).flatten()
         m_rows = _window_means(z_rows.view(k1, batch, height, width), rows, columns).view(k1, batch, -1)
         m_rows.add_(z_mean.to(z_rows.dtype)[:, None, None] * (pooled_ones - pooled_ones.mean()))

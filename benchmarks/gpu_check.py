@@ -180,6 +180,7 @@ def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tupl
 
     def costs(precision: str, autocast: AbstractContextManager) -> tuple[dict[str, float], list[torch.Tensor]]:
         module.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the external head's noise channels: the same draw in every pass
         with autocast:
             objective = module.objective(module.collect(views, precision=precision))
         objective.total.backward()

@@ -4,6 +4,7 @@ without the packages GPU machines lack, and writes a report whose numbers follow
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,9 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
     # The fast statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost).
     internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]
     assert internal_rows and all(float(line.split("|")[3]) < 1e-6 for line in internal_rows)
+    # and so do the backbone's gradients (both passes draw the same head noise)
+    (gradients,) = re.findall(r"float64 internal statistics \(float32 model\): relative difference ([0-9.e+-]+)\.", text)
+    assert float(gradients) < 1e-5
     assert "| 1 |" in text  # one training epoch with its kNN top-1
 
 

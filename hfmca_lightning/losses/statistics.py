@@ -171,8 +171,8 @@ def feature_map_statistics(
     sum over input positions.
 
     ``precision="fast"`` (training): float32 arithmetic (TF32 off on CUDA), float64 sums. Window means are
-    banded matrix products (:func:`_window_means`). Inputs with at least as many positions per image as
-    channels (the costly early layers) are multiplied one image at a time in their own ``(B, K, H*W)``
+    banded matrix products (:func:`_window_means`). Blocks whose outputs have at least as many positions per
+    image as channels (the costly early layers) are multiplied one image at a time in their own ``(B, K, H*W)``
     layout, in chunks on CPUs, and the per-image products summed in float64 (:class:`_PerImageStatistics`);
     small deep-layer maps are multiplied over all rows at once after subtracting their means
     (:class:`_CentredRowStatistics`). Each path is one autograd node with its own backward pass.
@@ -260,9 +260,12 @@ def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
 
 def _per_image(z: Tensor, h: Tensor) -> bool:
     """Whether a block's statistics are cheaper one image at a time than over centred rows: when each image's
-    input ``z (K1, N)`` has at least as many positions as channels (the early layers; measured on ResNet-18's
-    blocks, including the stride-2 block whose output has fewer positions than channels)."""
-    return z.shape[2] >= z.shape[1]
+    output ``h (K2, N')`` has at least as many positions as channels (the early layers). Measured on
+    ResNet-18's blocks with their (5, 1, 2) / (7, 2, 3) windows, 72 maps, forward + backward: per image 30 ms
+    against 44 ms for the first stride-2 block (64 x 32 x 32 -> 128 x 16 x 16), centred rows 20 ms against
+    23 ms for the second (128 x 16 x 16 -> 256 x 8 x 8), whose input has more positions than channels but
+    whose output has fewer."""
+    return h.shape[2] >= h.shape[1]
 
 
 def _image_chunks(batch: int, map_: Tensor) -> list[slice]:

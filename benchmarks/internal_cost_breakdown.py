@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from step_timing import format_rows, measure_rows  # noqa: E402
+from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 from throughput import build, training_step  # noqa: E402
 
 STATISTICS_NODES = ("_PerImageStatistics", "_CentredRowStatistics")
@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
     parser.add_argument("--steps", type=int, default=8, help="interleaved timing rounds")
+    add_malloc_option(parser)
     args = parser.parse_args()
+    malloc = set_malloc(args)
     device = torch.device(args.device)
     views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
     internal = partial(training_step, build(args.backbone, args.views, True).to(device).train(), views, True, nullcontext())
@@ -65,7 +67,7 @@ def main() -> None:
         ("step: HFMCA external + internal", internal),
     ]
     measured = measure_rows(rows, args.steps, device)
-    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views")
+    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}")
     print("\n".join(format_rows(measured, args.batch_size * args.views)))
     if device.type != "cpu" or measured[0].seconds is None:
         return

@@ -8,6 +8,7 @@ before the step (activations, gradients, workspace).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -15,7 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
+from hfmca_lightning.cpu_memory import keep_freed_memory
+
 Step = Callable[[], object]
+
+
+def add_malloc_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--default-malloc", action="store_true",
+        help="keep glibc's default malloc (hfmca sets it to keep freed memory: hfmca_lightning.cpu_memory)",
+    )
+
+
+def set_malloc(args: argparse.Namespace) -> str:
+    """Set malloc as the ``hfmca`` command does unless ``--default-malloc``; returns the setting, for the header."""
+    if not args.default_malloc and keep_freed_memory():
+        return "malloc keeps freed memory (as hfmca does)"
+    return "default malloc"
 
 
 @dataclass

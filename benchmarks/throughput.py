@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from step_timing import format_rows, measure_rows  # noqa: E402
+from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.evaluation import knn_predict
@@ -130,11 +130,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--workers", type=int, default=4, help="CPU data-loader workers")
     parser.add_argument("--precision", choices=["32", "bf16"], default="32")
+    add_malloc_option(parser)
     args = parser.parse_args()
+    malloc = set_malloc(args)
     device = torch.device(args.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision {args.precision}")
+    print(f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision {args.precision}; {malloc}")
 
     # Data path: CPU workers (torchvision, per view) vs uint8 loading + on-device kornia views.
     report(data_path_rows(args.views, args.batch_size, args.steps, args.workers, device), args.batch_size * args.views)

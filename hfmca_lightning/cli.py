@@ -13,6 +13,9 @@ A mistake in the configuration, the data or a checkpoint ends the command before
 ``hfmca: error: <what, where, how to fix>``, and exit status 2. A run that fails mid-way (a NaN, a failed
 factorisation) prints one line and exits with status 1; a run stopped by SIGTERM saves a checkpoint and
 exits with status 143.
+
+On Linux with glibc the command first sets malloc to keep freed memory (:mod:`hfmca_lightning.cpu_memory`:
+CPU training steps 3-10 % faster); ``HFMCA_KEEP_FREED_MEMORY=0`` turns that off.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from argparse import ArgumentError
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from hfmca_lightning.config_errors import describe_parser_error
+from hfmca_lightning.cpu_memory import keep_freed_memory
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 
@@ -42,6 +46,7 @@ def main(args: list[str] | None = None) -> None:
     one line, exit status 1; SIGTERM: checkpoint written, exit status 143.
     """
     argv = sys.argv[1:] if args is None else args
+    keep_freed_memory()  # CPU steps without page faults (hfmca_lightning.cpu_memory; HFMCA_KEEP_FREED_MEMORY=0: off)
     if argv[:1] in (["-h"], ["--help"]):
         print(
             "hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n"

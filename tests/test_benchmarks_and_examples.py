@@ -110,9 +110,10 @@ def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, 
 
 
 def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["benchmarks/throughput.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--workers", "0", "--views", "4"])
+    monkeypatch.setattr(sys, "argv", ["benchmarks/throughput.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--workers", "0", "--views", "4", "--default-malloc"])
     runpy.run_path(str(REPO / "benchmarks" / "throughput.py"), run_name="__main__")
     out = capsys.readouterr().out
+    assert "; default malloc" in out.splitlines()[0]  # (in-process: the test process keeps its allocator)
     for row in ("step: backbone fwd/bwd alone", "activation checkpointing", "checkpointing, chunks of 4", "step: HFMCA external + internal"):
         (line,) = [line for line in out.splitlines() if row in line]
         assert "views/s" in line and "failed" not in line, line
@@ -150,9 +151,10 @@ def test_external_cost_curves_shorter_than_the_smoothing_window_are_drawn_raw_fr
 
 
 def test_internal_cost_breakdown_prints_the_statistics_and_cost_parts(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["benchmarks/internal_cost_breakdown.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--views", "4"])
+    monkeypatch.setattr(sys, "argv", ["benchmarks/internal_cost_breakdown.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--views", "4", "--default-malloc"])
     runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"), run_name="__main__")
     out = capsys.readouterr().out
+    assert "; default malloc" in out
     assert "step: backbone fwd/bwd alone" in out and "step: HFMCA external + internal" in out
     # both hooked convolutions of the small network, their backward nodes and the labelled factorisations
     for part in ("statistics forward, input (3, 32, 32)", "statistics forward, input (32, 16, 16)", "statistics backward", "cost factorisations"):

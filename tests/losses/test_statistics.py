@@ -111,7 +111,7 @@ def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeom
     low = torch.relu(torch.randn(batch, k1, size, size))
     mixed = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(low, [geometry.padding] * 4), geometry.kernel, geometry.stride)
     high = torch.sigmoid(torch.einsum("bkhw,kl->blhw", mixed, torch.randn(k1, k2) / k1**0.5) + 0.3 * torch.randn(batch, k2, *mixed.shape[-2:]))
-    return low.requires_grad_(), high.requires_grad_()
+    return low.requires_grad_(), high.contiguous().requires_grad_()  # (einsum leaves its output channels-last)
 
 
 @pytest.mark.parametrize(
@@ -119,12 +119,14 @@ def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeom
     [(64, 64, 32, WindowGeometry(5, 1, 2)), (64, 128, 32, WindowGeometry(7, 2, 3)), (256, 512, 8, WindowGeometry(7, 2, 3)), (64, 64, 34, WindowGeometry(3, 1, 1))],
     ids=["layer1 block", "layer2 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
 )
-def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry):
-    """The training path (float32 products, summed in float64; deep maps centred): cost within 1e-6 and gradients
-    within 1e-5 of the all-float64 path, relative."""
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry, layout):
+    """The training path (float32 products, summed in float64; deep maps centred; channels-last maps on their
+    rows): cost within 1e-6 and gradients within 1e-5 of the all-float64 path, relative. 18 maps, so that the
+    first blocks run in two chunks of images."""
     from hfmca_lightning.losses import cost_from_statistics
 
-    low, high = realistic_pair(18, k1, k2, size, geometry, seed=k1 + size)
+    low, high = (x.detach().contiguous(memory_format=layout).requires_grad_() for x in realistic_pair(18, k1, k2, size, geometry, seed=k1 + size))
     results = {}
     for precision in ("float64", "fast"):
         cost = cost_from_statistics(feature_map_statistics(low, high, geometry, precision=precision), reg=0.1)
@@ -135,9 +137,11 @@ def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geom
         assert float((got.double() - expected.double()).norm() / expected.double().norm()) <= 1e-5
 
 
-def test_fast_statistics_make_no_copy_of_a_large_map():
-    """The fast path uses a float32 map as it is: no op of it copies the map into another layout or dtype
-    (the float64 path makes several); deep layers (few positions, many channels) may copy their small maps."""
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+def test_fast_statistics_make_no_copy_of_a_large_map(layout):
+    """The fast path uses a float32 map as it is, plain or channels-last: no op of it copies the map into another
+    layout or dtype (the float64 path makes several); deep layers (few positions, many channels) may copy their
+    small maps."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Copies(TorchDispatchMode):
@@ -152,7 +156,7 @@ def test_fast_statistics_make_no_copy_of_a_large_map():
             return out
 
     geometry = WindowGeometry(5, 1, 2)
-    low, high = realistic_pair(4, 16, 16, 32, geometry, seed=0)
+    low, high = (x.contiguous(memory_format=layout) for x in realistic_pair(4, 16, 16, 32, geometry, seed=0))
     map_size = low[0].numel()
     with Copies() as fast:
         feature_map_statistics(low.detach(), high.detach(), geometry, precision="fast")
@@ -194,25 +198,27 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     assert errors[2] < lost[2] / 2, (errors, lost)
 
 
-@pytest.mark.parametrize("path", ["per image", "centred rows"])
+@pytest.mark.parametrize("path", ["per image", "centred rows", "channels last"])
 @pytest.mark.parametrize("geometry", [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(5, 2, 2)])
 def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     """The fast path writes its own backward pass (one accumulating product per map, from the kept window
     means or shifted rows): numerical gradients of all three sums agree with it in float64, for the per-image
-    products (early layers) and the centred products over all rows (deep layers)."""
-    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _per_image, _PerImageStatistics, _window_band
+    products (early layers), the centred products over all rows (deep layers) and the products on the rows
+    of channels-last maps."""
+    from hfmca_lightning.losses.statistics import _ChannelsLastStatistics, _CentredRowStatistics, _per_image, _PerImageStatistics, _window_band
 
     torch.manual_seed(0)
-    channels = (2, 3) if path == "per image" else (40, 50)
-    low = torch.rand(2, channels[0], 6, 6, dtype=torch.float64, requires_grad=True)
+    channels = (40, 50) if path == "centred rows" else (2, 3)
+    layout = torch.channels_last if path == "channels last" else torch.contiguous_format
+    low = torch.rand(2, channels[0], 6, 6, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
     size = geometry.output_size((6, 6))
-    high = torch.rand(2, channels[1], *size, dtype=torch.float64, requires_grad=True)
-    assert _per_image(low.flatten(2), high.flatten(2)) == (path == "per image")
+    high = torch.rand(2, channels[1], *size, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
+    assert _per_image(high) == (path != "centred rows")
     coverage = window_coverage((6, 6), size, geometry).flatten()
     rows, columns = _window_band(6, geometry, low), _window_band(6, geometry, low)
-    statistics = _PerImageStatistics if path == "per image" else _CentredRowStatistics
+    statistics = {"per image": _PerImageStatistics, "centred rows": _CentredRowStatistics, "channels last": _ChannelsLastStatistics}[path]
     # gradcheck over the 3,000 inputs of the deep case is slow: one random direction per output there
-    assert torch.autograd.gradcheck(lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path != "per image")
+    assert torch.autograd.gradcheck(lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path == "centred rows")
     # and its forward is the reference statistics
     stats = CorrelationStatistics(*statistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0))
     reference = feature_map_statistics(low, high, geometry, precision="float64")

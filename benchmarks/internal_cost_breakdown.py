@@ -2,12 +2,13 @@
 statistics (forward and backward, by block input shape) and the cost factorisations, in one run.
 
     python benchmarks/internal_cost_breakdown.py                 # ResNet-18, 8 images x 9 views, CPU
+    python benchmarks/internal_cost_breakdown.py --channels-last --steps 12   # HFMCAModule(channels_last=True)
     python benchmarks/internal_cost_breakdown.py --device cuda --batch-size 64
 
 The two steps (backbone alone; external + internal costs on every BasicBlock, as in benchmarks/throughput.py)
 are timed in interleaved rounds (medians). The parts are read from one profiled internal step: the CPU time
-of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics` and their backward
-nodes) and of the labelled `HFMCACost.factorise` ranges, each as a fraction of the backbone step. On CUDA
+of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics`, `_ChannelsLastStatistics`
+and their backward nodes) and of the labelled `HFMCACost.factorise` ranges, each as a fraction of the backbone step. On CUDA
 the profile's CPU times are launch times, so the parts are printed only on CPUs.
 """
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 from throughput import build, training_step  # noqa: E402
 
-STATISTICS_NODES = ("_PerImageStatistics", "_CentredRowStatistics")
+STATISTICS_NODES = ("_PerImageStatistics", "_CentredRowStatistics", "_ChannelsLastStatistics")
 
 
 def profiled_parts(step: Callable[[], None]) -> dict[str, float]:
@@ -56,18 +57,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
     parser.add_argument("--steps", type=int, default=8, help="interleaved timing rounds")
+    parser.add_argument("--channels-last", action="store_true", help="both steps with HFMCAModule(channels_last=True)")
     add_malloc_option(parser)
     args = parser.parse_args()
     malloc = set_malloc(args)
     device = torch.device(args.device)
     views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
-    internal = partial(training_step, build(args.backbone, args.views, True).to(device).train(), views, True, nullcontext())
+    layout = {"channels_last": args.channels_last}
+    internal = partial(training_step, build(args.backbone, args.views, True, **layout).to(device).train(), views, True, nullcontext())
     rows = [
-        ("step: backbone fwd/bwd alone", partial(training_step, build(args.backbone, args.views, False).to(device).train(), views, False, nullcontext())),
+        ("step: backbone fwd/bwd alone", partial(training_step, build(args.backbone, args.views, False, **layout).to(device).train(), views, False, nullcontext())),
         ("step: HFMCA external + internal", internal),
     ]
     measured = measure_rows(rows, args.steps, device)
-    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}")
+    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}" + ("; channels-last" if args.channels_last else ""))
     print("\n".join(format_rows(measured, args.batch_size * args.views)))
     if device.type != "cpu" or measured[0].seconds is None:
         return

@@ -159,3 +159,12 @@ def test_internal_cost_breakdown_prints_the_statistics_and_cost_parts(monkeypatc
     # both hooked convolutions of the small network, their backward nodes and the labelled factorisations
     for part in ("statistics forward, input (3, 32, 32)", "statistics forward, input (32, 16, 16)", "statistics backward", "cost factorisations"):
         assert part in out, part
+
+
+def test_internal_cost_breakdown_reads_the_channels_last_statistics(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/internal_cost_breakdown.py", "--backbone", "small", "--batch-size", "4", "--steps", "1", "--views", "4", "--default-malloc", "--channels-last"])
+    runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "; channels-last" in out.splitlines()[0]
+    for part in ("statistics forward, input (3, 32, 32)", "statistics backward", "cost factorisations"):
+        assert part in out, part

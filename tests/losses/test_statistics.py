@@ -116,14 +116,19 @@ def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeom
 
 @pytest.mark.parametrize(
     ("k1", "k2", "size", "geometry"),
-    [(64, 64, 32, WindowGeometry(5, 1, 2)), (64, 128, 32, WindowGeometry(7, 2, 3)), (256, 512, 8, WindowGeometry(7, 2, 3)), (64, 64, 34, WindowGeometry(3, 1, 1))],
-    ids=["layer1 block", "layer2 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
+    [
+        (64, 64, 32, WindowGeometry(5, 1, 2)),
+        (64, 128, 32, WindowGeometry(7, 2, 3)),
+        (128, 256, 16, WindowGeometry(7, 2, 3)),
+        (256, 512, 8, WindowGeometry(7, 2, 3)),
+        (64, 64, 34, WindowGeometry(3, 1, 1)),
+    ],
+    ids=["layer1 block", "layer2 stride-2 block", "layer3 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
 )
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
 def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry, layout):
     """The training path (float32 products, summed in float64; deep maps centred; channels-last maps on their
-    rows): cost within 1e-6 and gradients within 1e-5 of the all-float64 path, relative. 18 maps, so that the
-    first blocks run in two chunks of images."""
+    rows): cost within 1e-6 and gradients within 1e-5 of the all-float64 path, relative."""
     from hfmca_lightning.losses import cost_from_statistics
 
     low, high = (x.detach().contiguous(memory_format=layout).requires_grad_() for x in realistic_pair(18, k1, k2, size, geometry, seed=k1 + size))
@@ -164,6 +169,30 @@ def test_fast_statistics_make_no_copy_of_a_large_map(layout):
         feature_map_statistics(low.detach(), high.detach(), geometry, precision="float64")
     assert max(exact.sizes) >= low.numel()
     assert not fast.sizes or max(fast.sizes) < map_size, fast.sizes
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+def test_chunks_of_images_give_the_sums_and_gradients_of_one_chunk(layout, monkeypatch):
+    """On CPUs the early blocks' statistics run over chunks of images (32 MiB; a large batch has several): with
+    chunks of two images and an odd batch (a short last chunk) the sums and gradients are those of one chunk."""
+    from hfmca_lightning.losses import statistics
+
+    geometry = WindowGeometry(5, 1, 2)
+    low, high = (x.detach().contiguous(memory_format=layout) for x in realistic_pair(5, 8, 8, 16, geometry, seed=3))
+    weights = [torch.randn(8, 8, dtype=torch.float64) for _ in range(3)]
+
+    def sums_and_gradients() -> list[torch.Tensor]:
+        z, h = low.clone().requires_grad_(), high.clone().requires_grad_()
+        stats = feature_map_statistics(z, h, geometry)
+        sums = (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)
+        sum((s * w).sum() for s, w in zip(sums, weights)).backward()
+        return [*sums, z.grad, h.grad]
+
+    whole = sums_and_gradients()
+    monkeypatch.setattr(statistics, "_CPU_CHUNK_BYTES", 2 * low[0].numel() * 4)
+    assert len(statistics._image_chunks(5, low)) == 3
+    for got, expected in zip(sums_and_gradients(), whole):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
 
 
 def test_centred_float32_products_keep_the_precision_a_plain_float32_product_loses():

@@ -66,8 +66,8 @@ def test_channels_last_and_compiled_backbone_give_the_same_features():
 def test_channels_last_backbone_with_internal_costs_gives_the_plain_costs_and_gradients():
     """HFMCAModule(channels_last=True) hands channels-last maps to every internal cost (their own statistics path,
     no copies; tests/losses/test_statistics.py checks it against float64): the costs and backbone gradients are
-    the plain layout's. 2 x 9 views of ResNet-18, so that the first blocks' statistics run in two chunks of
-    images, as in training (this crashed before the path existed)."""
+    the plain layout's. 2 x 9 views of ResNet-18 (with more than one chunk of images this crashed before the
+    channels-last path existed; tests/losses/test_statistics.py checks the chunks)."""
     from hfmca_lightning.models import CIFARResNet18
 
     layers = [f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)]

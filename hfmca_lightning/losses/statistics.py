@@ -355,9 +355,9 @@ def _per_image_products(z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Te
 def _shifted_cross(product: Tensor, shift: Tensor, high_sum: Tensor) -> Tensor:
     """``sum M H^T = sum (M - mu 1^T) H^T + mu (sum H 1)^T``: the cross sum from the product of window means shifted
     by a constant ``mu`` (float32) and the float64 mean term. Window means of post-ReLU maps share a large
-    common part; without it the float32 product keeps about 10x more of the digits the gradients need
-    (layer-2 stride-2 block of the realistic-map test: 2.8e-5 -> 3e-6 relative in the cost's gradient w.r.t.
-    the cross sum)."""
+    common part; taking it out before the float32 product keeps about 10x more of the digits the gradients
+    need (layer-2 stride-2 block of the realistic-map test: 2.8e-5 -> 3e-6 relative in the cost's gradient
+    w.r.t. the cross sum)."""
     return product + torch.outer(shift.to(torch.float64), high_sum)
 
 

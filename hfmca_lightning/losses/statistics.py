@@ -196,6 +196,11 @@ def feature_map_statistics(
             f"feature maps must come from the same batch: low_map has B={low_map.shape[0]}, "
             f"high_map has B={high_map.shape[0]}"
         )
+    if low_map.shape[0] == 0 or low_map[0].numel() == 0 or high_map[0].numel() == 0:
+        raise ValueError(
+            f"need at least one map with channels and positions; got low_map {tuple(low_map.shape)} and "
+            f"high_map {tuple(high_map.shape)}"
+        )
     expected = geometry.output_size(low_map.shape[-2:])
     if expected != tuple(high_map.shape[-2:]):
         raise ValueError(

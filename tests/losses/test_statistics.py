@@ -100,6 +100,12 @@ def test_group_statistics_reject_malformed_shapes(low, high, message):
         group_statistics(low, high)
 
 
+def test_feature_map_statistics_reject_empty_maps():
+    for low, high in ((torch.rand(0, 2, 8, 8), torch.rand(0, 2, 8, 8)), (torch.rand(1, 0, 8, 8), torch.rand(1, 2, 8, 8))):
+        with pytest.raises(ValueError, match="at least one map with channels and positions"):
+            feature_map_statistics(low, high, WindowGeometry(3, 1, 1))
+
+
 def test_feature_map_statistics_reject_a_geometry_that_does_not_fit():
     with pytest.raises(ValueError, match="does not describe this block"):
         feature_map_statistics(torch.rand(1, 2, 8, 8), torch.rand(1, 2, 8, 8), WindowGeometry(3, 2, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import resource
 import time
 from pathlib import Path
@@ -147,14 +148,17 @@ class _Recorder(Callback):
 def train_and_measure(
     module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200,
     accelerator: str = "auto", precision: str = "32-true", linear_epochs: int | None = 100, online_probe: bool = True,
+    max_seconds: float | None = None,
 ) -> Measurement:
     """Train ``epochs`` epochs with kNN and (``online_probe``; off for the GPU check, whose machine lacks lightly)
-    the online linear probe every epoch, and an offline linear classifier of ``linear_epochs`` at the end (None: none)."""
+    the online linear probe every epoch, and an offline linear classifier of ``linear_epochs`` at the end (None: none).
+    ``max_seconds`` stops training after that long (Lightning's ``max_time``; the GPU check's time budget)."""
     measurement = Measurement()
     trainer = Trainer(
         max_epochs=epochs, accelerator=accelerator, devices=1, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
         callbacks=[KNNEvaluation(k=k), *([LinearProbe()] if online_probe else []), _Recorder(measurement)],
+        max_time=None if max_seconds is None else datetime.timedelta(seconds=max_seconds),
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -30,6 +30,8 @@ import platform
 import re
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -77,13 +79,15 @@ class GpuCheckResult:
     environment: dict[str, str]
     settings: dict[str, str]
     items_per_step: int
-    step_rows: list[StepRow]
-    data_rows: list[tuple[str, float]]
-    agreement: list[tuple[str, float, float | None]]
-    gradient_agreement: float | None
-    training: TrainingRun | None
+    step_rows: list[StepRow] = field(default_factory=list)
+    data_rows: list[tuple[str, float]] = field(default_factory=list)
+    agreement: list[tuple[str, float, float | None]] = field(default_factory=list)
+    gradient_agreement: float | None = None
+    training: TrainingRun | None = None
     targets: list[Target] = field(default_factory=list)
     seconds: float = 0.0
+    sections: list[tuple[str, str]] = field(default_factory=list)
+    """``(section, outcome)`` in the order run: seconds taken, or why it failed or was skipped."""
 
 
 def device_slug(name: str) -> str:
@@ -100,7 +104,9 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
     lines = [f"# GPU check: {result.device_name}", ""]
     lines += [f"- {key}: {value}" for key, value in result.environment.items()]
     lines += [f"- {key}: {value}" for key, value in result.settings.items()]
-    lines += [f"- whole check: {result.seconds:.0f} s", "", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"- whole check: {result.seconds:.0f} s"]
+    lines += [f"- section {name}: {outcome}" for name, outcome in result.sections]
+    lines += ["", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
     for target in result.targets:
         verdict = "—" if target.met is None else ("yes" if target.met else "**no**")
         lines.append(f"| {target.what} | {target.measured} | {verdict} |")
@@ -124,7 +130,7 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
     if result.gradient_agreement is not None:
         lines += ["", f"Backbone gradients, fast vs float64 internal statistics (float32 model): relative difference {result.gradient_agreement:.2e}."]
     lines += ["", "## Training", ""]
-    if result.training is None:
+    if result.training is None or not result.training.epoch_seconds:
         lines.append("Not run.")
     else:
         run = result.training
@@ -142,12 +148,15 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
     return text
 
 
-def step_rows(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager) -> list[StepRow]:
-    """The training-step rows: backbone / external / external + internal x plain / channels-last / compiled."""
+def step_rows(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, compiled: bool = False) -> list[StepRow]:
+    """The training-step rows: backbone / external / external + internal, each plain and channels-last, plus the
+    external step fed by device augmentation; with ``compiled``, instead the three rows compiled + channels-last
+    (timed as their own group, last, so that compilation time cannot starve the other sections)."""
     views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
-    settings = {"plain": {}, "channels_last": {"channels_last": True}, "compiled + channels_last": {"channels_last": True, "compile_backbone": True}}
-    if args.no_compile:
-        settings.pop("compiled + channels_last")
+    if compiled:
+        settings = {"compiled + channels_last": {"channels_last": True, "compile_backbone": True}}
+    else:
+        settings = {"plain": {}, "channels_last": {"channels_last": True}}
     rows = []
     for what, internal, cost in (("backbone alone", False, False), ("external", False, True), ("external + internal", True, True)):
         for setting, options in settings.items():
@@ -163,8 +172,28 @@ def step_rows(args: argparse.Namespace, device: torch.device, autocast: Abstract
         module = build(args.backbone, args.views, False, channels_last=True).to(device).train()
         return training_step(module, images, True, autocast, augment=lambda batch: augment(batch, args.views))
 
-    rows.append(("external, device augmentation: channels_last", augmented_step))
+    if not compiled:
+        rows.append(("external, device augmentation: channels_last", augmented_step))
     return measure_rows(rows, args.steps, device)
+
+
+def profile_internal_step(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, rows: int = 30) -> str:
+    """Kernel table (torch.profiler, self time) of three external + internal channels-last steps: where the
+    internal costs spend their time on this device. Printed to the log, not the report."""
+    from torch.profiler import ProfilerActivity, profile
+
+    views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
+    step = training_step(build(args.backbone, args.views, True, channels_last=True).to(device).train(), views, True, autocast)
+    for _ in range(2):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float]:
@@ -201,8 +230,9 @@ def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tupl
     return rows, float(difference.norm() / torch.cat(reference_grads).norm())
 
 
-def training_run(args: argparse.Namespace, device: torch.device) -> TrainingRun:
-    """``args.epochs`` epochs of HFMCA-SS(*) on SyntheticShapes with kNN after each (bf16 on CUDA)."""
+def training_run(args: argparse.Namespace, device: torch.device, max_seconds: float | None = None) -> TrainingRun:
+    """``args.epochs`` epochs of HFMCA-SS(*) on SyntheticShapes with kNN after each (bf16 on CUDA), stopped
+    after ``max_seconds`` if given (the check's time budget)."""
     from common import build_method, train_and_measure
 
     from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
@@ -213,7 +243,7 @@ def training_run(args: argparse.Namespace, device: torch.device) -> TrainingRun:
     backbone = "resnet18" if args.backbone == "resnet18" else "small"
     module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
     accelerator = "gpu" if device.type == "cuda" else "cpu"
-    measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true", linear_epochs=None, online_probe=False)
+    measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true", linear_epochs=None, online_probe=False, max_seconds=max_seconds)
     return TrainingRun(backbone, per_class * 10, args.views, args.batch_size, measurement.epoch_seconds, measurement.knn_by_epoch, measurement.peak_memory)
 
 
@@ -252,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-images", type=int, default=50_000)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--time-budget", type=float, default=480.0, help="seconds the whole check may take: training is cut to fit, later sections skipped")
     args = parser.parse_args(argv)
     if args.tiny:
         args.backbone, args.batch_size, args.steps, args.epochs, args.train_images, args.image_size = "small", 4, 1, 1, 40, 16
@@ -270,29 +301,59 @@ def main(argv: list[str] | None = None) -> int:
         "CUDA": str(torch.version.cuda),
         "python": platform.python_version(),
         "CPU cores": str(os.cpu_count()),
+        **({"GPU memory": f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"} if device.type == "cuda" else {}),
         "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     settings = {"step rows": f"{args.backbone}, {args.batch_size} images x {args.views} views of {args.image_size} px, bf16 autocast, {args.steps} rounds"}
-
-    def section(title: str) -> None:
-        print(f"[{time.perf_counter() - start:6.1f} s] {title}", flush=True)
-
-    section("training-step rows")
-    rows = step_rows(args, device, autocast)
-    print("\n".join(format_rows(rows, args.batch_size * args.views)))
-    section("data path")
-    data = data_path_rows(args.views, args.batch_size, max(args.steps, 3), args.workers, device, image_size=args.image_size)
-    section("precision")
-    costs, gradient = agreement(args, device)
-    section(f"training: {args.epochs} epochs on {args.train_images} images")
-    run = training_run(args, device)
-    result = GpuCheckResult(name, environment, settings, args.batch_size * args.views, rows, data, costs, gradient, run)
-    result.targets = targets(result)
-    result.seconds = time.perf_counter() - start
+    result = GpuCheckResult(name, environment, settings, args.batch_size * args.views)
     path = Path(args.out_dir) / f"gpu-{device_slug(name.split(' (')[0])}.md"
-    print(write_report(result, path))
-    section(f"report written to {path}")
-    return 0
+    elapsed = lambda: time.perf_counter() - start  # noqa: E731
+    compile_reserve = 0.0 if args.no_compile else 150.0  # seconds kept for the compiled rows, run last
+
+    def section(title: str, work: Callable[[], None], needs: float = 0.0) -> None:
+        """Run one part of the check; a failure is reported and the rest goes on. The report is rewritten after
+        every section, so a check cut short (a lease's time limit) still leaves the sections that ran."""
+        left = args.time_budget - elapsed()
+        print(f"[{elapsed():6.1f} s] {title}", flush=True)
+        if left < needs:
+            result.sections.append((title, f"skipped: {left:.0f} s of the {args.time_budget:.0f} s budget left, needs {needs:.0f} s"))
+        else:
+            began = time.perf_counter()
+            try:
+                work()
+                result.sections.append((title, f"{time.perf_counter() - began:.0f} s"))
+            except Exception as error:  # noqa: BLE001 - reported; the other sections still run
+                traceback.print_exc()
+                first = str(error).splitlines()[0] if str(error) else ""
+                result.sections.append((title, f"**failed** after {time.perf_counter() - began:.0f} s: {type(error).__name__}: {first}"[:300]))
+        result.targets = targets(result)
+        result.seconds = elapsed()
+        write_report(result, path)
+
+    def measure_steps(compiled: bool) -> None:
+        rows = step_rows(args, device, autocast, compiled)
+        print("\n".join(format_rows(rows, args.batch_size * args.views)), flush=True)
+        result.step_rows += rows
+
+    def measure_precision() -> None:
+        result.agreement, result.gradient_agreement = agreement(args, device)
+
+    def measure_data() -> None:
+        result.data_rows = data_path_rows(args.views, args.batch_size, max(args.steps, 3), args.workers, device, image_size=args.image_size)
+
+    def train() -> None:
+        result.training = training_run(args, device, max_seconds=args.time_budget - elapsed() - compile_reserve)
+
+    section("training-step rows", partial(measure_steps, False))
+    section("profile of the internal step (log only)", lambda: print(profile_internal_step(args, device, autocast), flush=True))
+    section("precision", measure_precision)
+    section("data path", measure_data)
+    section(f"training: {args.epochs} epochs on {args.train_images} images", train, needs=compile_reserve + 30)
+    if not args.no_compile:
+        section("training-step rows, compiled", partial(measure_steps, True), needs=60)
+    print(path.read_text())
+    print(f"[{elapsed():6.1f} s] report written to {path}")
+    return 1 if any("failed" in outcome for _, outcome in result.sections) else 0
 
 
 if __name__ == "__main__":

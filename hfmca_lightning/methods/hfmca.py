@@ -124,7 +124,8 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             all views) or ``per_view`` (L backbone calls of ``B`` images: BN statistics per view).
         channels_last: run the backbone in channels-last memory format (faster convolutions on GPUs).
         compile_backbone: wrap the backbone's forward in ``torch.compile`` (weights and checkpoints are
-            unchanged).
+            unchanged). With internal costs the backbone graph breaks at each hooked block, whose statistics
+            run eagerly; the process's TorchDynamo then guards on module hooks.
         checkpoint_backbone: activation checkpointing of the backbone in training: its activations are
             recomputed in the backward pass instead of kept (about a third more compute, a fraction of
             the memory). BatchNorm running statistics are updated once, as without it. Not with internal
@@ -194,6 +195,11 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         self.channels_last = channels_last
         if channels_last:
             self.backbone.to(memory_format=torch.channels_last)
+        if compile_backbone:
+            # TorchDynamo by default does not guard on module hooks: a graph compiled for one backbone without
+            # hooks is reused for another instance of the same class that has the internal costs' hooks, which
+            # then never run. Guarding on hooks costs a few checks per call.
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
         # Not registered as a submodule, so state_dict keys stay those of the plain backbone.
         object.__setattr__(self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone)
 

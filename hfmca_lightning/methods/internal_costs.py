@@ -142,7 +142,10 @@ class InternalCosts(nn.Module):
                 raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}{hint}", parameter="layers") from error
             self._handles.append(modules[pair.module_path].register_forward_hook(partial(self._hook, pair)))
 
+    @torch.compiler.disable
     def _hook(self, pair: InternalPair, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # Eager under torch.compile (compile_backbone): the hook reads the recording of the current pass and adds
+        # to it, state that a traced graph would freeze at its first call. The backbone graph breaks here.
         recording = self._recording
         if recording is None:
             return

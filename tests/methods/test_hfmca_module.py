@@ -63,6 +63,26 @@ def test_channels_last_and_compiled_backbone_give_the_same_features():
     torch.testing.assert_close(fast(images), reference(images), rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_compiled_backbone():
+    """compile_backbone with internal costs: the hooks run eagerly inside the compiled backbone, also when a
+    backbone of the same class without hooks was compiled first in the process (TorchDynamo shares compiled
+    code between instances and, by default, ignores hooks: the internal costs then never ran). Costs and
+    gradients equal the eager module's."""
+    views = torch.rand(2, 4, 3, 8, 8)
+    hookless = _bn_free_module(compile_backbone=True)
+    hookless.collect(views)  # compiles Sequential.forward without hooks
+    results = []
+    for compile_backbone in (False, True):
+        module = _bn_free_module(internal_costs=InternalCosts(["0"]), compile_backbone=compile_backbone)
+        objective = module.objective(module.collect(views))
+        objective.total.backward()
+        results.append(({name: float(cost) for name, cost in objective.costs.items()}, module.backbone[0].weight.grad.clone()))
+    (eager_costs, eager_grad), (compiled_costs, compiled_grad) = results
+    assert list(compiled_costs) == ["external", "internal/0"]
+    assert compiled_costs == pytest.approx(eager_costs, rel=1e-5)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_channels_last_backbone_with_internal_costs_gives_the_plain_costs_and_gradients():
     """HFMCAModule(channels_last=True) hands channels-last maps to every internal cost (their own statistics path,
     no copies; tests/losses/test_statistics.py checks it against float64): the costs and backbone gradients are

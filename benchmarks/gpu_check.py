@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT))
 from step_timing import StepRow, format_rows, measure_rows  # noqa: E402
 from throughput import build, data_path_rows, training_step  # noqa: E402
 
+SECTIONS = ("steps", "profile", "precision", "data", "training", "compiled")
+
 NO_CUDA_MESSAGE = (
     "gpu_check: CUDA is not available here (torch {torch}, {build}). This check measures a GPU and never "
     "silently measures the CPU: run it on a machine with a CUDA GPU, or pass --device cpu --tiny to test the script."
@@ -69,6 +71,7 @@ class TrainingRun:
     epoch_seconds: list[float]
     knn_top1: list[float]
     peak_memory: str
+    data_path: str = ""
 
 
 @dataclass
@@ -84,6 +87,8 @@ class GpuCheckResult:
     agreement: list[tuple[str, float, float | None]] = field(default_factory=list)
     gradient_agreement: float | None = None
     training: TrainingRun | None = None
+    gradient_repeat: float | None = None
+    """The same fast pass twice (the floor of ``gradient_agreement``)."""
     targets: list[Target] = field(default_factory=list)
     seconds: float = 0.0
     sections: list[tuple[str, str]] = field(default_factory=list)
@@ -128,14 +133,16 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
     for name, bf16, fast in result.agreement:
         lines.append(f"| {name} | {bf16:.2e} | {'—' if fast is None else f'{fast:.2e}'} |")
     if result.gradient_agreement is not None:
-        lines += ["", f"Backbone gradients, fast vs float64 internal statistics (float32 model): relative difference {result.gradient_agreement:.2e}."]
+        repeat = "" if result.gradient_repeat is None else f" (the fast pass twice: {result.gradient_repeat:.2e})"
+        lines += ["", f"Backbone gradients, fast vs float64 internal statistics (float32 model, deterministic float32 convolutions): relative difference {result.gradient_agreement:.2e}{repeat}."]
     lines += ["", "## Training", ""]
     if result.training is None or not result.training.epoch_seconds:
         lines.append("Not run.")
     else:
         run = result.training
         lines += [
-            f"HFMCA-SS(*), {run.backbone}, SyntheticShapes {run.images:,} images, {run.views} views, batch {run.batch_size}; peak memory {run.peak_memory}.",
+            f"HFMCA-SS(*), {run.backbone}, SyntheticShapes {run.images:,} images, {run.views} views, batch {run.batch_size}"
+            + (f", views from {run.data_path}" if run.data_path else "") + f"; peak memory {run.peak_memory}.",
             "",
             "| epoch | seconds | kNN top-1 |",
             "| ---: | ---: | ---: |",
@@ -196,9 +203,16 @@ def profile_internal_step(args: argparse.Namespace, device: torch.device, autoca
     return profiler.key_averages().table(sort_by=key, row_limit=rows)
 
 
-def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float]:
+def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float, float]:
     """Relative differences of every cost: bf16 autocast vs float32, and fast vs float64 internal statistics
-    (with the backbone-gradient difference of the latter), on one batch of real augmented views."""
+    (with the backbone-gradient difference of the latter, and of the fast pass run twice: the floor), on one
+    batch of real augmented views. cuDNN runs deterministic float32 convolutions here (no TF32, no autotuned
+    nondeterministic kernels), so the gradient differences are the statistics' own."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+        return _agreement(args, device)
+
+
+def _agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float, float]:
     from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 
     data = MultiViewDataModule(SyntheticShapes(train_per_class=max(2, args.batch_size // 10 + 1), image_size=args.image_size), num_views=args.views, batch_size=args.batch_size)
@@ -221,13 +235,16 @@ def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tupl
     module.load_state_dict(state)
     fast, fast_grads = costs("fast", nullcontext())
     module.load_state_dict(state)
+    _, repeat_grads = costs("fast", nullcontext())
+    module.load_state_dict(state)
     bf16, _ = costs("fast", torch.autocast(device.type, dtype=torch.bfloat16))
     rows = [
         (name, abs(bf16[name] - fast[name]) / abs(fast[name]), None if name == "external" else abs(fast[name] - reference[name]) / abs(reference[name]))
         for name in fast
     ]
-    difference = torch.cat(fast_grads) - torch.cat(reference_grads)
-    return rows, float(difference.norm() / torch.cat(reference_grads).norm())
+    scale = torch.cat(reference_grads).norm()
+    difference, repeat = torch.cat(fast_grads) - torch.cat(reference_grads), torch.cat(repeat_grads) - torch.cat(fast_grads)
+    return rows, float(difference.norm() / scale), float(repeat.norm() / scale)
 
 
 def training_run(args: argparse.Namespace, device: torch.device, max_seconds: float | None = None) -> TrainingRun:
@@ -239,12 +256,18 @@ def training_run(args: argparse.Namespace, device: torch.device, max_seconds: fl
 
     per_class = max(1, args.train_images // 10)
     source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(2, per_class // 5), image_size=args.image_size)
-    data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, augment_on_device=device.type == "cuda")
+    paths = {
+        "kornia-workers": ({"worker_augmentation": "kornia"}, f"kornia per image on {args.workers} CPU workers"),
+        "torchvision-workers": ({}, f"torchvision per view on {args.workers} CPU workers"),
+        "device": ({"augment_on_device": True}, "uint8 + kornia on the device"),
+    }
+    options, data_path = paths[args.train_data]
+    data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, **options)
     backbone = "resnet18" if args.backbone == "resnet18" else "small"
     module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
     accelerator = "gpu" if device.type == "cuda" else "cpu"
     measurement = train_and_measure(module, data, args.epochs, k=min(200, per_class * 10), accelerator=accelerator, precision="bf16-mixed" if device.type == "cuda" else "32-true", linear_epochs=None, online_probe=False, max_seconds=max_seconds)
-    return TrainingRun(backbone, per_class * 10, args.views, args.batch_size, measurement.epoch_seconds, measurement.knn_by_epoch, measurement.peak_memory)
+    return TrainingRun(backbone, per_class * 10, args.views, args.batch_size, measurement.epoch_seconds, measurement.knn_by_epoch, measurement.peak_memory, data_path)
 
 
 def targets(result: GpuCheckResult) -> list[Target]:
@@ -281,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-images", type=int, default=50_000)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument(
+        "--train-data", choices=["kornia-workers", "torchvision-workers", "device"], default="kornia-workers",
+        help="the training run's data path (the first H200 check measured kornia on 16 CPU workers fastest)",
+    )
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--time-budget", type=float, default=480.0, help="seconds the whole check may take: training is cut to fit, later sections skipped")
     args = parser.parse_args(argv)
@@ -336,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         result.step_rows += rows
 
     def measure_precision() -> None:
-        result.agreement, result.gradient_agreement = agreement(args, device)
+        result.agreement, result.gradient_agreement, result.gradient_repeat = agreement(args, device)
 
     def measure_data() -> None:
         result.data_rows = data_path_rows(args.views, args.batch_size, max(args.steps, 3), args.workers, device, image_size=args.image_size)
@@ -344,12 +372,22 @@ def main(argv: list[str] | None = None) -> int:
     def train() -> None:
         result.training = training_run(args, device, max_seconds=args.time_budget - elapsed() - compile_reserve)
 
-    section("training-step rows", partial(measure_steps, False))
-    section("profile of the internal step (log only)", lambda: print(profile_internal_step(args, device, autocast), flush=True))
-    section("precision", measure_precision)
-    section("data path", measure_data)
-    section(f"training: {args.epochs} epochs on {args.train_images} images", train, needs=compile_reserve + 30)
-    if not args.no_compile:
+    chosen = set(args.sections.split(","))
+    if chosen - set(SECTIONS):
+        parser.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+    if args.no_compile or "compiled" not in chosen:
+        compile_reserve = 0.0
+    if "steps" in chosen:
+        section("training-step rows", partial(measure_steps, False))
+    if "profile" in chosen:
+        section("profile of the internal step (log only)", lambda: print(profile_internal_step(args, device, autocast), flush=True))
+    if "precision" in chosen:
+        section("precision", measure_precision)
+    if "data" in chosen:
+        section("data path", measure_data)
+    if "training" in chosen:
+        section(f"training: {args.epochs} epochs on {args.train_images} images", train, needs=compile_reserve + 30)
+    if "compiled" in chosen and not args.no_compile:
         section("training-step rows, compiled", partial(measure_steps, True), needs=60)
     print(path.read_text())
     print(f"[{elapsed():6.1f} s] report written to {path}")

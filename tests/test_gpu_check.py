@@ -59,8 +59,8 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
     internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]
     assert internal_rows and all(float(line.split("|")[3]) < 1e-6 for line in internal_rows)
     # and so do the backbone's gradients (both passes draw the same head noise)
-    (gradients,) = re.findall(r"float64 internal statistics \(float32 model\): relative difference ([0-9.e+-]+)\.", text)
-    assert float(gradients) < 1e-5
+    ((gradients, repeat),) = re.findall(r"float64 internal statistics \(float32 model[^)]*\): relative difference ([0-9.e+-]+) \(the fast pass twice: ([0-9.e+-]+)\)", text)
+    assert float(gradients) < 1e-5 and float(repeat) < 1e-7
     assert "| 1 |" in text  # one training epoch with its kNN top-1
 
 
@@ -79,7 +79,8 @@ def fake_result() -> GpuCheckResult:
     return GpuCheckResult(
         "NVIDIA H100 80GB HBM3", {"torch": "2.11.0"}, {"step rows": "resnet18"}, 576, rows,
         [("data: torchvision on 16 CPU workers", 0.050), ("data: uint8 + kornia on device", 0.004)],
-        [("external", 2e-3, None), ("internal/layer1.0", 3e-3, 4e-8)], 2e-7, training,
+        [("external", 2e-3, None), ("internal/layer1.0", 3e-3, 4e-8)], 2e-7, training, gradient_repeat=1e-8,
+        sections=[("training-step rows", "12 s"), ("data path", "**failed** after 3 s: RuntimeError: bus error")],
     )
 
 
@@ -104,8 +105,29 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     assert "| data: uint8 + kornia on device | 144,000 |" in text
     assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 |" in text and "| external | 2.00e-03 | — |" in text
     assert "| 3 | 25.5 | 0.610 |" in text
+    assert "relative difference 2.00e-07 (the fast pass twice: 1.00e-08)." in text
+    assert "- section data path: **failed** after 3 s: RuntimeError: bus error" in text
 
 
 @pytest.mark.parametrize(("name", "slug"), [("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"), ("NVIDIA H200", "nvidia-h200"), ("", "device")])
 def test_report_file_names(name: str, slug: str):
     assert device_slug(name) == slug
+
+
+def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """One section's failure (a worker's bus error, an unsupported compile) must not lose the lease's other
+    measurements: it is written into the report, the later sections run, and the exit status says so."""
+    import gpu_check
+
+    def broken_training(*args, **kwargs):
+        raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Bus error.\nmore detail")
+
+    monkeypatch.setattr(gpu_check, "training_run", broken_training)
+    status = gpu_check.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "training,steps"])
+    (report,) = tmp_path.glob("gpu-*.md")
+    text = report.read_text()
+    assert status == 1
+    assert "**failed** after" in text and "RuntimeError: DataLoader worker (pid 7) is killed by signal: Bus error." in text
+    assert "| backbone alone: plain |" in text  # the steps section still ran and was reported
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "steps,typo"])

@@ -41,23 +41,20 @@ def check_reg(reg: float) -> float:
     return float(reg)
 
 
-def cholesky_factor(matrix: Tensor, *, what: str, cost_name: str, reg: float) -> Tensor:
-    """Lower Cholesky factor of a symmetric positive-definite matrix, or a clear error naming the cost."""
-    factor, info = _cholesky_ex(matrix)
-    if bool(info.any()):
-        if not bool(torch.isfinite(matrix).all()):
-            hint = (
-                "the features contain NaN or Inf values; check the learning rate and the input data, "
-                "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
-            )
-        else:
-            hint = f"increase `reg` (now {reg}) or check that the features are not exploding"
-        raise CostFactorisationError(
-            f"HFMCA cost '{cost_name}': the {what} ({matrix.shape[0]}x{matrix.shape[1]}) is not positive "
-            f"definite, so its log-determinant is undefined (Cholesky failed at column {int(info.max())}); "
-            + hint
+def _factorisation_error(matrix: Tensor, info: Tensor, *, what: str, cost_name: str, reg: float) -> CostFactorisationError:
+    """The clear error for a matrix whose Cholesky factorisation failed (``info > 0``)."""
+    if not bool(torch.isfinite(matrix).all()):
+        hint = (
+            "the features contain NaN or Inf values; check the learning rate and the input data, "
+            "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
         )
-    return factor
+    else:
+        hint = f"increase `reg` (now {reg}) or check that the features are not exploding"
+    return CostFactorisationError(
+        f"HFMCA cost '{cost_name}': the {what} ({matrix.shape[0]}x{matrix.shape[1]}) is not positive "
+        f"definite, so its log-determinant is undefined (Cholesky failed at column {int(info.max())}); "
+        + hint
+    )
 
 
 def _cholesky_ex(matrix: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,19 +91,41 @@ class _BlockFactors:
 
 def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float, smoothed: bool = False) -> _BlockFactors:
     """Factor ``J`` block by block (what LAPACK does inside, without assembling the ``(K1+K2)^2`` matrix):
-    two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable."""
+    two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable.
+
+    The three factorisations are checked together, so a GPU waits for its queue once per cost, not three
+    times; a failure is reported for the first failed matrix in the order A, C, S (a failed ``L_A`` makes
+    ``S`` meaningless, and ``S <= C``, so C failing fails S too)."""
     label = "smoothed " if smoothed else ""
     hat = "_hat" if smoothed else ""
-    low = cholesky_factor(a, what=f"{label}low-level matrix A{hat} = R1 + reg I", cost_name=name, reg=reg)
+    low, low_info = _cholesky_ex(a)
     coupling = torch.linalg.solve_triangular(low, cross, upper=False)
-    schur = cholesky_factor(
-        torch.addmm(c, coupling.T, coupling, alpha=-1.0),
-        what=f"Schur complement C - P^T A^-1 P of the {label}joint matrix J{hat} = [[A, P], [P^T, C]]",
-        cost_name=name,
-        reg=reg,
-    )
-    high = cholesky_factor(c, what=f"{label}high-level matrix C{hat} = R2 + reg I", cost_name=name, reg=reg)
+    schur_matrix = torch.addmm(c, coupling.T, coupling, alpha=-1.0)
+    schur, schur_info = _cholesky_ex(schur_matrix)
+    high, high_info = _cholesky_ex(c)
+    if bool(torch.stack((low_info, schur_info, high_info)).any()):
+        for matrix, info, what in (
+            (a, low_info, f"{label}low-level matrix A{hat} = R1 + reg I"),
+            (c, high_info, f"{label}high-level matrix C{hat} = R2 + reg I"),
+            (schur_matrix, schur_info, f"Schur complement C - P^T A^-1 P of the {label}joint matrix J{hat} = [[A, P], [P^T, C]]"),
+        ):
+            if bool(info.any()):
+                raise _factorisation_error(matrix, info, what=what, cost_name=name, reg=reg)
     return _BlockFactors(low, coupling, schur, high)
+
+
+def _inverse_from_factor(factor: Tensor) -> Tensor:
+    """``(L L^T)^-1`` from the lower factor ``L``: LAPACK's ``potri`` on CPUs; on GPUs ``L^-T L^-1`` from one
+    triangular solve and one product (``torch.cholesky_inverse`` costs ~0.5 ms of host time per call there,
+    and the internal step is launch-bound on GPUs)."""
+    return torch.cholesky_inverse(factor) if factor.device.type == "cpu" else _inverse_by_triangular_solve(factor)
+
+
+def _inverse_by_triangular_solve(factor: Tensor) -> Tensor:
+    """``(L L^T)^-1 = L^-T L^-1`` (the GPU path of :func:`_inverse_from_factor`)."""
+    identity = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    inverse_factor = torch.linalg.solve_triangular(factor, identity, upper=False)
+    return inverse_factor.T @ inverse_factor
 
 
 def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor]:
@@ -118,9 +137,9 @@ def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor
     ``J_hat``, ``A_hat`` and ``C_hat``.
     """
     low_inv_cross = torch.linalg.solve_triangular(factors.low.T, factors.coupling, upper=True)
-    inv_schur = torch.cholesky_inverse(factors.schur)
+    inv_schur = _inverse_from_factor(factors.schur)
     weighted = low_inv_cross @ inv_schur
-    return weighted @ low_inv_cross.T, inv_schur.sub_(torch.cholesky_inverse(factors.high)), weighted.mul_(-2.0)
+    return weighted @ low_inv_cross.T, inv_schur.sub_(_inverse_from_factor(factors.high)), weighted.mul_(-2.0)
 
 
 class _FilteredCost(torch.autograd.Function):

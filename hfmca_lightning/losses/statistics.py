@@ -14,6 +14,8 @@ computed outside autocast, whatever the dtype of the features.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,7 +104,8 @@ def _float64(x: Tensor) -> Tensor:
 
 
 def _count(value: int, like: Tensor) -> Tensor:
-    return torch.tensor(float(value), dtype=torch.float64, device=like.device)
+    # torch.full, not torch.tensor: a host-to-device copy of a Python number waits for the GPU's queue.
+    return torch.full((), float(value), dtype=torch.float64, device=like.device)
 
 
 def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:
@@ -210,14 +213,13 @@ def feature_map_statistics(
         )
     if precision not in ("fast", "float64"):
         raise ValueError(f"precision must be 'fast' or 'float64'; got {precision!r}")
-    coverage = window_coverage(low_map.shape[-2:], high_map.shape[-2:], geometry, device=low_map.device)
+    coverage, coverage32, rows, columns = _window_constants(tuple(low_map.shape[-2:]), tuple(high_map.shape[-2:]), geometry, low_map.device)
     groups = high_map.shape[0] * high_map.shape[2] * high_map.shape[3]
     counts = _count(groups * geometry.kernel**2, low_map), _count(groups, low_map)
     with torch.autocast(device_type=low_map.device.type, enabled=False):
         if precision == "float64":
             return CorrelationStatistics(*_float64_statistics(_float64(low_map), _float64(high_map), coverage, geometry), *counts)
         z_map, h_map = low_map.to(torch.float32), high_map.to(torch.float32)
-        rows, columns = _window_band(z_map.shape[-2], geometry, z_map), _window_band(z_map.shape[-1], geometry, z_map)
         if not _per_image(h_map):
             statistics = _CentredRowStatistics  # copies maps of any layout into its rows
         elif _channels_last(z_map):  # HFMCAModule(channels_last=True): products on the maps' rows as they lie
@@ -225,7 +227,7 @@ def feature_map_statistics(
         else:
             statistics, z_map, h_map = _PerImageStatistics, z_map.contiguous(), h_map.contiguous()
         with _exact_float32_products():  # the forward passes; each backward pass sets it itself
-            sums = statistics.apply(z_map, h_map, coverage.to(torch.float32).flatten(), rows, columns)
+            sums = statistics.apply(z_map, h_map, coverage32, rows, columns)
         return CorrelationStatistics(*sums, *counts)
 
 
@@ -282,6 +284,19 @@ def _row_block_product(left: Tensor, right: Tensor, image_rows: int) -> Tensor:
     if whole < left.shape[0]:
         total += (left[whole:].T @ right[whole:]).to(torch.float64)
     return total
+
+
+@functools.lru_cache(maxsize=128)
+def _window_constants(
+    input_size: tuple[int, int], output_size: tuple[int, int], geometry: WindowGeometry, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A block's constants, made once per shape and device (on GPUs each is a few kernel launches per step,
+    and the internal step is launch-bound there): float64 coverage ``(H, W)``, float32 coverage ``(H*W,)``,
+    and the float32 band matrices of :func:`_window_band` for rows and columns. Never written to."""
+    with torch.inference_mode(False):  # usable in training even if first made under inference mode
+        like = torch.empty(0, dtype=torch.float32, device=device)
+        coverage = window_coverage(input_size, output_size, geometry, device=device)
+        return coverage, coverage.to(torch.float32).flatten(), _window_band(input_size[0], geometry, like), _window_band(input_size[1], geometry, like)
 
 
 def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:

@@ -241,3 +241,35 @@ def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int):
     broken = matrix.detach().clone()
     broken[size // 2, size // 2] = -1.0
     assert int(_cholesky_ex(broken)[1]) == int(torch.linalg.cholesky_ex(broken)[1]) > 0
+
+
+@pytest.mark.parametrize("size", [8, 130])
+def test_the_gpu_inverse_from_a_factor_equals_potri(size: int):
+    """GPUs invert the Schur and C factors by one triangular solve and a product (torch.cholesky_inverse is
+    launch-heavy there); it is LAPACK's potri to rounding."""
+    from hfmca_lightning.losses.hfmca_cost import _inverse_by_triangular_solve
+
+    torch.manual_seed(size)
+    x = torch.randn(size, 3 * size, dtype=torch.float64)
+    factor = torch.linalg.cholesky(x @ x.T / size + 0.1 * torch.eye(size, dtype=torch.float64))
+    inverse = _inverse_by_triangular_solve(factor)
+    torch.testing.assert_close(inverse, torch.cholesky_inverse(factor), rtol=1e-10, atol=1e-12)
+    assert torch.equal(inverse, inverse.T) or torch.allclose(inverse, inverse.T, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize(("broken", "named"), [("low", "low-level matrix A"), ("high", "high-level matrix C"), ("schur", "Schur complement")])
+def test_a_failed_factor_is_named_when_the_three_are_checked_together(broken: str, named: str):
+    """A, S and C are factored, then checked at once (one GPU wait per cost); the error names the first
+    failed matrix in the order A, C, S (S <= C, so a C that is not positive definite fails S as well)."""
+    from hfmca_lightning.losses.hfmca_cost import _block_factors
+
+    eye = torch.eye(3, dtype=torch.float64)
+    a, c, cross = eye.clone(), eye.clone(), torch.zeros(3, 3, dtype=torch.float64)
+    if broken == "low":
+        a[1, 1] = -1.0
+    elif broken == "high":
+        c[2, 2] = -1.0
+    else:
+        cross = 2.0 * eye  # S = C - P^T A^-1 P = -3 I, while A and C are fine
+    with pytest.raises(CostFactorisationError, match=rf"HFMCA cost 'x': the {named}.*not positive definite"):
+        _block_factors(a, c, cross, name="x", reg=0.1)

@@ -259,3 +259,16 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     reference = feature_map_statistics(low, high, geometry, precision="float64")
     for got, expected in zip((stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum), (reference.low_outer_sum, reference.high_outer_sum, reference.cross_sum)):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cached_window_constants_first_made_under_inference_mode_serve_training():
+    """A block's coverage and band matrices are made once per shape and device and cached; made first under
+    inference mode (Lightning's validation), they still serve a training pass that saves them for backward."""
+    geometry = WindowGeometry(kernel=3, stride=1, padding=1)
+    size = (5, 7)  # a shape no other test uses, so the cache starts empty for it
+    with torch.inference_mode():
+        feature_map_statistics(torch.rand(2, 3, *size), torch.rand(2, 4, *size), geometry)
+    low = torch.rand(2, 3, *size, requires_grad=True)
+    stats = feature_map_statistics(low, torch.rand(2, 4, *size), geometry)
+    (stats.cross_sum.sum() + stats.low_outer_sum.sum()).backward()
+    assert low.grad is not None and bool(low.grad.abs().sum() > 0)

@@ -94,8 +94,8 @@ def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast
 
 def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
     """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
-    pipeline per view, CPU workers drawing an image's views in one batched kornia call, and uint8 batches
-    augmented on ``device`` (kornia). SyntheticShapes images of
+    pipeline per view, CPU workers drawing an image's views in one call of kornia or of
+    ``BatchedViewAugmentation``, and uint8 batches augmented on ``device`` by either. SyntheticShapes images of
     side ``image_size``; ``steps`` batches after ``workers`` + 1 warm-up batches (the loader's prefetch)."""
     warmup = workers + 1
     source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
@@ -103,7 +103,9 @@ def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device
     for label, options in (
         (f"data: torchvision per view on {workers} CPU workers", {}),
         (f"data: kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
-        ("data: uint8 + kornia on device", {"augment_on_device": True}),
+        (f"data: batched per image on {workers} CPU workers", {"worker_augmentation": "batched"}),
+        ("data: uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
+        ("data: uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
     ):
         data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)
         data.setup()

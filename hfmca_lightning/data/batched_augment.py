@@ -1,0 +1,211 @@
+"""SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations.
+
+kornia draws the same distributions per sample, but at CIFAR size its cost is dispatch, not arithmetic:
+~1,400 tensor operations for the 9 views of one image (3.9 ms on one core; 34 ms of GPU time for a
+64 x 9 batch on an H200, docs/benchmarks/README.md). Here every step is a handful of operations on all
+``B * L`` views at once, whatever their number:
+
+* crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its
+  centre-crop fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one
+  ``grid_sample`` (bilinear) resamples every view;
+* colour jitter (probability ``jitter_p``): brightness, contrast and saturation factors and the hue
+  shift of ``torchvision.transforms.v2.ColorJitter``, applied in a random order per view (torchvision
+  draws one order per call, i.e. per view on the CPU path); brightness, contrast and saturation are all
+  blends with a reference image (black, the mean grey, the grey image), so each of the four rounds is one
+  blend plus the hue shift (HSV, as torchvision) where the round's operation is the hue;
+* greyscale, Gaussian blur (separable kernel of :attr:`ViewAugmentation.blur_kernel`, sigma uniform in
+  ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at
+  ``SOLARIZE_THRESHOLD``, normalisation; blur and solarisation with the probabilities of each view's kind.
+
+Random numbers come from torch's generator of the images' device (seeded per batch by the data module,
+per sample in the workers), so views stay a function of the seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
+
+__all__ = ["BatchedViewAugmentation", "jitter_views", "sample_crop_boxes"]
+
+GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
+CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
+
+
+def sample_crop_boxes(
+    count: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], device: torch.device | None = None
+) -> Tensor:
+    """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn as torchvision's
+    ``RandomResizedCrop.get_params``: the first of ten tries whose box fits, else its centre-crop fallback."""
+    area = height * width
+    target = area * torch.empty(count, CROP_TRIES, dtype=torch.float64, device=device).uniform_(*scale)
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    aspect = torch.exp(torch.empty(count, CROP_TRIES, dtype=torch.float64, device=device).uniform_(*log_ratio))
+    widths, heights = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
+    fits = (widths > 0) & (widths <= width) & (heights > 0) & (heights <= height)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 if none does)
+    w, h = widths.gather(1, first)[:, 0], heights.gather(1, first)[:, 0]
+    # torchvision's fallback: the whole image, cut to the nearest allowed aspect ratio, centred
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        fallback_w, fallback_h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        fallback_w, fallback_h = round(height * max(ratio)), height
+    else:
+        fallback_w, fallback_h = width, height
+    found = fits.any(dim=1)
+    w = torch.where(found, w, torch.full_like(w, fallback_w))
+    h = torch.where(found, h, torch.full_like(h, fallback_h))
+    uniform = torch.rand(count, 2, dtype=torch.float64, device=device)
+    top = torch.where(found, torch.floor(uniform[:, 0] * (height - h + 1)), torch.full_like(h, (height - fallback_h) // 2))
+    left = torch.where(found, torch.floor(uniform[:, 1] * (width - w + 1)), torch.full_like(w, (width - fallback_w) // 2))
+    return torch.stack((top, left, h, w), dim=1)
+
+
+def _crop_grid(boxes: Tensor, flip: Tensor, size: int, height: int, width: int) -> Tensor:
+    """``(N, size, size, 2)`` sampling grid of ``grid_sample`` (``align_corners=False``) that resizes each box to
+    ``size x size`` (pixel centres at ``left + (u + 1/2) w / size``) and mirrors the flipped views."""
+    centres = (torch.arange(size, dtype=torch.float64, device=boxes.device) + 0.5) / size
+    xs = (boxes[:, 1:2] + centres * boxes[:, 3:4]) / width * 2 - 1  # (N, size)
+    ys = (boxes[:, 0:1] + centres * boxes[:, 2:3]) / height * 2 - 1
+    xs = torch.where(flip[:, None], xs.flip(1), xs)
+    grid = torch.stack((xs[:, None, :].expand(-1, size, -1), ys[:, :, None].expand(-1, -1, size)), dim=-1)
+    return grid.to(torch.float32)
+
+
+def _grey(views: Tensor) -> Tensor:
+    """``(N, 1, H, W)`` luma of ``(N, 3, H, W)`` RGB views (as torchvision; a 1 x 1 convolution is 100x slower on CPUs)."""
+    r, g, b = views[:, 0:1], views[:, 1:2], views[:, 2:3]
+    return r.mul(GREY_WEIGHTS[0]).add_(g, alpha=GREY_WEIGHTS[1]).add_(b, alpha=GREY_WEIGHTS[2])
+
+
+def _shift_hue(views: Tensor, shift: Tensor) -> Tensor:
+    """torchvision's ``adjust_hue`` on float RGB in [0, 1]: to HSV, hue + shift (mod 1), back; ``shift (N,)``.
+    The sector formulas of torchvision's ``_rgb2hsv`` / ``_hsv2rgb`` in closed form (equal up to rounding)."""
+    r, g, b = views.unbind(dim=1)
+    minimum, maximum = torch.aminmax(views, dim=1)
+    chroma = maximum - minimum
+    safe_chroma = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
+    saturation = chroma / torch.where(maximum > 0, maximum, torch.ones_like(maximum))
+    hue = torch.where(maximum == r, (g - b) / safe_chroma, torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0))
+    hue = torch.remainder(hue / 6.0 + 1.0 + shift.view(-1, 1, 1), 1.0)
+    # channel n in (5, 3, 1) for (R, G, B): v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6
+    k = torch.remainder(_HSV_OFFSETS.to(views.device) + 6.0 * hue.unsqueeze(1), 6.0)
+    return maximum.unsqueeze(1) * (1.0 - saturation.unsqueeze(1) * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0))
+
+
+_HSV_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1)
+
+
+def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
+    """Separable Gaussian blur of ``(N, C, H, W)`` views, ``sigma (N,)`` per view (0: unchanged), reflect padding."""
+    count, channels = views.shape[:2]
+    offsets = torch.arange(kernel, dtype=views.dtype, device=views.device) - (kernel - 1) / 2
+    blurred = sigma > 0
+    safe_sigma = torch.where(blurred, sigma, torch.ones_like(sigma)).to(views.dtype)
+    weights = torch.exp(-(offsets**2) / (2 * safe_sigma[:, None] ** 2))
+    weights = weights / weights.sum(dim=1, keepdim=True)
+    identity = (offsets == 0).to(views.dtype).expand(count, -1)
+    weights = torch.where(blurred[:, None], weights, identity).repeat_interleave(channels, dim=0)  # (N*C, k)
+    half = kernel // 2
+    flat = views.reshape(1, count * channels, *views.shape[2:])
+    flat = F.conv2d(F.pad(flat, (0, 0, half, half), mode="reflect"), weights.view(-1, 1, kernel, 1), groups=count * channels)
+    flat = F.conv2d(F.pad(flat, (half, half, 0, 0), mode="reflect"), weights.view(-1, 1, 1, kernel), groups=count * channels)
+    return flat.view_as(views)
+
+
+class BatchedViewAugmentation(nn.Module):
+    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
+
+    The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
+    and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
+    """
+
+    mean: Tensor
+    std: Tensor
+
+    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        super().__init__()
+        self.spec = spec
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        kinds = [spec.kind(kind) for kind in range(spec.view_kinds)]
+        self._blur_p = tuple(blur for blur, _ in kinds)
+        self._solarize_p = tuple(solarize for _, solarize in kinds)
+
+    def forward(self, images: Tensor, num_views: int) -> Tensor:
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
+        spec, device = self.spec, images.device
+        batch, channels, height, width = images.shape
+        count, size = batch * num_views, spec.image_size
+        boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, device=device)
+        flip = torch.rand(count, device=device) < 0.5 if spec.horizontal_flip else torch.zeros(count, dtype=torch.bool, device=device)
+        sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
+        views = F.grid_sample(sources, _crop_grid(boxes, flip, size, height, width), mode="bilinear", padding_mode="border", align_corners=False)
+        views = views.clamp_(0.0, 1.0)
+        if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
+            views = self._jitter(views)
+        if spec.gray_p > 0 and channels == 3:
+            grey = torch.rand(count, device=device) < spec.gray_p
+            views = torch.where(grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
+        kind = torch.arange(count, device=device) % num_views % len(self._blur_p)
+        if any(self._blur_p):
+            blur_p = torch.tensor(self._blur_p, device=device)[kind]
+            sigma = torch.empty(count, device=device).uniform_(*BLUR_SIGMA)
+            sigma = torch.where(torch.rand(count, device=device) < blur_p, sigma, torch.zeros_like(sigma))
+            views = _gaussian_blur(views, sigma, spec.blur_kernel)
+        if any(self._solarize_p):
+            solarize_p = torch.tensor(self._solarize_p, device=device)[kind]
+            solarized = (torch.rand(count, device=device) < solarize_p).view(-1, 1, 1, 1)
+            views = torch.where(solarized & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
+        views = (views - self.mean) / self.std
+        return views.view(batch, num_views, channels, size, size)
+
+    def _jitter(self, views: Tensor) -> Tensor:
+        """``ColorJitter(brightness, contrast, saturation, hue)`` with probability ``jitter_p``, a random order per view."""
+        count, device = views.shape[0], views.device
+        brightness, contrast, saturation, hue = self.spec.jitter
+        applied = torch.rand(count, device=device) < self.spec.jitter_p
+
+        def factor(strength: float) -> Tensor:
+            drawn = torch.empty(count, device=device).uniform_(max(0.0, 1.0 - strength), 1.0 + strength)
+            return torch.where(applied, drawn, torch.ones_like(drawn)) if strength > 0 else torch.ones_like(drawn)
+
+        factors = torch.stack((factor(brightness), factor(contrast), factor(saturation)), dim=1)
+        hue_shift = torch.empty(count, device=device).uniform_(-hue, hue) if hue > 0 else torch.zeros(count, device=device)
+        hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
+        order = torch.rand(count, 4, device=device).argsort(dim=1)
+        return jitter_views(views, factors, hue_shift, order)
+
+
+def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor) -> Tensor:
+    """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1] with per-view parameters:
+    ``factors (N, 3)`` brightness, contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged) and
+    ``order (N, 4)`` a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue. Four rounds; in each,
+    brightness, contrast and saturation are one blend ``clamp(f x + (1 - f) reference)`` with reference black,
+    the view's mean grey or its grey image, and the hue shift applies where the round's operation is the hue."""
+    count = views.shape[0]
+    # per round and view: the blend factor (1 in the hue's round) and the reference's weights on the grey image
+    # and on the mean grey: brightness (0, 0), contrast (0, 1), saturation (1, 0)
+    with_hue = torch.cat((factors, torch.ones_like(factors[:, :1])), dim=1)  # (N, 4)
+    blend = with_hue.gather(1, order).T.reshape(4, count, 1, 1, 1)
+    grey_weight = (order == 2).T.to(views.dtype).reshape(4, count, 1, 1, 1)
+    mean_weight = (order == 1).T.to(views.dtype).reshape(4, count, 1, 1, 1)
+    hue_round = ((order == 3) & (hue_shift != 0)[:, None]).T  # (4, N)
+    for step in range(4):
+        grey = _grey(views)
+        reference = grey * grey_weight[step] + grey.mean(dim=(2, 3), keepdim=True) * mean_weight[step]
+        views = torch.lerp(reference, views, blend[step]).clamp_(0.0, 1.0)
+        if views.device.type == "cpu":  # the round's hue views only (a quarter of the arithmetic)
+            rows = hue_round[step].nonzero()[:, 0]
+            if len(rows):
+                views = views.index_copy(0, rows, _shift_hue(views.index_select(0, rows), hue_shift[rows]))
+        else:  # all views, selected: no host-device wait for the indices
+            views = torch.where(hue_round[step].view(-1, 1, 1, 1), _shift_hue(views, hue_shift), views)
+    return views

@@ -1,0 +1,188 @@
+"""BatchedViewAugmentation: torchvision's view distribution, drawn per view in whole-batch tensor operations."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+from torchvision.transforms import RandomResizedCrop
+
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, view_transform
+from hfmca_lightning.data import batched_augment
+from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, jitter_views, sample_crop_boxes
+from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, ViewAugmentation
+
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+N = 4000
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    grid = np.sort(np.concatenate([a, b]))
+    return float(np.abs(np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)).max())
+
+
+@pytest.mark.parametrize(("size", "scale", "ratio"), [((32, 32), (0.08, 1.0), (3 / 4, 4 / 3)), ((24, 40), (0.5, 1.0), (3 / 4, 4 / 3)), ((32, 32), (0.2, 1.0), (1.0, 1.0))])
+def test_crop_boxes_have_the_distribution_of_torchvision(size, scale, ratio):
+    torch.manual_seed(0)
+    height, width = size
+    boxes = sample_crop_boxes(N, height, width, scale, ratio).numpy()
+    image = torch.zeros(3, height, width)
+    cpu = np.array([RandomResizedCrop.get_params(image, list(scale), list(ratio)) for _ in range(N)], dtype=float)
+    for column, what in ((2, "height"), (3, "width"), (0, "top"), (1, "left")):
+        assert ks_statistic(boxes[:, column], cpu[:, column]) < 0.05, what
+    assert (boxes[:, 0] >= 0).all() and (boxes[:, 0] + boxes[:, 2] <= height).all()
+    assert (boxes[:, 1] >= 0).all() and (boxes[:, 1] + boxes[:, 3] <= width).all()
+    assert np.array_equal(boxes, np.round(boxes))
+
+
+def test_crop_boxes_fall_back_to_torchvisions_centre_crop_when_no_try_fits():
+    torch.manual_seed(1)
+    ratio = (10.0, 20.0)  # no box of this aspect fits a 32 x 32 image with area >= 0.5
+    boxes = sample_crop_boxes(50, 32, 32, (0.5, 1.0), ratio)
+    expected = RandomResizedCrop.get_params(torch.zeros(3, 32, 32), [0.5, 1.0], list(ratio))
+    assert boxes.tolist() == [list(map(float, expected))] * 50
+
+
+def test_crop_and_flip_resample_the_box():
+    images = torch.randint(0, 256, (1, 3, 16, 16), dtype=torch.uint8)
+    source = images.float() / 255
+    whole = torch.tensor([[0.0, 0.0, 16.0, 16.0], [0.0, 0.0, 16.0, 16.0]], dtype=torch.float64)
+    grid = batched_augment._crop_grid(whole, torch.tensor([False, True]), 16, 16, 16)
+    views = torch.nn.functional.grid_sample(source.expand(2, -1, -1, -1), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    torch.testing.assert_close(views[0], source[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(views[1], source[0].flip(-1), rtol=0, atol=1e-6)
+    # an 8 x 8 box at (4, 2) enlarged to 16 x 16 is torchvision's bilinear resized crop (inside the box's border)
+    box = torch.tensor([[4.0, 2.0, 8.0, 8.0]], dtype=torch.float64)
+    grid = batched_augment._crop_grid(box, torch.tensor([False]), 16, 16, 16)
+    view = torch.nn.functional.grid_sample(source, grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
+    expected = TF.resized_crop(source[0], 4, 2, 8, 8, [16, 16], antialias=False)
+    torch.testing.assert_close(view[:, 1:-1, 1:-1], expected[:, 1:-1, 1:-1], rtol=0, atol=1e-5)
+
+
+def test_jitter_is_torchvisions_colour_jitter_in_each_views_order():
+    torch.manual_seed(2)
+    count = 48
+    views = torch.rand(count, 3, 8, 8)
+    factors = torch.empty(count, 3).uniform_(0.6, 1.4)
+    factors[:5] = 1.0  # views the jitter's coin skipped
+    hue = torch.empty(count).uniform_(-0.1, 0.1)
+    hue[:5] = 0.0
+    order = torch.rand(count, 4).argsort(dim=1)
+    expected = []
+    for view in range(count):
+        image = views[view]
+        for operation in order[view].tolist():
+            if operation == 0:
+                image = TF.adjust_brightness(image, float(factors[view, 0]))
+            elif operation == 1:
+                image = TF.adjust_contrast(image, float(factors[view, 1]))
+            elif operation == 2:
+                image = TF.adjust_saturation(image, float(factors[view, 2]))
+            else:
+                image = TF.adjust_hue(image, float(hue[view]))
+        expected.append(image)
+    got = jitter_views(views, factors, hue, order)
+    torch.testing.assert_close(got, torch.stack(expected), rtol=0, atol=1e-5)
+    assert torch.equal(got[:5], views[:5])
+
+
+def test_jitter_parameters_and_order_are_drawn_per_view(monkeypatch):
+    """SimCLR's jitter (0.4, 0.4, 0.4, 0.1) with p 0.8: factors uniform in [0.6, 1.4], hue in [-0.1, 0.1], skipped
+    views unchanged (factors 1, hue 0), every one of the 24 orders about equally often."""
+    seen = {}
+
+    def spy(views, factors, hue_shift, order):
+        seen.update(factors=factors, hue=hue_shift, order=order)
+        return views
+
+    monkeypatch.setattr(batched_augment, "jitter_views", spy)
+    torch.manual_seed(3)
+    augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(8), MEAN, STD)
+    augmentation(torch.randint(0, 256, (N // 4, 3, 8, 8), dtype=torch.uint8), num_views=4)
+    factors, hue, order = seen["factors"].numpy(), seen["hue"].numpy(), seen["order"]
+    applied = factors[:, 0] != 1.0
+    assert applied.mean() == pytest.approx(0.8, abs=0.03)
+    assert (hue[~applied] == 0).all() and (factors[~applied] == 1).all()
+    uniform = np.random.default_rng(0).uniform(0.6, 1.4, N)
+    for column in range(3):
+        assert ks_statistic(factors[applied, column], uniform) < 0.05
+    assert ks_statistic(hue[applied], np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 0.05
+    counts = np.unique(order.numpy(), axis=0, return_counts=True)[1]
+    assert len(counts) == 24 and counts.min() > N / 24 * 0.7
+
+
+def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
+    """BYOL's two view kinds: kind 0 always blurred, never solarised; kind 1 blurred with p 0.1, solarised with p 0.2.
+    Sigma is uniform in [0.1, 2]; a blurred view is torchvision's Gaussian blur with the view's sigma;
+    solarisation inverts values >= 128/255."""
+    spec = ViewAugmentation.from_strengths(16, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False, blur=(1.0, 0.1), solarize=(0.0, 0.2))
+    augmentation = BatchedViewAugmentation(spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    sigmas = []
+    blur = batched_augment._gaussian_blur
+    monkeypatch.setattr(batched_augment, "_gaussian_blur", lambda views, sigma, kernel: sigmas.append(sigma) or blur(views, sigma, kernel))
+    torch.manual_seed(4)
+    images = torch.randint(0, 256, (2000, 3, 16, 16), dtype=torch.uint8)
+    views = augmentation(images, num_views=2)
+    (sigma,) = sigmas
+    kind0, kind1 = sigma.view(-1, 2).unbind(dim=1)
+    assert (kind0 > 0).all() and (kind1 > 0).float().mean().item() == pytest.approx(0.1, abs=0.02)
+    assert ks_statistic(kind0.numpy(), np.random.default_rng(2).uniform(0.1, 2.0, 2000)) < 0.05
+    source = images.float() / 255
+    unblurred = kind1 == 0
+    solarised = torch.isclose(views[:, 1], torch.where(source >= SOLARIZE_THRESHOLD / 255, 1 - source, source), atol=1e-5).all(dim=(1, 2, 3))
+    untouched = torch.isclose(views[:, 1], source, atol=1e-5).all(dim=(1, 2, 3))
+    assert solarised[unblurred].float().mean().item() == pytest.approx(0.2, abs=0.03)
+    assert untouched[unblurred].float().mean().item() == pytest.approx(0.8, abs=0.03)
+    assert not torch.isclose(views[:, 0], 1 - source, atol=1e-5).all(dim=(1, 2, 3)).any()  # kind 0 never solarised
+    sigma = torch.tensor([0.7, 1.9])
+    blurred = batched_augment._gaussian_blur(source[:2], sigma, spec.blur_kernel)
+    for index in range(2):
+        expected = TF.gaussian_blur(source[index], [spec.blur_kernel, spec.blur_kernel], [float(sigma[index])] * 2)
+        torch.testing.assert_close(blurred[index], expected, rtol=0, atol=1e-5)
+    grey_spec = ViewAugmentation.from_strengths(8, crop_strength=0, color_strength=0, gray_strength=1.0, horizontal_flip=False)
+    grey_views = BatchedViewAugmentation(grey_spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))(images[:200, :, :8, :8], num_views=1)[:, 0]
+    is_grey = (grey_views[:, 0] == grey_views[:, 1]).all(dim=(1, 2)) & (grey_views[:, 1] == grey_views[:, 2]).all(dim=(1, 2))
+    assert is_grey.float().mean().item() == pytest.approx(grey_spec.gray_p, abs=0.08)
+
+
+def test_views_have_the_pixel_statistics_of_the_cpu_views_and_each_its_own_parameters():
+    torch.manual_seed(5)
+    images = SyntheticShapes(num_classes=4, train_per_class=1).split(True).images  # (4, 3, 32, 32) uint8
+    spec = ViewAugmentation.from_strengths(32)
+    cpu_transform = view_transform(spec, MEAN, STD)
+    cpu = torch.stack([cpu_transform(image) for image in images for _ in range(200)])
+    batched = BatchedViewAugmentation(spec, MEAN, STD)(images, num_views=200)
+    assert batched.shape == (4, 200, 3, 32, 32) and batched.dtype == torch.float32
+    flat = batched.flatten(0, 1)
+    torch.testing.assert_close(flat.mean(dim=(0, 2, 3)), cpu.mean(dim=(0, 2, 3)), atol=0.05, rtol=0)
+    torch.testing.assert_close(flat.std(dim=(0, 2, 3)), cpu.std(dim=(0, 2, 3)), atol=0.05, rtol=0)
+    assert len({tuple(row.tolist()) for row in flat.flatten(1)}) == len(flat)  # every view its own parameters
+
+
+def test_bad_input_is_one_clear_error():
+    augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(8), MEAN, STD)
+    with pytest.raises(ValueError, match=r"uint8 \(B, C, H, W\)"):
+        augmentation(torch.rand(2, 3, 8, 8), num_views=2)
+
+
+def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
+    """``device_pipeline: batched`` (the default) after the transfer, seeded per batch; ``worker_augmentation:
+    batched`` per sample in the workers, a function of the sample seed whatever the number of workers."""
+    source = SyntheticShapes(num_classes=3, train_per_class=4)
+    on_device = MultiViewDataModule(source, num_views=3, batch_size=4, num_workers=0, augment_on_device=True)
+    assert isinstance(on_device.device_augmentation, BatchedViewAugmentation)
+    workers = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=0, worker_augmentation="batched")
+    workers.setup()
+    dataset = workers.train_dataset()
+    views, _ = dataset[(2, 77)]
+    assert views.shape == (5, 3, 32, 32) and torch.equal(dataset[(2, 77)][0], views) and not torch.equal(dataset[(2, 78)][0], views)
+    torch.manual_seed(77)
+    expected = workers.sample_views.augmentation(workers._train_split[2][0][None], 5)[0]
+    torch.testing.assert_close(views, expected, rtol=0, atol=0)
+    serial = next(iter(workers.train_dataloader()))[0]
+    parallel = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=2, worker_augmentation="batched")
+    torch.testing.assert_close(next(iter(parallel.train_dataloader()))[0], serial, rtol=0, atol=0)
+    assert not math.isnan(float(serial.mean()))

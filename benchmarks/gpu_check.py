@@ -259,7 +259,7 @@ def training_run(args: argparse.Namespace, device: torch.device, max_seconds: fl
     per_class = max(1, args.train_images // 10)
     source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(2, per_class // 5), image_size=args.image_size)
     paths = {
-        "batched-workers": ({"worker_augmentation": "batched"}, f"batched per image on {args.workers} CPU workers"),
+        "batched-workers": ({"worker_augmentation": "batched"}, f"batched per batch on {args.workers} CPU workers"),
         "kornia-workers": ({"worker_augmentation": "kornia"}, f"kornia per image on {args.workers} CPU workers"),
         "torchvision-workers": ({}, f"torchvision per view on {args.workers} CPU workers"),
         "device": ({"augment_on_device": True}, "uint8 + batched augmentation on the device"),
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--train-data", choices=["batched-workers", "kornia-workers", "torchvision-workers", "device"], default="batched-workers",
         help="the training run's data path (the first H200 check: CPU workers beat kornia on the device; batched "
-        "draws 1.6x kornia's views per CPU core)",
+        "draws 2x kornia's views per CPU core)",
     )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))

@@ -103,7 +103,7 @@ def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device
     for label, options in (
         (f"data: torchvision per view on {workers} CPU workers", {}),
         (f"data: kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
-        (f"data: batched per image on {workers} CPU workers", {"worker_augmentation": "batched"}),
+        (f"data: batched per batch on {workers} CPU workers", {"worker_augmentation": "batched"}),
         ("data: uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
         ("data: uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
     ):

@@ -53,7 +53,7 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
         assert heading in text
     for row in ("backbone alone: plain", "external: channels_last", "external + internal: plain", "external, device augmentation (batched)", "external, device augmentation (kornia)"):
         assert f"| {row}" in text and f"| {row} | failed" not in text
-    for path in ("torchvision per view on 1 CPU workers", "kornia per image on 1 CPU workers", "batched per image on 1 CPU workers", "uint8 + kornia on device", "uint8 + batched on device"):
+    for path in ("torchvision per view on 1 CPU workers", "kornia per image on 1 CPU workers", "batched per batch on 1 CPU workers", "uint8 + kornia on device", "uint8 + batched on device"):
         assert f"| data: {path} |" in text
     # The fast statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost).
     internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]

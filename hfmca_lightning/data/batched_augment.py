@@ -24,6 +24,7 @@ per sample in the workers), so views stay a function of the seed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
-__all__ = ["BatchedViewAugmentation", "jitter_views", "sample_crop_boxes"]
+__all__ = ["BatchViews", "BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
@@ -119,11 +120,37 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
     return flat.view_as(views)
 
 
+@dataclass
+class ViewParameters:
+    """The random parameters of ``N`` views (one row each), drawn by :meth:`BatchedViewAugmentation.draw`."""
+
+    boxes: Tensor  # (N, 4) float64 crops (top, left, height, width)
+    flip: Tensor  # (N,) bool
+    jitter_factors: Tensor  # (N, 3) brightness, contrast, saturation (1: unchanged)
+    hue_shift: Tensor  # (N,) (0: unchanged)
+    jitter_order: Tensor  # (N, 4) a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue
+    grey: Tensor  # (N,) bool
+    blur_sigma: Tensor  # (N,) (0: no blur)
+    solarize: Tensor  # (N,) bool
+
+    @staticmethod
+    def cat(parts: list[ViewParameters]) -> ViewParameters:
+        """The rows of several draws, in order (e.g. one draw per image of a batch, each from its own seed)."""
+        return ViewParameters(*(torch.cat(tensors) for tensors in zip(*(_tensors(part) for part in parts))))
+
+
+def _tensors(parameters: ViewParameters) -> tuple[Tensor, ...]:
+    return tuple(getattr(parameters, item.name) for item in fields(parameters))
+
+
 class BatchedViewAugmentation(nn.Module):
     """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
 
     The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
+    :meth:`draw` and :meth:`apply` split the call: parameters drawn image by image from per-sample seeds and
+    applied to the whole batch at once give the views that per-image calls with those seeds give
+    (:class:`BatchViews`, the ``worker_augmentation: batched`` collate function).
     """
 
     mean: Tensor
@@ -139,39 +166,18 @@ class BatchedViewAugmentation(nn.Module):
         self._solarize_p = tuple(solarize for _, solarize in kinds)
 
     def forward(self, images: Tensor, num_views: int) -> Tensor:
-        if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ValueError(f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
-        spec, device = self.spec, images.device
-        batch, channels, height, width = images.shape
-        count, size = batch * num_views, spec.image_size
+        _check_images(images)
+        batch, _, height, width = images.shape
+        return self.apply(images, self.draw(batch, num_views, height, width, images.device), num_views)
+
+    def draw(self, batch: int, num_views: int, height: int, width: int, device: torch.device | None = None) -> ViewParameters:
+        """Parameters of ``batch * num_views`` views of ``height x width`` images from torch's generator
+        (views ``l`` of kind ``l % view_kinds``). Which random numbers are drawn depends only on the arguments."""
+        spec, count = self.spec, batch * num_views
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, device=device)
         flip = torch.rand(count, device=device) < 0.5 if spec.horizontal_flip else torch.zeros(count, dtype=torch.bool, device=device)
-        sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
-        views = F.grid_sample(sources, _crop_grid(boxes, flip, size, height, width), mode="bilinear", padding_mode="border", align_corners=False)
-        views = views.clamp_(0.0, 1.0)
-        if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
-            views = self._jitter(views)
-        if spec.gray_p > 0 and channels == 3:
-            grey = torch.rand(count, device=device) < spec.gray_p
-            views = torch.where(grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
-        kind = torch.arange(count, device=device) % num_views % len(self._blur_p)
-        if any(self._blur_p):
-            blur_p = torch.tensor(self._blur_p, device=device)[kind]
-            sigma = torch.empty(count, device=device).uniform_(*BLUR_SIGMA)
-            sigma = torch.where(torch.rand(count, device=device) < blur_p, sigma, torch.zeros_like(sigma))
-            views = _gaussian_blur(views, sigma, spec.blur_kernel)
-        if any(self._solarize_p):
-            solarize_p = torch.tensor(self._solarize_p, device=device)[kind]
-            solarized = (torch.rand(count, device=device) < solarize_p).view(-1, 1, 1, 1)
-            views = torch.where(solarized & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
-        views = (views - self.mean) / self.std
-        return views.view(batch, num_views, channels, size, size)
-
-    def _jitter(self, views: Tensor) -> Tensor:
-        """``ColorJitter(brightness, contrast, saturation, hue)`` with probability ``jitter_p``, a random order per view."""
-        count, device = views.shape[0], views.device
-        brightness, contrast, saturation, hue = self.spec.jitter
-        applied = torch.rand(count, device=device) < self.spec.jitter_p
+        brightness, contrast, saturation, hue = spec.jitter
+        applied = torch.rand(count, device=device) < spec.jitter_p
 
         def factor(strength: float) -> Tensor:
             drawn = torch.empty(count, device=device).uniform_(max(0.0, 1.0 - strength), 1.0 + strength)
@@ -181,7 +187,58 @@ class BatchedViewAugmentation(nn.Module):
         hue_shift = torch.empty(count, device=device).uniform_(-hue, hue) if hue > 0 else torch.zeros(count, device=device)
         hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
         order = torch.rand(count, 4, device=device).argsort(dim=1)
-        return jitter_views(views, factors, hue_shift, order)
+        grey = torch.rand(count, device=device) < spec.gray_p
+        kind = torch.arange(count, device=device) % num_views % len(self._blur_p)
+        sigma = torch.empty(count, device=device).uniform_(*BLUR_SIGMA)
+        blurred = torch.rand(count, device=device) < torch.tensor(self._blur_p, device=device)[kind]
+        solarize = torch.rand(count, device=device) < torch.tensor(self._solarize_p, device=device)[kind]
+        return ViewParameters(boxes, flip, factors, hue_shift, order, grey, torch.where(blurred, sigma, torch.zeros_like(sigma)), solarize)
+
+    def apply(self, images: Tensor, parameters: ViewParameters, num_views: int) -> Tensor:
+        """The views of ``images (B, C, H, W)`` uint8 with ``parameters`` of ``B * num_views`` views -> ``(B, L, C, S, S)``."""
+        _check_images(images)
+        spec = self.spec
+        batch, channels, height, width = images.shape
+        size = spec.image_size
+        sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
+        grid = _crop_grid(parameters.boxes.to(images.device), parameters.flip.to(images.device), size, height, width)
+        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(0.0, 1.0)
+        if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
+            views = jitter_views(views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order)
+        if spec.gray_p > 0 and channels == 3:
+            views = torch.where(parameters.grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
+        if any(self._blur_p):
+            views = _gaussian_blur(views, parameters.blur_sigma, spec.blur_kernel)
+        if any(self._solarize_p):
+            views = torch.where(parameters.solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
+        views = (views - self.mean) / self.std
+        return views.view(batch, num_views, channels, size, size)
+
+
+def _check_images(images: Tensor) -> None:
+    if images.dtype != torch.uint8 or images.dim() != 4:
+        raise ValueError(f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
+
+
+class BatchViews:
+    """Collate function of ``worker_augmentation: batched``: samples ``(image (C, H, W) uint8, target, seed)`` ->
+    ``(views (B, L, C, S, S), targets (B,))``. Each image's parameters come from its own seed (so a sample's views
+    do not depend on its batch, its rank or the number of workers, and equal a per-image call seeded alike),
+    and the pixels of the whole batch are computed at once."""
+
+    def __init__(self, augmentation: BatchedViewAugmentation, num_views: int) -> None:
+        self.augmentation, self.num_views = augmentation, num_views
+
+    def __call__(self, samples: list[tuple[Tensor, int, int]]) -> tuple[Tensor, Tensor]:
+        images = torch.stack([image for image, _, _ in samples])
+        height, width = images.shape[-2:]
+        parts = []
+        for _, _, seed in samples:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                parts.append(self.augmentation.draw(1, self.num_views, height, width))
+        views = self.augmentation.apply(images, ViewParameters.cat(parts), self.num_views)
+        return views, torch.tensor([target for _, target, _ in samples])
 
 
 def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor) -> Tensor:

@@ -18,11 +18,12 @@ from hfmca_lightning.data.datasets import (
     EvalDataset,
     MultiViewDataset,
     SameClassDataset,
+    SeededImageDataset,
     SeededRandomSampler,
     SingleViewDataset,
 )
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
-from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
+from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, BatchViews
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
@@ -112,11 +113,13 @@ class MultiViewDataModule(LightningDataModule):
             distributions, per-view parameters); frees the CPU workers. Its random numbers
             are seeded from ``(seed, batch index, rank)``, so runs and resumes are reproducible.
         worker_augmentation: how CPU workers draw the views of mode ``views``: ``torchvision`` (one pipeline
-            call per view), ``batched`` (all ``L`` views of an image in one call of
-            :class:`BatchedViewAugmentation`, whole-batch tensor operations with per-view parameters) or
-            ``kornia`` (the same with :class:`DeviceViewAugmentation`); same distributions, per-sample seeds
-            as ever. On CIFAR-sized images ``batched`` draws 1.6x the views per core of ``kornia``. ImageNet-sized
-            views with blur are faster with ``torchvision`` (PIL's blur).
+            call per view), ``kornia`` (all ``L`` views of an image in one call of :class:`DeviceViewAugmentation`)
+            or ``batched`` (each image's parameters from its seed, then the pixels of the whole batch at once
+            by :class:`BatchedViewAugmentation`, in the worker's collate function; like ``augment_on_device``,
+            from the image resized and centre-cropped to ``image_size``, which changes nothing for CIFAR).
+            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws 3-4x
+            the views per core of ``torchvision``, 2x those of ``kornia``. ImageNet-sized views with blur are
+            faster with ``torchvision`` (PIL's blur).
         device_pipeline: what draws the views with ``augment_on_device``: ``batched``
             (:class:`BatchedViewAugmentation`, the default: a fixed number of whole-batch operations, no
             host-device waits; 2x kornia's speed on a CPU for 64 x 9 views) or ``kornia``.
@@ -197,7 +200,8 @@ class MultiViewDataModule(LightningDataModule):
         self.train_transforms = view_transforms(spec, source.mean, source.std, grid_size=view_grids)
         pipelines = {"batched": BatchedViewAugmentation, "kornia": DeviceViewAugmentation}
         self.device_augmentation = pipelines[device_pipeline](spec, source.mean, source.std) if augment_on_device else None
-        self.sample_views = SampleViews(pipelines[worker_augmentation](spec, source.mean, source.std)) if worker_augmentation in pipelines else None
+        self.sample_views = SampleViews(DeviceViewAugmentation(spec, source.mean, source.std)) if worker_augmentation == "kornia" else None
+        self.batch_views = BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views) if worker_augmentation == "batched" else None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
@@ -234,6 +238,8 @@ class MultiViewDataModule(LightningDataModule):
         self.setup()
         if self.augment_on_device:
             return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
+        if self.batch_views is not None:
+            return SeededImageDataset(self._train_split, resize_transform(self.source.image_size))
         if self.sample_views is not None:
             return MultiViewDataset(self._train_split, self.train_transforms, self.num_views, all_views=self.sample_views)
         dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
@@ -259,7 +265,7 @@ class MultiViewDataModule(LightningDataModule):
         if self._resume_position is not None:
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
             self._resume_position = None
-        return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True)
+        return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True, collate_fn=self.batch_views)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""

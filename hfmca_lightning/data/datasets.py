@@ -125,6 +125,25 @@ class MultiViewDataset(Dataset):
         return torch.stack(views), target
 
 
+class SeededImageDataset(Dataset):
+    """One image and the seed of its views: ``key -> (transform(image), target, sample_seed)``; the views are
+    drawn for the whole batch by the collate function (``worker_augmentation: batched``,
+    :class:`~hfmca_lightning.data.batched_augment.BatchViews`)."""
+
+    def __init__(self, images: LabelledImages, transform: Callable) -> None:
+        self.images, self.transform = images, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int, int]:
+        index, seed = _split_key(key)
+        if seed is None:
+            raise ValueError("SeededImageDataset needs (index, seed) keys, as SeededRandomSampler yields")
+        image, target = self.images[index]
+        return self.transform(image), target, seed
+
+
 class SingleViewDataset(MultiViewDataset):
     """One augmented view of one image: ``key -> (image (C, H, W), target)``."""
 

@@ -108,7 +108,7 @@ class _Recorder(Callback):
     def __init__(self, measurement: Measurement) -> None:
         self.m = measurement
         self._start = 0.0
-        self._costs: list[float] = []
+        self._costs: list[torch.Tensor] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.lr_scheduler_configs:
@@ -129,14 +129,16 @@ class _Recorder(Callback):
         views = batch[0]
         self.m.views_seen += views.shape[0] * views.shape[1]
         if "cost/external" in trainer.callback_metrics:
-            self._costs.append(float(trainer.callback_metrics["cost/external"]))
-            self.m.external_cost_by_step.append(self._costs[-1])
+            # kept as a tensor until the epoch ends: a float() per step would make the host wait for the GPU
+            self._costs.append(trainer.callback_metrics["cost/external"].detach().clone())
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        costs = torch.stack(self._costs).double().cpu().tolist() if self._costs else []  # waits for the epoch's last step
         self.m.epoch_seconds.append(time.perf_counter() - self._start)
         self.m.train_seconds += self.m.epoch_seconds[-1]
-        if self._costs:
-            self.m.external_cost_by_epoch.append(sum(self._costs) / len(self._costs))
+        if costs:
+            self.m.external_cost_by_step.extend(costs)
+            self.m.external_cost_by_epoch.append(sum(costs) / len(costs))
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and "knn/top1" in trainer.callback_metrics:

@@ -117,7 +117,7 @@ class MultiViewDataModule(LightningDataModule):
             or ``batched`` (each image's parameters from its seed, then the pixels of the whole batch at once
             by :class:`BatchedViewAugmentation`, in the worker's collate function; like ``augment_on_device``,
             from the image resized and centre-cropped to ``image_size``, which changes nothing for CIFAR).
-            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws 3-4x
+            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws 4-5x
             the views per core of ``torchvision``, 2x those of ``kornia``. ImageNet-sized views with blur are
             faster with ``torchvision`` (PIL's blur).
         device_pipeline: what draws the views with ``augment_on_device``: ``batched``

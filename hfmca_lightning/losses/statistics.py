@@ -15,7 +15,6 @@ computed outside autocast, whatever the dtype of the features.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

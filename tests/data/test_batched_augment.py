@@ -190,3 +190,19 @@ def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
     pairs = MultiViewDataModule(source, num_views=5, batch_size=2, num_workers=0, worker_augmentation="batched")
     first, second = list(pairs.train_dataloader())[:2]
     torch.testing.assert_close(torch.cat([first[0], second[0]]), views, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"worker_augmentation": "batched", "augment_on_device": True}, "worker_augmentation 'batched' draws the views of mode 'views'"),
+        ({"worker_augmentation": "batched", "mode": "same_class"}, "worker_augmentation 'batched' draws the views of mode 'views'"),
+        ({"worker_augmentation": "fast"}, "worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got 'fast'"),
+        ({"augment_on_device": True, "device_pipeline": "dali"}, "device_pipeline must be 'batched' or 'kornia'; got 'dali'"),
+    ],
+)
+def test_pipeline_options_are_checked_before_anything_runs(options, message):
+    from hfmca_lightning.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        MultiViewDataModule(SyntheticShapes(), **options)

@@ -39,10 +39,11 @@ def demo_overrides(folder: Path) -> Path:
     return write_overrides(folder, "shrink.yaml", overrides)
 
 
-def cifar_overrides(folder: Path, every_n_train_steps: int) -> Path:
+def cifar_overrides(folder: Path, every_n_train_steps: int, on_device: bool = False) -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
-    workers not persistent, views drawn after the transfer (``augment_on_device``)."""
+    workers not persistent; views from the shipped data path (``worker_augmentation: batched`` in 2 workers) or,
+    ``on_device``, drawn after the transfer (``augment_on_device``, seeded per batch)."""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -54,7 +55,9 @@ def cifar_overrides(folder: Path, every_n_train_steps: int) -> Path:
     # A per-step warm-up schedule: its length comes from Trainer.estimated_stepping_batches, which makes
     # Lightning build the training loader before it restores the checkpoint (Lightning issue #20550).
     model["warmup_epochs"] = 1.0
-    data = {"source": {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": "data", "verify": False}}, "batch_size": 8, "eval_batch_size": 64, "num_workers": 2, "persistent_workers": False, "augment_on_device": True}
+    data = {"source": {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": "data", "verify": False}}, "batch_size": 8, "eval_batch_size": 64, "num_workers": 2, "persistent_workers": False}
+    if on_device:
+        data.update(augment_on_device=True, worker_augmentation="torchvision")
     overrides = {"trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks}, "model": {"init_args": model}, "data": {"init_args": data}}
     return write_overrides(folder, "shrink.yaml", overrides)
 
@@ -100,16 +103,17 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
-def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("on_device", [False, True], ids=["batched-workers", "on-device"])
+def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, on_device):
     steps_per_epoch, every = 12, 5
     straight = tmp_path / "straight"
-    result = run_hfmca(straight, *fit_args(CIFAR10, cifar_overrides(straight, every)))
+    result = run_hfmca(straight, *fit_args(CIFAR10, cifar_overrides(straight, every, on_device)))
     assert result.returncode == 0, result.stdout[-3000:]
     final = straight / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt"
     assert saved_step(final) == 2 * steps_per_epoch
 
     interrupted = tmp_path / "interrupted"
-    args = fit_args(CIFAR10, cifar_overrides(interrupted, every))
+    args = fit_args(CIFAR10, cifar_overrides(interrupted, every, on_device))
     checkpoints = interrupted / "runs" / "cifar10_ss" / "checkpoints"
     process = start_hfmca(interrupted, *args)
     wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)

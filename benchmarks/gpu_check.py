@@ -186,23 +186,30 @@ def step_rows(args: argparse.Namespace, device: torch.device, autocast: Abstract
     return measure_rows(rows, args.steps, device)
 
 
-def profile_internal_step(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, rows: int = 30) -> str:
-    """Kernel table (torch.profiler, self time) of three external + internal channels-last steps: where the
-    internal costs spend their time on this device. Printed to the log, not the report."""
+def profile_steps(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, rows: int = 30) -> str:
+    """Kernel tables (torch.profiler) of three channels-last steps with the external cost, and with external +
+    internal costs: by device self time (where the costs' kernels go) and, for the internal step, by host self
+    time (on GPUs that step is bound by host work). Printed to the log, not the report."""
     from torch.profiler import ProfilerActivity, profile
 
     views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
-    step = training_step(build(args.backbone, args.views, True, channels_last=True).to(device).train(), views, True, autocast)
-    for _ in range(2):
-        step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        for _ in range(3):
+    device_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    tables = []
+    for what, internal in (("external", False), ("external + internal", True)):
+        step = training_step(build(args.backbone, args.views, internal, channels_last=True).to(device).train(), views, True, autocast)
+        for _ in range(2):
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return profiler.key_averages().table(sort_by=key, row_limit=rows)
+        with profile(activities=activities) as profiler:
+            for _ in range(3):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        averages = profiler.key_averages()
+        tables.append(f"{what} step, 3 steps, by {device_key}:\n" + averages.table(sort_by=device_key, row_limit=rows))
+        if internal and device.type == "cuda":
+            tables.append(f"{what} step, 3 steps, by self_cpu_time_total:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    return "\n".join(tables)
 
 
 def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tuple[str, float, float | None]], float, float]:
@@ -384,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in chosen:
         section("training-step rows", partial(measure_steps, False))
     if "profile" in chosen:
-        section("profile of the internal step (log only)", lambda: print(profile_internal_step(args, device, autocast), flush=True))
+        section("profiles of the external and internal steps (log only)", lambda: print(profile_steps(args, device, autocast), flush=True))
     if "precision" in chosen:
         section("precision", measure_precision)
     if "data" in chosen:

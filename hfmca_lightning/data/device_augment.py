@@ -1,6 +1,8 @@
-"""SimCLR views drawn on the accelerator from uint8 batches (kornia), with per-sample random parameters.
+"""SimCLR views drawn from uint8 batches by kornia, with per-sample random parameters (``device_pipeline:
+kornia``, ``worker_augmentation: kornia``; the default pipeline is :mod:`hfmca_lightning.data.batched_augment`,
+which draws the same distributions in fewer, whole-batch operations: kornia's cost at CIFAR size is dispatch).
 
-With 9 views per image the CPU workers, not the GPU, limit throughput. Here the data loader only decodes
+The data loader only decodes
 and resizes; after the batch reaches the device, each of the ``B * L`` views draws its own crop, flip,
 colour jitter and greyscale parameters (kornia samples per sample by default, unlike batched torchvision
 v2 transforms, pytorch/vision #8484). The distributions are those of :func:`view_transform`

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from step_timing import StepRow, format_rows, measure_rows  # noqa: E402
-from throughput import build, data_path_rows, training_step  # noqa: E402
+from throughput import build, data_path_rows, data_paths, training_step  # noqa: E402
 
 SECTIONS = ("steps", "profile", "precision", "data", "training", "compiled")
 
@@ -265,14 +265,8 @@ def training_run(args: argparse.Namespace, device: torch.device, max_seconds: fl
 
     per_class = max(1, args.train_images // 10)
     source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(2, per_class // 5), image_size=args.image_size)
-    paths = {
-        "batched-workers": ({"worker_augmentation": "batched"}, f"batched per batch on {args.workers} CPU workers"),
-        "kornia-workers": ({"worker_augmentation": "kornia"}, f"kornia per image on {args.workers} CPU workers"),
-        "torchvision-workers": ({}, f"torchvision per view on {args.workers} CPU workers"),
-        "device": ({"augment_on_device": True}, "uint8 + batched augmentation on the device"),
-    }
-    options, data_path = paths[args.train_data]
-    data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, **options)
+    data_path, options = data_paths(args.workers)[args.train_data]
+    data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, **options)  # type: ignore[arg-type]
     backbone = "resnet18" if args.backbone == "resnet18" else "small"
     module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
     accelerator = "gpu" if device.type == "cuda" else "cpu"

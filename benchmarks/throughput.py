@@ -92,6 +92,17 @@ def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast
     return step
 
 
+def data_paths(workers: int) -> dict[str, tuple[str, dict[str, object]]]:
+    """The data paths the benchmarks compare, by name: ``(label, MultiViewDataModule options)``."""
+    return {
+        "torchvision-workers": (f"torchvision per view on {workers} CPU workers", {}),
+        "kornia-workers": (f"kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
+        "batched-workers": (f"batched per batch on {workers} CPU workers", {"worker_augmentation": "batched"}),
+        "kornia-device": ("uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
+        "device": ("uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
+    }
+
+
 def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
     """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
     pipeline per view, CPU workers drawing an image's views in one call of kornia or of
@@ -100,14 +111,8 @@ def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device
     warmup = workers + 1
     source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
     rows = []
-    for label, options in (
-        (f"data: torchvision per view on {workers} CPU workers", {}),
-        (f"data: kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
-        (f"data: batched per batch on {workers} CPU workers", {"worker_augmentation": "batched"}),
-        ("data: uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
-        ("data: uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
-    ):
-        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)
+    for label, options in data_paths(workers).values():
+        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)  # type: ignore[arg-type]
         data.setup()
         loader = iter(data.train_dataloader())
 
@@ -118,7 +123,7 @@ def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device
 
         for _ in range(warmup - 1):
             next_views()
-        rows.append((label, timed(next_views, steps, device)))
+        rows.append((f"data: {label}", timed(next_views, steps, device)))
     return rows
 
 

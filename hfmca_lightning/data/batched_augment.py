@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hfmca_lightning.data.datasets import _seeded
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
 __all__ = ["BatchViews", "BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
@@ -237,8 +238,7 @@ class BatchViews:
         height, width = images.shape[-2:]
         parts = []
         for _, _, seed in samples:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+            with _seeded(seed):  # the generator a per-sample view transform runs on
                 parts.append(self.augmentation.draw(1, self.num_views, height, width))
         views = self.augmentation.apply(images, ViewParameters.cat(parts), self.num_views)
         return views, torch.tensor([target for _, target, _ in samples])

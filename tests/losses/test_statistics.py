@@ -272,3 +272,29 @@ def test_cached_window_constants_first_made_under_inference_mode_serve_training(
     stats = feature_map_statistics(low, torch.rand(2, 4, *size), geometry)
     (stats.cross_sum.sum() + stats.low_outer_sum.sum()).backward()
     assert low.grad is not None and bool(low.grad.abs().sum() > 0)
+
+
+def test_exact_float32_products_turn_tf32_off_on_cuda_only(monkeypatch):
+    """TF32 is switched off (and restored) for CUDA work; work on other devices never asks the CUDA driver
+    (``torch.cuda.is_available()`` retries the driver on each call on a GPU-less machine, ~1 ms in a step)."""
+    from hfmca_lightning.losses.statistics import _exact_float32_products
+
+    def no_driver_calls() -> bool:
+        raise AssertionError("the CPU path asked the CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_driver_calls)
+    z_map = torch.rand(3, 4, 6, 6, requires_grad=True)
+    h_map = torch.rand(3, 5, 6, 6, requires_grad=True)
+    stats = feature_map_statistics(z_map, h_map, WindowGeometry(3, 1, 1))
+    sum(s.sum() for s in (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)).backward()
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with _exact_float32_products(torch.device("cpu")):
+            assert torch.backends.cuda.matmul.allow_tf32
+        with _exact_float32_products(torch.device("cuda")):
+            assert not torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

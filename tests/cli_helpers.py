@@ -138,7 +138,13 @@ def run_hfmca(cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmc
 
     On time-out every process of the run (DDP ranks, data-loader workers) gets SIGABRT, which makes it print
     its Python stacks (faulthandler), then SIGKILL; :class:`HFMCATimeout` carries the output."""
-    process = start_hfmca(cwd, *args, log_name=log_name)
+    return finish_hfmca(start_hfmca(cwd, *args, log_name=log_name), cwd, timeout=timeout, log_name=log_name)
+
+
+def finish_hfmca(process: subprocess.Popen, cwd: Path, timeout: float = 240, log_name: str = "hfmca.log") -> subprocess.CompletedProcess:
+    """Wait for a run started by :func:`start_hfmca` (as :func:`run_hfmca` does; a reference run started first
+    and finished later overlaps its start-up with the test's other runs)."""
+    args = process.args[1:]  # type: ignore[index]
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -29,36 +29,47 @@ while True:
 """
 
 
-def kill_while_saving(path: Path, writer: str, rounds: int) -> list[bool]:
-    """SIGKILL a process that saves in a loop, at a random moment after its first save, ``rounds`` times;
-    whether the file at ``path`` was readable after each kill."""
-    readable = []
+def kill_while_saving(folder: Path, writer: str, rounds: int) -> list[bool]:
+    """SIGKILL ``rounds`` processes that each save in a loop to ``folder/round<i>/last.ckpt``, each at a random
+    moment after its first save; whether each file was readable after its kill. The processes start together
+    (their imports overlap) and are killed one after another."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rng = random.Random(0)
-    for _ in range(rounds):
-        path.unlink(missing_ok=True)
-        process = subprocess.Popen([sys.executable, "-c", WRITER, str(path), writer], env=env)
-        deadline = time.monotonic() + 60
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(0.05 + rng.random() * 0.2)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        try:
-            readable.append(read_checkpoint(path)["global_step"] >= 1)
-        except ConfigurationError:
-            readable.append(False)
+    paths = [folder / f"round{index}" / "last.ckpt" for index in range(rounds)]
+    processes = []
+    for path in paths:
+        path.parent.mkdir(parents=True)
+        processes.append(subprocess.Popen([sys.executable, "-c", WRITER, str(path), writer], env=env))
+    readable = []
+    try:
+        for path, process in zip(paths, processes):
+            deadline = time.monotonic() + 60
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05 + rng.random() * 0.2)
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            try:
+                readable.append(read_checkpoint(path)["global_step"] >= 1)
+            except ConfigurationError:
+                readable.append(False)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return readable
 
 
 def test_a_kill_while_saving_never_leaves_a_truncated_checkpoint(tmp_path):
-    assert all(kill_while_saving(tmp_path / "last.ckpt", "atomic", rounds=4))
-    assert len(list(tmp_path.glob(".last.ckpt.*.partial"))) <= 1  # what the last kill interrupted, at most
+    assert all(kill_while_saving(tmp_path, "atomic", rounds=4))
+    for folder in tmp_path.iterdir():
+        assert len(list(folder.glob(".last.ckpt.*.partial"))) <= 1  # what the kill interrupted, at most
 
 
 def test_the_kill_harness_does_catch_a_plain_torch_save(tmp_path):
     """The same kills truncate a file written in place: the harness above can see the failure it guards against."""
-    assert not all(kill_while_saving(tmp_path / "last.ckpt", "plain", rounds=4))
+    assert not all(kill_while_saving(tmp_path, "plain", rounds=4))
 
 
 def test_a_failed_save_keeps_the_previous_file_and_cleans_up(tmp_path, monkeypatch):

@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.cli_helpers import DEMO, REPO, SHRUNK_DATA, checkpoint_tensors, run_hfmca, start_hfmca, wait_for, write_overrides
+from tests.cli_helpers import DEMO, REPO, SHRUNK_DATA, checkpoint_tensors, finish_hfmca, run_hfmca, start_hfmca, wait_for, write_overrides
 from tests.factories import write_cifar
 
 CIFAR10 = REPO / "configs" / "cifar10_ss.yaml"
@@ -76,17 +77,37 @@ def saved_step(path: Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
 
 
+class ReferenceRun:
+    """An uninterrupted run, started in the background so that its start-up (a few seconds of imports) overlaps
+    the interrupted run's; :meth:`result` waits for it and gives every tensor of its last checkpoint and its step."""
+
+    def __init__(self, folder: Path, args: list[str], last: Path) -> None:
+        self.folder, self.last = folder, last
+        self.process = start_hfmca(folder, *args)
+        self._result: tuple[dict[str, torch.Tensor], int] | None = None
+
+    def result(self) -> tuple[dict[str, torch.Tensor], int]:
+        if self._result is None:
+            finished = finish_hfmca(self.process, self.folder)
+            assert finished.returncode == 0, finished.stdout[-3000:]
+            self._result = checkpoint_tensors(self.last), saved_step(self.last)
+        return self._result
+
+    def stop(self) -> None:
+        if self.process.poll() is None:  # a test failed before it waited for the run
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
 @pytest.fixture(scope="module")
-def demo_uninterrupted(tmp_path_factory) -> tuple[dict[str, torch.Tensor], int]:
+def demo_uninterrupted(tmp_path_factory) -> Iterator[ReferenceRun]:
     folder = tmp_path_factory.mktemp("demo_uninterrupted")
-    result = run_hfmca(folder, *fit_args(DEMO, demo_overrides(folder)))
-    assert result.returncode == 0, result.stdout[-3000:]
-    last = folder / "runs" / "demo" / "checkpoints" / "last.ckpt"
-    return checkpoint_tensors(last), saved_step(last)
+    run = ReferenceRun(folder, fit_args(DEMO, demo_overrides(folder)), folder / "runs" / "demo" / "checkpoints" / "last.ckpt")
+    yield run
+    run.stop()
 
 
 def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path, demo_uninterrupted):
-    expected, final_step = demo_uninterrupted
     args = fit_args(DEMO, demo_overrides(tmp_path))
     checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
     process = start_hfmca(tmp_path, *args)
@@ -94,6 +115,7 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL
+    expected, final_step = demo_uninterrupted.result()
     stopped_at = saved_step(checkpoints / "last.ckpt")
     assert 0 < stopped_at < final_step, "the kill came after the run had finished"
 
@@ -106,30 +128,33 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 @pytest.mark.parametrize("on_device", [False, True], ids=["batched-workers", "on-device"])
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, on_device):
     steps_per_epoch, every = 12, 5
-    straight = tmp_path / "straight"
-    result = run_hfmca(straight, *fit_args(CIFAR10, cifar_overrides(straight, every, on_device)))
-    assert result.returncode == 0, result.stdout[-3000:]
-    final = straight / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt"
-    assert saved_step(final) == 2 * steps_per_epoch
+    folder = tmp_path / "straight"
+    folder.mkdir()
+    straight = ReferenceRun(folder, fit_args(CIFAR10, cifar_overrides(folder, every, on_device)), folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt")
 
     interrupted = tmp_path / "interrupted"
     args = fit_args(CIFAR10, cifar_overrides(interrupted, every, on_device))
     checkpoints = interrupted / "runs" / "cifar10_ss" / "checkpoints"
-    process = start_hfmca(interrupted, *args)
-    wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    stopped_at = saved_step(checkpoints / "last.ckpt")
-    assert stopped_at % every == 0 and stopped_at % steps_per_epoch != 0, f"not a mid-epoch checkpoint: step {stopped_at}"
+    try:
+        process = start_hfmca(interrupted, *args)
+        wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        stopped_at = saved_step(checkpoints / "last.ckpt")
+        assert stopped_at % every == 0 and stopped_at % steps_per_epoch != 0, f"not a mid-epoch checkpoint: step {stopped_at}"
+        expected, final_step = straight.result()
+    finally:
+        straight.stop()
+    assert final_step == 2 * steps_per_epoch
 
     resumed = run_hfmca(interrupted, *args, "--ckpt_path", "last", log_name="resumed.log")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert any("LinearProbe" in key for key in checkpoint_tensors(final))
-    assert_same_tensors(checkpoint_tensors(final), checkpoint_tensors(checkpoints / "last.ckpt"))
+    assert any("LinearProbe" in key for key in expected)
+    assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
 def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tmp_path, demo_uninterrupted):
-    expected, final_step = demo_uninterrupted
+    expected, final_step = demo_uninterrupted.result()
     args = fit_args(DEMO, demo_overrides(tmp_path))
     checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
     process = start_hfmca(tmp_path, *args)

@@ -13,7 +13,11 @@ never assembled. Everything is float64, outside autocast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +27,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.distributed import all_reduce_statistics
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, joint_matrix, marginal_blocks
 
-__all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError"]
+__all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError", "deferred_checks", "check_later"]
 
 
 class CostFactorisationError(RuntimeError):
@@ -55,6 +59,49 @@ def _factorisation_error(matrix: Tensor, info: Tensor, *, what: str, cost_name: 
         f"definite, so its log-determinant is undefined (Cholesky failed at column {int(info.max())}); "
         + hint
     )
+
+
+Check = tuple[Tensor, Callable[[], Exception]]  # (a bool tensor: failed?, the error to raise if so)
+_PENDING_CHECKS: ContextVar[list[Check] | None] = ContextVar("hfmca_pending_checks", default=None)
+
+
+@contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Test the failure checks of everything computed inside the block together, when it ends: the Cholesky
+    factorisations of every cost and what callers add with :func:`check_later`. Reading a check's result from
+    a GPU waits for its queue, so a step with nine costs waited nine times (and the GPU idled while the host
+    queued the next kernels); inside this block it waits once. The first failure, in the order the checks were
+    made (cost by cost; A, C, S within one), is raised, the same error the undeferred cost raises. Values
+    computed from a failed factor are NaN or meaningless until then; an error that linear algebra raises on
+    one (``cholesky_inverse`` of a zero pivot) is replaced by the factorisation's error."""
+    pending: list[Check] = []
+    token = _PENDING_CHECKS.set(pending)
+    try:
+        yield
+    except RuntimeError:
+        _raise_first_failure(pending)
+        raise
+    finally:
+        _PENDING_CHECKS.reset(token)
+    _raise_first_failure(pending)
+
+
+def check_later(checks: list[Check]) -> None:
+    """Inside :func:`deferred_checks`, keep ``checks`` for its end; elsewhere test them now (one wait)."""
+    pending = _PENDING_CHECKS.get()
+    if pending is None:
+        _raise_first_failure(checks)
+    else:
+        pending.extend(checks)
+
+
+def _raise_first_failure(checks: list[Check]) -> None:
+    """Raise the error of the first failed check; one host-device wait when none failed."""
+    if not checks:
+        return
+    failed = torch.stack([flag.reshape(()) for flag, _ in checks])
+    if bool(failed.any()):
+        raise checks[int(failed.to(torch.uint8).argmax())][1]()
 
 
 def _cholesky_ex(matrix: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,13 +136,13 @@ class _BlockFactors:
         return _logdet_from_factor(self.schur) - _logdet_from_factor(self.high)
 
 
-def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float, smoothed: bool = False) -> _BlockFactors:
+def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float, smoothed: bool = False, defer: bool = True) -> _BlockFactors:
     """Factor ``J`` block by block (what LAPACK does inside, without assembling the ``(K1+K2)^2`` matrix):
     two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable.
 
-    The three factorisations are checked together, so a GPU waits for its queue once per cost, not three
-    times; a failure is reported for the first failed matrix in the order A, C, S (a failed ``L_A`` makes
-    ``S`` meaningless, and ``S <= C``, so C failing fails S too)."""
+    The three factorisations are checked together (:func:`check_later`: now, or at the end of
+    :func:`deferred_checks`; now in any case without ``defer``); a failure is reported for the first failed matrix in the order A, C, S (a failed
+    ``L_A`` makes ``S`` meaningless, and ``S <= C``, so C failing fails S too)."""
     label = "smoothed " if smoothed else ""
     hat = "_hat" if smoothed else ""
     low, low_info = _cholesky_ex(a)
@@ -103,14 +150,14 @@ def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float
     schur_matrix = torch.addmm(c, coupling.T, coupling, alpha=-1.0)
     schur, schur_info = _cholesky_ex(schur_matrix)
     high, high_info = _cholesky_ex(c)
-    if bool(torch.stack((low_info, schur_info, high_info)).any()):
+    (check_later if defer else _raise_first_failure)([
+        (info != 0, partial(_factorisation_error, matrix, info, what=what, cost_name=name, reg=reg))
         for matrix, info, what in (
             (a, low_info, f"{label}low-level matrix A{hat} = R1 + reg I"),
             (c, high_info, f"{label}high-level matrix C{hat} = R2 + reg I"),
             (schur_matrix, schur_info, f"Schur complement C - P^T A^-1 P of the {label}joint matrix J{hat} = [[A, P], [P^T, C]]"),
-        ):
-            if bool(info.any()):
-                raise _factorisation_error(matrix, info, what=what, cost_name=name, reg=reg)
+        )
+    ])
     return _BlockFactors(low, coupling, schur, high)
 
 
@@ -267,7 +314,8 @@ class HFMCACost(nn.Module):
         k1 = stats.low_dim
         with torch.no_grad():
             a, c, cross = marginal_blocks(stats.detach(), self.reg)
-            factors = _block_factors(a, c, cross, name=self.name, reg=self.reg)
+            # With the filter, checked before the EMA takes in this step's J: a failed step leaves the filter's state as it was.
+            factors = _block_factors(a, c, cross, name=self.name, reg=self.reg, defer=self.beta == 0)
             exact = factors.cost()
             if self.beta > 0:
                 joint_hat = self._update_ema(joint_matrix(a, c, cross))

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost
+from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost, check_later, deferred_checks
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
@@ -287,16 +287,16 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         statistics = {name: cost_modules[name].synchronise(stats) for name, stats in collected.statistics.items()}
         costs: dict[str, Tensor] = {}
         try:
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for name, stats in statistics.items():
-                costs[name] = cost_modules[name].forward_statistics(stats, synchronised=True)
-            if "external" in costs:
-                total = total + costs["external"]
-            internal = [cost for name, cost in costs.items() if name != "external"]
-            if internal and self.internal_costs is not None:
-                total = total + self.internal_costs.weight * torch.stack(internal).sum()
-            if not bool(torch.isfinite(total)):
-                raise CostFactorisationError(f"the total cost is {total.item()} (features or weights hold NaN or Inf)")
+            with deferred_checks():  # every cost's factorisations and the total's finiteness: one wait on a GPU
+                total = torch.zeros((), dtype=torch.float64, device=self.device)
+                for name, stats in statistics.items():
+                    costs[name] = cost_modules[name].forward_statistics(stats, synchronised=True)
+                if "external" in costs:
+                    total = total + costs["external"]
+                internal = [cost for name, cost in costs.items() if name != "external"]
+                if internal and self.internal_costs is not None:
+                    total = total + self.internal_costs.weight * torch.stack(internal).sum()
+                check_later([(~torch.isfinite(total), lambda: CostFactorisationError(f"the total cost is {total.item()} (features or weights hold NaN or Inf)"))])
         except CostFactorisationError as error:
             raise CostFactorisationError(
                 f"training stopped at step {self.global_step} (epoch {self.current_epoch}): {error}. "

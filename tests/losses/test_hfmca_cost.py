@@ -6,6 +6,7 @@ import torch
 
 from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.losses import (
+    CorrelationStatistics,
     CostFactorisationError,
     HFMCACost,
     WindowGeometry,
@@ -13,6 +14,7 @@ from hfmca_lightning.losses import (
     feature_map_statistics,
     hfmca_cost,
 )
+from hfmca_lightning.losses.hfmca_cost import deferred_checks
 from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
 
 CASES = {
@@ -273,3 +275,70 @@ def test_a_failed_factor_is_named_when_the_three_are_checked_together(broken: st
         cross = 2.0 * eye  # S = C - P^T A^-1 P = -3 I, while A and C are fine
     with pytest.raises(CostFactorisationError, match=rf"HFMCA cost 'x': the {named}.*not positive definite"):
         _block_factors(a, c, cross, name="x", reg=0.1)
+
+
+def _failing_statistics(k: int = 3) -> CorrelationStatistics:
+    """Statistics whose A = R1 + reg I is not positive definite (a negative second moment)."""
+    eye = torch.eye(k, dtype=torch.float64)
+    low = eye.clone()
+    low[1, 1] = -5.0
+    one = torch.ones((), dtype=torch.float64)
+    return CorrelationStatistics(low, eye.clone(), torch.zeros(k, k, dtype=torch.float64), one, one)
+
+
+def _good_statistics(k: int = 3) -> CorrelationStatistics:
+    eye = torch.eye(k, dtype=torch.float64)
+    one = torch.ones((), dtype=torch.float64)
+    return CorrelationStatistics(eye.clone(), eye.clone(), 0.1 * eye, one, one)
+
+
+def test_deferred_checks_raise_the_first_failure_at_the_end_of_the_block():
+    """Inside deferred_checks every cost is computed (no wait per cost); the block's end raises the error the
+    undeferred cost raises, for the first failed cost in order."""
+    with pytest.raises(CostFactorisationError) as immediate:
+        HFMCACost(name="first").forward_statistics(_failing_statistics())
+    computed = []
+    with pytest.raises(CostFactorisationError) as deferred:
+        with deferred_checks():
+            for name, stats in (("good", _good_statistics()), ("first", _failing_statistics()), ("second", _failing_statistics(4))):
+                computed.append(HFMCACost(name=name).train().forward_statistics(stats))
+    assert len(computed) == 3, "a failed cost stopped the block before its end"
+    assert str(deferred.value) == str(immediate.value)
+    assert "HFMCA cost 'first': the low-level matrix A" in str(deferred.value)
+    with deferred_checks():  # nothing failed: nothing raised
+        good = HFMCACost().forward_statistics(_good_statistics())
+    assert torch.isfinite(good)
+
+
+def test_deferred_checks_wait_once(monkeypatch):
+    """One host read of a check result for the whole block (each is a wait for the queue on a GPU)."""
+    reads = []
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
+    with deferred_checks():
+        for _ in range(5):
+            HFMCACost().train().forward_statistics(_good_statistics())
+    assert len(reads) == 1
+    reads.clear()
+    for _ in range(5):
+        HFMCACost().train().forward_statistics(_good_statistics())
+    assert len(reads) == 5  # without the block: one per cost
+
+
+def test_a_failed_step_leaves_the_filter_state_as_it_was():
+    """With the adaptive filter (beta > 0) a cost is checked before the EMA takes in the step's J, even inside
+    deferred_checks, so a failed step cannot leave NaN in the filter."""
+    cost = HFMCACost(beta=0.5).train()
+    cost.forward_statistics(_good_statistics())
+    ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
+    broken = _failing_statistics()
+    broken = CorrelationStatistics(broken.low_outer_sum.fill_(float("nan")), *list(vars(broken).values())[1:])
+    with pytest.raises(CostFactorisationError), deferred_checks():
+        cost.forward_statistics(broken)
+    assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
+
+
+def test_an_error_from_linear_algebra_on_a_failed_factor_becomes_the_factorisation_error():
+    with pytest.raises(CostFactorisationError, match="HFMCA cost 'x'"), deferred_checks():
+        HFMCACost(name="x").train().forward_statistics(_failing_statistics())
+        raise RuntimeError("cholesky_inverse: The diagonal element 2 is zero")  # what potri may raise on it

@@ -174,3 +174,21 @@ def test_checkpointing_and_internal_costs_are_exclusive():
     with pytest.raises(ConfigurationError, match="checkpoint_backbone recomputes") as error:
         HFMCAModule(SpectrumCNN(channels=4, hidden_dim=6), external_head=GridExternalHead(4, 3, 3, 6, noise_channels=0), internal_costs=InternalCosts(["blocks.L1"]), checkpoint_backbone=True)
     assert error.value.parameter == "checkpoint_backbone"
+
+
+def test_the_objective_reads_its_checks_once_for_all_costs(monkeypatch):
+    """Every cost's factorisation checks and the total's finiteness are read together: one wait for the GPU's
+    queue per step instead of one per cost (docs/benchmarks/README.md: the internal step was host-bound)."""
+    torch.manual_seed(0)
+    module = HFMCAModule(
+        SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0),
+        external_head=GridExternalHead(4, 2, 2, 6, noise_channels=0),
+        internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]),
+    ).train()
+    collected = module.collect(torch.rand(2, 4, 3, 32, 32))
+    reads = []
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
+    objective = module.objective(collected)
+    assert set(objective.costs) == {"external", "internal/L1", "internal/L3"}
+    assert len(reads) == 1

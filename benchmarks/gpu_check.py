@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-images", type=int, default=50_000)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument(
-        "--train-data", choices=["batched-workers", "kornia-workers", "torchvision-workers", "device"], default="batched-workers",
+        "--train-data", choices=list(data_paths(0)), default="batched-workers",
         help="the training run's data path (the first H200 check: CPU workers beat kornia on the device; batched "
         "draws 2x kornia's views per CPU core)",
     )

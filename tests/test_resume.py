@@ -129,7 +129,6 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, on_device):
     steps_per_epoch, every = 12, 5
     folder = tmp_path / "straight"
-    folder.mkdir()
     straight = ReferenceRun(folder, fit_args(CIFAR10, cifar_overrides(folder, every, on_device)), folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt")
 
     interrupted = tmp_path / "interrupted"

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
+from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, BatchViews
 from hfmca_lightning.data.datasets import (
     EvalDataset,
     MultiViewDataset,
@@ -23,7 +24,6 @@ from hfmca_lightning.data.datasets import (
     SingleViewDataset,
 )
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
-from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, BatchViews
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError

@@ -2,10 +2,9 @@
 kornia``, ``worker_augmentation: kornia``; the default pipeline is :mod:`hfmca_lightning.data.batched_augment`,
 which draws the same distributions in fewer, whole-batch operations: kornia's cost at CIFAR size is dispatch).
 
-The data loader only decodes
-and resizes; after the batch reaches the device, each of the ``B * L`` views draws its own crop, flip,
-colour jitter and greyscale parameters (kornia samples per sample by default, unlike batched torchvision
-v2 transforms, pytorch/vision #8484). The distributions are those of :func:`view_transform`
+The data loader only decodes and resizes; after the batch reaches the device, each of the ``B * L`` views
+draws its own crop, flip, colour jitter and greyscale parameters (kornia samples per sample by default,
+unlike batched torchvision v2 transforms, pytorch/vision #8484). The distributions are those of :func:`view_transform`
 (:class:`ViewAugmentation` is shared), tested parameter by parameter.
 """
 

@@ -141,8 +141,9 @@ def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float
     two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable.
 
     The three factorisations are checked together (:func:`check_later`: now, or at the end of
-    :func:`deferred_checks`; now in any case without ``defer``); a failure is reported for the first failed matrix in the order A, C, S (a failed
-    ``L_A`` makes ``S`` meaningless, and ``S <= C``, so C failing fails S too)."""
+    :func:`deferred_checks`; now in any case without ``defer``); a failure is reported for the first failed
+    matrix in the order A, C, S (a failed ``L_A`` makes ``S`` meaningless, and ``S <= C``, so C failing fails S
+    too)."""
     label = "smoothed " if smoothed else ""
     hat = "_hat" if smoothed else ""
     low, low_info = _cholesky_ex(a)

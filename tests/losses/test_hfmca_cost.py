@@ -1,3 +1,4 @@
+import dataclasses
 import io
 
 import numpy as np
@@ -331,8 +332,7 @@ def test_a_failed_step_leaves_the_filter_state_as_it_was():
     cost = HFMCACost(beta=0.5).train()
     cost.forward_statistics(_good_statistics())
     ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
-    broken = _failing_statistics()
-    broken = CorrelationStatistics(broken.low_outer_sum.fill_(float("nan")), *list(vars(broken).values())[1:])
+    broken = dataclasses.replace(_good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64))
     with pytest.raises(CostFactorisationError), deferred_checks():
         cost.forward_statistics(broken)
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates

@@ -9,7 +9,10 @@ The two steps (backbone alone; external + internal costs on every BasicBlock, as
 are timed in interleaved rounds (medians). The parts are read from one profiled internal step: the CPU time
 of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics`, `_ChannelsLastStatistics`
 and their backward nodes) and of the labelled `HFMCACost.factorise` ranges, each as a fraction of the backbone step. On CUDA
-the profile's CPU times are launch times, so the parts are printed only on CPUs.
+the profile's CPU times are launch times, so the parts are printed only on CPUs. Last, the arithmetic of both
+steps (matrix products and convolutions, forward and backward, counted by torch's `FlopCounterMode`; the
+float64 factorisations are not counted) and the rate each part runs at: the internal costs' share of the
+arithmetic is the ratio they would reach at the backbone's rate.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,6 +54,27 @@ def profiled_parts(step: Callable[[], None]) -> dict[str, float]:
     return dict(parts)
 
 
+def _taking_tensors(formula: Callable[..., int]) -> Callable[..., int]:
+    """A registered flop formula (which takes the tensors and reads their shapes) marked so that
+    ``FlopCounterMode`` does not wrap it a second time."""
+
+    def counted(*args: object, **kwargs: object) -> int:
+        return formula(*args, **kwargs)
+
+    counted._get_raw = True  # type: ignore[attr-defined]
+    return counted
+
+
+def matrix_product_flops(step: Callable[[], None]) -> float:
+    """Floating-point operations of one call of ``step`` in matrix products and convolutions, as torch's
+    ``FlopCounterMode`` counts them, with the in-place products (``addmm_``, ``baddbmm_``) it leaves out by default."""
+    aten = torch.ops.aten
+    in_place = {aten.addmm_: _taking_tensors(flop_registry[aten.addmm]), aten.baddbmm_: _taking_tensors(flop_registry[aten.baddbmm])}
+    with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
+        step()
+    return float(counter.get_total_flops())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -72,12 +97,20 @@ def main() -> None:
     measured = measure_rows(rows, args.steps, device)
     print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}" + ("; channels-last" if args.channels_last else ""))
     print("\n".join(format_rows(measured, args.batch_size * args.views)))
-    if device.type != "cpu" or measured[0].seconds is None:
+    if device.type != "cpu" or measured[0].seconds is None or measured[1].seconds is None:
         return
-    backbone = measured[0].seconds
+    backbone, internal_seconds = measured[0].seconds, measured[1].seconds
     print("parts of one profiled internal step (CPU time, fraction of the backbone step):")
     for label, seconds in profiled_parts(internal()).items():
         print(f"  {label:58s} {seconds * 1000:9.1f} ms   {seconds / backbone:6.3f}")
+    backbone_flops, internal_flops = (matrix_product_flops(factory()) for _, factory in rows)
+    extra_flops, extra_seconds = internal_flops - backbone_flops, internal_seconds - backbone
+    print("arithmetic of one step (matrix products and convolutions, forward + backward; factorisations not counted):")
+    print(f"  backbone step                         {backbone_flops / 1e9:7.1f} GFLOP   {backbone_flops / backbone / 1e9:6.1f} GFLOP/s")
+    print(
+        f"  added by the internal costs           {extra_flops / 1e9:7.1f} GFLOP   {extra_flops / extra_seconds / 1e9:6.1f} GFLOP/s  "
+        f"(x {1 + extra_flops / backbone_flops:.2f} the backbone's arithmetic; the step measured x {internal_seconds / backbone:.2f})"
+    )
 
 
 if __name__ == "__main__":

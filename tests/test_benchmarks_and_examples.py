@@ -6,6 +6,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -159,6 +161,17 @@ def test_internal_cost_breakdown_prints_the_statistics_and_cost_parts(monkeypatc
     # both hooked convolutions of the small network, their backward nodes and the labelled factorisations
     for part in ("statistics forward, input (3, 32, 32)", "statistics forward, input (32, 16, 16)", "statistics backward", "cost factorisations"):
         assert part in out, part
+    added = next(line for line in out.splitlines() if "added by the internal costs" in line)
+    assert float(added.split()[5]) > 0, added  # GFLOP
+
+
+def test_internal_cost_breakdown_counts_in_place_products():
+    count = runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"))["matrix_product_flops"]
+    a, b, c = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(6, 7)
+    # what the backward passes of the statistics use: in-place accumulating products
+    assert count(lambda: torch.zeros(2, 3, 5).baddbmm_(a, b)) == 2 * 2 * 3 * 4 * 5
+    assert count(lambda: torch.zeros(6, 6).addmm_(c, c.T)) == 2 * 6 * 7 * 6
+    assert count(lambda: torch.bmm(a, b)) == 2 * 2 * 3 * 4 * 5
 
 
 def test_internal_cost_breakdown_reads_the_channels_last_statistics(monkeypatch, capsys):

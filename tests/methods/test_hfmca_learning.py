@@ -27,7 +27,9 @@ def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeyp
     trained = float(cli.trainer.callback_metrics["knn/top1"])
     linear = float(cli.trainer.callback_metrics["linear/top1"])
     print(f"kNN top-1: random init {initial:.3f} -> trained {trained:.3f}; online linear probe top-1 {linear:.3f}")
-    assert trained > initial + 0.1, (initial, trained)
-    assert trained > 0.2  # chance is 0.1
-    # The shipped LinearProbe learns on the same run's detached features, well above chance too.
-    assert linear > 0.3, linear
+    # Measured at seeds 0 / 1 / 2: random init 0.17 / 0.15 / 0.13 -> 0.40 / 0.39 / 0.39 (with SimCLR's 20 %
+    # greyscale views instead of the demo's 80 %: 0.29 / 0.18 / 0.19, matched by colour more than by shape).
+    assert trained > initial + 0.15, (initial, trained)
+    assert trained > 0.25  # chance is 0.1
+    # The shipped LinearProbe learns on the same run's detached features, well above chance too (0.53-0.63).
+    assert linear > 0.4, linear

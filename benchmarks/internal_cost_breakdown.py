@@ -107,8 +107,9 @@ def main() -> None:
     extra_flops, extra_seconds = internal_flops - backbone_flops, internal_seconds - backbone
     print("arithmetic of one step (matrix products and convolutions, forward + backward; factorisations not counted):")
     print(f"  backbone step                         {backbone_flops / 1e9:7.1f} GFLOP   {backbone_flops / backbone / 1e9:6.1f} GFLOP/s")
+    rate = f"{extra_flops / extra_seconds / 1e9:6.1f} GFLOP/s" if extra_seconds > 0 else "rate n/a (the step was not slower than the backbone step)"
     print(
-        f"  added by the internal costs           {extra_flops / 1e9:7.1f} GFLOP   {extra_flops / extra_seconds / 1e9:6.1f} GFLOP/s  "
+        f"  added by the internal costs           {extra_flops / 1e9:7.1f} GFLOP   {rate}  "
         f"(x {1 + extra_flops / backbone_flops:.2f} the backbone's arithmetic; the step measured x {internal_seconds / backbone:.2f})"
     )
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from hfmca_lightning.callbacks.gather import gather_in_dataset_order
 from hfmca_lightning.data.datamodule import QUERIES
@@ -18,6 +19,14 @@ from hfmca_lightning.evaluation.linear import topk_accuracies
 __all__ = ["LinearProbe"]
 
 
+def _labelled_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy over the rows whose target is a class (0 when there are none); unlabelled rows
+    (``UNLABELLED``) are masked, not removed, so nothing here reads a device value on the host (selecting the
+    labelled rows would wait for a GPU's queue every step)."""
+    summed = F.cross_entropy(logits, targets, ignore_index=UNLABELLED, reduction="sum")
+    return summed / (targets != UNLABELLED).sum().clamp(min=1)
+
+
 class LinearProbe(Callback):
     """Online linear evaluation (lightly's ``OnlineLinearClassifier`` on BN-standardised features), logged as
     ``linear/train_loss``, ``linear/top1`` and ``linear/top5``.
@@ -25,7 +34,10 @@ class LinearProbe(Callback):
     After every training step the module's features ``(B, D)`` of the first view of each group are computed
     **without gradients and in eval mode** (so the backbone's gradients, BatchNorm statistics and random
     streams are exactly those of a run without the probe), standardised by a ``BatchNorm1d`` without affine
-    parameters and fed to the classifier, which takes one step of its own SGD optimiser. Under DDP its
+    parameters and fed to the classifier, which takes one step of its own SGD optimiser on the cross-entropy of
+    the labelled images. Unlabelled images (target ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the
+    BatchNorm statistics, not in the loss; a batch without labelled images takes a step with zero gradients (the
+    momentum carries on), as every process does under DDP. No device value is read on the host. Under DDP its
     gradients and BN statistics are averaged over the processes, so every process holds the same probe.
     During validation it scores the features of the ``QUERIES`` loader (test split) that the module's
     ``validation_step`` returns (the same outputs :class:`KNNEvaluation` uses), gathered over processes in
@@ -99,16 +111,14 @@ class LinearProbe(Callback):
         images, targets = batch[0], batch[1]  # (views, target[, grids])
         if images.dim() == 5:
             images = images[:, 0]
-        labelled = targets != UNLABELLED
-        count = int(labelled.sum())
         distributed = trainer.world_size > 1
-        if count < 2 and not distributed:
-            return  # nothing to learn from (unlabelled images; BN needs two rows)
+        if images.shape[0] < 2 and not distributed:
+            return  # BN needs two rows
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
-        if count >= 2:
+        if images.shape[0] >= 2:
             with torch.no_grad(), evaluation_mode(pl_module):
-                features = pl_module(images[labelled])
+                features = pl_module(images)
             if features.shape[-1] != self.feature_dim:
                 raise ConfigurationError(
                     f"LinearProbe has feature_dim={self.feature_dim} but the module's features have {features.shape[-1]}", parameter="feature_dim"
@@ -116,7 +126,7 @@ class LinearProbe(Callback):
             self.standardise.train()
             self.classifier.train()
             with torch.enable_grad():
-                loss, _ = self.classifier.shared_step((self.standardise(features.float()), targets[labelled]), batch_idx)
+                loss = _labelled_cross_entropy(self.classifier(self.standardise(features.float())), targets)
                 loss.backward()
         if distributed:  # every process takes part, also one without labelled rows (zero gradients)
             for parameter in self._parameters():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from hfmca_lightning.callbacks import LinearProbe, RunState
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import SmallConvNet
 
@@ -59,3 +61,65 @@ def test_resumed_probe_equals_an_uninterrupted_one(tmp_path):
 def test_wrong_number_of_classes_is_one_clear_error():
     with pytest.raises(ConfigurationError, match="num_classes=7 but the data has 4 classes"):
         _fit([LinearProbe(num_classes=7)], epochs=1)
+
+
+def _probe_and_module() -> tuple[LinearProbe, SimCLR, SimpleNamespace]:
+    seed_everything(0)
+    module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_classes=NUM_CLASSES), world_size=1)
+    probe = LinearProbe()
+    probe.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    return probe, module, trainer
+
+
+def test_training_step_reads_no_device_value_on_the_host():
+    """On a GPU every read of a device value (``int(t)``, ``t.item()``, boolean-mask indexing) waits for the
+    queue: the probe's step makes none, also with unlabelled images in the batch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.item):
+                self.reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    probe, module, trainer = _probe_and_module()
+    views = torch.rand(6, 2, 3, 16, 16)
+    targets = torch.tensor([0, 1, UNLABELLED, 2, UNLABELLED, 3])
+    with HostReads() as recorder:
+        probe.on_train_batch_end(trainer, module, None, (views, targets), 0)  # type: ignore[arg-type]
+    assert recorder.reads == []
+    assert probe.classifier.classification_head.weight.grad.abs().sum() > 0
+
+
+def test_unlabelled_images_count_in_the_standardisation_not_in_the_loss():
+    """Against a plain reference: BatchNorm over all rows, cross-entropy averaged over the labelled rows only."""
+    probe, module, trainer = _probe_and_module()
+    head = probe.classifier.classification_head
+    weight, bias = head.weight.detach().clone().requires_grad_(), head.bias.detach().clone().requires_grad_()
+    views = torch.rand(6, 2, 3, 16, 16)
+    targets = torch.tensor([0, 1, UNLABELLED, 2, UNLABELLED, 3])
+    probe.on_train_batch_end(trainer, module, None, (views, targets), 0)  # type: ignore[arg-type]
+
+    module.eval()
+    with torch.no_grad():
+        features = module(views[:, 0])
+    standardised = (features - features.mean(0)) / torch.sqrt(features.var(0, unbiased=False) + 1e-5)
+    labelled = targets != UNLABELLED
+    loss = torch.nn.functional.cross_entropy((standardised @ weight.T + bias)[labelled], targets[labelled])
+    loss.backward()
+    torch.testing.assert_close(head.weight.grad, weight.grad)
+    torch.testing.assert_close(head.bias.grad, bias.grad)
+    torch.testing.assert_close(probe.standardise.running_mean, 0.1 * features.mean(0))
+
+
+def test_a_batch_without_labels_gives_zero_gradients():
+    probe, module, trainer = _probe_and_module()
+    views = torch.rand(4, 2, 3, 16, 16)
+    probe.on_train_batch_end(trainer, module, None, (views, torch.full((4,), UNLABELLED)), 0)  # type: ignore[arg-type]
+    head = probe.classifier.classification_head
+    assert torch.isfinite(head.weight).all() and head.weight.grad.abs().sum() == 0 and head.bias.grad.abs().sum() == 0

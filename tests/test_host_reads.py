@@ -6,40 +6,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfmca_lightning.trainer_cli import HFMCACLI
 from tests.cli_helpers import REPO
+from tests.host_reads import HostReads
 
-HOST_READS = (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.item)
 COUNTED_STEPS = range(2, 5)  # after the first steps' one-off work (caches, lazy buffers)
-READS: list[str] = []
-
-
-class _Recorder(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.overloadpacket in HOST_READS:
-            READS.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 class CountHostReads(Callback):
     """Records host reads from the start of step ``COUNTED_STEPS.start`` to the start of step ``COUNTED_STEPS.stop``
-    (everything of those steps: the module, every callback, Lightning's loop)."""
+    (everything of those steps: the module, every callback, Lightning's loop) into ``recorder.reads``."""
 
     def __init__(self) -> None:
-        self.recorder: _Recorder | None = None
+        self.recorder = HostReads()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         if batch_idx == COUNTED_STEPS.start:
-            self.recorder = _Recorder()
             self.recorder.__enter__()
-        elif batch_idx == COUNTED_STEPS.stop and self.recorder is not None:
+        elif batch_idx == COUNTED_STEPS.stop:
             self.recorder.__exit__(None, None, None)
-            self.recorder = None
 
 
 def test_a_step_of_the_cifar_config_with_internal_costs_reads_two_device_values(tmp_path: Path, monkeypatch) -> None:
@@ -66,7 +54,6 @@ def test_a_step_of_the_cifar_config_with_internal_costs_reads_two_device_values(
     }
     path = tmp_path / "overrides.yaml"
     path.write_text(yaml.safe_dump(overrides))
-    READS.clear()
     cli = HFMCACLI(
         args=[
             "--config", str(REPO / "configs" / "cifar10_ss_internal.yaml"), "--config", str(path),
@@ -75,4 +62,6 @@ def test_a_step_of_the_cifar_config_with_internal_costs_reads_two_device_values(
         run=False,
     )
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert len(READS) <= 2 * len(COUNTED_STEPS), READS  # (a Lightning that stops converting would make it one)
+    reads = next(callback for callback in cli.trainer.callbacks if isinstance(callback, CountHostReads)).recorder.reads
+    assert reads, "the counted steps did not run"
+    assert len(reads) <= 2 * len(COUNTED_STEPS), reads  # (a Lightning that stops converting would make it one)

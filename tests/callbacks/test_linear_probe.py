@@ -16,6 +16,7 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import SmallConvNet
+from tests.host_reads import HostReads
 
 NUM_CLASSES = 4
 
@@ -75,18 +76,6 @@ def _probe_and_module() -> tuple[LinearProbe, SimCLR, SimpleNamespace]:
 def test_training_step_reads_no_device_value_on_the_host():
     """On a GPU every read of a device value (``int(t)``, ``t.item()``, boolean-mask indexing) waits for the
     queue: the probe's step makes none, also with unlabelled images in the batch."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.reads: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.item):
-                self.reads.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     probe, module, trainer = _probe_and_module()
     views = torch.rand(6, 2, 3, 16, 16)
     targets = torch.tensor([0, 1, UNLABELLED, 2, UNLABELLED, 3])

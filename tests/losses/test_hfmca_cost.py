@@ -16,6 +16,7 @@ from hfmca_lightning.losses import (
     hfmca_cost,
 )
 from hfmca_lightning.losses.hfmca_cost import deferred_checks
+from tests.host_reads import HostReads
 from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
 
 CASES = {
@@ -311,19 +312,16 @@ def test_deferred_checks_raise_the_first_failure_at_the_end_of_the_block():
     assert torch.isfinite(good)
 
 
-def test_deferred_checks_wait_once(monkeypatch):
-    """One host read of a check result for the whole block (each is a wait for the queue on a GPU)."""
-    reads = []
-    original = torch.Tensor.__bool__
-    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
-    with deferred_checks():
+def test_deferred_checks_wait_once():
+    """One host read of a device value for the whole block (each is a wait for the queue on a GPU)."""
+    with HostReads() as recorder, deferred_checks():
         for _ in range(5):
             HFMCACost().train().forward_statistics(_good_statistics())
-    assert len(reads) == 1
-    reads.clear()
-    for _ in range(5):
-        HFMCACost().train().forward_statistics(_good_statistics())
-    assert len(reads) == 5  # without the block: one per cost
+    assert len(recorder.reads) == 1, recorder.reads
+    with HostReads() as recorder:
+        for _ in range(5):
+            HFMCACost().train().forward_statistics(_good_statistics())
+    assert len(recorder.reads) == 5, recorder.reads  # without the block: one per cost
 
 
 def test_a_failed_step_leaves_the_filter_state_as_it_was():

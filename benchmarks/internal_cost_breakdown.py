@@ -8,7 +8,7 @@ statistics (forward and backward, by block input shape) and the cost factorisati
 The two steps (backbone alone; external + internal costs on every BasicBlock, as in benchmarks/throughput.py)
 are timed in interleaved rounds (medians). The parts are read from one profiled internal step: the CPU time
 of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics`, `_ChannelsLastStatistics`
-and their backward nodes) and of the labelled `HFMCACost.factorise` ranges, each as a fraction of the backbone step. On CUDA
+and their backward nodes) and of the labelled `hfmca_costs` ranges (every cost of the step, batched), each as a fraction of the backbone step. On CUDA
 the profile's CPU times are launch times, so the parts are printed only on CPUs. Last, the arithmetic of both
 steps (matrix products and convolutions, forward and backward, counted by torch's `FlopCounterMode`; the
 float64 factorisations are not counted) and the rate each part runs at: the internal costs' share of the
@@ -49,7 +49,7 @@ def profiled_parts(step: Callable[[], None]) -> dict[str, float]:
             parts[f"statistics forward, input {tuple(shape)}"] += seconds
         elif event.key in tuple(f"{node}Backward" for node in STATISTICS_NODES):
             parts["statistics backward (all blocks)"] += seconds
-        elif event.key == "HFMCACost.factorise":
+        elif event.key == "hfmca_costs":
             parts["cost factorisations and gradients (every cost)"] += seconds
     return dict(parts)
 

@@ -83,7 +83,8 @@ def main(args: list[str] | None = None) -> None:
     except ArgumentError as error:
         _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
     except CostFactorisationError as error:
-        _exit(f"hfmca: error: {error}", EXIT_FAILED)
+        # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
+        _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
     except SIGTERMException:
         _exit("hfmca: stopped by SIGTERM; continue with the same command and `--ckpt_path last`.", EXIT_SIGTERM)
 
@@ -99,8 +100,15 @@ def _original_message(error: BaseException) -> str:
     return lines[-1][len(prefix):] if lines else text.strip().splitlines()[-1]
 
 
+def _is_rank_zero() -> bool:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
 def _exit(message: str, status: int) -> None:
-    print(message, file=sys.stderr)
+    if message:
+        print(message, file=sys.stderr)
     raise SystemExit(status) from None
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from hfmca_lightning.callbacks.progress import CostProgressBar
 from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.checkpoint_io import AtomicCheckpointIO, read_checkpoint
@@ -80,6 +81,14 @@ class HFMCACLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        # The costs on the bar without a host read per step (CostProgressBar), unless the config has a bar of its own.
+        given = config.get("callbacks") or []
+        configured = [*(given if isinstance(given, list) else [given]), *callbacks]
+        if config.get("enable_progress_bar", True) is not False and not any(isinstance(callback, ProgressBar) for callback in configured):
+            callbacks = [*callbacks, CostProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
         """Resolve and check the checkpoint to resume, store the resolved config in checkpoints (for

@@ -116,15 +116,18 @@ def write_overrides(folder: Path, name: str, overrides: dict) -> Path:
     return path
 
 
-def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log") -> subprocess.Popen:
+def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log", test_classes: bool = False) -> subprocess.Popen:
     """Start ``hfmca <args>`` in ``cwd`` (relative paths of the shipped configs land there) in its own process
-    group, output to ``cwd/<log_name>``."""
+    group, output to ``cwd/<log_name>``; ``test_classes``: configs may name classes of this test suite
+    (``tests.<module>.<class>``)."""
     # A fresh shell's environment: a WANDB_SERVICE or MASTER_PORT inherited from this process (tests that ran
     # W&B or DDP in-process leave them behind) would make every subprocess share one W&B service or one
     # rendezvous port, unlike separate runs of the command.
     env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_") and name not in DISTRIBUTED_ENVIRONMENT}
     # PYTHONFAULTHANDLER: a run that hangs is sent SIGABRT, and every process prints where it was.
     env.update(WANDB_MODE="offline", WANDB_SILENT="true", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    if test_classes:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(cwd / log_name, "w")
     return subprocess.Popen([str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -133,12 +136,12 @@ class HFMCATimeout(AssertionError):
     """An ``hfmca`` subprocess did not finish in time; the message ends with every process's Python stacks."""
 
 
-def run_hfmca(cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmca.log") -> subprocess.CompletedProcess:
+def run_hfmca(cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmca.log", test_classes: bool = False) -> subprocess.CompletedProcess:
     """Run ``hfmca <args>`` to completion; returns the process with ``stdout`` = its whole output.
 
     On time-out every process of the run (DDP ranks, data-loader workers) gets SIGABRT, which makes it print
     its Python stacks (faulthandler), then SIGKILL; :class:`HFMCATimeout` carries the output."""
-    return finish_hfmca(start_hfmca(cwd, *args, log_name=log_name), cwd, timeout=timeout, log_name=log_name)
+    return finish_hfmca(start_hfmca(cwd, *args, log_name=log_name, test_classes=test_classes), cwd, timeout=timeout, log_name=log_name)
 
 
 def finish_hfmca(process: subprocess.Popen, cwd: Path, timeout: float = 240, log_name: str = "hfmca.log") -> subprocess.CompletedProcess:

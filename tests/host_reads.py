@@ -20,3 +20,17 @@ class HostReads(TorchDispatchMode):
         if func.overloadpacket in HOST_READS:
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+class OperationCounts(TorchDispatchMode):
+    """While active, counts the calls of the given operations (overload packets, e.g. ``torch.ops.aten.mm``) in
+    ``count``. The backward pass of CPU tensors runs in the calling thread, so it is counted too."""
+
+    def __init__(self, *operations) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.operations, self.count = operations, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in self.operations:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

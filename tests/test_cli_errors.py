@@ -142,13 +142,14 @@ def test_resuming_with_last_before_any_checkpoint_starts_a_new_run(tmp_path):
 
 
 class PoisonWeightsAtStep(Callback):
-    """Simulates a diverging run: sets the first backbone weight to NaN before training step ``step``."""
+    """Simulates a diverging run: sets the first backbone weight to NaN before training step ``step`` (on process
+    ``rank`` only, when given)."""
 
-    def __init__(self, step: int = 5) -> None:
-        self.step = step
+    def __init__(self, step: int = 5, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             with torch.no_grad():
                 next(pl_module.backbone.parameters()).fill_(float("nan"))
 
@@ -164,6 +165,28 @@ def test_a_nan_mid_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tm
     assert exit_info.value.code == 1
     [line] = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
     assert "training stopped at step 5 (epoch 1): HFMCA cost 'external'" in line and "Traceback" not in err
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 4
+    assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
+
+
+def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    """Two processes (gloo), the demo's external cost without ``sync_dist`` (each process factors its own statistics),
+    data-loader workers on; process 1's weights turn NaN. The checks are all-reduced before the optimizer step, so
+    process 0, whose own costs are fine, stops at the same step: both exit (no hang at the next collective), one
+    line is printed, and the last checkpoint is the good one before the failure."""
+    callbacks = [
+        {"class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint", "init_args": {"dirpath": "checkpoints", "save_last": True, "every_n_train_steps": 2}},
+        {"class_path": "tests.test_cli_errors.PoisonWeightsAtStep", "init_args": {"step": 5, "rank": 1}},
+    ]
+    overrides = tiny_overrides(tmp_path, **{"trainer.callbacks": callbacks, "data.init_args.num_workers": 1})
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.max_epochs", "3"]
+    result = run_hfmca(tmp_path, "fit", "--config", str(DEMO), "--config", str(overrides), *ddp, timeout=150, test_classes=True)
+    assert result.returncode == 1, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert "training stopped at step 5 (epoch 2): HFMCA cost 'external'" in errors[0] and "NaN or Inf" in errors[0]
+    assert "Traceback" not in result.stdout
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 4
     assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())

@@ -1,5 +1,6 @@
-"""Two CPU processes (gloo, ddp_spawn): a DDP fit equals one process with the doubled batch, and kNN under
-DDP equals the single-process kNN on the same bank (no sample counted twice)."""
+"""Two CPU processes (gloo, ddp_spawn): a DDP fit equals one process with the doubled batch (external and internal
+costs, all pairs' statistics reduced in one collective per step), and kNN under DDP equals the single-process kNN
+on the same bank (no sample counted twice)."""
 
 from __future__ import annotations
 
@@ -15,25 +16,61 @@ from torch import nn
 from hfmca_lightning.callbacks import KNNEvaluation
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
-from hfmca_lightning.methods import HFMCAModule
+from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead
 
 PER_RANK_BATCH = 4
 
 
-def bn_free_module() -> HFMCAModule:
-    """BN-free, so per-rank and whole-batch normalisation cannot differ; the cost syncs its statistics."""
+def bn_free_module(internal: bool = False) -> HFMCAModule:
+    """BN-free, so per-rank and whole-batch normalisation cannot differ; the costs sync their statistics. With
+    ``internal``: internal costs on the backbone's two convolutions too."""
     torch.manual_seed(0)
     head = GridExternalHead(feature_dim=6, grid_height=2, grid_width=2, hidden_dim=8, noise_channels=0)
     head.layers = nn.Sequential(*[nn.Identity() if isinstance(layer, nn.BatchNorm2d) else layer for layer in head.layers])
+    convolutions = [nn.Conv2d(3, 4, 3, padding=1), nn.Sigmoid(), nn.Conv2d(4, 5, 3, stride=2, padding=1), nn.Sigmoid()]
     return HFMCAModule(
-        backbone=nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()),
-        projector=nn.Sequential(nn.Linear(4, 6), nn.Sigmoid()),
+        backbone=nn.Sequential(*convolutions, nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        projector=nn.Sequential(nn.Linear(5, 6), nn.Sigmoid()),
         external_head=head,
         external_cost=HFMCACost(reg=0.1, sync_dist=True, name="external"),
+        internal_costs=InternalCosts(["0", "2"], reg=0.1, sync_dist=True) if internal else None,
         optimizer=partial(torch.optim.SGD, lr=0.5),
         lr_scheduler=partial(torch.optim.lr_scheduler.ConstantLR, factor=1.0, total_iters=0),
     )
+
+
+class CountCollectives(Callback):
+    """Counts the functional all-reduces (the cost statistics' collectives) of each training step, in its forward
+    pass (to the backward) and in its backward pass (to the optimizer step: the reduction's gradient), and writes
+    the counts of process ``rank`` to ``folder/collectives<rank>.txt`` as ``forward/backward`` per step."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.counts, self.mode = folder, [], None
+
+    def _start(self) -> None:
+        from tests.host_reads import OperationCounts
+
+        self.mode = OperationCounts(torch.ops._c10d_functional.all_reduce)
+        self.mode.__enter__()
+
+    def _stop(self) -> int:
+        self.mode.__exit__(None, None, None)
+        return self.mode.count
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.counts.append(str(self._stop()))
+        self._start()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.counts[-1] += f"/{self._stop()}"
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        with open(os.path.join(self.folder, f"collectives{trainer.global_rank}.txt"), "w") as file:
+            file.write(" ".join(self.counts))
 
 
 def data(batch_size: int) -> MultiViewDataModule:
@@ -65,12 +102,16 @@ def trainer(devices: int, **kwargs) -> Trainer:
     return Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**settings, **kwargs})
 
 
-def test_ddp_fit_equals_one_process_with_the_doubled_batch():
-    single = bn_free_module()
+@pytest.mark.parametrize("internal", [False, True], ids=["external", "external+internal"])
+def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, tmp_path):
+    single = bn_free_module(internal)
     trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(single, data(2 * PER_RANK_BATCH))
-    distributed = bn_free_module()
-    trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(distributed, data(PER_RANK_BATCH))
-    untrained = dict(bn_free_module().named_parameters())
+    distributed = bn_free_module(internal)
+    counting = CountCollectives(str(tmp_path))
+    trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[counting]).fit(distributed, data(PER_RANK_BATCH))
+    for rank in range(2):  # one collective per step for the statistics of all (one or three) cost pairs, one for their gradients
+        assert (tmp_path / f"collectives{rank}.txt").read_text() == "1/1 1/1 1/1"
+    untrained = dict(bn_free_module(internal).named_parameters())
     for key, value in single.named_parameters():
         assert not torch.equal(value, untrained[key]), f"{key} did not train"
     for key, value in single.state_dict().items():

@@ -1,6 +1,5 @@
-"""How many device values a training step of a shipped GPU config reads on the host: a GPU waits for its queue at
-every such read (``.item()``, ``int()``/``bool()`` of a tensor, boolean-mask indexing), and the internal step is
-host-bound there (docs/benchmarks/README.md)."""
+"""Device values a training step of a shipped GPU config reads on the host: a GPU waits for its queue at every
+such read (``.item()``, ``int()``/``bool()`` of a tensor, boolean-mask indexing, ``nonzero``)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,9 @@ from pathlib import Path
 
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
 
+from hfmca_lightning.callbacks import CostProgressBar
 from hfmca_lightning.trainer_cli import HFMCACLI
 from tests.cli_helpers import REPO
 from tests.host_reads import HostReads
@@ -17,31 +18,43 @@ COUNTED_STEPS = range(2, 5)  # after the first steps' one-off work (caches, lazy
 
 
 class CountHostReads(Callback):
-    """Records host reads from the start of step ``COUNTED_STEPS.start`` to the start of step ``COUNTED_STEPS.stop``
-    (everything of those steps: the module, every callback, Lightning's loop) into ``recorder.reads``."""
+    """Records host reads in steps ``COUNTED_STEPS``: ``until_optimizer`` from the start of each step (before
+    ``training_step``) to the optimizer step (a callback's ``on_before_optimizer_step`` runs before the module's);
+    ``whole`` from the start of the first counted step to the start of the step after the last (the module, every
+    callback, the progress bar, Lightning's loop)."""
 
     def __init__(self) -> None:
-        self.recorder = HostReads()
+        self.until_optimizer: list[str] = []
+        self.whole = HostReads()
+        self._step = HostReads()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
         if batch_idx == COUNTED_STEPS.start:
-            self.recorder.__enter__()
+            self.whole.__enter__()
         elif batch_idx == COUNTED_STEPS.stop:
-            self.recorder.__exit__(None, None, None)
+            self.whole.__exit__(None, None, None)
+        if batch_idx in COUNTED_STEPS:
+            self._step = HostReads()
+            self._step.__enter__()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx in COUNTED_STEPS:
+            self._step.__exit__(None, None, None)
+            self.until_optimizer += self._step.reads or ["(none)"]
 
 
-def test_a_step_of_the_cifar_config_with_internal_costs_reads_two_device_values(tmp_path: Path, monkeypatch) -> None:
+def test_steps_of_the_cifar_config_with_internal_costs_read_nothing_before_the_optimizer_step(tmp_path: Path, monkeypatch) -> None:
     """The shipped config's model (ResNet-18, external + 8 internal costs) and callbacks (kNN, the online linear
-    probe, spectra, checkpoints, LR monitor), shrunk data and batch, data-loader workers on: two reads per step.
-    The objective's check of every cost's factorisations and the total's finiteness (one for all nine costs),
-    and Lightning's conversion of the progress-bar value (``cost/external``) to a number, which it makes at every
-    step whether or not a bar is drawn, also of a value logged in an earlier step. The online probe's count of
-    labelled images was a third (removed)."""
+    probe, spectra, checkpoints, LR monitor) with the ``hfmca`` command's progress bar drawn, shrunk data and batch,
+    data-loader workers on: nothing is read from ``training_step`` to the optimizer step; over a whole step one
+    value is read, the checks of all nine costs' factorisations and of the total (before the update, so a
+    failure still stops it). The costs reach the bar by an asynchronous copy and the logger every
+    ``log_every_n_steps``."""
     monkeypatch.chdir(tmp_path)  # the config's checkpoint folder
     overrides = {
         "trainer": {
             "max_epochs": 1, "max_steps": COUNTED_STEPS.stop + 1, "limit_val_batches": 0, "num_sanity_val_steps": 0,
-            "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 50,
+            "enable_model_summary": False, "log_every_n_steps": 50,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path / "logs")}},
         },
         "data": {
@@ -61,7 +74,10 @@ def test_a_step_of_the_cifar_config_with_internal_costs_reads_two_device_values(
         ],
         run=False,
     )
+    bars = [callback for callback in cli.trainer.callbacks if isinstance(callback, CostProgressBar)]
+    assert len(bars) == 1 and bars[0].is_enabled
     cli.trainer.fit(cli.model, cli.datamodule)
-    reads = next(callback for callback in cli.trainer.callbacks if isinstance(callback, CountHostReads)).recorder.reads
-    assert reads, "the counted steps did not run"
-    assert len(reads) <= 2 * len(COUNTED_STEPS), reads  # (a Lightning that stops converting would make it one)
+    counter = next(callback for callback in cli.trainer.callbacks if isinstance(callback, CountHostReads))
+    assert counter.until_optimizer == ["(none)"] * len(COUNTED_STEPS), counter.until_optimizer
+    assert len(counter.whole.reads) == len(COUNTED_STEPS), counter.whole.reads
+    assert "cost/external" in bars[0].get_metrics(cli.trainer, cli.model)  # the bar shows the cost

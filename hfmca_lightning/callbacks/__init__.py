@@ -5,7 +5,17 @@ from hfmca_lightning.callbacks.eigenspectrum import EigenspectrumCallback
 from hfmca_lightning.callbacks.heatmaps import DensityRatioHeatmapCallback
 from hfmca_lightning.callbacks.knn import KNNEvaluation
 from hfmca_lightning.callbacks.linear_probe import LinearProbe
+from hfmca_lightning.callbacks.progress import CostProgressBar
 from hfmca_lightning.callbacks.run_state import RunState
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 
-__all__ = ["DensityRatioHeatmapCallback", "EigenspectrumCallback", "KNNEvaluation", "LinearProbe", "PreemptionCheckpoint", "RunState", "StoredConfig"]
+__all__ = [
+    "CostProgressBar",
+    "DensityRatioHeatmapCallback",
+    "EigenspectrumCallback",
+    "KNNEvaluation",
+    "LinearProbe",
+    "PreemptionCheckpoint",
+    "RunState",
+    "StoredConfig",
+]

@@ -8,13 +8,15 @@ after DDP averages parameter gradients over W ranks they equal the single-proces
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 
-__all__ = ["distributed_world_size", "all_reduce_sum", "all_reduce_statistics"]
+__all__ = ["distributed_world_size", "all_reduce_sum", "all_reduce_max", "all_reduce_statistics", "all_reduce_statistics_together"]
 
 
 def distributed_world_size() -> int:
@@ -44,11 +46,30 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return all_reduce(tensor.contiguous(), op=dist.ReduceOp.SUM)
 
 
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Element-wise maximum of ``tensor`` over all ranks of the default group (not differentiable)."""
+    if distributed_world_size() == 1:
+        return tensor
+    reduced = tensor.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced
+
+
 def all_reduce_statistics(stats: CorrelationStatistics) -> CorrelationStatistics:
     """The statistics of the global batch: every field summed over ranks, in one collective."""
-    if distributed_world_size() == 1:
-        return stats
-    fields = (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
+    return all_reduce_statistics_together([stats])[0]
+
+
+def all_reduce_statistics_together(statistics: Sequence[CorrelationStatistics]) -> list[CorrelationStatistics]:
+    """The global-batch statistics of several cost pairs: every field of every pair summed over ranks in one
+    collective (one flat float64 tensor), instead of one collective per pair."""
+    if distributed_world_size() == 1 or not statistics:
+        return list(statistics)
+    fields = [field for stats in statistics for field in _fields(stats)]
     flat = all_reduce_sum(torch.cat([field.reshape(-1) for field in fields]))
-    pieces = torch.split(flat, [field.numel() for field in fields])
-    return CorrelationStatistics(*(piece.reshape(field.shape) for piece, field in zip(pieces, fields)))
+    pieces = iter(piece.reshape(field.shape) for piece, field in zip(torch.split(flat, [field.numel() for field in fields]), fields))
+    return [CorrelationStatistics(*(next(pieces) for _ in range(5))) for _ in statistics]
+
+
+def _fields(stats: CorrelationStatistics) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count

@@ -4,34 +4,31 @@ With ``A = R1 + reg I``, ``C = R2 + reg I`` and ``J = [[A, P], [P^T, C]]``,
 
     r = logdet J - logdet A - logdet C = sum_k log(1 - sigma_k)  <= 0,
 
-where ``sigma_k`` is the eigenspectrum (:func:`hfmca_lightning.analysis.eigenspectrum`). ``J`` is factored
-block by block, ``L_J = [[L_A, 0], [W^T, L_S]]`` with ``W = L_A^-1 P`` and ``S = C - W^T W``, so
-``logdet J - logdet A = logdet S`` and ``r = 2 sum log diag(L_S) - 2 sum log diag(L_C)``; ``J`` itself is
-never assembled. Everything is float64, outside autocast.
+where ``sigma_k`` is the eigenspectrum (:func:`hfmca_lightning.analysis.eigenspectrum`). The lower Cholesky
+factor of ``J`` holds those of ``A`` and of the Schur complement ``S = C - P^T A^-1 P`` as blocks,
+``L_J = [[L_A, 0], [W^T, L_S]]``, so ``logdet J - logdet A = logdet S`` and
+``r = 2 sum log diag(L_S) - 2 sum log diag(L_C)``: two factorisations per cost, ``J`` and ``C``.
+:func:`hfmca_costs` takes all costs of a step together: their matrices are factored in one batched call per
+size, their gradients come from batched solves, and their failure checks stay on the device
+(:class:`~hfmca_lightning.losses.cost_checks.CostChecks`). Everything is float64, outside autocast.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses.cholesky import cholesky_by_size, identity_where, inverse_from_factor
+from hfmca_lightning.losses.cost_checks import NONFINITE, CostChecks, CostFactorisationError
 from hfmca_lightning.losses.distributed import all_reduce_statistics
-from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics, joint_matrix, marginal_blocks
+from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 
-__all__ = ["hfmca_cost", "cost_from_statistics", "HFMCACost", "CostFactorisationError", "deferred_checks", "check_later"]
-
-
-class CostFactorisationError(RuntimeError):
-    """A matrix of an HFMCA cost is not positive definite, so its log-determinant does not exist."""
+__all__ = ["hfmca_cost", "hfmca_costs", "cost_values", "cost_from_statistics", "HFMCACost", "CostFactorisationError", "CostChecks"]
 
 
 def check_reg(reg: float) -> float:
@@ -45,198 +42,6 @@ def check_reg(reg: float) -> float:
     return float(reg)
 
 
-def _factorisation_error(matrix: Tensor, info: Tensor, *, what: str, cost_name: str, reg: float) -> CostFactorisationError:
-    """The clear error for a matrix whose Cholesky factorisation failed (``info > 0``)."""
-    if not bool(torch.isfinite(matrix).all()):
-        hint = (
-            "the features contain NaN or Inf values; check the learning rate and the input data, "
-            "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
-        )
-    else:
-        hint = f"increase `reg` (now {reg}) or check that the features are not exploding"
-    return CostFactorisationError(
-        f"HFMCA cost '{cost_name}': the {what} ({matrix.shape[0]}x{matrix.shape[1]}) is not positive "
-        f"definite, so its log-determinant is undefined (Cholesky failed at column {int(info.max())}); "
-        + hint
-    )
-
-
-Check = tuple[Tensor, Callable[[], Exception]]  # (a bool tensor: failed?, the error to raise if so)
-_PENDING_CHECKS: ContextVar[list[Check] | None] = ContextVar("hfmca_pending_checks", default=None)
-
-
-@contextmanager
-def deferred_checks() -> Iterator[None]:
-    """Test the failure checks of everything computed inside the block together, when it ends: the Cholesky
-    factorisations of every cost and what callers add with :func:`check_later`. Reading a check's result from
-    a GPU waits for its queue, so a step with nine costs waited nine times (and the GPU idled while the host
-    queued the next kernels); inside this block it waits once. The first failure, in the order the checks were
-    made (cost by cost; A, C, S within one), is raised, the same error the undeferred cost raises. Values
-    computed from a failed factor are NaN or meaningless until then; an error that linear algebra raises on
-    one (``cholesky_inverse`` of a zero pivot) is replaced by the factorisation's error."""
-    pending: list[Check] = []
-    token = _PENDING_CHECKS.set(pending)
-    try:
-        yield
-    except RuntimeError:
-        _raise_first_failure(pending)
-        raise
-    finally:
-        _PENDING_CHECKS.reset(token)
-    _raise_first_failure(pending)
-
-
-def check_later(checks: list[Check]) -> None:
-    """Inside :func:`deferred_checks`, keep ``checks`` for its end; elsewhere test them now (one wait)."""
-    pending = _PENDING_CHECKS.get()
-    if pending is None:
-        _raise_first_failure(checks)
-    else:
-        pending.extend(checks)
-
-
-def _raise_first_failure(checks: list[Check]) -> None:
-    """Raise the error of the first failed check; one host-device wait when none failed."""
-    if not checks:
-        return
-    failed = torch.stack([flag.reshape(()) for flag, _ in checks])
-    if bool(failed.any()):
-        raise checks[int(failed.to(torch.uint8).argmax())][1]()
-
-
-def _cholesky_ex(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.linalg.cholesky_ex``; on CPUs of ``[[M, 0], [0, I_8]]`` when the size is a multiple of 64 (the
-    factor's leading block is M's): MKL's Cholesky runs 1.5x to 3x slower at those sizes (2.0 ms at 512 against
-    0.8 ms at 520 on two cores), and feature dimensions usually are such multiples."""
-    size = matrix.shape[-1]
-    if matrix.device.type != "cpu" or size < 128 or size % 64:
-        return torch.linalg.cholesky_ex(matrix)
-    padded = F.pad(matrix, (0, 8, 0, 8))
-    padded.diagonal()[size:] = 1.0
-    factor, info = torch.linalg.cholesky_ex(padded)
-    return factor[:size, :size], info
-
-
-def _logdet_from_factor(factor: Tensor) -> Tensor:
-    return 2.0 * torch.log(torch.diagonal(factor)).sum()
-
-
-@dataclass(frozen=True)
-class _BlockFactors:
-    """Cholesky factors of ``J = [[A, P], [P^T, C]]`` by blocks, and of ``C``: ``L_J = [[L_A, 0], [W^T, L_S]]``
-    with ``W = L_A^-1 P`` and ``S = C - W^T W`` (the Schur complement of ``A`` in ``J``)."""
-
-    low: Tensor  # L_A  (K1, K1)
-    coupling: Tensor  # W  (K1, K2)
-    schur: Tensor  # L_S  (K2, K2)
-    high: Tensor  # L_C  (K2, K2)
-
-    def cost(self) -> Tensor:
-        """``r = logdet J - logdet A - logdet C = logdet S - logdet C``."""
-        return _logdet_from_factor(self.schur) - _logdet_from_factor(self.high)
-
-
-def _block_factors(a: Tensor, c: Tensor, cross: Tensor, *, name: str, reg: float, smoothed: bool = False, defer: bool = True) -> _BlockFactors:
-    """Factor ``J`` block by block (what LAPACK does inside, without assembling the ``(K1+K2)^2`` matrix):
-    two Cholesky factors of size K1 and K2 instead of one of K1 + K2, and one of ``C``. Differentiable.
-
-    The three factorisations are checked together (:func:`check_later`: now, or at the end of
-    :func:`deferred_checks`; now in any case without ``defer``); a failure is reported for the first failed
-    matrix in the order A, C, S (a failed ``L_A`` makes ``S`` meaningless, and ``S <= C``, so C failing fails S
-    too)."""
-    label = "smoothed " if smoothed else ""
-    hat = "_hat" if smoothed else ""
-    low, low_info = _cholesky_ex(a)
-    coupling = torch.linalg.solve_triangular(low, cross, upper=False)
-    schur_matrix = torch.addmm(c, coupling.T, coupling, alpha=-1.0)
-    schur, schur_info = _cholesky_ex(schur_matrix)
-    high, high_info = _cholesky_ex(c)
-    (check_later if defer else _raise_first_failure)([
-        (info != 0, partial(_factorisation_error, matrix, info, what=what, cost_name=name, reg=reg))
-        for matrix, info, what in (
-            (a, low_info, f"{label}low-level matrix A{hat} = R1 + reg I"),
-            (c, high_info, f"{label}high-level matrix C{hat} = R2 + reg I"),
-            (schur_matrix, schur_info, f"Schur complement C - P^T A^-1 P of the {label}joint matrix J{hat} = [[A, P], [P^T, C]]"),
-        )
-    ])
-    return _BlockFactors(low, coupling, schur, high)
-
-
-def _inverse_from_factor(factor: Tensor) -> Tensor:
-    """``(L L^T)^-1`` from the lower factor ``L``: LAPACK's ``potri`` on CPUs; on GPUs ``L^-T L^-1`` from one
-    triangular solve and one product (``torch.cholesky_inverse`` costs ~0.5 ms of host time per call there,
-    and the internal step is launch-bound on GPUs)."""
-    return torch.cholesky_inverse(factor) if factor.device.type == "cpu" else _inverse_by_triangular_solve(factor)
-
-
-def _inverse_by_triangular_solve(factor: Tensor) -> Tensor:
-    """``(L L^T)^-1 = L^-T L^-1`` (the GPU path of :func:`_inverse_from_factor`)."""
-    identity = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
-    inverse_factor = torch.linalg.solve_triangular(factor, identity, upper=False)
-    return inverse_factor.T @ inverse_factor
-
-
-def _surrogate_gradients(factors: _BlockFactors) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``tr(J_hat^-1 J) - tr(A_hat^-1 A) - tr(C_hat^-1 C)`` w.r.t. ``A``, ``C`` and ``P``.
-
-    By the block inverse of ``J_hat``: with ``X = A_hat^-1 P = L_A^-T W`` and ``Y = X S^-1``, the gradients are
-    ``Y X^T`` (A), ``S^-1 - C_hat^-1`` (C) and ``-2 Y`` (P, which appears twice in ``J``). At ``J_hat = J`` this
-    is the gradient of ``r`` itself. One triangular solve and two small inverses instead of inverting
-    ``J_hat``, ``A_hat`` and ``C_hat``.
-    """
-    low_inv_cross = torch.linalg.solve_triangular(factors.low.T, factors.coupling, upper=True)
-    inv_schur = _inverse_from_factor(factors.schur)
-    weighted = low_inv_cross @ inv_schur
-    return weighted @ low_inv_cross.T, inv_schur.sub_(_inverse_from_factor(factors.high)), weighted.mul_(-2.0)
-
-
-class _FilteredCost(torch.autograd.Function):
-    """Value ``r`` of the current statistics, gradient of the trace surrogate at the given factors (paper
-    Alg. 3), straight to the statistics' sums: ``dr/d(low sum) = G_A / n_members`` and so on. One node instead
-    of the dozen elementwise passes over ``(K1+K2)^2`` matrices that autograd would record."""
-
-    @staticmethod
-    def forward(ctx, low_outer_sum: Tensor, high_outer_sum: Tensor, cross_sum: Tensor, cost: Tensor, member_count: Tensor, group_count: Tensor, factors: _BlockFactors) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(*_surrogate_gradients(factors), member_count, group_count)
-        return cost.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grad_low, grad_high, grad_cross, member_count, group_count = ctx.saved_tensors
-        per_member, per_group = grad / member_count, grad / group_count  # scalars: one pass per matrix
-        return grad_low * per_member, grad_high * per_group, grad_cross * per_group, None, None, None, None
-
-
-def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
-    """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
-    check_reg(reg)
-    with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False):
-        return _block_factors(*marginal_blocks(stats, reg), name=name, reg=reg).cost()
-
-
-def hfmca_cost(
-    low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool = False, name: str = "hfmca"
-) -> Tensor:
-    """HFMCA cost between ``L`` members per group and the group's feature (paper Prop. 2).
-
-    Args:
-        low: ``(M, L, K1)`` member features (e.g. the L view features of M images).
-        high: ``(M, K2)`` group features (e.g. the external head output).
-        reg: ``> 0``, added to the diagonal of both marginal blocks and inside the joint.
-        sync_dist: reduce the statistics over all ranks (differentiably) when ``torch.distributed`` is
-            initialised, so the cost is the cost of the global batch.
-        name: named in error messages.
-
-    Returns:
-        0-dim float64 tensor ``r <= 0``; lower means stronger dependence.
-    """
-    check_reg(reg)
-    stats = group_statistics(low, high)
-    if sync_dist:
-        stats = all_reduce_statistics(stats)
-    return cost_from_statistics(stats, reg=reg, name=name)
-
-
 class HFMCACost(nn.Module):
     """HFMCA cost with the optional adaptive filter of paper Alg. 3 (docs/conventions.md §1).
 
@@ -248,7 +53,8 @@ class HFMCACost(nn.Module):
     where the hats are bias-corrected exponential moving averages (``R_hat = R_tilde / (1 - beta^k)``)
     of ``J``, ``A`` and ``C``, detached. ``beta = 0`` gives exactly the gradient of ``r``. Only the EMA
     of ``J`` is stored (``A`` and ``C`` are its diagonal blocks), in a buffer, so it is checkpointed and
-    broadcast like BN statistics. In eval mode the EMA is left untouched and the exact cost is returned.
+    broadcast like BN statistics; a step whose factorisation fails leaves it as it was. In eval mode the EMA
+    is left untouched and the exact cost is returned.
 
     Args:
         reg: ``> 0`` diagonal regulariser (0.1 for SSL training, 1e-3 for spectrum analysis).
@@ -289,41 +95,30 @@ class HFMCACost(nn.Module):
 
     def forward_statistics(self, stats: CorrelationStatistics, *, synchronised: bool = False) -> Tensor:
         """Cost from precomputed statistics, e.g. :func:`feature_map_statistics`; local ones are synchronised
-        first (pass ``synchronised=True`` for the output of :meth:`synchronise`)."""
+        first (pass ``synchronised=True`` for the output of :meth:`synchronise`). A failed factorisation raises
+        :class:`CostFactorisationError` (one host read; :func:`hfmca_costs` leaves the reading to the caller)."""
         if not synchronised:
             stats = self.synchronise(stats)
-        if not (self.training and torch.is_grad_enabled()):
-            return cost_from_statistics(stats, reg=self.reg, name=self.name)
-        # A labelled range in profiles (torch.profiler, benchmarks/internal_cost_breakdown.py).
-        with torch.autocast(device_type=stats.low_outer_sum.device.type, enabled=False), torch.profiler.record_function("HFMCACost.factorise"):
-            return self._filtered_cost(stats)
+        (cost,), checks = hfmca_costs([stats], [self])
+        checks.raise_if_failed()
+        return cost
 
-    def _update_ema(self, joint: Tensor) -> Tensor:
-        """Alg. 3 lines 4-7: update the EMA of J and return its bias-corrected value ``J_hat``."""
-        if self.joint_ema.shape != joint.shape:
-            if int(self.num_updates) > 0:
-                raise ValueError(
-                    f"HFMCA cost '{self.name}': feature dimensions changed from a {tuple(self.joint_ema.shape)} "
-                    f"joint matrix to {tuple(joint.shape)} between steps; use one HFMCACost per layer pair"
-                )
-            self.joint_ema = torch.zeros_like(joint)
-        self.joint_ema.mul_(self.beta).add_(joint, alpha=1.0 - self.beta)
-        self.num_updates += 1
-        return self.joint_ema / (1.0 - self.beta ** int(self.num_updates))
+    def filtering(self) -> bool:
+        """Whether the next cost updates the adaptive filter and takes its gradient at the smoothed matrices."""
+        return self.beta > 0 and self.training and torch.is_grad_enabled()
 
-    def _filtered_cost(self, stats: CorrelationStatistics) -> Tensor:
-        k1 = stats.low_dim
-        with torch.no_grad():
-            a, c, cross = marginal_blocks(stats.detach(), self.reg)
-            # With the filter, checked before the EMA takes in this step's J: a failed step leaves the filter's state as it was.
-            factors = _block_factors(a, c, cross, name=self.name, reg=self.reg, defer=self.beta == 0)
-            exact = factors.cost()
-            if self.beta > 0:
-                joint_hat = self._update_ema(joint_matrix(a, c, cross))
-                factors = _block_factors(
-                    joint_hat[:k1, :k1], joint_hat[k1:, k1:], joint_hat[:k1, k1:], name=self.name, reg=self.reg, smoothed=True
-                )
-        return _FilteredCost.apply(stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, exact, stats.member_count, stats.group_count, factors)
+    def prepare_filter(self, stats: CorrelationStatistics) -> None:
+        """Size the EMA buffer for ``stats`` on their first step (its size is known only then, or from a
+        checkpoint); outside any compiled region, as it replaces the buffer."""
+        size = stats.low_dim + stats.high_dim
+        if self.joint_ema.shape == (size, size):
+            return
+        if self.joint_ema.numel() > 0:
+            raise ValueError(
+                f"HFMCA cost '{self.name}': feature dimensions changed from a {tuple(self.joint_ema.shape)} "
+                f"joint matrix to {(size, size)} between steps; use one HFMCACost per layer pair"
+            )
+        self.joint_ema = torch.zeros(size, size, dtype=torch.float64, device=stats.low_outer_sum.device)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         # The EMA's size is only known after the first step: take it from the checkpoint.
@@ -331,3 +126,162 @@ class HFMCACost(nn.Module):
         if key in state_dict and state_dict[key].shape != self.joint_ema.shape:
             self.joint_ema = torch.empty_like(state_dict[key], device=self.joint_ema.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def hfmca_costs(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]) -> tuple[list[Tensor], CostChecks]:
+    """The costs ``costs[i]`` of ``statistics[i]`` (already synchronised), all together, and their checks.
+
+    Each value is a 0-dim float64 tensor with the cost's value and (with gradients enabled) its gradient: the
+    exact one, or the adaptive filter's (:class:`HFMCACost`). The matrices of all costs are factored with one
+    batched call per matrix size and nothing is read on the host: a failed factorisation gives meaningless
+    values, and the returned :class:`CostChecks` say so when read (:meth:`CostChecks.raise_if_failed`).
+    """
+    if len(statistics) != len(costs) or not costs:
+        raise ValueError(f"need one cost module per statistics; got {len(statistics)} statistics and {len(costs)} costs")
+    for stats, cost in zip(statistics, costs):
+        if cost.filtering():
+            cost.prepare_filter(stats)
+    values, state = cost_values(statistics, costs)
+    checks = CostChecks(
+        state,
+        tuple(cost.name for cost in costs),
+        tuple((stats.low_dim, stats.high_dim) for stats in statistics),
+        tuple(cost.reg for cost in costs),
+    )
+    return values, checks
+
+
+@dataclass
+class _Group:
+    """Costs of equal dimensions, regulariser and filter setting, stacked: their sums ``(n, ., .)`` as given (with
+    their autograd history), their counts ``(n,)`` (detached), and the matrices to factor."""
+
+    positions: list[int]
+    k1: int
+    sums: tuple[Tensor, Tensor, Tensor]
+    counts: tuple[Tensor, Tensor]
+    matrices: list[Tensor]  # J, C (, J_hat, C_hat)
+    candidate_ema: Tensor | None = None
+
+
+def cost_values(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]) -> tuple[list[Tensor], Tensor]:
+    """The tensor work of :func:`hfmca_costs`: ``(values, state)`` with ``state`` the ``(N, 7)`` checks of
+    :class:`CostChecks`. Static shapes, no host reads and no data-dependent Python (it compiles with
+    ``torch.compile(fullgraph=True)``); filters must have been sized (:meth:`HFMCACost.prepare_filter`)."""
+    device = statistics[0].low_outer_sum.device
+    with torch.autocast(device_type=device.type, enabled=False), torch.profiler.record_function("hfmca_costs"):
+        keys: dict[tuple[int, int, float, float], list[int]] = {}
+        for position, (stats, cost) in enumerate(zip(statistics, costs)):
+            beta = cost.beta if cost.filtering() else 0.0
+            keys.setdefault((stats.low_dim, stats.high_dim, cost.reg, beta), []).append(position)
+        groups = [_group(positions, [statistics[p] for p in positions], [costs[p] for p in positions], reg, beta) for (_, _, reg, beta), positions in keys.items()]
+        factors = iter(cholesky_by_size([matrix for group in groups for matrix in group.matrices]))
+        values: list[Tensor | None] = [None] * len(costs)
+        states: list[Tensor | None] = [None] * len(costs)
+        for group in groups:
+            group_values, group_state = _group_costs(group, [next(factors) for _ in group.matrices], [costs[p] for p in group.positions])
+            for row, position in enumerate(group.positions):
+                values[position], states[position] = group_values[row], group_state[row]
+        return [value for value in values if value is not None], torch.stack([state for state in states if state is not None])
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _group(positions: list[int], statistics: list[CorrelationStatistics], costs: list[HFMCACost], reg: float, beta: float) -> _Group:
+    """Stack the group's statistics and build ``J = [[A, P], [P^T, C]]`` and ``C`` (and, filtered, the bias-corrected
+    EMA ``J_hat`` of paper Alg. 3 lines 4-7 with this step's ``J`` taken in, and its block ``C_hat``)."""
+    low, high, cross = (_stack([getattr(stats, field) for stats in statistics]) for field in ("low_outer_sum", "high_outer_sum", "cross_sum"))
+    members, groups = (_stack([getattr(stats, field).detach() for stats in statistics]) for field in ("member_count", "group_count"))
+    a = low.detach() / members[:, None, None]
+    a.diagonal(dim1=-2, dim2=-1).add_(reg)
+    c = high.detach() / groups[:, None, None]
+    c.diagonal(dim1=-2, dim2=-1).add_(reg)
+    p = cross.detach() / groups[:, None, None]
+    joint = torch.cat([torch.cat([a, p], dim=-1), torch.cat([p.mT, c], dim=-1)], dim=-2)
+    group = _Group(positions, low.shape[-1], (low, high, cross), (members, groups), [joint, c])
+    if beta > 0:
+        ema = _stack([cost.joint_ema for cost in costs])
+        updates = _stack([cost.num_updates for cost in costs]) + 1
+        group.candidate_ema = ema * beta + joint * (1.0 - beta)
+        joint_hat = group.candidate_ema / (1.0 - torch.pow(beta, updates.to(torch.float64)))[:, None, None]
+        group.matrices += [joint_hat, joint_hat[:, group.k1 :, group.k1 :].contiguous()]
+    return group
+
+
+def _failures(joint_info: Tensor, high_info: Tensor, k1: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The columns at which A, C and S failed (0: they did not), from the infos of the factors of J and C: a
+    failure in J's first ``k1`` columns is A's, a later one the Schur complement's."""
+    zero = torch.zeros_like(joint_info)
+    return torch.where(joint_info <= k1, joint_info, zero), high_info, torch.where(joint_info > k1, joint_info - k1, zero)
+
+
+def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: list[HFMCACost]) -> tuple[Tensor, Tensor]:
+    """Values ``(n,)`` and checks ``(n, 7)`` of a group's costs from the factors of its matrices."""
+    k1 = group.k1
+    (joint_factor, joint_info), (high_factor, high_info) = factors[:2]
+    exact = 2.0 * (torch.log(torch.diagonal(joint_factor[:, k1:, k1:], dim1=-2, dim2=-1)).sum(-1) - torch.log(torch.diagonal(high_factor, dim1=-2, dim2=-1)).sum(-1))
+    columns = list(_failures(joint_info, high_info, k1))
+    failed = (joint_info > 0) | (high_info > 0)
+    if group.candidate_ema is not None:  # filtered: gradient at the smoothed matrices; the EMA takes this J if J was fine
+        (joint_factor, joint_hat_info), (high_factor, high_hat_info) = factors[2:]
+        columns += _failures(joint_hat_info, high_hat_info, k1)
+        for row, cost in enumerate(costs):
+            cost.joint_ema.copy_(torch.where(failed[row], cost.joint_ema, group.candidate_ema[row]))
+            cost.num_updates.add_((~failed[row]).to(cost.num_updates.dtype))
+        failed = failed | (joint_hat_info > 0) | (high_hat_info > 0)
+    else:
+        columns += [torch.zeros_like(joint_info)] * 3
+    low, high, cross = group.sums
+    finite = torch.isfinite(low).flatten(1).all(1) & torch.isfinite(high).flatten(1).all(1) & torch.isfinite(cross).flatten(1).all(1)
+    columns.append((~finite).to(joint_info.dtype))
+    state = torch.stack(columns, dim=1).to(torch.int64)
+    assert state.shape[1] == NONFINITE + 1
+    if not (torch.is_grad_enabled() and any(total.requires_grad for total in group.sums)):
+        return exact, state
+    gradients = _gradients(identity_where(failed, joint_factor), identity_where(failed, high_factor), k1)
+    members, groups = group.counts
+    surrogate = sum((gradient * total).sum(dim=(-2, -1)) / count for gradient, total, count in zip(gradients, group.sums, (members, groups, groups)))
+    return exact + (surrogate - surrogate.detach()), state
+
+
+def _gradients(joint_factor: Tensor, high_factor: Tensor, k1: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``logdet J - logdet A - logdet C`` w.r.t. ``A``, ``C`` and ``P`` at the factored matrices
+    (for the filter: of the surrogate ``tr(J_hat^-1 J) - tr(A_hat^-1 A) - tr(C_hat^-1 C)``, the same thing at the
+    smoothed ones). By the block inverse of ``J``: with ``X = A^-1 P = L_A^-T W`` and ``Y = X S^-1``, they are
+    ``Y X^T`` (A), ``S^-1 - C^-1`` (C) and ``-2 Y`` (P, which appears twice in ``J``): one triangular solve and two
+    inverses of size K2 per cost, batched over the group."""
+    low_factor, coupling, schur_factor = joint_factor[:, :k1, :k1], joint_factor[:, k1:, :k1].mT, joint_factor[:, k1:, k1:]
+    low_inv_cross = torch.linalg.solve_triangular(low_factor.mT, coupling, upper=True)
+    inv_schur = inverse_from_factor(schur_factor)
+    weighted = low_inv_cross @ inv_schur
+    return weighted @ low_inv_cross.mT, inv_schur - inverse_from_factor(high_factor), weighted * -2.0
+
+
+def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
+    """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
+    return HFMCACost(check_reg(reg), name=name).eval().forward_statistics(stats, synchronised=True)
+
+
+def hfmca_cost(
+    low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool = False, name: str = "hfmca"
+) -> Tensor:
+    """HFMCA cost between ``L`` members per group and the group's feature (paper Prop. 2).
+
+    Args:
+        low: ``(M, L, K1)`` member features (e.g. the L view features of M images).
+        high: ``(M, K2)`` group features (e.g. the external head output).
+        reg: ``> 0``, added to the diagonal of both marginal blocks and inside the joint.
+        sync_dist: reduce the statistics over all ranks (differentiably) when ``torch.distributed`` is
+            initialised, so the cost is the cost of the global batch.
+        name: named in error messages.
+
+    Returns:
+        0-dim float64 tensor ``r <= 0``; lower means stronger dependence.
+    """
+    check_reg(reg)
+    stats = group_statistics(low, high)
+    if sync_dist:
+        stats = all_reduce_statistics(stats)
+    return cost_from_statistics(stats, reg=reg, name=name)

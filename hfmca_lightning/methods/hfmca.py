@@ -14,14 +14,16 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.losses.hfmca_cost import CostFactorisationError, HFMCACost, check_later, deferred_checks
+from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError, merge_checks
+from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
+from hfmca_lightning.losses.hfmca_cost import HFMCACost, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
-__all__ = ["Collected", "HFMCAModule", "Objective", "check_checkpoint_architecture"]
+__all__ = ["Collected", "HFMCAModule", "Objective", "check_checkpoint_architecture", "objective_values"]
 
 
 @dataclass
@@ -41,11 +43,31 @@ class Collected:
 @dataclass
 class Objective:
     """The result of :meth:`HFMCAModule.objective`: the ``total`` to minimise (0-dim float64), each cost by
-    name, and the global-batch statistics they were taken from."""
+    name, the global-batch statistics they were taken from, and the checks of their factorisations and of the
+    total's finiteness (read, or still on the device: see :meth:`HFMCAModule.objective`)."""
 
     total: Tensor
     costs: dict[str, Tensor]
     statistics: dict[str, CorrelationStatistics]
+    checks: CostChecks
+
+
+def objective_values(
+    statistics: list[CorrelationStatistics], costs: list[HFMCACost], has_external: bool, internal_weight: float
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The cost path of a training step, statistics -> costs -> total (paper §4: ``external + lambda * sum
+    internal``): ``(values, total, state, total_failed)`` with each cost's value, the total, the ``(N, 7)``
+    checks of :class:`CostChecks` and ``()`` 1 if the total is not finite. ``costs[0]`` is the external cost
+    when ``has_external``. Static shapes and no host reads: what ``HFMCAModule(compile_costs=True)`` compiles
+    (``torch.compile(fullgraph=True)``; CUDA graphs on GPUs)."""
+    values, state = cost_values(statistics, costs)
+    total = torch.zeros((), dtype=torch.float64, device=values[0].device)
+    if has_external:
+        total = total + values[0]
+    internal = values[1:] if has_external else values
+    if internal:
+        total = total + internal_weight * torch.stack(internal).sum()
+    return values, total, state, (~torch.isfinite(total)).to(torch.int64)
 
 
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
@@ -137,6 +159,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             ``CosineWarmupScheduler``); 0: the paper's per-epoch cosine.
         weight_decay_on_bias_and_norm: ``false`` exempts biases and normalisation parameters from weight
             decay (and from LARS's layer-wise scaling), as large-batch SSL recipes do.
+        compile_costs: compile the cost path (:func:`objective_values`: every pair's factorisations, the costs
+            and the total) with ``torch.compile(fullgraph=True)``, on CUDA with ``mode="reduce-overhead"`` (one
+            CUDA graph instead of a few hundred small launches per step). The statistics stay eager.
+
+    A training step reads no device value on the host: the checks of every factorisation and of the total's
+    finiteness stay on the device and are read once, just before the optimizer step (all-reduced under DDP, so
+    every rank stops together), where a failure still keeps the update from happening. The costs go to the
+    logger every ``log_every_n_steps`` and to the progress bar asynchronously
+    (:class:`~hfmca_lightning.callbacks.CostProgressBar`).
     """
 
     def __init__(
@@ -155,6 +186,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         backbone_chunk_size: int | None = None,
         warmup_epochs: float = 0.0,
         weight_decay_on_bias_and_norm: bool = True,
+        compile_costs: bool = False,
     ) -> None:
         super().__init__()
         if views_through_backbone not in ("concat", "per_view"):
@@ -202,6 +234,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             torch._dynamo.config.skip_nnmodule_hook_guards = False
         # Not registered as a submodule, so state_dict keys stay those of the plain backbone.
         object.__setattr__(self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone)
+        self.compile_costs = compile_costs
+        self._cost_path: Any = None  # objective_values, compiled on first use with compile_costs
+        self._pending_checks: list[CostChecks] = []  # a training step's checks, read before the optimizer step
 
     def embed(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of ``(N, C, H, W)`` images (through the compiled forward if enabled)."""
@@ -276,46 +311,80 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             maps = {name: recording.maps[name] for name in names if name in recording.maps}
         return Collected(statistics, maps, features)
 
-    def objective(self, collected: Collected) -> Objective:
+    def objective(self, collected: Collected, *, check: bool = True) -> Objective:
         """The paper's objective ``external + weight * sum(internal)`` from a batch's local statistics.
 
-        Statistics are synchronised across ranks (costs with ``sync_dist``) before the costs are taken, so
-        the value and gradients are those of the global batch. A failed factorisation or a non-finite
-        total raises :class:`CostFactorisationError` naming the step.
+        Statistics are synchronised across ranks first (every pair of costs with ``sync_dist`` in one collective),
+        so the value and gradients are those of the global batch. With ``check``, a failed factorisation or a
+        non-finite total raises :class:`CostFactorisationError` naming the step (one host read); without it the
+        checks are left on the device in ``Objective.checks`` (what a training step does).
         """
         cost_modules = self.cost_modules()
-        statistics = {name: cost_modules[name].synchronise(stats) for name, stats in collected.statistics.items()}
-        costs: dict[str, Tensor] = {}
+        names = list(collected.statistics)
+        costs = [cost_modules[name] for name in names]
+        statistics = list(collected.statistics.values())
+        synced = [position for position, cost in enumerate(costs) if cost.sync_dist]
+        for position, stats in zip(synced, all_reduce_statistics_together([statistics[position] for position in synced])):
+            statistics[position] = stats
+        for stats, cost in zip(statistics, costs):
+            if cost.filtering():
+                cost.prepare_filter(stats)
+        weight = self.internal_costs.weight if self.internal_costs is not None else 0.0
+        values, total, state, total_failed = self._cost_path_function(statistics[0].low_outer_sum.device)(statistics, costs, names[0] == "external", weight)
+        checks = CostChecks(state, tuple(names), tuple((stats.low_dim, stats.high_dim) for stats in statistics), tuple(cost.reg for cost in costs), total_failed)
+        objective = Objective(total, dict(zip(names, values)), dict(zip(names, statistics)), checks)
+        if check:
+            self._raise_if_failed(checks)
+        return objective
+
+    def _cost_path_function(self, device: torch.device) -> Any:
+        """:func:`objective_values`, compiled on the first call with ``compile_costs`` (CUDA graphs on CUDA)."""
+        if not self.compile_costs:
+            return objective_values
+        if self._cost_path is None:
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            self._cost_path = torch.compile(objective_values, fullgraph=True, dynamic=False, mode=mode)
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous step's graph outputs are done with
+        return self._cost_path
+
+    def _raise_if_failed(self, checks: CostChecks, reduce: Any = None) -> None:
         try:
-            with deferred_checks():  # every cost's factorisations and the total's finiteness: one wait on a GPU
-                total = torch.zeros((), dtype=torch.float64, device=self.device)
-                for name, stats in statistics.items():
-                    costs[name] = cost_modules[name].forward_statistics(stats, synchronised=True)
-                if "external" in costs:
-                    total = total + costs["external"]
-                internal = [cost for name, cost in costs.items() if name != "external"]
-                if internal and self.internal_costs is not None:
-                    total = total + self.internal_costs.weight * torch.stack(internal).sum()
-                check_later([(~torch.isfinite(total), lambda: CostFactorisationError(f"the total cost is {total.item()} (features or weights hold NaN or Inf)"))])
+            checks.raise_if_failed(reduce)
         except CostFactorisationError as error:
             raise CostFactorisationError(
                 f"training stopped at step {self.global_step} (epoch {self.current_epoch}): {error}. "
                 "Checkpoints written before this step are intact: resume from one with a lower learning rate "
                 "or a larger `reg`."
             ) from None
-        return Objective(total, costs, statistics)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Any]:
-        """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics"}``: the global-batch
-        statistics of every pair (detached) go on to ``on_train_batch_end`` hooks, where
-        :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into spectra."""
+        """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics", "progress_bar"}``: the
+        global-batch statistics of every pair (detached) go on to ``on_train_batch_end`` hooks, where
+        :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into spectra, and the costs shown by
+        :class:`~hfmca_lightning.callbacks.CostProgressBar`. No device value is read here: the step's checks wait
+        for :meth:`on_before_optimizer_step`."""
         images, _ = batch
-        objective = self.objective(self.collect(images))
+        objective = self.objective(self.collect(images), check=False)
+        self._pending_checks.append(objective.checks)
         for name, cost in objective.costs.items():
-            self.log(f"cost/{name}", cost, prog_bar=name == "external")
-        self.log("cost/total", objective.total, prog_bar=self.external_head is None)
+            self.log(f"cost/{name}", cost)
+        self.log("cost/total", objective.total)
         self.log("train/loss", objective.total)
-        return {"loss": objective.total, "statistics": {name: stats.detach() for name, stats in objective.statistics.items()}}
+        shown = "cost/external" if "external" in objective.costs else "cost/total"
+        return {
+            "loss": objective.total,
+            "statistics": {name: stats.detach() for name, stats in objective.statistics.items()},
+            "progress_bar": {shown: (objective.costs["external"] if "external" in objective.costs else objective.total).detach()},
+        }
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read the checks of the steps being applied (one host read, after a max over all ranks), and stop the
+        run before the update if a factorisation failed or the total is not finite on any rank."""
+        if not self._pending_checks:
+            return
+        checks, self._pending_checks = merge_checks(self._pending_checks), []
+        self._raise_if_failed(checks, all_reduce_max)
 
     def cost_modules(self) -> dict[str, HFMCACost]:
         """Every cost of the model by cost name: ``external`` and ``internal/<layer>``."""

@@ -15,9 +15,9 @@ from hfmca_lightning.losses import (
     feature_map_statistics,
     hfmca_cost,
 )
-from hfmca_lightning.losses.hfmca_cost import deferred_checks
+from hfmca_lightning.losses.hfmca_cost import hfmca_costs
 from tests.host_reads import HostReads
-from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
+from tests.reference import reference_cost, reference_cost_autograd, reference_group_moments, reference_unfold_windows
 
 CASES = {
     "random": (64, 9, 16, 16),
@@ -132,13 +132,16 @@ def _grads(cost_fn, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor
     return cost.detach(), low.grad, high.grad
 
 
-def test_beta_zero_surrogate_gradient_equals_exact_gradient():
-    low, high = _inputs(12, 9, 16, 16, seed=7)
-    module = HFMCACost(reg=0.1, beta=0.0)
-    filtered = _grads(module, low, high)
-    exact = _grads(lambda lo, hi: hfmca_cost(lo, hi, reg=0.1), low, high)
-    for got, expected in zip(filtered, exact):
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_values_and_gradients_equal_autograd_through_the_assembled_matrices(case: str):
+    """The cost's value and gradient (from the blocks of J's factor, handed to the statistics in one node) equal
+    autograd through ``slogdet`` of the assembled J, A and C: the training module, the functional form, and a
+    module in eval mode."""
+    low, high = _inputs(*CASES[case], seed=7)
+    expected = _grads(lambda lo, hi: reference_cost_autograd(lo, hi, 0.1), low, high)
+    for cost_fn in (HFMCACost(reg=0.1, beta=0.0).train(), HFMCACost(reg=0.1, beta=0.5).eval(), lambda lo, hi: hfmca_cost(lo, hi, reg=0.1)):
+        for got, want in zip(_grads(cost_fn, low, high), expected):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
 def _hand_filtered_gradient(steps, beta: float, reg: float):
@@ -229,12 +232,12 @@ def test_changing_feature_dimensions_between_steps_is_an_error():
 def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int):
     """On CPUs matrices whose size is a multiple of 64 are factored with an identity block appended (MKL is
     slow at those sizes): the factor, its gradient and the failure column are those of the plain matrix."""
-    from hfmca_lightning.losses.hfmca_cost import _cholesky_ex
+    from hfmca_lightning.losses.cholesky import _cholesky_ex
 
     torch.manual_seed(size)
     x = torch.randn(2 * size, size, dtype=torch.float64)
     matrix = (x.T @ x / size + 0.1 * torch.eye(size, dtype=torch.float64)).requires_grad_(True)
-    factor, info = _cholesky_ex(matrix)
+    (factor,), info = _cholesky_ex(matrix[None])
     expected = torch.linalg.cholesky(matrix)
     assert factor.shape == (size, size) and int(info) == 0
     torch.testing.assert_close(factor, expected, rtol=1e-12, atol=1e-12)
@@ -244,14 +247,14 @@ def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     broken = matrix.detach().clone()
     broken[size // 2, size // 2] = -1.0
-    assert int(_cholesky_ex(broken)[1]) == int(torch.linalg.cholesky_ex(broken)[1]) > 0
+    assert int(_cholesky_ex(broken[None])[1]) == int(torch.linalg.cholesky_ex(broken)[1]) > 0
 
 
 @pytest.mark.parametrize("size", [8, 130])
 def test_the_gpu_inverse_from_a_factor_equals_potri(size: int):
     """GPUs invert the Schur and C factors by one triangular solve and a product (torch.cholesky_inverse is
     launch-heavy there); it is LAPACK's potri to rounding."""
-    from hfmca_lightning.losses.hfmca_cost import _inverse_by_triangular_solve
+    from hfmca_lightning.losses.cholesky import _inverse_by_triangular_solve
 
     torch.manual_seed(size)
     x = torch.randn(size, 3 * size, dtype=torch.float64)
@@ -261,12 +264,17 @@ def test_the_gpu_inverse_from_a_factor_equals_potri(size: int):
     assert torch.equal(inverse, inverse.T) or torch.allclose(inverse, inverse.T, rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize(("broken", "named"), [("low", "low-level matrix A"), ("high", "high-level matrix C"), ("schur", "Schur complement")])
-def test_a_failed_factor_is_named_when_the_three_are_checked_together(broken: str, named: str):
-    """A, S and C are factored, then checked at once (one GPU wait per cost); the error names the first
-    failed matrix in the order A, C, S (S <= C, so a C that is not positive definite fails S as well)."""
-    from hfmca_lightning.losses.hfmca_cost import _block_factors
+def _statistics(a: torch.Tensor, c: torch.Tensor, cross: torch.Tensor, reg: float = 0.1) -> CorrelationStatistics:
+    """Statistics whose matrices are ``A = a``, ``C = c`` and ``P = cross`` at ``reg`` (one member, one group)."""
+    one = torch.ones((), dtype=torch.float64)
+    eye = torch.eye(a.shape[0], dtype=torch.float64)
+    return CorrelationStatistics(a - reg * eye, c - reg * torch.eye(c.shape[0], dtype=torch.float64), cross, one, one)
 
+
+@pytest.mark.parametrize(("broken", "named", "column"), [("low", "low-level matrix A", 2), ("high", "high-level matrix C", 3), ("schur", "Schur complement", 1)])
+def test_a_failed_factor_is_named(broken: str, named: str, column: int):
+    """J and C are factored, then checked at once; the error names the first failed matrix in the order A, C, S
+    (S <= C, so a C that is not positive definite fails S as well), with the column the factorisation stopped at."""
     eye = torch.eye(3, dtype=torch.float64)
     a, c, cross = eye.clone(), eye.clone(), torch.zeros(3, 3, dtype=torch.float64)
     if broken == "low":
@@ -275,8 +283,8 @@ def test_a_failed_factor_is_named_when_the_three_are_checked_together(broken: st
         c[2, 2] = -1.0
     else:
         cross = 2.0 * eye  # S = C - P^T A^-1 P = -3 I, while A and C are fine
-    with pytest.raises(CostFactorisationError, match=rf"HFMCA cost 'x': the {named}.*not positive definite"):
-        _block_factors(a, c, cross, name="x", reg=0.1)
+    with pytest.raises(CostFactorisationError, match=rf"HFMCA cost 'x': the {named}[^(]*\(3x3\) is not positive definite.*column {column}\)"):
+        HFMCACost(name="x").train().forward_statistics(_statistics(a, c, cross))
 
 
 def _failing_statistics(k: int = 3) -> CorrelationStatistics:
@@ -294,49 +302,55 @@ def _good_statistics(k: int = 3) -> CorrelationStatistics:
     return CorrelationStatistics(eye.clone(), eye.clone(), 0.1 * eye, one, one)
 
 
-def test_deferred_checks_raise_the_first_failure_at_the_end_of_the_block():
-    """Inside deferred_checks every cost is computed (no wait per cost); the block's end raises the error the
-    undeferred cost raises, for the first failed cost in order."""
-    with pytest.raises(CostFactorisationError) as immediate:
+def test_costs_taken_together_report_the_first_failure_when_their_checks_are_read():
+    """hfmca_costs computes every cost (a failed one does not stop the others, and nothing is raised); reading
+    the checks raises the error that the cost alone raises, for the first failed cost in order."""
+    with pytest.raises(CostFactorisationError) as alone:
         HFMCACost(name="first").forward_statistics(_failing_statistics())
-    computed = []
-    with pytest.raises(CostFactorisationError) as deferred:
-        with deferred_checks():
-            for name, stats in (("good", _good_statistics()), ("first", _failing_statistics()), ("second", _failing_statistics(4))):
-                computed.append(HFMCACost(name=name).train().forward_statistics(stats))
-    assert len(computed) == 3, "a failed cost stopped the block before its end"
-    assert str(deferred.value) == str(immediate.value)
-    assert "HFMCA cost 'first': the low-level matrix A" in str(deferred.value)
-    with deferred_checks():  # nothing failed: nothing raised
-        good = HFMCACost().forward_statistics(_good_statistics())
-    assert torch.isfinite(good)
+    costs = [HFMCACost(name=name).train() for name in ("good", "first", "second")]
+    values, checks = hfmca_costs([_good_statistics(), _failing_statistics(), _failing_statistics(4)], costs)
+    assert len(values) == 3 and torch.isfinite(values[0])
+    with pytest.raises(CostFactorisationError) as together:
+        checks.raise_if_failed()
+    assert str(together.value) == str(alone.value)
+    assert "HFMCA cost 'first': the low-level matrix A" in str(together.value)
+    values, checks = hfmca_costs([_good_statistics()], [HFMCACost()])
+    checks.raise_if_failed()  # nothing failed: nothing raised
+    assert torch.isfinite(values[0])
 
 
-def test_deferred_checks_wait_once():
-    """One host read of a device value for the whole block (each is a wait for the queue on a GPU)."""
-    with HostReads() as recorder, deferred_checks():
-        for _ in range(5):
-            HFMCACost().train().forward_statistics(_good_statistics())
+def test_costs_taken_together_read_nothing_until_their_checks_are_read():
+    """No host read of a device value while the costs (values and gradients) are computed; one when the checks are
+    read (each is a wait for the queue on a GPU), however many costs there are."""
+    statistics = [dataclasses.replace(_good_statistics(), low_outer_sum=torch.eye(3, dtype=torch.float64).requires_grad_(True)) for _ in range(5)]
+    with HostReads() as recorder:
+        values, checks = hfmca_costs(statistics, [HFMCACost(beta=beta).train() for beta in (0.0, 0.5, 0.0, 0.5, 0.0)])
+        torch.stack(values).sum().backward()
+    assert recorder.reads == []
+    with HostReads() as recorder:
+        checks.raise_if_failed()
     assert len(recorder.reads) == 1, recorder.reads
     with HostReads() as recorder:
         for _ in range(5):
             HFMCACost().train().forward_statistics(_good_statistics())
-    assert len(recorder.reads) == 5, recorder.reads  # without the block: one per cost
+    assert len(recorder.reads) == 5, recorder.reads  # one cost at a time, each read at once
 
 
 def test_a_failed_step_leaves_the_filter_state_as_it_was():
-    """With the adaptive filter (beta > 0) a cost is checked before the EMA takes in the step's J, even inside
-    deferred_checks, so a failed step cannot leave NaN in the filter."""
+    """With the adaptive filter (beta > 0) the EMA takes in a step's J only if its factorisation succeeded, decided on
+    the device, so a failed step cannot leave NaN in the filter, and its gradient is computed without an error."""
     cost = HFMCACost(beta=0.5).train()
     cost.forward_statistics(_good_statistics())
     ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
-    broken = dataclasses.replace(_good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64))
-    with pytest.raises(CostFactorisationError), deferred_checks():
-        cost.forward_statistics(broken)
+    broken = dataclasses.replace(_good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True))
+    (value,), checks = hfmca_costs([broken], [cost])
+    value.backward()
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
-
-
-def test_an_error_from_linear_algebra_on_a_failed_factor_becomes_the_factorisation_error():
-    with pytest.raises(CostFactorisationError, match="HFMCA cost 'x'"), deferred_checks():
-        HFMCACost(name="x").train().forward_statistics(_failing_statistics())
-        raise RuntimeError("cholesky_inverse: The diagonal element 2 is zero")  # what potri may raise on it
+    with pytest.raises(CostFactorisationError, match=r"NaN or Inf"):
+        checks.raise_if_failed()
+    failing = dataclasses.replace(_failing_statistics(), low_outer_sum=_failing_statistics().low_outer_sum.requires_grad_(True))
+    (value,), checks = hfmca_costs([failing], [cost])
+    value.backward()  # the inverses of a failed factor are taken of the identity: no LAPACK error
+    assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
+    with pytest.raises(CostFactorisationError, match="low-level matrix A"):
+        checks.raise_if_failed()

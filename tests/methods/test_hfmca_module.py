@@ -177,9 +177,10 @@ def test_checkpointing_and_internal_costs_are_exclusive():
     assert error.value.parameter == "checkpoint_backbone"
 
 
-def test_the_objective_reads_its_checks_once_for_all_costs():
-    """Every cost's factorisation checks and the total's finiteness are read together: one wait for the GPU's
-    queue per step instead of one per cost (docs/benchmarks/README.md: the internal step was host-bound)."""
+def test_the_objective_leaves_its_checks_on_the_device_until_they_are_read():
+    """Without ``check`` (a training step) the costs, the total and the backward pass read nothing on the host;
+    every cost's factorisation checks and the total's finiteness are then read together, once (a GPU waits for
+    its queue at each such read)."""
     torch.manual_seed(0)
     module = HFMCAModule(
         SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0),
@@ -188,6 +189,10 @@ def test_the_objective_reads_its_checks_once_for_all_costs():
     ).train()
     collected = module.collect(torch.rand(2, 4, 3, 32, 32))
     with HostReads() as recorder:
-        objective = module.objective(collected)
+        objective = module.objective(collected, check=False)
+        objective.total.backward()
     assert set(objective.costs) == {"external", "internal/L1", "internal/L3"}
+    assert recorder.reads == []
+    with HostReads() as recorder:
+        objective.checks.raise_if_failed()
     assert len(recorder.reads) == 1, recorder.reads

@@ -1,0 +1,67 @@
+"""``CostProgressBar``: the costs on the progress bar without waiting for the device."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+from torch import Tensor
+
+__all__ = ["AsyncHostValues", "CostProgressBar"]
+
+
+class AsyncHostValues:
+    """Device scalars brought to the host without a wait: each :meth:`push` starts a copy into pinned host memory
+    (``non_blocking``) and records a CUDA event; :meth:`latest` gives the newest values whose copy has finished
+    (``event.query()``, which never blocks), so on a GPU they trail the step being queued by the device's lag.
+    Values on the CPU are available at once."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._pending: deque[tuple[list[str], Tensor, Any]] = deque(maxlen=keep)
+        self._latest: dict[str, float] = {}
+
+    def push(self, values: Mapping[str, Tensor]) -> None:
+        """Start bringing ``values`` (0-dim tensors, any device) to the host."""
+        if not values:
+            return
+        names = list(values)
+        stacked = torch.stack([values[name].detach().reshape(()).to(torch.float64) for name in names])
+        if stacked.device.type != "cuda":
+            self._pending.append((names, stacked, None))
+            return
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(stacked.device))
+        self._pending.append((names, host, event))
+
+    def latest(self) -> dict[str, float]:
+        """The newest values that have arrived (an empty dict before the first)."""
+        while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
+            names, host, _ = self._pending.popleft()
+            self._latest = dict(zip(names, host.tolist()))
+        return dict(self._latest)
+
+
+class CostProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar that also shows the values a training step returns under ``"progress_bar"`` (the
+    HFMCA modules return their external cost, or the total without one), brought to the host by
+    :class:`AsyncHostValues`: on a GPU the bar shows the last value that has arrived, never waiting for the queue.
+    Values logged with ``prog_bar=True`` show as usual (Lightning reads those on the host every step). The
+    ``hfmca`` command adds this bar unless the trainer has another or ``enable_progress_bar: false``."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self._values = AsyncHostValues()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
+            self._values.push(outputs["progress_bar"])
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        return {**super().get_metrics(trainer, pl_module), **self._values.latest()}

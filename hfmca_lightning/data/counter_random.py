@@ -1,0 +1,101 @@
+"""Random numbers as a function of ``(sample seed, position)``: counter-based, batched, the same on every device.
+
+Every sample of a training epoch has its own seed (:class:`~hfmca_lightning.data.datasets.SeededRandomSampler`).
+Seeding torch's generator once per sample is cheap on a CPU but costs a synchronous generator reset and a few
+dozen kernel launches per sample on a GPU. Here the uniforms of a whole batch come from one integer hash of
+``(seed, position)`` over a ``(batch, count)`` grid: a sample's numbers do not depend on its batch, its rank or
+the device, so views drawn from them resume exactly and shard under DDP like per-sample seeds do.
+
+The hash is Chris Wellons' ``lowbias32`` (two multiply-xorshift rounds on 32-bit words), chained over the seed's
+two 32-bit halves, the stream and the position. 32-bit products are taken in int64 in two 16-bit halves, so
+no intermediate exceeds 2**49: the integers are exact on any CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["CounterUniforms", "TorchUniforms", "counter_uniforms", "hash32"]
+
+_MASK32 = 0xFFFFFFFF
+_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+_STREAM = 0x9E3779B9  # the golden ratio's bits: keeps stream 0 from leaving the seed's hash unchanged
+
+
+def _multiply32(x: Tensor, multiplier: int) -> Tensor:
+    """``x * multiplier mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, without leaving int64's range."""
+    low, high = multiplier & 0xFFFF, multiplier >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: Tensor) -> Tensor:
+    """``lowbias32`` of int64 ``x`` in ``[0, 2**32)``: a bijection of 32-bit words with good avalanche."""
+    x = x ^ (x >> 16)
+    x = _multiply32(x, _MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _multiply32(x, _MULTIPLIERS[1])
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
+    """``(B, count)`` float64 uniforms in ``[0, 1)``, row ``b`` a function of ``(seeds[b], stream)`` only.
+
+    Args:
+        seeds: ``(B,)`` int64 seeds in ``[0, 2**63)`` (as the sampler gives them), on any device.
+        count: numbers per seed.
+        stream: separates uses of the same seeds.
+    """
+    if seeds.dim() != 1 or seeds.dtype != torch.int64:
+        raise ValueError(f"seeds must be a (B,) int64 tensor; got {seeds.dtype} {tuple(seeds.shape)}")
+    state = hash32(seeds & _MASK32)
+    state = hash32(state ^ (seeds >> 32))
+    state = hash32(state ^ (((stream + 1) * _STREAM) & _MASK32))
+    positions = torch.arange(2 * count, dtype=torch.int64, device=seeds.device)
+    bits = hash32(state[:, None] ^ hash32(positions)[None, :]).view(-1, count, 2)
+    # 53 random bits per number, as numpy's random_double: 27 from one word, 26 from the next
+    return ((bits[..., 0] >> 5) * 67108864 + (bits[..., 1] >> 6)).to(torch.float64) / 9007199254740992.0
+
+
+class CounterUniforms:
+    """The uniforms of ``B`` samples with ``L`` views each, for the draws of
+    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.draw`: ``per_view`` numbers per view,
+    made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand` (the
+    interface of :class:`TorchUniforms`). Every request is ``(B * L, ...)``: view ``l`` of sample ``b`` is row
+    ``b * L + l``, and its numbers depend only on ``seeds[b]``, ``l`` and the order of requests."""
+
+    def __init__(self, seeds: Tensor, num_views: int, per_view: int = 40) -> None:
+        self.rows, self.per_view = seeds.shape[0] * num_views, per_view
+        self._numbers = counter_uniforms(seeds, num_views * per_view).view(self.rows, per_view)
+        self._used = 0
+
+    def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+        """Uniforms in ``[0, 1)`` of ``shape = (B * L, ...)``."""
+        if shape[0] != self.rows:
+            raise ValueError(f"requests must have one row per view ({self.rows}); got shape {shape}")
+        width = 1
+        for size in shape[1:]:
+            width *= size
+        if self._used + width > self.per_view:
+            raise ValueError(f"more than {self.per_view} random numbers per view requested: raise per_view")
+        numbers = self._numbers[:, self._used : self._used + width].reshape(shape)
+        self._used += width
+        return numbers.to(dtype)
+
+    def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Uniforms in ``[low, high)`` of ``shape = (B * L, ...)``."""
+        return (self.rand(shape, torch.float64) * (high - low) + low).to(dtype)
+
+
+class TorchUniforms:
+    """Uniforms from torch's generator of ``device``, drawn by exactly the calls that drew them before this
+    interface existed (``torch.rand`` and ``Tensor.uniform_``), so seeded draws are unchanged."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+    def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.rand(shape, dtype=dtype, device=self.device)
+
+    def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device).uniform_(low, high)

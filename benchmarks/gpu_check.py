@@ -3,17 +3,19 @@
 Writes ``docs/benchmarks/gpu-<device>.md`` with
 
 * training-step rows at 64 images x 9 views in bf16 (ResNet-18, CIFAR-sized views): the backbone alone, the
-  HFMCA external cost, external + internal costs on all 8 BasicBlocks, each plain, channels-last and
-  compiled + channels-last, and the external step fed by on-device augmentation; views/s, time relative to
-  the backbone row of the same settings, and the memory each step allocates;
-* the data path: CPU workers running torchvision per view vs uint8 batches augmented on the GPU (kornia),
-  against what the fastest training step consumes;
+  HFMCA external cost, external + internal costs on all 8 BasicBlocks, each plain, channels-last, with the
+  backbone compiled, and with the cost path compiled into CUDA graphs (``compile_costs``), and the external
+  step fed by on-device augmentation; views/s, time relative to the backbone row of the same settings, the
+  memory each step allocates, and what each step asks of the device: host reads of device values, kernels
+  launched, and the fraction of the step the GPU is busy;
+* the data path: CPU workers (torchvision per view, kornia per image, batched per batch), uint8 batches
+  augmented on the GPU, and the training set kept on the GPU, against what the external step consumes;
 * bf16-vs-float32 agreement of every cost, and fast-vs-float64 internal statistics (costs and backbone
   gradients) on the GPU;
-* 3 epochs of HFMCA-SS(*) on a CIFAR-sized SyntheticShapes set (50k images) with kNN: seconds per epoch
-  and top-1 per epoch;
-* the targets of an H100 in bf16 (20k views/s, external <= 1.05x and internal <= 1.3x the backbone step,
-  data path >= the step's consumption), each marked met or not.
+* 3 epochs of HFMCA-SS(*) on a CIFAR-sized SyntheticShapes set (50k images) with kNN on the fastest data path:
+  seconds and top-1 per epoch, and the time 20 and 800 CIFAR epochs would take;
+* the targets (external <= 1.10x and external + internal <= 1.6x the backbone step, data path >= 1.2x the
+  external step's views/s, one epoch of 50,000 images <= 12 s), each marked met or not.
 
 Without CUDA it says so and exits with status 2: it never silently measures the CPU. ``--device cpu``
 runs the same script at tiny sizes (``--tiny``) to test it. Needs torch, torchvision, lightning and
@@ -73,6 +75,10 @@ class TrainingRun:
     peak_memory: str
     data_path: str = ""
 
+    def steady_epoch(self) -> float | None:
+        """Seconds of the last epoch (the first one also pays for warm-up and compilation)."""
+        return self.epoch_seconds[-1] if self.epoch_seconds else None
+
 
 @dataclass
 class GpuCheckResult:
@@ -116,17 +122,24 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
         verdict = "—" if target.met is None else ("yes" if target.met else "**no**")
         lines.append(f"| {target.what} | {target.measured} | {verdict} |")
     lines += ["", f"## Training step ({result.items_per_step} views per step; medians of interleaved rounds)", ""]
-    lines += ["| row | views/s | ms / step | vs backbone row of the same settings | step memory (GiB) |", "| --- | ---: | ---: | ---: | ---: |"]
-    baselines = {row.label.split(": ", 1)[1]: row.seconds for row in result.step_rows if row.label.startswith("backbone alone")}
+    lines += [
+        "Host reads: device values read on the host per step (each a wait for the GPU's queue). Kernels: launched per step. "
+        "GPU busy: kernel time per step (profiled) over the step's median time.",
+        "",
+        "| row | views/s | ms / step | vs backbone row of the same settings | step memory (GiB) | host reads | kernels | GPU busy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for row in result.step_rows:
         if row.seconds is None:
-            lines.append(f"| {row.label} | failed: {row.error} | | | |")
+            lines.append(f"| {row.label} | failed: {row.error} | | | | | | |")
             continue
-        settings = row.label.split(": ", 1)[1] if ": " in row.label else ""
-        base = baselines.get(settings)
+        base = _backbone_seconds(result.step_rows, row.label)
         ratio = f"{row.seconds / base:.2f}x" if base else "—"
         memory = f"{row.step_memory_gib:.2f}" if row.step_memory_gib is not None else "—"
-        lines.append(f"| {row.label} | {_rate(result.items_per_step, row.seconds)} | {row.seconds * 1000:.1f} | {ratio} | {memory} |")
+        reads = "—" if row.host_reads is None else str(row.host_reads)
+        kernels = "—" if row.kernels is None else f"{row.kernels:,.0f}"
+        busy = "—" if row.busy_fraction is None else f"{row.busy_fraction:.0%}"
+        lines.append(f"| {row.label} | {_rate(result.items_per_step, row.seconds)} | {row.seconds * 1000:.1f} | {ratio} | {memory} | {reads} | {kernels} | {busy} |")
     lines += ["", "## Data path", "", "| path | views/s |", "| --- | ---: |"]
     lines += [f"| {label} | {_rate(result.items_per_step, seconds)} |" for label, seconds in result.data_rows]
     lines += ["", "## Precision", "", "| cost | bf16 vs float32 (relative) | fast vs float64 statistics (relative) |", "| --- | ---: | ---: |"]
@@ -149,24 +162,44 @@ def write_report(result: GpuCheckResult, path: Path) -> str:
         ]
         for epoch, (seconds, top1) in enumerate(zip(run.epoch_seconds, run.knn_top1 + [float("nan")] * len(run.epoch_seconds)), start=1):
             lines.append(f"| {epoch} | {seconds:.1f} | {top1:.3f} |")
+        steady = run.steady_epoch()
+        if steady is not None:
+            per_cifar_epoch = steady * 50_000 / run.images
+            lines += ["", f"At the last epoch's pace, one CIFAR epoch (50,000 images) takes {per_cifar_epoch:.1f} s: 20 epochs {_duration(20 * per_cifar_epoch)}, 800 epochs {_duration(800 * per_cifar_epoch)}."]
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+COMPILED_COSTS = " + compiled costs"
+
+
+def _backbone_seconds(rows: list[StepRow], label: str) -> float | None:
+    """The backbone row of the same settings as ``label`` (compiling the costs leaves the backbone as it is)."""
+    settings = label.split(": ", 1)[1].replace(COMPILED_COSTS, "") if ": " in label else ""
+    return next((row.seconds for row in rows if row.label == f"backbone alone: {settings}"), None)
+
+
 def step_rows(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, compiled: bool = False) -> list[StepRow]:
     """The training-step rows: backbone / external / external + internal, each plain and channels-last, plus the
-    external step fed by device augmentation; with ``compiled``, instead the three rows compiled + channels-last
-    (timed as their own group, last, so that compilation time cannot starve the other sections)."""
+    external step fed by device augmentation; with ``compiled``, instead the three rows with the backbone compiled
+    + channels-last and the two cost rows channels-last with the cost path compiled (CUDA graphs on CUDA), timed as
+    their own group, last, so that compilation time cannot starve the other sections."""
     views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
     if compiled:
-        settings = {"compiled + channels_last": {"channels_last": True, "compile_backbone": True}}
+        settings = {"compiled + channels_last": {"channels_last": True, "compile_backbone": True}, f"channels_last{COMPILED_COSTS}": {"channels_last": True, "compile_costs": True}}
     else:
         settings = {"plain": {}, "channels_last": {"channels_last": True}}
     rows = []
     for what, internal, cost in (("backbone alone", False, False), ("external", False, True), ("external + internal", True, True)):
         for setting, options in settings.items():
+            if not cost and COMPILED_COSTS in setting:
+                continue
             make = partial(lambda i, c, o: training_step(build(args.backbone, args.views, i, **o).to(device).train(), views, c, autocast), internal, cost, options)
             rows.append((f"{what}: {setting}", make))
 
@@ -183,7 +216,7 @@ def step_rows(args: argparse.Namespace, device: torch.device, autocast: Abstract
     if not compiled:
         for pipeline in ("batched", "kornia"):
             rows.append((f"external, device augmentation ({pipeline}): channels_last", partial(augmented_step, pipeline)))
-    return measure_rows(rows, args.steps, device)
+    return measure_rows(rows, args.steps, device, anatomy=True)
 
 
 def profile_steps(args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, rows: int = 30) -> str:
@@ -256,16 +289,24 @@ def _agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[tup
     return rows, float(difference.norm() / scale), float(repeat.norm() / scale)
 
 
-def training_run(args: argparse.Namespace, device: torch.device, max_seconds: float | None = None) -> TrainingRun:
+def fastest_data_path(result: GpuCheckResult, workers: int) -> str:
+    """The name (:func:`data_paths`) of the data path that delivered the most views in the data section; the
+    training set on the device when the section did not run."""
+    labels = {f"data: {label}": name for name, (label, _) in data_paths(workers).items()}
+    measured = [(seconds, labels[label]) for label, seconds in result.data_rows if label in labels]
+    return min(measured)[1] if measured else "images-on-device"
+
+
+def training_run(args: argparse.Namespace, device: torch.device, max_seconds: float | None = None, data_path_name: str | None = None) -> TrainingRun:
     """``args.epochs`` epochs of HFMCA-SS(*) on SyntheticShapes with kNN after each (bf16 on CUDA), stopped
-    after ``max_seconds`` if given (the check's time budget)."""
+    after ``max_seconds`` if given (the check's time budget), on the data path ``data_path_name``."""
     from common import build_method, train_and_measure
 
     from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 
     per_class = max(1, args.train_images // 10)
     source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(2, per_class // 5), image_size=args.image_size)
-    data_path, options = data_paths(args.workers)[args.train_data]
+    data_path, options = data_paths(args.workers)[data_path_name or "images-on-device"]
     data = MultiViewDataModule(source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, **options)  # type: ignore[arg-type]
     backbone = "resnet18" if args.backbone == "resnet18" else "small"
     module = build_method("hfmca", backbone, args.views, channels_last=device.type == "cuda")
@@ -275,23 +316,25 @@ def training_run(args: argparse.Namespace, device: torch.device, max_seconds: fl
 
 
 def targets(result: GpuCheckResult) -> list[Target]:
-    """The issue's H100 bf16 targets against the measured rows."""
+    """The targets (bf16, 64 x 9 views of 32 px, channels-last) against the measured rows: the best setting of each
+    cost row over the backbone row of the same settings, the fastest data path over the fastest external step, and
+    one epoch of 50,000 images at the training run's last epoch's pace."""
     rows = {row.label: row.seconds for row in result.step_rows}
     items = result.items_per_step
     found: list[Target] = []
-    trained = [s for label, s in rows.items() if s and label.startswith("external") and "internal" not in label]
-    best = min(trained) if trained else None
-    found.append(Target("ResNet-18 9-view training >= 20,000 views/s (best external row)", f"{_rate(items, best)} views/s", None if best is None else items / best >= 20_000))
-    for what, limit in (("external", 1.05), ("external + internal", 1.3)):
-        ratios = []
-        for setting in ("plain", "channels_last", "compiled + channels_last"):
-            base, row = rows.get(f"backbone alone: {setting}"), rows.get(f"{what}: {setting}")
-            if base and row:
-                ratios.append(row / base)
+    for what, limit, goal in (("external", 1.10, 1.05), ("external + internal", 1.6, 1.3)):
+        ratios = [seconds / base for label, seconds in rows.items() if label.startswith(f"{what}: ") and seconds and (base := _backbone_seconds(result.step_rows, label))]
         measured = min(ratios) if ratios else None
-        found.append(Target(f"{what} <= {limit}x the backbone step (best setting)", "—" if measured is None else f"{measured:.2f}x", None if measured is None else measured <= limit))
-    data = min((s for label, s in result.data_rows), default=None)
-    found.append(Target("data path >= the fastest step's consumption", f"{_rate(items, data)} vs {_rate(items, best)} views/s", None if data is None or best is None else data <= best))
+        found.append(Target(f"{what} <= {limit:.2f}x the backbone step (goal {goal:.2f}x; best setting)", "—" if measured is None else f"{measured:.2f}x", None if measured is None else measured <= limit))
+    external = [seconds for label, seconds in rows.items() if seconds and label.startswith("external: ")]
+    best = min(external) if external else None
+    data = min((seconds for _, seconds in result.data_rows), default=None)
+    ratio = None if data is None or best is None else best / data
+    found.append(Target("data path views/s >= 1.2x the external step's", "—" if ratio is None else f"{_rate(items, data)} vs {_rate(items, best)} views/s ({ratio:.2f}x)", None if ratio is None else ratio >= 1.2))
+    run = result.training
+    steady = run.steady_epoch() if run is not None else None
+    epoch = None if steady is None or run is None else steady * 50_000 / run.images
+    found.append(Target("one epoch of 50,000 images, HFMCA-SS(*) <= 12 s", "—" if epoch is None else f"{epoch:.1f} s", None if epoch is None else epoch <= 12.0))
     return found
 
 
@@ -309,9 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-images", type=int, default=50_000)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument(
-        "--train-data", choices=list(data_paths(0)), default="batched-workers",
-        help="the training run's data path (the first H200 check: CPU workers beat kornia on the device; batched "
-        "draws 2x kornia's views per CPU core)",
+        "--train-data", choices=["fastest", *data_paths(0)], default="fastest",
+        help="the training run's data path (default: the fastest of the data section, else the training set on the device)",
     )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
@@ -375,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         result.data_rows = data_path_rows(args.views, args.batch_size, max(args.steps, 3), args.workers, device, image_size=args.image_size)
 
     def train() -> None:
-        result.training = training_run(args, device, max_seconds=args.time_budget - elapsed() - compile_reserve)
+        path_name = fastest_data_path(result, args.workers) if args.train_data == "fastest" else args.train_data
+        result.training = training_run(args, device, max_seconds=args.time_budget - elapsed() - compile_reserve, data_path_name=path_name)
 
     chosen = set(args.sections.split(","))
     if chosen - set(SECTIONS):

@@ -3,7 +3,10 @@
 Every row is built and warmed up first (compilation, cuDNN autotuning, allocator growth), then the rows
 are timed in interleaved rounds (row 1, row 2, ..., row 1, row 2, ...) and each row reports the median of
 its rounds. On CUDA each row also reports the peak memory its step allocates above what was resident
-before the step (activations, gradients, workspace).
+before the step (activations, gradients, workspace). With ``anatomy``, each row then reports what its step
+asks of the device: host reads of device values per step (each a wait for the queue on a GPU) and, on CUDA,
+kernels launched per step and the GPU-busy fraction (kernel time per step, from a profile, over the row's
+median step time).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hfmca_lightning.cpu_memory import keep_freed_memory
+from hfmca_lightning.diagnostics import HostReads
 
 Step = Callable[[], object]
 
@@ -43,6 +47,9 @@ class StepRow:
     seconds: float | None = None
     step_memory_gib: float | None = None
     error: str | None = None
+    host_reads: int | None = None
+    kernels: float | None = None
+    busy_fraction: float | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -51,9 +58,10 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_rows(
-    rows: list[tuple[str, Callable[[], Step]]], rounds: int, device: torch.device, warmup: int = 2
+    rows: list[tuple[str, Callable[[], Step]]], rounds: int, device: torch.device, warmup: int = 2, anatomy: bool = False
 ) -> list[StepRow]:
-    """Build each ``(label, make_step)`` row, warm it up ``warmup`` times, then time ``rounds`` interleaved rounds.
+    """Build each ``(label, make_step)`` row, warm it up ``warmup`` times, then time ``rounds`` interleaved rounds
+    (and, with ``anatomy``, count each step's host reads, kernels and busy fraction: :func:`step_anatomy`).
 
     A row whose construction or warm-up raises reports the error's first line and is skipped, so one
     unsupported combination (say ``torch.compile`` with forward hooks on an old PyTorch) does not lose the
@@ -92,7 +100,34 @@ def measure_rows(
     for row, times in zip(results, samples):
         if times:
             row.seconds = statistics.median(times)
+    if anatomy:
+        for row, step in zip(results, steps):
+            if step is not None and row.seconds is not None:
+                step_anatomy(row, step, device)
     return results
+
+
+def step_anatomy(row: StepRow, step: Step, device: torch.device, steps: int = 3) -> None:
+    """Fill ``row``'s host reads per step (one step under :class:`HostReads`) and, on CUDA, kernels per step and the
+    busy fraction: device time of the kernels of ``steps`` profiled steps (CUPTI) over ``steps`` times the row's
+    median step time (timed without the profiler)."""
+    with HostReads() as recorder:
+        step()
+    _sync(device)
+    row.host_reads = len(recorder.reads)
+    if device.type != "cuda" or row.seconds is None:
+        return
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))]
+    row.kernels = len(kernels) / steps
+    busy = sum(event.time_range.elapsed_us() for event in kernels) / 1e6 / steps
+    row.busy_fraction = min(1.0, busy / row.seconds)
 
 
 def format_rows(rows: list[StepRow], items: int, unit: str = "views/s") -> list[str]:

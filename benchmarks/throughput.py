@@ -77,17 +77,22 @@ def build(backbone_name: str, views: int, internal: bool, view_mode: str = "conc
 
 def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast: AbstractContextManager, augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:
     """One forward/backward of ``module`` on ``views``: the backbone alone (``cost=False``: a plain loss on its
-    features) or the HFMCA objective; ``augment`` first turns a uint8 batch into views on the device."""
+    features) or the HFMCA objective with its checks read after the backward pass, as a training step reads them
+    before the optimizer step; ``augment`` first turns a uint8 batch into views on the device."""
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
+        objective = None
         with autocast:
             batch = augment(views) if augment is not None else views
             if not cost:
                 loss = module.embed(batch.flatten(0, 1)).float().square().mean()
             else:
-                loss = module.objective(module.collect(batch)).total
+                objective = module.objective(module.collect(batch), check=False)
+                loss = objective.total
         loss.backward()
+        if objective is not None:
+            objective.checks.raise_if_failed()
 
     return step
 
@@ -100,14 +105,16 @@ def data_paths(workers: int) -> dict[str, tuple[str, dict[str, object]]]:
         "batched-workers": (f"batched per batch on {workers} CPU workers", {"worker_augmentation": "batched"}),
         "kornia-device": ("uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
         "device": ("uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
+        "images-on-device": ("training set on device, batched from seeds", {"images_on_device": True}),
     }
 
 
 def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
     """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
     pipeline per view, CPU workers drawing an image's views in one call of kornia or of
-    ``BatchedViewAugmentation``, and uint8 batches augmented on ``device`` by either. SyntheticShapes images of
-    side ``image_size``; ``steps`` batches after ``workers`` + 1 warm-up batches (the loader's prefetch)."""
+    ``BatchedViewAugmentation``, uint8 batches augmented on ``device`` by either, and the training set kept on
+    ``device`` (``images_on_device``). SyntheticShapes images of side ``image_size``; ``steps`` batches after
+    ``workers`` + 1 warm-up batches (the loader's prefetch)."""
     warmup = workers + 1
     source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
     rows = []
@@ -117,9 +124,10 @@ def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device
         loader = iter(data.train_dataloader())
 
         def next_views(loader=loader, data=data) -> torch.Tensor:
-            images, _ = next(loader)
-            images = images.to(device, non_blocking=True)
-            return data.device_augmentation(images, views) if data.augment_on_device else images
+            batch = [part.to(device, non_blocking=True) for part in next(loader)]
+            if data.images_on_device:
+                return data.draw_views(batch)[0]
+            return data.device_augmentation(batch[0], views) if data.augment_on_device else batch[0]
 
         for _ in range(warmup - 1):
             next_views()

@@ -49,7 +49,7 @@ class CountCollectives(Callback):
         self.folder, self.counts, self.mode = folder, [], None
 
     def _start(self) -> None:
-        from tests.host_reads import OperationCounts
+        from hfmca_lightning.diagnostics import OperationCounts
 
         self.mode = OperationCounts(torch.ops._c10d_functional.all_reduce)
         self.mode.__enter__()
@@ -73,9 +73,9 @@ class CountCollectives(Callback):
             file.write(" ".join(self.counts))
 
 
-def data(batch_size: int) -> MultiViewDataModule:
+def data(batch_size: int, images_on_device: bool = False) -> MultiViewDataModule:
     source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
-    return MultiViewDataModule(source, num_views=4, batch_size=batch_size, eval_batch_size=4, num_workers=0)
+    return MultiViewDataModule(source, num_views=4, batch_size=batch_size, eval_batch_size=4, num_workers=0, images_on_device=images_on_device)
 
 
 class ReleaseProcessGroup(Callback):
@@ -102,13 +102,17 @@ def trainer(devices: int, **kwargs) -> Trainer:
     return Trainer(accelerator="cpu", devices=devices, strategy=strategy, **{**settings, **kwargs})
 
 
-@pytest.mark.parametrize("internal", [False, True], ids=["external", "external+internal"])
-def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, tmp_path):
+@pytest.mark.parametrize(
+    ("internal", "images_on_device"), [(False, False), (True, False), (False, True)], ids=["external", "external+internal", "images-on-device"]
+)
+def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, images_on_device, tmp_path):
+    """With the training split kept on the device (the CPU here) the processes' shards and the views drawn from
+    their seeds are those of one process with the doubled batch too."""
     single = bn_free_module(internal)
-    trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(single, data(2 * PER_RANK_BATCH))
+    trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(single, data(2 * PER_RANK_BATCH, images_on_device))
     distributed = bn_free_module(internal)
     counting = CountCollectives(str(tmp_path))
-    trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[counting]).fit(distributed, data(PER_RANK_BATCH))
+    trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[counting]).fit(distributed, data(PER_RANK_BATCH, images_on_device))
     for rank in range(2):  # one collective per step for the statistics of all (one or three) cost pairs, one for their gradients
         assert (tmp_path / f"collectives{rank}.txt").read_text() == "1/1 1/1 1/1"
     untrained = dict(bn_free_module(internal).named_parameters())

@@ -53,8 +53,13 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
         assert heading in text
     for row in ("backbone alone: plain", "external: channels_last", "external + internal: plain", "external, device augmentation (batched)", "external, device augmentation (kornia)"):
         assert f"| {row}" in text and f"| {row} | failed" not in text
-    for path in ("torchvision per view on 1 CPU workers", "kornia per image on 1 CPU workers", "batched per batch on 1 CPU workers", "uint8 + kornia on device", "uint8 + batched on device"):
+    for path in ("torchvision per view on 1 CPU workers", "kornia per image on 1 CPU workers", "batched per batch on 1 CPU workers", "uint8 + kornia on device", "uint8 + batched on device", "training set on device, batched from seeds"):
         assert f"| data: {path} |" in text
+    # every step row says what it asks of the device: the cost rows read their checks once per step
+    (external_row,) = [line for line in text.splitlines() if line.startswith("| external: plain |")]
+    assert external_row.split("|")[6].strip() == "1"
+    (backbone_row,) = [line for line in text.splitlines() if line.startswith("| backbone alone: plain |")]
+    assert backbone_row.split("|")[6].strip() == "0"
     # The fast statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost).
     internal_rows = [line for line in text.splitlines() if line.startswith("| internal/")]
     assert internal_rows and all(float(line.split("|")[3]) < 1e-6 for line in internal_rows)
@@ -62,34 +67,36 @@ def test_the_whole_check_runs_on_the_cpu_without_the_packages_gpu_machines_lack(
     ((gradients, repeat),) = re.findall(r"float64 internal statistics \(float32 model[^)]*\): relative difference ([0-9.e+-]+) \(the fast pass twice: ([0-9.e+-]+)\)", text)
     assert float(gradients) < 1e-5 and float(repeat) < 1e-7
     assert "| 1 |" in text  # one training epoch with its kNN top-1
+    assert "one CIFAR epoch (50,000 images) takes" in text and "800 epochs" in text
 
 
 def fake_result() -> GpuCheckResult:
     rows = [
-        StepRow("backbone alone: plain", 0.020, 1.0),
+        StepRow("backbone alone: plain", 0.020, 1.0, host_reads=0, kernels=420.0, busy_fraction=0.95),
         StepRow("backbone alone: channels_last", 0.016, 0.9),
-        StepRow("external: plain", 0.021, 1.1),
-        StepRow("external: channels_last", 0.0165, 1.0),
+        StepRow("external: plain", 0.021, 1.1, host_reads=1, kernels=700.0, busy_fraction=0.91),
+        StepRow("external: channels_last", 0.0185, 1.0),
         StepRow("external + internal: plain", 0.030, 2.0),
-        StepRow("external + internal: channels_last", 0.024, 1.9),
+        StepRow("external + internal: channels_last", 0.028, 1.9),
         StepRow("external + internal: compiled + channels_last", None, None, "Unsupported: hooks"),
+        StepRow("external + internal: channels_last + compiled costs", 0.024, 1.9),
         StepRow("external, device augmentation: channels_last", 0.018, 1.2),
     ]
     training = TrainingRun("resnet18", 50_000, 9, 64, [30.0, 25.0, 25.5], [0.41, 0.55, 0.61], "3.10 GiB (GPU)")
     return GpuCheckResult(
         "NVIDIA H100 80GB HBM3", {"torch": "2.11.0"}, {"step rows": "resnet18"}, 576, rows,
-        [("data: torchvision on 16 CPU workers", 0.050), ("data: uint8 + kornia on device", 0.004)],
+        [("data: torchvision on 16 CPU workers", 0.050), ("data: training set on device, batched from seeds", 0.004)],
         [("external", 2e-3, None), ("internal/layer1.0", 3e-3, 4e-8)], 2e-7, training, gradient_repeat=1e-8,
         sections=[("training-step rows", "12 s"), ("data path", "**failed** after 3 s: RuntimeError: bus error")],
     )
 
 
 def test_targets_follow_from_the_rows():
-    speed, external, internal, data = targets(fake_result())
-    assert speed.measured == "34,909 views/s" and speed.met  # 576 views / 0.0165 s, the fastest external row
-    assert external.measured == "1.03x" and external.met  # 0.0165 / 0.016, the best setting
-    assert internal.measured == "1.50x" and internal.met is False  # 0.024 / 0.016
-    assert data.met  # 0.004 s per batch on the device vs 0.016 s per step
+    external, internal, data, epoch = targets(fake_result())
+    assert external.measured == "1.05x" and external.met  # 0.021 / 0.020 plain beats 0.0185 / 0.016 channels-last
+    assert internal.measured == "1.50x" and internal.met  # 0.024 / 0.016: compiled costs over the channels-last backbone
+    assert data.measured == "144,000 vs 31,135 views/s (4.62x)" and data.met  # fastest path over the fastest external step
+    assert epoch.measured == "25.5 s" and epoch.met is False  # the last epoch, 50,000 images
 
 
 def test_report_writer_on_a_fake_result(tmp_path: Path):
@@ -99,10 +106,12 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     assert (tmp_path / "gpu-nvidia-h100-80gb-hbm3.md").read_text() == text
     assert "| external <= 1.05x | 1.03x | yes |" in text and "| internal <= 1.3x | 1.50x | **no** |" in text and "| x | — | — |" in text
     # Ratios are to the backbone row of the same settings; rates are views per second.
-    assert "| external: plain | 27,429 | 21.0 | 1.05x | 1.10 |" in text
-    assert "| external + internal: channels_last | 24,000 | 24.0 | 1.50x | 1.90 |" in text
+    assert "| external: plain | 27,429 | 21.0 | 1.05x | 1.10 | 1 | 700 | 91% |" in text
+    assert "| external + internal: channels_last | 20,571 | 28.0 | 1.75x | 1.90 | — | — | — |" in text
+    assert "| external + internal: channels_last + compiled costs | 24,000 | 24.0 | 1.50x | 1.90 |" in text
     assert "| external + internal: compiled + channels_last | failed: Unsupported: hooks |" in text
-    assert "| data: uint8 + kornia on device | 144,000 |" in text
+    assert "| data: training set on device, batched from seeds | 144,000 |" in text
+    assert "one CIFAR epoch (50,000 images) takes 25.5 s: 20 epochs 8 min, 800 epochs 5.7 h." in text
     assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 |" in text and "| external | 2.00e-03 | — |" in text
     assert "| 3 | 25.5 | 0.610 |" in text
     assert "relative difference 2.00e-07 (the fast pass twice: 1.00e-08)." in text

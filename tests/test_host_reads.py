@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from hfmca_lightning.callbacks import CostProgressBar
 from hfmca_lightning.trainer_cli import HFMCACLI
 from tests.cli_helpers import REPO
-from tests.host_reads import HostReads
+from hfmca_lightning.diagnostics import HostReads
 
 COUNTED_STEPS = range(2, 5)  # after the first steps' one-off work (caches, lazy buffers)
 

@@ -40,11 +40,12 @@ def demo_overrides(folder: Path) -> Path:
     return write_overrides(folder, "shrink.yaml", overrides)
 
 
-def cifar_overrides(folder: Path, every_n_train_steps: int, on_device: bool = False) -> Path:
+def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "batched-workers") -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
-    workers not persistent; views from the shipped data path (``worker_augmentation: batched`` in 2 workers) or,
-    ``on_device``, drawn after the transfer (``augment_on_device``, seeded per batch)."""
+    workers not persistent; views from the shipped data path (``batched-workers``: ``worker_augmentation: batched``
+    in 2 workers), drawn after the transfer (``on-device``: ``augment_on_device``, seeded per batch), or from the
+    training split kept on the device (``images-on-device``, the device being the CPU here)."""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -57,8 +58,10 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, on_device: bool = Fa
     # Lightning build the training loader before it restores the checkpoint (Lightning issue #20550).
     model["warmup_epochs"] = 1.0
     data = {"source": {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": "data", "verify": False}}, "batch_size": 8, "eval_batch_size": 64, "num_workers": 2, "persistent_workers": False}
-    if on_device:
+    if data_path == "on-device":
         data.update(augment_on_device=True, worker_augmentation="torchvision")
+    elif data_path == "images-on-device":
+        data.update(images_on_device=True)
     overrides = {"trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks}, "model": {"init_args": model}, "data": {"init_args": data}}
     return write_overrides(folder, "shrink.yaml", overrides)
 
@@ -125,14 +128,14 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
-@pytest.mark.parametrize("on_device", [False, True], ids=["batched-workers", "on-device"])
-def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, on_device):
+@pytest.mark.parametrize("data_path", ["batched-workers", "on-device", "images-on-device"])
+def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
     steps_per_epoch, every = 12, 5
     folder = tmp_path / "straight"
-    straight = ReferenceRun(folder, fit_args(CIFAR10, cifar_overrides(folder, every, on_device)), folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt")
+    straight = ReferenceRun(folder, fit_args(CIFAR10, cifar_overrides(folder, every, data_path)), folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt")
 
     interrupted = tmp_path / "interrupted"
-    args = fit_args(CIFAR10, cifar_overrides(interrupted, every, on_device))
+    args = fit_args(CIFAR10, cifar_overrides(interrupted, every, data_path))
     checkpoints = interrupted / "runs" / "cifar10_ss" / "checkpoints"
     try:
         process = start_hfmca(interrupted, *args)

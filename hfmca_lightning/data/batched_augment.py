@@ -17,8 +17,10 @@ kornia draws the same distributions per sample, but at CIFAR size its cost is di
   ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at
   ``SOLARIZE_THRESHOLD``, normalisation; blur and solarisation with the probabilities of each view's kind.
 
-Random numbers come from torch's generator of the images' device (seeded per batch by the data module,
-per sample in the workers), so views stay a function of the seed. Pixels stay float32 throughout: the CPU
+Random numbers come from each sample's seed through a counter-based hash (:meth:`BatchedViewAugmentation.views_from_seeds`:
+the CPU workers' collate function and the training set kept on the device), or from torch's generator of the
+images' device (seeded per batch: ``augment_on_device``), so views stay a function of the seed. Nothing in it
+reads a device value on the host or copies a Python constant to the device. Pixels stay float32 throughout: the CPU
 torchvision path works on uint8 and its blends truncate after every jitter step, which leaves its views
 about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's images; the only difference
 seen in pixel statistics).
@@ -27,30 +29,35 @@ seen in pixel statistics).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hfmca_lightning.data.datasets import _seeded
+from hfmca_lightning.data.counter_random import CounterUniforms, TorchUniforms
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
 __all__ = ["BatchViews", "BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
+
+Uniforms = CounterUniforms | TorchUniforms
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
 
 
 def sample_crop_boxes(
-    count: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], device: torch.device | None = None
+    count: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], device: torch.device | None = None,
+    uniforms: Uniforms | None = None,
 ) -> Tensor:
     """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn as torchvision's
-    ``RandomResizedCrop.get_params``: the first of ten tries whose box fits, else its centre-crop fallback."""
+    ``RandomResizedCrop.get_params``: the first of ten tries whose box fits, else its centre-crop fallback.
+    Random numbers from ``uniforms`` (default: torch's generator of ``device``)."""
+    uniforms = uniforms if uniforms is not None else TorchUniforms(device)
     area = height * width
-    target = area * torch.empty(count, CROP_TRIES, dtype=torch.float64, device=device).uniform_(*scale)
+    target = area * uniforms.uniform((count, CROP_TRIES), *scale, dtype=torch.float64)
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    aspect = torch.exp(torch.empty(count, CROP_TRIES, dtype=torch.float64, device=device).uniform_(*log_ratio))
+    aspect = torch.exp(uniforms.uniform((count, CROP_TRIES), *log_ratio, dtype=torch.float64))
     widths, heights = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
     fits = (widths > 0) & (widths <= width) & (heights > 0) & (heights <= height)
     first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 if none does)
@@ -66,7 +73,7 @@ def sample_crop_boxes(
     found = fits.any(dim=1)
     w = torch.where(found, w, torch.full_like(w, fallback_w))
     h = torch.where(found, h, torch.full_like(h, fallback_h))
-    uniform = torch.rand(count, 2, dtype=torch.float64, device=device)
+    uniform = uniforms.rand((count, 2), dtype=torch.float64)
     top = torch.where(found, torch.floor(uniform[:, 0] * (height - h + 1)), torch.full_like(h, (height - fallback_h) // 2))
     left = torch.where(found, torch.floor(uniform[:, 1] * (width - w + 1)), torch.full_like(w, (width - fallback_w) // 2))
     return torch.stack((top, left, h, w), dim=1)
@@ -100,11 +107,9 @@ def _shift_hue(views: Tensor, shift: Tensor) -> Tensor:
     hue = torch.where(maximum == r, (g - b) / safe_chroma, torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0))
     hue = torch.remainder(hue / 6.0 + 1.0 + shift.view(-1, 1, 1), 1.0)
     # channel n in (5, 3, 1) for (R, G, B): v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6
-    k = torch.remainder(_HSV_OFFSETS.to(views.device) + 6.0 * hue.unsqueeze(1), 6.0)
+    offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(1, 3, 1, 1)  # made on the device
+    k = torch.remainder(offsets + 6.0 * hue.unsqueeze(1), 6.0)
     return maximum.unsqueeze(1) * (1.0 - saturation.unsqueeze(1) * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0))
-
-
-_HSV_OFFSETS = torch.tensor([5.0, 3.0, 1.0]).view(1, 3, 1, 1)
 
 
 def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
@@ -137,65 +142,77 @@ class ViewParameters:
     blur_sigma: Tensor  # (N,) (0: no blur)
     solarize: Tensor  # (N,) bool
 
-    @staticmethod
-    def cat(parts: list[ViewParameters]) -> ViewParameters:
-        """The rows of several draws, in order (e.g. one draw per image of a batch, each from its own seed)."""
-        return ViewParameters(*(torch.cat(tensors) for tensors in zip(*(_tensors(part) for part in parts))))
-
-
-def _tensors(parameters: ViewParameters) -> tuple[Tensor, ...]:
-    return tuple(getattr(parameters, item.name) for item in fields(parameters))
-
 
 class BatchedViewAugmentation(nn.Module):
     """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
 
     The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
-    :meth:`draw` and :meth:`apply` split the call: parameters drawn image by image from per-sample seeds and
-    applied to the whole batch at once give the views that per-image calls with those seeds give
-    (:class:`BatchViews`, the ``worker_augmentation: batched`` collate function).
+    :meth:`draw` and :meth:`apply` split the call. :meth:`views_from_seeds` draws each image's parameters from its
+    own seed (:class:`~hfmca_lightning.data.counter_random.CounterUniforms`) for the whole batch at once: an image's
+    views then depend on its seed only, not on its batch, its rank or the device.
+
+    ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
+    arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:
+    rows on CPUs, where a host read costs nothing, selection elsewhere.
     """
 
     mean: Tensor
     std: Tensor
+    blur_p: Tensor
+    solarize_p: Tensor
 
-    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], select_rows: bool | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.select_rows = select_rows
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         kinds = [spec.kind(kind) for kind in range(spec.view_kinds)]
-        self._blur_p = tuple(blur for blur, _ in kinds)
-        self._solarize_p = tuple(solarize for _, solarize in kinds)
+        self.register_buffer("blur_p", torch.tensor([blur for blur, _ in kinds], dtype=torch.float32), persistent=False)
+        self.register_buffer("solarize_p", torch.tensor([solarize for _, solarize in kinds], dtype=torch.float32), persistent=False)
+        self._any_blur = any(blur for blur, _ in kinds)
+        self._any_solarize = any(solarize for _, solarize in kinds)
 
     def forward(self, images: Tensor, num_views: int) -> Tensor:
         _check_images(images)
         batch, _, height, width = images.shape
         return self.apply(images, self.draw(batch, num_views, height, width, images.device), num_views)
 
-    def draw(self, batch: int, num_views: int, height: int, width: int, device: torch.device | None = None) -> ViewParameters:
-        """Parameters of ``batch * num_views`` views of ``height x width`` images from torch's generator
-        (views ``l`` of kind ``l % view_kinds``). Which random numbers are drawn depends only on the arguments."""
+    def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
+        """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, image ``b``'s parameters from ``seeds[b]``
+        (int64, on the images' device) alone."""
+        _check_images(images)
+        batch, _, height, width = images.shape
+        if seeds.shape != (batch,):
+            raise ValueError(f"need one seed per image: {batch} images, seeds of shape {tuple(seeds.shape)}")
+        return self.apply(images, self.draw(batch, num_views, height, width, uniforms=CounterUniforms(seeds, num_views)), num_views)
+
+    def draw(self, batch: int, num_views: int, height: int, width: int, device: torch.device | None = None, uniforms: Uniforms | None = None) -> ViewParameters:
+        """Parameters of ``batch * num_views`` views of ``height x width`` images (views ``l`` of kind
+        ``l % view_kinds``), random numbers from ``uniforms`` (default: torch's generator of ``device``). Which
+        random numbers are drawn depends only on the arguments."""
+        uniforms = uniforms if uniforms is not None else TorchUniforms(device)
         spec, count = self.spec, batch * num_views
-        boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, device=device)
-        flip = torch.rand(count, device=device) < 0.5 if spec.horizontal_flip else torch.zeros(count, dtype=torch.bool, device=device)
+        boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
+        device = boxes.device
+        flip = uniforms.rand((count,)) < 0.5 if spec.horizontal_flip else torch.zeros(count, dtype=torch.bool, device=device)
         brightness, contrast, saturation, hue = spec.jitter
-        applied = torch.rand(count, device=device) < spec.jitter_p
+        applied = uniforms.rand((count,)) < spec.jitter_p
 
         def factor(strength: float) -> Tensor:
-            drawn = torch.empty(count, device=device).uniform_(max(0.0, 1.0 - strength), 1.0 + strength)
+            drawn = uniforms.uniform((count,), max(0.0, 1.0 - strength), 1.0 + strength)
             return torch.where(applied, drawn, torch.ones_like(drawn)) if strength > 0 else torch.ones_like(drawn)
 
         factors = torch.stack((factor(brightness), factor(contrast), factor(saturation)), dim=1)
-        hue_shift = torch.empty(count, device=device).uniform_(-hue, hue) if hue > 0 else torch.zeros(count, device=device)
+        hue_shift = uniforms.uniform((count,), -hue, hue) if hue > 0 else torch.zeros(count, device=device)
         hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
-        order = torch.rand(count, 4, device=device).argsort(dim=1)
-        grey = torch.rand(count, device=device) < spec.gray_p
-        kind = torch.arange(count, device=device) % num_views % len(self._blur_p)
-        sigma = torch.empty(count, device=device).uniform_(*BLUR_SIGMA)
-        blurred = torch.rand(count, device=device) < torch.tensor(self._blur_p, device=device)[kind]
-        solarize = torch.rand(count, device=device) < torch.tensor(self._solarize_p, device=device)[kind]
+        order = uniforms.rand((count, 4)).argsort(dim=1)
+        grey = uniforms.rand((count,)) < spec.gray_p
+        kind = torch.arange(count, device=device) % num_views % self.blur_p.numel()
+        sigma = uniforms.uniform((count,), *BLUR_SIGMA)
+        blurred = uniforms.rand((count,)) < self.blur_p.to(device)[kind]
+        solarize = uniforms.rand((count,)) < self.solarize_p.to(device)[kind]
         return ViewParameters(boxes, flip, factors, hue_shift, order, grey, torch.where(blurred, sigma, torch.zeros_like(sigma)), solarize)
 
     def apply(self, images: Tensor, parameters: ViewParameters, num_views: int) -> Tensor:
@@ -208,12 +225,13 @@ class BatchedViewAugmentation(nn.Module):
         grid = _crop_grid(parameters.boxes.to(images.device), parameters.flip.to(images.device), size, height, width)
         views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(0.0, 1.0)
         if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
-            views = jitter_views(views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order)
+            select_rows = views.device.type == "cpu" if self.select_rows is None else self.select_rows
+            views = jitter_views(views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, select_rows)
         if spec.gray_p > 0 and channels == 3:
             views = torch.where(parameters.grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
-        if any(self._blur_p):
+        if self._any_blur:
             views = _gaussian_blur(views, parameters.blur_sigma, spec.blur_kernel)
-        if any(self._solarize_p):
+        if self._any_solarize:
             views = torch.where(parameters.solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
         views = (views - self.mean) / self.std
         return views.view(batch, num_views, channels, size, size)
@@ -226,30 +244,28 @@ def _check_images(images: Tensor) -> None:
 
 class BatchViews:
     """Collate function of ``worker_augmentation: batched``: samples ``(image (C, H, W) uint8, target, seed)`` ->
-    ``(views (B, L, C, S, S), targets (B,))``. Each image's parameters come from its own seed (so a sample's views
-    do not depend on its batch, its rank or the number of workers, and equal a per-image call seeded alike),
-    and the pixels of the whole batch are computed at once."""
+    ``(views (B, L, C, S, S), targets (B,))``, by :meth:`BatchedViewAugmentation.views_from_seeds`: each image's
+    parameters come from its own seed (so a sample's views do not depend on its batch, its rank or the number of
+    workers, and equal those the training set kept on the device gives it), the pixels of the whole batch at once."""
 
     def __init__(self, augmentation: BatchedViewAugmentation, num_views: int) -> None:
         self.augmentation, self.num_views = augmentation, num_views
 
     def __call__(self, samples: list[tuple[Tensor, int, int]]) -> tuple[Tensor, Tensor]:
         images = torch.stack([image for image, _, _ in samples])
-        height, width = images.shape[-2:]
-        parts = []
-        for _, _, seed in samples:
-            with _seeded(seed):  # the generator a per-sample view transform runs on
-                parts.append(self.augmentation.draw(1, self.num_views, height, width))
-        views = self.augmentation.apply(images, ViewParameters.cat(parts), self.num_views)
-        return views, torch.tensor([target for _, target, _ in samples])
+        seeds = torch.tensor([seed for _, _, seed in samples], dtype=torch.int64)
+        return self.augmentation.views_from_seeds(images, seeds, self.num_views), torch.tensor([target for _, target, _ in samples])
 
 
-def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor) -> Tensor:
+def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor, select_rows: bool | None = None) -> Tensor:
     """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1] with per-view parameters:
     ``factors (N, 3)`` brightness, contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged) and
     ``order (N, 4)`` a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue. Four rounds; in each,
     brightness, contrast and saturation are one blend ``clamp(f x + (1 - f) reference)`` with reference black,
-    the view's mean grey or its grey image, and the hue shift applies where the round's operation is the hue."""
+    the view's mean grey or its grey image, and the hue shift applies where the round's operation is the hue:
+    computed on those rows only (``select_rows``; their indices are read on the host) or on all rows and
+    selected (default on devices other than the CPU)."""
+    select_rows = views.device.type == "cpu" if select_rows is None else select_rows
     count = views.shape[0]
     # per round and view: the blend factor (1 in the hue's round) and the reference's weights on the grey image
     # and on the mean grey: brightness (0, 0), contrast (0, 1), saturation (1, 0)
@@ -262,7 +278,7 @@ def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tenso
         grey = _grey(views)
         reference = grey * grey_weight[step] + grey.mean(dim=(2, 3), keepdim=True) * mean_weight[step]
         views = torch.lerp(reference, views, blend[step]).clamp_(0.0, 1.0)
-        if views.device.type == "cpu":  # the round's hue views only (a quarter of the arithmetic)
+        if select_rows:  # the round's hue views only (a quarter of the arithmetic)
             rows = hue_round[step].nonzero()[:, 0]
             if len(rows):
                 views = views.index_copy(0, rows, _shift_hue(views.index_select(0, rows), hue_shift[rows]))

@@ -25,6 +25,7 @@ from hfmca_lightning.data.datasets import (
 )
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
+from hfmca_lightning.data.stored_images import SeededIndices, StoredImages
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform, resize_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.seeding import step_seed
@@ -123,6 +124,12 @@ class MultiViewDataModule(LightningDataModule):
         device_pipeline: what draws the views with ``augment_on_device``: ``batched``
             (:class:`BatchedViewAugmentation`, the default: a fixed number of whole-batch operations, no
             host-device waits; 2x kornia's speed on a CPU for 64 x 9 views) or ``kornia``.
+        images_on_device: mode ``views`` only. The training split is kept on the accelerator as one uint8 tensor
+            (for data sets that fit: a clear error if it would take more than half of the free device memory);
+            a training batch is then its samples' indices and seeds, and the views are drawn on the device by
+            :class:`BatchedViewAugmentation` from each sample's seed, with the same views as ``worker_augmentation:
+            batched`` gives, without data-loader workers (``num_workers`` then serves the evaluation loaders).
+            Order, seeds, exact resume and DDP sharding are those of the other paths.
         view_grids: ``g > 0`` (mode ``views``, CPU ``torchvision`` augmentation): training batches become
             ``(views, target, grids (B, L, g, g, 2))``, the source-image positions of a ``g x g`` grid over each
             view (:class:`ViewWithGrid`) — what VICRegL matches local features by. 0: plain ``(views, target)``.
@@ -154,6 +161,7 @@ class MultiViewDataModule(LightningDataModule):
         worker_augmentation: Literal["torchvision", "kornia", "batched"] = "torchvision",
         device_pipeline: Literal["batched", "kornia"] = "batched",
         view_grids: int = 0,
+        images_on_device: bool = False,
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
@@ -186,7 +194,14 @@ class MultiViewDataModule(LightningDataModule):
         if device_pipeline not in ("batched", "kornia"):
             raise ConfigurationError(f"device_pipeline must be 'batched' or 'kornia'; got {device_pipeline!r}", parameter="device_pipeline")
         self.worker_augmentation = worker_augmentation
-        if view_grids < 0 or (view_grids > 0 and (mode != "views" or augment_on_device or worker_augmentation != "torchvision")):
+        if images_on_device and (mode != "views" or augment_on_device or worker_augmentation == "kornia"):
+            raise ConfigurationError(
+                f"images_on_device draws the views of mode 'views' on the device with the batched pipeline; it does not apply with "
+                f"mode {mode!r}, augment_on_device: {augment_on_device} or worker_augmentation: {worker_augmentation!r}",
+                parameter="images_on_device",
+            )
+        self.images_on_device = images_on_device
+        if view_grids < 0 or (view_grids > 0 and (mode != "views" or augment_on_device or images_on_device or worker_augmentation != "torchvision")):
             raise ConfigurationError(
                 f"view_grids (the side of the grid of crop positions VICRegL matches local features with) must be >= 0 and "
                 f"needs mode 'views' with the CPU torchvision augmentation; got view_grids={view_grids}, mode={mode!r}, "
@@ -201,7 +216,9 @@ class MultiViewDataModule(LightningDataModule):
         pipelines = {"batched": BatchedViewAugmentation, "kornia": DeviceViewAugmentation}
         self.device_augmentation = pipelines[device_pipeline](spec, source.mean, source.std) if augment_on_device else None
         self.sample_views = SampleViews(DeviceViewAugmentation(spec, source.mean, source.std)) if worker_augmentation == "kornia" else None
-        self.batch_views = BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views) if worker_augmentation == "batched" else None
+        self.batch_views = BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views) if worker_augmentation == "batched" and not images_on_device else None
+        self.view_augmentation = BatchedViewAugmentation(spec, source.mean, source.std) if images_on_device else None
+        self._stored: StoredImages | None = None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
@@ -225,6 +242,10 @@ class MultiViewDataModule(LightningDataModule):
                 )
             if self.mode == "same_class" and UNLABELLED in set(self._train_split.targets):
                 raise ConfigurationError("mode 'same_class' groups images by class, but the training images have no labels", parameter="mode")
+        if self.images_on_device and self._stored is None:
+            self._stored = StoredImages.from_split(self._train_split, self.source.image_size)
+        if self._stored is not None and self.trainer is not None:  # errors (device memory) before training starts
+            self._stored = self._stored.to(self.trainer.strategy.root_device)
         processes = self.trainer.world_size if self.trainer is not None else 1
         if len(self._train_split) // processes < self.batch_size:
             shared = f" shared by {processes} processes" if processes > 1 else ""
@@ -234,8 +255,10 @@ class MultiViewDataModule(LightningDataModule):
                 parameter="batch_size",
             )
 
-    def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset:
+    def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset | SeededIndices:
         self.setup()
+        if self.images_on_device:
+            return SeededIndices(len(self._train_split))
         if self.augment_on_device:
             return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
         if self.batch_views is not None:
@@ -245,14 +268,15 @@ class MultiViewDataModule(LightningDataModule):
         dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
         return dataset_class(self._train_split, self.train_transforms, self.num_views)
 
-    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: object) -> DataLoader:
+    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, workers: int | None = None, **kwargs: object) -> DataLoader:
+        workers = self.num_workers if workers is None else workers
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.persistent_workers and self.num_workers > 0,
+            num_workers=workers,
+            persistent_workers=self.persistent_workers and workers > 0,
             pin_memory=torch.cuda.is_available(),
-            worker_init_fn=_leave_sigterm_to_the_main_process if self.num_workers > 0 else None,
+            worker_init_fn=_leave_sigterm_to_the_main_process if workers > 0 else None,
             **kwargs,
         )
 
@@ -265,7 +289,8 @@ class MultiViewDataModule(LightningDataModule):
         if self._resume_position is not None:
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
             self._resume_position = None
-        return self._loader(dataset, self.batch_size, sampler=sampler, drop_last=True, collate_fn=self.batch_views)
+        workers = 0 if self.images_on_device else None  # a batch is its indices and seeds: nothing for workers to do
+        return self._loader(dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=self.batch_views)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""
@@ -280,8 +305,11 @@ class MultiViewDataModule(LightningDataModule):
             self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on_device``: turn a training batch of uint8 images into views, on the device."""
+        """With ``augment_on_device``: turn a training batch of uint8 images into views, on the device; with
+        ``images_on_device``, a batch of indices and seeds (:meth:`draw_views`)."""
         trainer = self.trainer
+        if self.images_on_device and trainer is not None and trainer.training:
+            return self.draw_views(batch)
         if self.device_augmentation is None or trainer is None or not trainer.training:
             return batch
         images, targets = batch
@@ -292,6 +320,21 @@ class MultiViewDataModule(LightningDataModule):
             torch.manual_seed(step_seed(self.seed, trainer.fit_loop.total_batch_idx, trainer.global_rank, stream=1))
             views = self.device_augmentation(images, self.num_views)
         return views, targets
+
+    def draw_views(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``images_on_device``: a training batch ``(indices (B,), seeds (B,))`` on a device -> ``(views (B, L, C, S, S),
+        targets (B,))`` drawn there from the stored images, each sample's views from its seed alone. Nothing is read
+        on the host."""
+        if self.view_augmentation is None:
+            raise RuntimeError("draw_views needs images_on_device: true")
+        indices, seeds = batch
+        self.setup()
+        assert self._stored is not None
+        if self._stored.device != indices.device:
+            self._stored = self._stored.to(indices.device)
+        self.view_augmentation.to(indices.device)
+        views = self.view_augmentation.views_from_seeds(self._stored.images[indices], seeds, self.num_views)
+        return views, self._stored.targets[indices]
 
     def val_dataloader(self) -> list[DataLoader]:
         """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the source's labelled evaluation

@@ -16,7 +16,7 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import SmallConvNet
-from tests.host_reads import HostReads
+from hfmca_lightning.diagnostics import HostReads
 
 NUM_CLASSES = 4
 

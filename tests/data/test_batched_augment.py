@@ -92,7 +92,7 @@ def test_jitter_parameters_and_order_are_drawn_per_view(monkeypatch):
     views unchanged (factors 1, hue 0), every one of the 24 orders about equally often."""
     seen = {}
 
-    def spy(views, factors, hue_shift, order):
+    def spy(views, factors, hue_shift, order, select_rows=None):
         seen.update(factors=factors, hue=hue_shift, order=order)
         return views
 
@@ -169,7 +169,7 @@ def test_bad_input_is_one_clear_error():
 def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
     """``device_pipeline: batched`` (the default) after the transfer, seeded per batch; ``worker_augmentation:
     batched`` in the workers' collate function: each image's parameters from its sample seed, so its views equal
-    a per-image call seeded alike and do not depend on the batch or the number of workers."""
+    a call for that image alone with its seed and do not depend on the batch or the number of workers."""
     source = SyntheticShapes(num_classes=3, train_per_class=4)
     on_device = MultiViewDataModule(source, num_views=3, batch_size=4, num_workers=0, augment_on_device=True)
     assert isinstance(on_device.device_augmentation, BatchedViewAugmentation)
@@ -181,8 +181,7 @@ def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
     assert views.shape == (4, 5, 3, 32, 32) and views.dtype == torch.float32 and targets.tolist() == [workers._train_split[i][1] for i, _ in keys]
     augmentation = workers.batch_views.augmentation
     for row, (index, seed) in enumerate(keys):
-        torch.manual_seed(seed)
-        alone = augmentation(workers._train_split[index][0][None], 5)[0]
+        alone = augmentation.views_from_seeds(workers._train_split[index][0][None], torch.tensor([seed]), 5)[0]
         torch.testing.assert_close(views[row], alone, rtol=0, atol=1e-6)
     parallel = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=2, worker_augmentation="batched")
     torch.testing.assert_close(next(iter(parallel.train_dataloader()))[0], views, rtol=0, atol=0)
@@ -206,3 +205,26 @@ def test_pipeline_options_are_checked_before_anything_runs(options, message):
 
     with pytest.raises(ConfigurationError, match=message):
         MultiViewDataModule(SyntheticShapes(), **options)
+
+
+def test_views_drawn_from_seeds_have_the_distribution_of_the_generators_views():
+    """The counter-based numbers of views_from_seeds (the workers' and the stored images' path) give the views the
+    generator-drawn ones give: the same pixel statistics, every view its own parameters."""
+    images = SyntheticShapes(num_classes=4, train_per_class=1).split(True).images
+    augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(32), MEAN, STD)
+    torch.manual_seed(6)
+    drawn = augmentation(images, num_views=200).flatten(0, 1)
+    seeded = augmentation.views_from_seeds(images, torch.tensor([3, 1_000_003, 2**40, 2**62]), num_views=200).flatten(0, 1)
+    torch.testing.assert_close(seeded.mean(dim=(0, 2, 3)), drawn.mean(dim=(0, 2, 3)), atol=0.05, rtol=0)
+    torch.testing.assert_close(seeded.std(dim=(0, 2, 3)), drawn.std(dim=(0, 2, 3)), atol=0.05, rtol=0)
+    assert len({tuple(row.tolist()) for row in seeded.flatten(1)}) == len(seeded)
+
+
+def test_selecting_rows_or_all_rows_for_the_hue_gives_the_same_views():
+    """The hue shift on the rows that need it (CPUs) or on all rows, selected (devices: no host read) agree."""
+    images = SyntheticShapes(num_classes=4, train_per_class=2).split(True).images
+    seeds = torch.arange(8) * 7919
+    spec = ViewAugmentation.from_strengths(32)
+    rows = BatchedViewAugmentation(spec, MEAN, STD, select_rows=True).views_from_seeds(images, seeds, 4)
+    selected = BatchedViewAugmentation(spec, MEAN, STD, select_rows=False).views_from_seeds(images, seeds, 4)
+    torch.testing.assert_close(selected, rows, rtol=0, atol=1e-6)

@@ -16,7 +16,7 @@ from hfmca_lightning.losses import (
     hfmca_cost,
 )
 from hfmca_lightning.losses.hfmca_cost import hfmca_costs
-from tests.host_reads import HostReads
+from hfmca_lightning.diagnostics import HostReads
 from tests.reference import reference_cost, reference_cost_autograd, reference_group_moments, reference_unfold_windows
 
 CASES = {

@@ -77,7 +77,7 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
     data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=8, num_workers=0, view_grids=4)
     views, targets, grids = next(iter(data.train_dataloader()))
-    loss = module.training_step((views, targets, grids), 0)
+    loss = module.training_step((views, targets, grids), 0)["loss"]
     features = []
     for view in views.unbind(1):
         local_map = module.backbone.features(view)  # (B, 8, 4, 4): the named local layer's output

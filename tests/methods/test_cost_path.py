@@ -14,7 +14,7 @@ from hfmca_lightning.losses.hfmca_cost import cost_values
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.hfmca import objective_values
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, ViewProjector
-from tests.host_reads import OperationCounts
+from hfmca_lightning.diagnostics import OperationCounts
 
 LAYERS = [f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)]
 

@@ -4,7 +4,7 @@ import torch
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN
-from tests.host_reads import HostReads
+from hfmca_lightning.diagnostics import HostReads
 
 
 def test_a_module_without_any_cost_is_rejected():

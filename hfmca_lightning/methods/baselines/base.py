@@ -51,13 +51,15 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     def views_loss(self, views: list[Tensor]) -> Tensor:
         raise NotImplementedError
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """Logs ``train/loss``; returns it as ``loss`` and for :class:`~hfmca_lightning.callbacks.CostProgressBar`
+        (on the bar without a host read per step)."""
         views, _ = batch
         if views.dim() != 5:
             raise ValueError(f"{type(self).__name__} expects views of shape (B, L, C, H, W); got {tuple(views.shape)}")
         loss = self.views_loss(list(views.unbind(dim=1)))
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        self.log("train/loss", loss)
+        return {"loss": loss, "progress_bar": {"train/loss": loss.detach()}}
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)

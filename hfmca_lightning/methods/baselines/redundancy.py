@@ -131,7 +131,7 @@ class VICRegL(SSLBaseline):
         self._local_map = None
         return self.projection_head(features), self.local_projection_head(local.permute(0, 2, 3, 1))
 
-    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
         if len(batch) != 3:
             raise ConfigurationError("VICRegL needs batches (views, target, grids): set data.init_args.view_grids", parameter="view_grids")
         views, _, grids = batch
@@ -142,5 +142,5 @@ class VICRegL(SSLBaseline):
                 f"{tuple(grids.shape[2:4])}: set data.init_args.view_grids to {features[0][1].shape[1]}", parameter="view_grids",
             )
         loss = self.criterion(global_view_features=features, global_view_grids=list(grids.unbind(dim=1)))
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        self.log("train/loss", loss)
+        return {"loss": loss, "progress_bar": {"train/loss": loss.detach()}}

@@ -1,0 +1,84 @@
+"""The training split kept in the accelerator's memory (``MultiViewDataModule(images_on_device=True)``).
+
+For data sets that fit (CIFAR's 50,000 images are 150 MB as uint8), the images travel to the device once; each
+training batch is then only its samples' indices and seeds (1 KB for 64 images, copied asynchronously from pinned
+memory), and its views are drawn on the device from the seeds (:meth:`BatchedViewAugmentation.views_from_seeds`),
+without data-loader workers. The sampler, its per-sample seeds, exact resume and DDP sharding are those of every
+other data path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from hfmca_lightning.data.sources import ArrayImages, LabelledImages
+from hfmca_lightning.data.transforms import resize_transform
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["SeededIndices", "StoredImages"]
+
+# The most of the device's free memory the stored images may take (the rest is the model's).
+DEVICE_MEMORY_SHARE = 0.5
+
+
+class StoredImages:
+    """A split's images as one ``(N, C, S, S)`` uint8 tensor and their targets ``(N,)`` int64, on one device.
+
+    Args:
+        images: ``(N, C, S, S)`` uint8.
+        targets: ``(N,)`` int64 (``UNLABELLED`` for images without a class).
+    """
+
+    def __init__(self, images: Tensor, targets: Tensor) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4 or targets.shape != images.shape[:1]:
+            raise ValueError(f"expected (N, C, S, S) uint8 images and (N,) targets; got {images.dtype} {tuple(images.shape)} and {tuple(targets.shape)}")
+        self.images, self.targets = images, targets
+
+    @classmethod
+    def from_split(cls, split: LabelledImages, image_size: int) -> StoredImages:
+        """Every image of ``split`` resized (shorter side) and centre-cropped to ``image_size``, as the CPU workers'
+        ``resize_transform`` does; arrays of that size already (CIFAR, SyntheticShapes) are taken as they are."""
+        targets = torch.tensor(split.targets, dtype=torch.int64)
+        if isinstance(split, ArrayImages) and tuple(split.images.shape[-2:]) == (image_size, image_size):
+            return cls(split.images.contiguous(), targets)
+        resize = resize_transform(image_size)
+        return cls(torch.stack([resize(split[index][0]) for index in range(len(split))]), targets)
+
+    @property
+    def device(self) -> torch.device:
+        return self.images.device
+
+    def to(self, device: torch.device) -> StoredImages:
+        """The images on ``device``; a clear error when they would take more than half of its free memory."""
+        if device == self.images.device:
+            return self
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if self.images.numel() > DEVICE_MEMORY_SHARE * free:
+                raise ConfigurationError(
+                    f"images_on_device: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, more than half of "
+                    f"the {free / 2**30:.1f} GiB free on {device}; set images_on_device: false to draw the views in CPU workers",
+                    parameter="images_on_device",
+                )
+        return StoredImages(self.images.to(device), self.targets.to(device))
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+
+class SeededIndices(Dataset):
+    """The training samples of ``images_on_device``: ``(index, sample_seed) -> (index, sample_seed)``; the loader
+    collates a batch into ``(indices (B,), seeds (B,))`` int64, and the views are drawn after the transfer."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
+        if isinstance(key, int):
+            raise ValueError("SeededIndices needs (index, seed) keys, as SeededRandomSampler yields")
+        return int(key[0]), int(key[1])

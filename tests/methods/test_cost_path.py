@@ -117,8 +117,17 @@ def test_the_cost_path_compiles_as_one_graph(step_statistics):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_compile_costs_trains_like_the_eager_module():
-    """``HFMCAModule(compile_costs=True)``: a training step's costs and backbone gradients equal the eager module's."""
+def test_compile_costs_trains_like_the_eager_module(monkeypatch):
+    """``HFMCAModule(compile_costs=True)`` compiles the cost path once, as one graph (CUDA graphs only on CUDA), and its
+    training steps' costs and backbone gradients equal the eager module's (two steps: the filter's EMA too)."""
+    calls = []
+    compile_function = torch.compile
+
+    def recording_compile(function, **options):
+        calls.append((function, options))
+        return compile_function(function, **{**options, "backend": "aot_eager"})  # no C++ compiler needed
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
     results = []
     views = torch.rand(2, 9, 3, 32, 32)
     for compile_costs in (False, True):
@@ -130,13 +139,12 @@ def test_compile_costs_trains_like_the_eager_module():
             internal_costs=InternalCosts(["0", "2"], beta=0.5),
             compile_costs=compile_costs,
         ).train()
-        if compile_costs:
-            module._cost_path = torch.compile(objective_values, fullgraph=True, dynamic=False, backend="aot_eager")
         for _ in range(2):
             module.zero_grad()
             objective = module.objective(module.collect(views))
             objective.total.backward()
         results.append((torch.stack(list(objective.costs.values())).detach(), module.backbone[0].weight.grad.clone()))
     (costs, gradient), (compiled_costs, compiled_gradient) = results
+    assert calls == [(objective_values, {"fullgraph": True, "dynamic": False, "mode": None})]
     torch.testing.assert_close(compiled_costs, costs, rtol=1e-10, atol=0)
     torch.testing.assert_close(compiled_gradient, gradient, rtol=1e-6, atol=1e-9)

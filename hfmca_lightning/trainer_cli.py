@@ -8,7 +8,7 @@ out as :class:`~hfmca_lightning.errors.ConfigurationError` naming the config key
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -29,6 +29,19 @@ __all__ = ["HFMCACLI"]
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 NAMED_CHECKPOINTS = ("last", "best", "hpc")
+# Trainer options where an integer is a count (of batches or steps) and a number with a decimal point a fraction.
+INT_OR_FRACTION = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "val_check_interval", "overfit_batches")
+
+
+def integers_first(typehint: Any) -> Any:
+    """``typehint`` with ``int`` tried before ``float`` if it is a union of both. jsonargparse tries a union's types in
+    order, and typing caches unions by their set of types: once any module has built ``Optional[Union[float, int]]``,
+    Lightning's ``Optional[Union[int, float]]`` is that object, and ``1`` would be read as ``1.0`` (100 %)."""
+    arguments = get_args(typehint)
+    if get_origin(typehint) is not Union or int not in arguments or float not in arguments:
+        return typehint
+    ordered = (int, *(argument for argument in arguments if argument is not int))
+    return Union[ordered]  # type: ignore[valid-type]  # a union built at run time
 
 
 class HFMCACLI(LightningCLI):
@@ -49,6 +62,12 @@ class HFMCACLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        for action in parser._actions:
+            name = action.dest.split(".", 1)[-1]
+            if action.dest.startswith("trainer.") and name in INT_OR_FRACTION and hasattr(action, "_typehint"):
+                action._typehint = integers_first(action._typehint)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         # Arguments given in Python (main(args), hfmca analyze's dict) are the whole command: the process's

@@ -73,3 +73,21 @@ def test_fit_with_augmentation_on_the_device(tmp_path):
     fit(tmp_path, "--data.init_args.augment_on_device", "true", "--trainer.log_every_n_steps", "1")
     costs = logged(tmp_path, "cost/external")
     assert len(costs) == 4 and all(c < 0 for c in costs)
+
+
+def test_limit_train_batches_counts_batches_when_an_integer_and_is_a_fraction_otherwise(tmp_path):
+    """``hfmca fit --config configs/demo.yaml --trainer.limit_train_batches 1 --trainer.max_epochs 1`` trains one batch,
+    ``0.5`` half an epoch (4 batches of the shrunk demo here), in a fresh process as users run it: typing's union cache
+    made Lightning's ``Optional[Union[int, float]]`` try ``float`` first, and ``1`` meant 100 %."""
+    from tests.cli_helpers import DEMO, finish_hfmca, start_hfmca, tiny_overrides
+
+    runs = {}
+    for limit in ("1", "0.5"):
+        folder = tmp_path / limit
+        overrides = tiny_overrides(folder)
+        runs[limit] = (folder, start_hfmca(folder, "fit", "--config", str(DEMO), "--config", str(overrides), "--trainer.limit_train_batches", limit, "--trainer.max_epochs", "1"))
+    for limit, steps in (("1", 1), ("0.5", 2)):
+        folder, process = runs[limit]
+        result = finish_hfmca(process, folder, timeout=120)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps, limit

@@ -1,10 +1,9 @@
-# Two commands a fresh machine needs (see README): `make test` and `make demo`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-slow test-all demo notebooks gpu-check gpu-wheels clean
+.PHONY: install test test-fast test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check gpu-wheels clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml
@@ -15,19 +14,47 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## Whole default suite (excludes tests marked `slow`).
+## The whole default suite (every test not marked `slow`).
 test: $(STAMP)
 	$(PY) -m pytest
+
+## The unit tests, for the edit-test loop: no subprocess runs, DDP, notebooks or training runs.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not integration"
 
 ## Only the slow tests.
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
-## The main job: HFMCA-SS(*) on the embedded data set, offline, a few minutes on 2 CPU cores.
+## Everything.
+test-all: $(STAMP)
+	$(PY) -m pytest -m ''
+
+## ruff (lint, import order, format) over the repository.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+## mypy over the packages listed in pyproject.toml ([tool.mypy] files).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+## The documentation site, strict: a broken link, a missing reference or any warning fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+## HFMCA-SS(*) on the embedded data set, offline, a few minutes on 2 CPU cores.
 demo: $(STAMP)
 	$(VENV)/bin/hfmca fit --config configs/demo.yaml
 
-## Re-run the notebooks and save them with their outputs (figures show on GitHub; the tests run them too).
+## Re-run the notebooks and save them with their outputs (the tests run them too).
 notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py
 
@@ -37,16 +64,12 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
-## Wheels that a GPU machine without network needs for `make gpu-check` (kornia for the device-augmentation rows;
-## 7 MB), into the git-ignored .whl/ that the device tool carries (see README, "Measuring a GPU").
+## Wheels that a GPU machine without network needs for `make gpu-check` (kornia for the kornia rows; 7 MB), into
+## the git-ignored .whl/ (see docs/benchmarks/index.md, "Measuring a GPU").
 gpu-wheels:
 	$(PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl kornia==0.9.0 kornia_rs==0.2.0
 
-## Everything.
-test-all: $(STAMP)
-	$(PY) -m pytest -m ''
-
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build site *.egg-info

@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_training_arguments, build_data, build_method, markdown_table, train_and_measure, train_batch_limit, write_table  # noqa: E402
+from common import (
+    add_training_arguments,
+    build_data,
+    build_method,
+    markdown_table,
+    train_and_measure,
+    train_batch_limit,
+    write_table,
+)  # noqa: E402
 
 KNOBS = {"crop": "crop_strength", "color": "color_strength", "gray": "gray_strength"}
 
@@ -27,7 +35,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     parser.add_argument("--strengths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--epochs", type=int, default=200)
-    parser.add_argument("--figure", default=None, help="learning curves PNG (default: beside --out as <name>_external_cost.png)")
+    parser.add_argument(
+        "--figure", default=None, help="learning curves PNG (default: beside --out as <name>_external_cost.png)"
+    )
     parser.add_argument("--smoothing", type=int, default=20, help="moving average of the curves, in steps")
     add_training_arguments(parser, "Trains HFMCA-SS(*) once per (knob, strength).")
     args = parser.parse_args(argv)
@@ -39,20 +49,39 @@ def main(argv: list[str] | None = None) -> str:
         for strength in args.strengths:
             torch.manual_seed(0)
             module = build_method("hfmca", args.backbone, args.hfmca_views, args.head_dim)
-            data = build_data(args.data, args.root, args.hfmca_views, args.batch_size, args.workers, args.per_class, **{KNOBS[knob]: strength})
+            data = build_data(
+                args.data,
+                args.root,
+                args.hfmca_views,
+                args.batch_size,
+                args.workers,
+                args.per_class,
+                **{KNOBS[knob]: strength},
+            )
             measured = train_and_measure(module, data, args.epochs, limit, args.knn_k, linear_epochs=args.linear_epochs)
-            rows.append([f"{strength:g}", f"{100 * max(measured.knn_by_epoch):.1f}", f"{measured.external_cost_by_epoch[-1]:.2f}"])
+            rows.append(
+                [
+                    f"{strength:g}",
+                    f"{100 * max(measured.knn_by_epoch):.1f}",
+                    f"{measured.external_cost_by_epoch[-1]:.2f}",
+                ]
+            )
             curves.setdefault(knob, {})[strength] = measured.external_cost_by_step
             print(f"{knob} {strength:g}: kNN {rows[-1][1]} %, external cost {rows[-1][2]}", flush=True)
         sections.append(f"### {knob} strength\n\n" + markdown_table(["Strength", "A (%)", "EC"], rows))
-    table = f"Augmentation sweep on {args.data}, {args.epochs} epochs, backbone {args.backbone}\n\n" + "\n\n".join(sections)
+    table = f"Augmentation sweep on {args.data}, {args.epochs} epochs, backbone {args.backbone}\n\n" + "\n\n".join(
+        sections
+    )
     write_table(table, args.out)
-    figure_path = args.figure or (str(Path(args.out).with_name(Path(args.out).stem + "_external_cost.png")) if args.out else None)
+    figure_path = args.figure or (
+        str(Path(args.out).with_name(Path(args.out).stem + "_external_cost.png")) if args.out else None
+    )
     if figure_path:
         from hfmca_lightning.visualization import external_cost_curves_figure, save_figure
 
         title = f"External cost during training, {args.data}, {args.epochs} epochs (paper Table 2's figure)"
-        print(f"learning curves: {save_figure(external_cost_curves_figure(curves, title=title, smoothing=args.smoothing), figure_path)}")
+        figure = external_cost_curves_figure(curves, title=title, smoothing=args.smoothing)
+        print(f"learning curves: {save_figure(figure, figure_path)}")
     return table
 
 

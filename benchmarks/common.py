@@ -6,13 +6,13 @@ import argparse
 import datetime
 import resource
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
@@ -22,15 +22,34 @@ from hfmca_lightning.methods.inspection import residual_blocks
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
 
 
-
 def baselines() -> dict[str, type[LightningModule]]:
     """The lightly-based baselines by name (imported on use: the HFMCA rows and gpu_check need no lightly)."""
     from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
 
-    return {"simclr": SimCLR, "moco": MoCo, "byol": BYOL, "simsiam": SimSiam, "barlowtwins": BarlowTwins, "vicreg": VICReg, "vicregl": VICRegL, "fastsiam": FastSiam}
+    return {
+        "simclr": SimCLR,
+        "moco": MoCo,
+        "byol": BYOL,
+        "simsiam": SimSiam,
+        "barlowtwins": BarlowTwins,
+        "vicreg": VICReg,
+        "vicregl": VICRegL,
+        "fastsiam": FastSiam,
+    }
 
 
-DISPLAY = {"hfmca": "HFMCA-SS(*)", "hfmca_internal": "HFMCA-SS", "simclr": "SimCLR", "moco": "MoCo v2", "byol": "BYOL", "simsiam": "SimSiam", "barlowtwins": "Barlow Twins", "vicreg": "VICReg", "vicregl": "VICRegL", "fastsiam": "FastSiam"}
+DISPLAY = {
+    "hfmca": "HFMCA-SS(*)",
+    "hfmca_internal": "HFMCA-SS",
+    "simclr": "SimCLR",
+    "moco": "MoCo v2",
+    "byol": "BYOL",
+    "simsiam": "SimSiam",
+    "barlowtwins": "Barlow Twins",
+    "vicreg": "VICReg",
+    "vicregl": "VICRegL",
+    "fastsiam": "FastSiam",
+}
 VIEW_GRIDS = {"vicregl": 4}  # VICRegL's crop grids: the 4x4 local map of both backbones on 32 px images
 GRIDS = {4: (2, 2), 9: (3, 3), 16: (4, 4)}
 
@@ -46,7 +65,9 @@ def internal_layers_of(net: nn.Module) -> list[str]:
     return blocks or [name for name, module in net.named_modules() if isinstance(module, nn.Conv2d)]
 
 
-def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any) -> LightningModule:
+def build_method(
+    method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any
+) -> LightningModule:
     """The method with the Table 1 optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine). ``head_dim``
     shrinks every head (hidden and output width) for quick CPU runs; ``hfmca_options`` go to HFMCAModule
     (channels_last, compile_backbone, ...)."""
@@ -55,7 +76,13 @@ def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int
         k = head_dim or 128
         if method == "hfmca_internal":
             hfmca_options.setdefault("internal_costs", InternalCosts(internal_layers_of(net), reg=0.1, sync_dist=True))
-        return HFMCAModule(net, ViewProjector(net.feature_dim, k, head_dim or 512), GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200), HFMCACost(reg=0.1, sync_dist=True), **hfmca_options)
+        return HFMCAModule(
+            net,
+            ViewProjector(net.feature_dim, k, head_dim or 512),
+            GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200),
+            HFMCACost(reg=0.1, sync_dist=True),
+            **hfmca_options,
+        )
     dims: dict[str, Any] = {"hidden_dim": head_dim, "output_dim": head_dim} if head_dim else {}
     if head_dim and method in ("simsiam", "fastsiam"):
         dims["prediction_dim"] = max(8, head_dim // 2)
@@ -66,12 +93,23 @@ def build_method(method: str, backbone: str, hfmca_views: int = 9, head_dim: int
     return baselines()[method](net, **dims)
 
 
-def build_data(dataset: str, root: str, views: int, batch_size: int, workers: int, per_class: int, view_grids: int = 0, **strengths: float | None) -> MultiViewDataModule:
+def build_data(
+    dataset: str,
+    root: str,
+    views: int,
+    batch_size: int,
+    workers: int,
+    per_class: int,
+    view_grids: int = 0,
+    **strengths: float | None,
+) -> MultiViewDataModule:
     if dataset == "synthetic":
         source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(10, per_class // 4))
     else:
         source = CIFAR(name=dataset, root=root, download=True)
-    return MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, view_grids=view_grids, **strengths)
+    return MultiViewDataModule(
+        source, num_views=views, batch_size=batch_size, num_workers=workers, view_grids=view_grids, **strengths
+    )
 
 
 @dataclass
@@ -88,7 +126,9 @@ class Measurement:
     peak_memory: str = ""
     schedule_length: int = 0  # the cosine's T_max, in units of schedule_interval
     schedule_interval: str = ""  # "epoch" or "step"
-    learning_rates: list[float] = field(default_factory=list)  # the first group's rate at the start of every epoch, then at the end
+    learning_rates: list[float] = field(
+        default_factory=list
+    )  # the first group's rate at the start of every epoch, then at the end
 
     @property
     def best_knn(self) -> float:
@@ -114,7 +154,9 @@ class _Recorder(Callback):
         if trainer.lr_scheduler_configs:
             config = trainer.lr_scheduler_configs[0]
             scheduler = config.scheduler
-            length = getattr(scheduler, "T_max", None) or getattr(scheduler, "max_epochs", None)  # torch cosine / lightly's warm-up cosine
+            length = getattr(scheduler, "T_max", None) or getattr(
+                scheduler, "max_epochs", None
+            )  # torch cosine / lightly's warm-up cosine
             self.m.schedule_length, self.m.schedule_interval = int(length or 0), config.interval
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -125,7 +167,9 @@ class _Recorder(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.m.learning_rates.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         views = batch[0]
         self.m.views_seen += views.shape[0] * views.shape[1]
         if "cost/external" in trainer.callback_metrics:
@@ -133,7 +177,9 @@ class _Recorder(Callback):
             self._costs.append(trainer.callback_metrics["cost/external"].detach().clone())
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        costs = torch.stack(self._costs).double().cpu().tolist() if self._costs else []  # waits for the epoch's last step
+        costs = (
+            torch.stack(self._costs).double().cpu().tolist() if self._costs else []
+        )  # waits for the epoch's last step
         self.m.epoch_seconds.append(time.perf_counter() - self._start)
         self.m.train_seconds += self.m.epoch_seconds[-1]
         if costs:
@@ -148,8 +194,15 @@ class _Recorder(Callback):
 
 
 def train_and_measure(
-    module: LightningModule, data: MultiViewDataModule, epochs: int, limit_train_batches: int | float = 1.0, k: int = 200,
-    accelerator: str = "auto", precision: str = "32-true", linear_epochs: int | None = 100, online_probe: bool = True,
+    module: LightningModule,
+    data: MultiViewDataModule,
+    epochs: int,
+    limit_train_batches: int | float = 1.0,
+    k: int = 200,
+    accelerator: str = "auto",
+    precision: str = "32-true",
+    linear_epochs: int | None = 100,
+    online_probe: bool = True,
     max_seconds: float | None = None,
 ) -> Measurement:
     """Train ``epochs`` epochs with kNN and (``online_probe``; off for the GPU check, whose machine lacks lightly)
@@ -157,8 +210,17 @@ def train_and_measure(
     ``max_seconds`` stops training after that long (Lightning's ``max_time``; the GPU check's time budget)."""
     measurement = Measurement()
     trainer = Trainer(
-        max_epochs=epochs, accelerator=accelerator, devices=1, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=limit_train_batches, log_every_n_steps=1,
+        max_epochs=epochs,
+        accelerator=accelerator,
+        devices=1,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_train_batches=limit_train_batches,
+        log_every_n_steps=1,
         callbacks=[KNNEvaluation(k=k), *([LinearProbe()] if online_probe else []), _Recorder(measurement)],
         max_time=None if max_seconds is None else datetime.timedelta(seconds=max_seconds),
     )
@@ -177,8 +239,11 @@ def train_and_measure(
 
 
 def offline_linear_top1(module: LightningModule, data: MultiViewDataModule, epochs: int) -> float:
-    """Top-1 on the test split of a linear classifier trained on the final frozen features (``hfmca linear``'s protocol)."""
-    from hfmca_lightning.evaluate import frozen_linear_accuracy  # imports the CLI (jsonargparse): only where linear runs
+    """Top-1 on the test split of a linear classifier trained on the final frozen features (``hfmca linear``'s
+    protocol)."""
+    from hfmca_lightning.cli.evaluate import (
+        frozen_linear_accuracy,
+    )  # imports the CLI (jsonargparse): only where linear runs
 
     return frozen_linear_accuracy(module, data, epochs=epochs, device="cuda" if torch.cuda.is_available() else "cpu")[1]
 
@@ -199,9 +264,13 @@ def add_training_arguments(parser: argparse.ArgumentParser, epochs_help: str) ->
     parser.add_argument("--head-dim", type=int, default=None, help="shrink every head (quick CPU runs)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--per-class", type=int, default=100, help="synthetic data: training images per class")
-    parser.add_argument("--limit-train-batches", type=float, default=1.0, help="fraction (<= 1) or number of batches per epoch")
+    parser.add_argument(
+        "--limit-train-batches", type=float, default=1.0, help="fraction (<= 1) or number of batches per epoch"
+    )
     parser.add_argument("--knn-k", type=int, default=200)
-    parser.add_argument("--linear-epochs", type=int, default=100, help="of the offline linear classifier on the final features")
+    parser.add_argument(
+        "--linear-epochs", type=int, default=100, help="of the offline linear classifier on the final features"
+    )
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.epilog = epochs_help
 

@@ -19,7 +19,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule, MultiViewDataset, ViewAugmentation, view_transforms
+from hfmca_lightning.data import (
+    ImageFolderSource,
+    MultiViewDataModule,
+    MultiViewDataset,
+    ViewAugmentation,
+    view_transforms,
+)
 from hfmca_lightning.data.sources import read_image
 
 
@@ -46,12 +52,20 @@ def main() -> None:
 
     started = time.perf_counter()
     write_tree(root / "tree", args.files)
-    print(f"tree of {args.files:,} training files (1,000 classes): written or found in {time.perf_counter() - started:.1f} s")
-    data = MultiViewDataModule(ImageFolderSource(str(root / "tree"), test_dir="val", image_size=224), batch_size=64, num_workers=0)
+    print(
+        f"tree of {args.files:,} training files (1,000 classes): written or found in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    data = MultiViewDataModule(
+        ImageFolderSource(str(root / "tree"), test_dir="val", image_size=224), batch_size=64, num_workers=0
+    )
     started = time.perf_counter()
     data.setup()
     seconds = time.perf_counter() - started
-    print(f"MultiViewDataModule.setup(): {seconds:.2f} s for {len(data.train_dataset()):,} training images ({seconds / args.files * 1e6:.1f} us per file)")
+    print(
+        f"MultiViewDataModule.setup(): {seconds:.2f} s for {len(data.train_dataset()):,} training images "
+        f"({seconds / args.files * 1e6:.1f} us per file)"
+    )
 
     jpegs = root / "jpegs"
     jpegs.mkdir(parents=True, exist_ok=True)
@@ -81,7 +95,10 @@ def main() -> None:
     decoded = per_second(read_image)
     pil = per_second(lambda path: np.asarray(Image.open(path).convert("RGB")))
     augmented = per_second(decode_and_augment)
-    print(f"one process, 500 x 375 JPEG: decode {decoded:.0f} images/s (PIL {pil:.0f}); decode + 9 views of 224 px: {augmented:.1f} images/s = {augmented * 9:.0f} views/s")
+    print(
+        f"one process, 500 x 375 JPEG: decode {decoded:.0f} images/s (PIL {pil:.0f}); decode + 9 views of 224 px: "
+        f"{augmented:.1f} images/s = {augmented * 9:.0f} views/s"
+    )
 
 
 if __name__ == "__main__":

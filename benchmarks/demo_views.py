@@ -25,10 +25,15 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, train_and_measure, write_table  # noqa: E402
 
-from hfmca_lightning.trainer_cli import HFMCACLI  # noqa: E402
+from hfmca_lightning.cli.trainer_cli import HFMCACLI  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {"l4": (4, 2, 0), "l4_noise": (4, 2, 20), "l9": (9, 3, 20), "l9_no_noise": (9, 3, 0)}  # views, grid side, LF noise channels
+SETTINGS = {
+    "l4": (4, 2, 0),
+    "l4_noise": (4, 2, 20),
+    "l9": (9, 3, 20),
+    "l9_no_noise": (9, 3, 0),
+}  # views, grid side, LF noise channels
 LABELS = {
     "l4": "HFMCA-SS(*), L = 4 (2x2 grid, no noise)",
     "l4_noise": "HFMCA-SS(*), L = 4 (2x2 grid, 20 noise channels)",
@@ -47,7 +52,12 @@ def setting_config(base: dict, setting: str, per_class: int | None) -> dict:
     if setting == "simclr":
         config["model"] = {
             "class_path": "hfmca_lightning.methods.baselines.SimCLR",
-            "init_args": {"backbone": model["backbone"], "hidden_dim": 256, "output_dim": 64, "optimizer": model["optimizer"]},
+            "init_args": {
+                "backbone": model["backbone"],
+                "hidden_dim": 256,
+                "output_dim": 64,
+                "optimizer": model["optimizer"],
+            },
         }
         data["num_views"] = 2
         return config
@@ -77,11 +87,17 @@ def main(argv: list[str] | None = None) -> str:
     limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
     curves: dict[str, tuple[list[float], list[float]]] = {}
     for setting in args.settings:
-        config = {key: value for key, value in setting_config(base, setting, args.per_class).items() if key in ("seed_everything", "model", "data")}
+        config = {
+            key: value
+            for key, value in setting_config(base, setting, args.per_class).items()
+            if key in ("seed_everything", "model", "data")
+        }
         config["trainer"] = {"logger": False, "callbacks": [], "enable_progress_bar": False}
         cli = HFMCACLI(args=config, run=False)  # seeds from seed_everything
         start = time.perf_counter()
-        measured = train_and_measure(cli.model, cli.datamodule, epochs, limit, k=200, linear_epochs=None, online_probe=False)
+        measured = train_and_measure(
+            cli.model, cli.datamodule, epochs, limit, k=200, linear_epochs=None, online_probe=False
+        )
         seconds = [sum(measured.epoch_seconds[: i + 1]) for i in range(len(measured.epoch_seconds))]
         curves[setting] = (seconds, measured.knn_by_epoch)
         print(
@@ -94,10 +110,27 @@ def main(argv: list[str] | None = None) -> str:
     rows = []
     for setting, (seconds, knn) in curves.items():
         within = [a for a, s in zip(knn, seconds) if s <= budget * 1.02]
-        rows.append([LABELS[setting], f"{100 * knn[-1]:.1f}", f"{seconds[-1]:.0f} s", f"{100 * max(within):.1f}" if within else "-", ", ".join(f"{100 * a:.0f}" for a in knn)])
+        rows.append(
+            [
+                LABELS[setting],
+                f"{100 * knn[-1]:.1f}",
+                f"{seconds[-1]:.0f} s",
+                f"{100 * max(within):.1f}" if within else "-",
+                ", ".join(f"{100 * a:.0f}" for a in knn),
+            ]
+        )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    header = ["Setting", "kNN top-1 (final)", "Training time", f"Best kNN top-1 within {budget:.0f} s", "kNN top-1 per epoch"]
-    table = f"{Path(args.config).name}, {epochs} epochs each, seed {base.get('seed_everything')}, {device}\n\n" + markdown_table(header, rows)
+    header = [
+        "Setting",
+        "kNN top-1 (final)",
+        "Training time",
+        f"Best kNN top-1 within {budget:.0f} s",
+        "kNN top-1 per epoch",
+    ]
+    table = (
+        f"{Path(args.config).name}, {epochs} epochs each, seed {base.get('seed_everything')}, {device}\n\n"
+        + markdown_table(header, rows)
+    )
     write_table(table, args.out)
     return table
 

@@ -8,8 +8,9 @@ statistics (forward and backward, by block input shape) and the cost factorisati
 The two steps (backbone alone; external + internal costs on every BasicBlock, as in benchmarks/throughput.py)
 are timed in interleaved rounds (medians). The parts are read from one profiled internal step: the CPU time
 of the statistics' autograd nodes (`_PerImageStatistics`, `_CentredRowStatistics`, `_ChannelsLastStatistics`
-and their backward nodes) and of the labelled `hfmca_costs` ranges (every cost of the step, batched), each as a fraction of the backbone step. On CUDA
-the profile's CPU times are launch times, so the parts are printed only on CPUs. Last, the arithmetic of both
+and their backward nodes) and of the labelled `hfmca_costs` range (every cost of the step, batched), each as a
+fraction of the backbone step. On CUDA the profile's CPU times are launch times, so the parts are printed only
+on CPUs. Last, the arithmetic of both
 steps (matrix products and convolutions, forward and backward, counted by torch's `FlopCounterMode`; the
 float64 factorisations are not counted) and the rate each part runs at: the internal costs' share of the
 arithmetic is the ratio they would reach at the backbone's rate.
@@ -69,7 +70,10 @@ def matrix_product_flops(step: Callable[[], None]) -> float:
     """Floating-point operations of one call of ``step`` in matrix products and convolutions, as torch's
     ``FlopCounterMode`` counts them, with the in-place products (``addmm_``, ``baddbmm_``) it leaves out by default."""
     aten = torch.ops.aten
-    in_place = {aten.addmm_: _taking_tensors(flop_registry[aten.addmm]), aten.baddbmm_: _taking_tensors(flop_registry[aten.baddbmm])}
+    in_place = {
+        aten.addmm_: _taking_tensors(flop_registry[aten.addmm]),
+        aten.baddbmm_: _taking_tensors(flop_registry[aten.baddbmm]),
+    }
     with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
         step()
     return float(counter.get_total_flops())
@@ -89,13 +93,27 @@ def main() -> None:
     device = torch.device(args.device)
     views = torch.randn(args.batch_size, args.views, 3, 32, 32, device=device)
     layout = {"channels_last": args.channels_last}
-    internal = partial(training_step, build(args.backbone, args.views, True, **layout).to(device).train(), views, True, nullcontext())
+    internal = partial(
+        training_step, build(args.backbone, args.views, True, **layout).to(device).train(), views, True, nullcontext()
+    )
     rows = [
-        ("step: backbone fwd/bwd alone", partial(training_step, build(args.backbone, args.views, False, **layout).to(device).train(), views, False, nullcontext())),
+        (
+            "step: backbone fwd/bwd alone",
+            partial(
+                training_step,
+                build(args.backbone, args.views, False, **layout).to(device).train(),
+                views,
+                False,
+                nullcontext(),
+            ),
+        ),
         ("step: HFMCA external + internal", internal),
     ]
     measured = measure_rows(rows, args.steps, device)
-    print(f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}" + ("; channels-last" if args.channels_last else ""))
+    print(
+        f"device: {device}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; {malloc}"
+        + ("; channels-last" if args.channels_last else "")
+    )
     print("\n".join(format_rows(measured, args.batch_size * args.views)))
     if device.type != "cpu" or measured[0].seconds is None or measured[1].seconds is None:
         return
@@ -106,11 +124,19 @@ def main() -> None:
     backbone_flops, internal_flops = (matrix_product_flops(factory()) for _, factory in rows)
     extra_flops, extra_seconds = internal_flops - backbone_flops, internal_seconds - backbone
     print("arithmetic of one step (matrix products and convolutions, forward + backward; factorisations not counted):")
-    print(f"  backbone step                         {backbone_flops / 1e9:7.1f} GFLOP   {backbone_flops / backbone / 1e9:6.1f} GFLOP/s")
-    rate = f"{extra_flops / extra_seconds / 1e9:6.1f} GFLOP/s" if extra_seconds > 0 else "rate n/a (the step was not slower than the backbone step)"
+    print(
+        f"  backbone step                         {backbone_flops / 1e9:7.1f} GFLOP   "
+        f"{backbone_flops / backbone / 1e9:6.1f} GFLOP/s"
+    )
+    rate = (
+        f"{extra_flops / extra_seconds / 1e9:6.1f} GFLOP/s"
+        if extra_seconds > 0
+        else "rate n/a (the step was not slower than the backbone step)"
+    )
     print(
         f"  added by the internal costs           {extra_flops / 1e9:7.1f} GFLOP   {rate}  "
-        f"(x {1 + extra_flops / backbone_flops:.2f} the backbone's arithmetic; the step measured x {internal_seconds / backbone:.2f})"
+        f"(x {1 + extra_flops / backbone_flops:.2f} the backbone's arithmetic; the step measured x "
+        f"{internal_seconds / backbone:.2f})"
     )
 
 

@@ -19,16 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from hfmca_lightning.cpu_memory import keep_freed_memory
 from hfmca_lightning.diagnostics import HostReads
+from hfmca_lightning.runtime.cpu_memory import keep_freed_memory
 
 Step = Callable[[], object]
 
 
 def add_malloc_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--default-malloc", action="store_true",
-        help="keep glibc's default malloc (hfmca sets it to keep freed memory: hfmca_lightning.cpu_memory)",
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's default malloc (hfmca sets it to keep freed memory: hfmca_lightning.runtime.cpu_memory)",
     )
 
 
@@ -58,7 +59,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_rows(
-    rows: list[tuple[str, Callable[[], Step]]], rounds: int, device: torch.device, warmup: int = 2, anatomy: bool = False
+    rows: list[tuple[str, Callable[[], Step]]],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 2,
+    anatomy: bool = False,
 ) -> list[StepRow]:
     """Build each ``(label, make_step)`` row, warm it up ``warmup`` times, then time ``rounds`` interleaved rounds
     (and, with ``anatomy``, count each step's host reads, kernels and busy fraction: :func:`step_anatomy`).
@@ -124,7 +129,11 @@ def step_anatomy(row: StepRow, step: Step, device: torch.device, steps: int = 3)
         for _ in range(steps):
             step()
         _sync(device)
-    kernels = [event for event in profiler.events() if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))]
+    kernels = [
+        event
+        for event in profiler.events()
+        if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))
+    ]
     row.kernels = len(kernels) / steps
     busy = sum(event.time_range.elapsed_us() for event in kernels) / 1e6 / steps
     row.busy_fraction = min(1.0, busy / row.seconds)
@@ -140,5 +149,7 @@ def format_rows(rows: list[StepRow], items: int, unit: str = "views/s") -> list[
             continue
         ratio = f"x{row.seconds / base:5.2f} time of first row" if base else ""
         memory = f"   step memory {row.step_memory_gib:6.2f} GiB" if row.step_memory_gib is not None else ""
-        lines.append(f"  {row.label:58s} {items / row.seconds:12,.0f} {unit}   {row.seconds * 1000:9.1f} ms   {ratio}{memory}")
+        lines.append(
+            f"  {row.label:58s} {items / row.seconds:12,.0f} {unit}   {row.seconds * 1000:9.1f} ms   {ratio}{memory}"
+        )
     return lines

@@ -11,7 +11,8 @@ forward/backward alone vs HFMCA external cost with the views as one batch or one
 with activation checkpointing, with checkpointing in chunks, vs external + internal costs on every block)
 and the kNN evaluation pass; ratios are to the first row of each section, and on CUDA each step row's
 memory. The step rows are built first and timed in interleaved rounds (medians; benchmarks/step_timing.py),
-so that a machine whose speed drifts during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
+so that a machine whose speed drifts during the run moves all rows alike. Uses the embedded SyntheticShapes data
+(no download).
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ def build(backbone_name: str, views: int, internal: bool, view_mode: str = "conc
     )
 
 
-def training_step(module: HFMCAModule, views: torch.Tensor, cost: bool, autocast: AbstractContextManager, augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:
+def training_step(
+    module: HFMCAModule,
+    views: torch.Tensor,
+    cost: bool,
+    autocast: AbstractContextManager,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Callable[[], None]:
     """One forward/backward of ``module`` on ``views``: the backbone alone (``cost=False``: a plain loss on its
     features) or the HFMCA objective with its checks read after the backward pass, as a training step reads them
     before the optimizer step; ``augment`` first turns a uint8 batch into views on the device."""
@@ -109,14 +116,18 @@ def data_paths(workers: int) -> dict[str, tuple[str, dict[str, object]]]:
     }
 
 
-def data_path_rows(views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32) -> list[tuple[str, float]]:
+def data_path_rows(
+    views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32
+) -> list[tuple[str, float]]:
     """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
     pipeline per view, CPU workers drawing an image's views in one call of kornia or of
     ``BatchedViewAugmentation``, uint8 batches augmented on ``device`` by either, and the training set kept on
     ``device`` (``images_on_device``). SyntheticShapes images of side ``image_size``; ``steps`` batches after
     ``workers`` + 1 warm-up batches (the loader's prefetch)."""
     warmup = workers + 1
-    source = SyntheticShapes(num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size)
+    source = SyntheticShapes(
+        num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size
+    )
     rows = []
     for label, options in data_paths(workers).values():
         data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)  # type: ignore[arg-type]
@@ -150,8 +161,15 @@ def main() -> None:
     malloc = set_malloc(args)
     device = torch.device(args.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision {args.precision}; {malloc}")
+    hardware = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"device: {hardware}; backbone {args.backbone}; {args.batch_size} images x {args.views} views; precision "
+        f"{args.precision}; {malloc}"
+    )
 
     # Data path: CPU workers (torchvision, per view) vs uint8 loading + on-device kornia views.
     report(data_path_rows(args.views, args.batch_size, args.steps, args.workers, device), args.batch_size * args.views)
@@ -164,11 +182,26 @@ def main() -> None:
         ("step: HFMCA external", False, True, "concat", {}),
         ("step: HFMCA external, per-view backbone calls", False, True, "per_view", {}),
         ("step: HFMCA external, activation checkpointing", False, True, "concat", {"checkpoint_backbone": True}),
-        (f"step: HFMCA external, checkpointing, chunks of {chunk}", False, True, "concat", {"checkpoint_backbone": True, "backbone_chunk_size": chunk}),
+        (
+            f"step: HFMCA external, checkpointing, chunks of {chunk}",
+            False,
+            True,
+            "concat",
+            {"checkpoint_backbone": True, "backbone_chunk_size": chunk},
+        ),
         ("step: HFMCA external + internal", True, True, "concat", {}),
     )
     rows = [
-        (label, partial(training_step, build(args.backbone, args.views, internal, view_mode, **memory).to(device).train(), views, cost, autocast))
+        (
+            label,
+            partial(
+                training_step,
+                build(args.backbone, args.views, internal, view_mode, **memory).to(device).train(),
+                views,
+                cost,
+                autocast,
+            ),
+        )
         for label, internal, cost, view_mode, memory in variants
     ]
     print("\n".join(format_rows(measure_rows(rows, args.steps, device), args.batch_size * args.views)))
@@ -177,7 +210,9 @@ def main() -> None:
     bank = torch.randn(50_000, 512, device=device)
     targets = torch.randint(0, 10, (50_000,), device=device)
     queries = torch.randn(10_000, 512, device=device)
-    seconds = timed(lambda: knn_predict(queries, bank, targets, 10, k=200, temperature=0.1), max(1, args.steps // 5), device)
+    seconds = timed(
+        lambda: knn_predict(queries, bank, targets, 10, k=200, temperature=0.1), max(1, args.steps // 5), device
+    )
     report([("kNN: 10k queries vs 50k bank (k=200)", seconds)], 10_000, unit="queries/s")
 
 
@@ -185,8 +220,15 @@ def report(rows: list[tuple], items: int, unit: str = "views/s") -> None:
     """One line per row: rate, time, ratio to the first row, and peak memory (GiB, CUDA) when measured."""
     base = rows[0][1]
     for label, seconds, *peak in rows:
-        memory = f"   peak {peak[0]:6.2f} GiB" if peak and peak[0] is not None else ("   peak memory: CUDA only" if peak else "")
-        print(f"  {label:58s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time of first row{memory}")
+        memory = (
+            f"   peak {peak[0]:6.2f} GiB"
+            if peak and peak[0] is not None
+            else ("   peak memory: CUDA only" if peak else "")
+        )
+        print(
+            f"  {label:58s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time "
+            f"of first row{memory}"
+        )
 
 
 if __name__ == "__main__":

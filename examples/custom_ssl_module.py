@@ -1,4 +1,4 @@
-"""Plug MultiViewDataModule into your own Lightning SSL module (docs/datamodule_for_other_methods.md).
+"""Plug MultiViewDataModule into your own Lightning SSL module (docs/baselines.md).
 
 A minimal SimCLR-style module written from scratch against the DataModule's batch format, with the
 project's kNN evaluation. Runs anywhere:
@@ -35,7 +35,9 @@ class TwoViewContrastive(LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+    def validation_step(
+        self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, Tensor]:
         images, targets = batch  # dataloader 0: kNN bank (train split), 1: queries (test split)
         return {"features": self.backbone(images), "targets": targets}
 
@@ -48,9 +50,18 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--limit-train-batches", type=float, default=1.0)
     args = parser.parse_args(argv)
-    data = MultiViewDataModule(SyntheticShapes(train_per_class=50, test_per_class=20), num_views=2, batch_size=64, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(train_per_class=50, test_per_class=20), num_views=2, batch_size=64, num_workers=0
+    )
     limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
-    trainer = Trainer(max_epochs=args.epochs, limit_train_batches=limit, callbacks=[KNNEvaluation(k=50)], logger=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_epochs=args.epochs,
+        limit_train_batches=limit,
+        callbacks=[KNNEvaluation(k=50)],
+        logger=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(TwoViewContrastive(), data)
     accuracy = float(trainer.callback_metrics["knn/top1"])
     print(f"kNN top-1: {accuracy:.3f}")

@@ -61,7 +61,7 @@ class OfflineSafeWandbLogger(WandbLogger):
     @rank_zero_experiment
     def experiment(self) -> Any:
         try:
-            return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+            return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]  # the parent's property getter
         except Exception as error:  # wandb raises several types for auth / network failures
             if self._offline:
                 raise
@@ -69,7 +69,7 @@ class OfflineSafeWandbLogger(WandbLogger):
             self._offline = True
             self._experiment = None
             self._wandb_init["mode"] = "offline"
-            return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+            return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]  # the parent's property getter
 
 
 def _settings(init_timeout: float) -> Any:

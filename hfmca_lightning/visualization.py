@@ -36,7 +36,9 @@ def _array(values: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
-def learning_dynamics_figure(history: Mapping[str, tuple[Sequence[int], np.ndarray]], title: str = "Eigenvalue learning dynamics") -> Figure:
+def learning_dynamics_figure(
+    history: Mapping[str, tuple[Sequence[int], np.ndarray]], title: str = "Eigenvalue learning dynamics"
+) -> Figure:
     """One heatmap per cost pair: x = training step, y = eigenvalue rank (1 = largest), colour = sigma_k.
 
     Args:
@@ -45,14 +47,25 @@ def learning_dynamics_figure(history: Mapping[str, tuple[Sequence[int], np.ndarr
     names = list(history)
     columns = min(5, max(1, len(names)))
     rows = math.ceil(len(names) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.9 * rows), squeeze=False, constrained_layout=True)
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(3.4 * columns, 2.9 * rows), squeeze=False, constrained_layout=True
+    )
     image = None
     for ax, name in zip(axes.flat, names):
         steps, values = history[name]
         values = _array(values)
         steps = np.asarray(steps)
         extent = (steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, values.shape[1] + 0.5, 0.5)
-        image = ax.imshow(values.T, aspect="auto", origin="upper", extent=extent, vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+        image = ax.imshow(
+            values.T,
+            aspect="auto",
+            origin="upper",
+            extent=extent,
+            vmin=0,
+            vmax=1,
+            cmap="viridis",
+            interpolation="nearest",
+        )
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("training step")
         ax.set_ylabel("eigenvalue rank")
@@ -64,7 +77,9 @@ def learning_dynamics_figure(history: Mapping[str, tuple[Sequence[int], np.ndarr
     return figure
 
 
-def layer_spectra_figure(spectra: Mapping[str, torch.Tensor | np.ndarray], title: str = "Spectrum per layer", top_mean: int = 10) -> Figure:
+def layer_spectra_figure(
+    spectra: Mapping[str, torch.Tensor | np.ndarray], title: str = "Spectrum per layer", top_mean: int = 10
+) -> Figure:
     """One column of eigenvalue dots per layer (darker = higher rank), with the mean of the ``top_mean``
     largest eigenvalues as a red dotted line (paper Fig. "Spectrum across layers")."""
     names = list(spectra)
@@ -77,7 +92,9 @@ def layer_spectra_figure(spectra: Mapping[str, torch.Tensor | np.ndarray], title
         ax.scatter(np.full(len(values), column), values, c=colour(ranks), s=14, edgecolors="none")
         means.append(values[:top_mean].mean() if len(values) else np.nan)
     ax.plot(range(len(names)), means, "r:", marker="o", markersize=3, label=f"mean of the {top_mean} largest")
-    ax.set_xticks(range(len(names)), names, rotation=45 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center")
+    ax.set_xticks(
+        range(len(names)), names, rotation=45 if len(names) > 6 else 0, ha="right" if len(names) > 6 else "center"
+    )
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("layer pair")
     ax.set_ylabel("eigenvalue $\\sigma_k$ (1 = fully dependent)")
@@ -103,7 +120,13 @@ def heatmap_overlay_figure(
     """
     names = list(heatmaps)
     count = images.shape[0]
-    figure, axes = plt.subplots(count, len(names) + 1, figsize=(1.9 * (len(names) + 1) + 0.8, 1.9 * count), squeeze=False, constrained_layout=True)
+    figure, axes = plt.subplots(
+        count,
+        len(names) + 1,
+        figsize=(1.9 * (len(names) + 1) + 0.8, 1.9 * count),
+        squeeze=False,
+        constrained_layout=True,
+    )
     pictures = images.detach().cpu().float().clamp(0, 1).permute(0, 2, 3, 1).numpy()
     height, width = pictures.shape[1:3]
     mappable = None
@@ -115,7 +138,15 @@ def heatmap_overlay_figure(
             heat = (heat - heat.min()) / (np.ptp(heat) + 1e-12)
             ax = axes[row, column]
             ax.imshow(pictures[row])
-            mappable = ax.imshow(heat, cmap="jet", alpha=0.55, extent=_extent(heat.shape, (height, width), (placements or {}).get(name)), vmin=0, vmax=1, interpolation="bilinear")
+            mappable = ax.imshow(
+                heat,
+                cmap="jet",
+                alpha=0.55,
+                extent=_extent(heat.shape, (height, width), (placements or {}).get(name)),
+                vmin=0,
+                vmax=1,
+                interpolation="bilinear",
+            )
             ax.set_xlim(-0.5, width - 0.5)
             ax.set_ylim(height - 0.5, -0.5)
             if row == 0:
@@ -130,7 +161,9 @@ def heatmap_overlay_figure(
     return figure
 
 
-def _extent(map_size: tuple[int, ...], image_size: tuple[int, int], placement: WindowGeometry | None) -> tuple[float, float, float, float]:
+def _extent(
+    map_size: tuple[int, ...], image_size: tuple[int, int], placement: WindowGeometry | None
+) -> tuple[float, float, float, float]:
     """imshow extent ``(left, right, bottom, top)`` of an ``(h, w)`` map over an ``(H, W)`` image (pixel ``i`` spans
     ``[i - 1/2, i + 1/2]``): from the map's placement, or stretched over the image without one."""
     (rows, columns), (height, width) = map_size[-2:], image_size
@@ -141,7 +174,9 @@ def _extent(map_size: tuple[int, ...], image_size: tuple[int, int], placement: W
     return (start, start + columns * s, start + rows * s, start)
 
 
-def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title: str = "Basis functions", columns: int = 8) -> Figure:
+def basis_functions_figure(
+    maps: torch.Tensor, eigenvalues: torch.Tensor, title: str = "Basis functions", columns: int = 8
+) -> Figure:
     """Grid of the normalised eigenfunctions ``phi_hat_k`` of one layer over one image, each titled with
     its eigenvalue (paper Fig. "basis functions").
 
@@ -151,7 +186,9 @@ def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title:
     count = maps.shape[0]
     columns = max(1, min(columns, count))
     rows = math.ceil(count / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(1.5 * columns + 0.8, 1.6 * rows + 0.6), squeeze=False, constrained_layout=True)
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(1.5 * columns + 0.8, 1.6 * rows + 0.6), squeeze=False, constrained_layout=True
+    )
     values = _array(maps)
     limit = np.abs(values).max() + 1e-12
     mappable = None
@@ -170,7 +207,9 @@ def basis_functions_figure(maps: torch.Tensor, eigenvalues: torch.Tensor, title:
 
 
 def external_cost_curves_figure(
-    curves: Mapping[str, Mapping[float, Sequence[float]]], title: str = "External cost (dependence level) during training", smoothing: int = 1
+    curves: Mapping[str, Mapping[float, Sequence[float]]],
+    title: str = "External cost (dependence level) during training",
+    smoothing: int = 1,
 ) -> Figure:
     """The figure beside paper Table 2: one panel per augmentation protocol, one curve of the external cost per
     distortion strength (darker = stronger); lower cost = more dependence between the views and their group.

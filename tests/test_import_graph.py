@@ -30,8 +30,12 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
+                targets.update(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                )
         edges = set()
         for target in targets:
             if target not in modules:
@@ -56,7 +60,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -76,17 +80,53 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycle_anywhere_in_the_package():
     graph = import_graph()
-    assert "hfmca_lightning.runs" in graph["hfmca_lightning.analyze"] and "hfmca_lightning.trainer_cli" in graph["hfmca_lightning.runs"]
+    assert (
+        "hfmca_lightning.cli.runs" in graph["hfmca_lightning.cli.analyze"]
+        and "hfmca_lightning.cli.trainer_cli" in graph["hfmca_lightning.cli.runs"]
+    )
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-def test_the_pure_maths_layers_do_not_reach_up():
-    """losses/, analysis/ and evaluation/ are tensors in, tensors out: no Lightning modules, callbacks, data or CLI."""
-    graph = import_graph()
-    upper = (
-        "hfmca_lightning.methods", "hfmca_lightning.callbacks", "hfmca_lightning.data", "hfmca_lightning.cli", "hfmca_lightning.trainer_cli",
-        "hfmca_lightning.analyze", "hfmca_lightning.evaluate", "hfmca_lightning.export", "hfmca_lightning.runs",
-    )
+def reaching(graph: dict[str, set[str]], layers: tuple[str, ...], upper: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules of ``layers`` that import a module of ``upper``, with what they import."""
+    found = {}
     for name, targets in graph.items():
-        if name.startswith(("hfmca_lightning.losses", "hfmca_lightning.analysis", "hfmca_lightning.evaluation")):
-            assert not [t for t in targets if t.startswith(upper)], name
+        if name.startswith(layers) and (up := sorted(t for t in targets if t.startswith(upper))):
+            found[name] = up
+    return found
+
+
+def test_the_pure_maths_layers_do_not_reach_up():
+    """losses/, analysis/ and evaluation/ are tensors in, tensors out: no Lightning modules, callbacks, data, run-time
+    helpers or commands; models/ are plain modules: no Lightning modules, callbacks, data or commands."""
+    graph = import_graph()
+    pure = ("hfmca_lightning.losses", "hfmca_lightning.analysis", "hfmca_lightning.evaluation")
+    upper = (
+        "hfmca_lightning.methods",
+        "hfmca_lightning.callbacks",
+        "hfmca_lightning.data",
+        "hfmca_lightning.cli",
+        "hfmca_lightning.runtime",
+    )
+    assert reaching(graph, pure, upper) == {}
+    assert reaching(graph, ("hfmca_lightning.models",), upper[:4]) == {}
+
+
+def test_only_the_commands_import_the_commands():
+    """cli/ (the ``hfmca`` subcommands) is the top layer: nothing else imports it; runtime/ imports no layer above
+    it."""
+    graph = import_graph()
+    outside = {
+        name: sorted(t for t in targets if t.startswith("hfmca_lightning.cli"))
+        for name, targets in graph.items()
+        if not name.startswith("hfmca_lightning.cli")
+    }
+    assert {name: targets for name, targets in outside.items() if targets} == {}
+    assert (
+        reaching(
+            graph,
+            ("hfmca_lightning.runtime",),
+            ("hfmca_lightning.methods", "hfmca_lightning.callbacks", "hfmca_lightning.data", "hfmca_lightning.cli"),
+        )
+        == {}
+    )

@@ -20,7 +20,9 @@ def test_spec_signatures():
     module = inspect.signature(HFMCACost)
     assert [module.parameters[name].default for name in ("reg", "beta", "sync_dist")] == [0.1, 0.0, False]
     spectrum = inspect.signature(eigenspectrum)
-    assert spectrum.parameters["reg"].kind is inspect.Parameter.KEYWORD_ONLY and spectrum.parameters["reg"].default == 0.1
+    assert (
+        spectrum.parameters["reg"].kind is inspect.Parameter.KEYWORD_ONLY and spectrum.parameters["reg"].default == 0.1
+    )
     assert "source" in inspect.signature(MultiViewDataModule).parameters
 
 

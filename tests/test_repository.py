@@ -12,7 +12,11 @@ CONVENTIONS = REPO / "docs" / "conventions.md"
 
 def tracked_text_files() -> list[Path]:
     names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    return [REPO / name for name in names if name.endswith((".py", ".yaml", ".md", ".ipynb", ".toml")) and (REPO / name).is_file()]
+    return [
+        REPO / name
+        for name in names
+        if name.endswith((".py", ".yaml", ".md", ".ipynb", ".toml")) and (REPO / name).is_file()
+    ]
 
 
 OUTSIDE = re.compile(r"\bSPEC\b|" + "shared" + "/")  # the project's brief lives outside the repository
@@ -20,7 +24,9 @@ OUTSIDE = re.compile(r"\bSPEC\b|" + "shared" + "/")  # the project's brief lives
 
 def test_no_file_cites_documents_outside_the_repository():
     for path in tracked_text_files():
-        assert not OUTSIDE.search(path.read_text()), f"{path.relative_to(REPO)} cites a document that is not in the repository"
+        assert not OUTSIDE.search(path.read_text()), (
+            f"{path.relative_to(REPO)} cites a document that is not in the repository"
+        )
 
 
 def test_every_cited_convention_section_exists():

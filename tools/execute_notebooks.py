@@ -21,11 +21,15 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 def execute(path: Path, out: Path) -> int:
     notebook = nbformat.read(path, as_version=4)
     os.environ["HFMCA_NOTEBOOK_OUT"] = str(out)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     for cell in notebook.cells:
         cell.metadata.pop("execution", None)
         # Library log lines (device banners, warnings) vary by machine; the saved notebook keeps what it shows.
-        cell["outputs"] = [o for o in cell.get("outputs", []) if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+        cell["outputs"] = [
+            o for o in cell.get("outputs", []) if not (o.get("output_type") == "stream" and o.get("name") == "stderr")
+        ]
     nbformat.write(notebook, path)
     return path.stat().st_size
 

@@ -44,7 +44,10 @@ def propagate_response(response_above: Tensor, pair: LayerPair) -> Tensor:
     geometry, decomposition = pair.geometry, pair.decomposition
     k, s, p = geometry.kernel, geometry.stride, geometry.padding
     if tuple(response_above.shape) != (pair.high_map.shape[0], *pair.high_map.shape[-2:]):
-        raise ValueError(f"response {tuple(response_above.shape)} does not match the high map {tuple(pair.high_map.shape)} of {pair.name}")
+        raise ValueError(
+            f"response {tuple(response_above.shape)} does not match the high map {tuple(pair.high_map.shape)} of "
+            f"{pair.name}"
+        )
     padded = F.pad(pair.low_map.to(torch.float64), (p, p, p, p))
     phi = _channels_last_basis(decomposition.low_basis, padded)  # (B, r, H + 2p, W + 2p)
     psi = _channels_last_basis(decomposition.high_basis, pair.high_map)  # (B, r, H', W')
@@ -71,7 +74,9 @@ def bridge_response(response: Tensor, size: tuple[int, int]) -> Tensor:
     factor_h, factor_w = size[0] // height, size[1] // width
     remainder_h, remainder_w = size[0] - height * factor_h, size[1] - width * factor_w
     if factor_h < 1 or factor_h != factor_w or not (0 <= remainder_h < factor_h and 0 <= remainder_w < factor_w):
-        raise ValueError(f"cannot bridge a {height}x{width} response to a {size[0]}x{size[1]} map (not an integer pooling)")
+        raise ValueError(
+            f"cannot bridge a {height}x{width} response to a {size[0]}x{size[1]} map (not an integer pooling)"
+        )
     spread = response.repeat_interleave(factor_h, dim=-2).repeat_interleave(factor_w, dim=-1)
     return F.pad(spread, (0, size[1] - spread.shape[-1], 0, size[0] - spread.shape[-2]))
 
@@ -89,7 +94,8 @@ def telescoping_response(pairs: list[LayerPair]) -> dict[str, Tensor]:
     responses: dict[str, Tensor] = {}
     for index in range(len(pairs) - 1, -1, -1):
         pair = pairs[index]
-        response = propagate_response(bridge_response(response, tuple(pair.high_map.shape[-2:])), pair)
+        height, width = pair.high_map.shape[-2:]
+        response = propagate_response(bridge_response(response, (height, width)), pair)
         responses[pair.name] = response
     return dict(reversed(list(responses.items())))
 

@@ -39,4 +39,6 @@ class PreemptionCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             super().on_exception(trainer, pl_module, exception)
-            rank_zero_info(f"SIGTERM: saved the state after step {trainer.global_step} to {self.last_model_path or self.dirpath}")
+            rank_zero_info(
+                f"SIGTERM: saved the state after step {trainer.global_step} to {self.last_model_path or self.dirpath}"
+            )

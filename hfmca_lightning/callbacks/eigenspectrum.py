@@ -51,17 +51,25 @@ class EigenspectrumCallback(FigureCallback):
     """
 
     def __init__(
-        self, every_n_steps: int = 50, top_k: int = 20, threshold: float = 0.5, output_dir: str | None = None, accumulate_batches: int = 1
+        self,
+        every_n_steps: int = 50,
+        top_k: int = 20,
+        threshold: float = 0.5,
+        output_dir: str | None = None,
+        accumulate_batches: int = 1,
     ) -> None:
         super().__init__(output_dir)
         checks = (
-            ("every_n_steps", every_n_steps, every_n_steps >= 1), ("top_k", top_k, top_k >= 1), ("threshold", threshold, 0 < threshold < 1),
+            ("every_n_steps", every_n_steps, every_n_steps >= 1),
+            ("top_k", top_k, top_k >= 1),
+            ("threshold", threshold, 0 < threshold < 1),
             ("accumulate_batches", accumulate_batches, accumulate_batches >= 1),
         )
         for name, value, valid in checks:
             if not valid:
                 raise ConfigurationError(
-                    f"EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1 and accumulate_batches >= 1; got {name}={value}",
+                    "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1 and "
+                    f"accumulate_batches >= 1; got {name}={value}",
                     parameter=name,
                 )
         self.every_n_steps = every_n_steps
@@ -73,7 +81,9 @@ class EigenspectrumCallback(FigureCallback):
         self.latest: dict[str, torch.Tensor] = {}
         self._last_logged_step = -1
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
         statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
         if not statistics or step == self._last_logged_step:
@@ -83,7 +93,7 @@ class EigenspectrumCallback(FigureCallback):
             return
         statistics = {name: reduce(operator.add, (recent[name] for recent in self._recent)) for name in statistics}
         self._last_logged_step = step
-        costs = pl_module.cost_modules()  # type: ignore[operator]
+        costs = pl_module.cost_modules()  # type: ignore[operator]  # an HFMCA module's method (checked in setup)
         metrics: dict[str, float] = {}
         for name, stats in statistics.items():
             eigenvalues = decompose(stats, reg=costs[name].reg).eigenvalues.cpu()
@@ -105,7 +115,9 @@ class EigenspectrumCallback(FigureCallback):
             import wandb
 
             histograms = {
-                f"spectrum/{name}/eigenvalues": wandb.Histogram(np_histogram=np.histogram(values.numpy(), bins=HISTOGRAM_BINS, range=(0.0, 1.0)))
+                f"spectrum/{name}/eigenvalues": wandb.Histogram(
+                    np_histogram=np.histogram(values.numpy(), bins=HISTOGRAM_BINS, range=(0.0, 1.0))
+                )
                 for name, values in self.latest.items()
             }
         for logger in trainer.loggers:
@@ -120,7 +132,9 @@ class EigenspectrumCallback(FigureCallback):
             name: ([step for step, _ in entries], np.array([_pad(values, ranks) for _, values in entries]))
             for name, entries in self.history.items()
         }
-        self.publish(trainer, learning_dynamics_figure(history), "learning_dynamics", f"learning_dynamics_epoch{epoch:03d}.png")
+        self.publish(
+            trainer, learning_dynamics_figure(history), "learning_dynamics", f"learning_dynamics_epoch{epoch:03d}.png"
+        )
         spectra = layer_spectra_figure(self.latest, title=f"Spectrum per layer pair, step {trainer.global_step}")
         self.publish(trainer, spectra, "layer_spectra", f"layer_spectra_epoch{epoch:03d}.png")
 
@@ -128,7 +142,10 @@ class EigenspectrumCallback(FigureCallback):
         return {"history": self.history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = {name: [(int(step), list(values)) for step, values in entries] for name, entries in state_dict["history"].items()}
+        self.history = {
+            name: [(int(step), list(values)) for step, values in entries]
+            for name, entries in state_dict["history"].items()
+        }
 
 
 def _pad(values: list[float], length: int) -> list[float]:

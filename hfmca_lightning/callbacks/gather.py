@@ -8,7 +8,9 @@ from lightning.pytorch import LightningModule
 __all__ = ["gather_in_dataset_order"]
 
 
-def gather_in_dataset_order(pl_module: LightningModule, pieces: list[torch.Tensor], dataset_length: int) -> torch.Tensor:
+def gather_in_dataset_order(
+    pl_module: LightningModule, pieces: list[torch.Tensor], dataset_length: int
+) -> torch.Tensor:
     """This process's rows ``cat(pieces)``, or under DDP every process's rows in dataset order without the
     distributed sampler's padding (row ``j`` of rank ``r`` is sample ``j * world_size + r``)."""
     local = torch.cat(pieces)

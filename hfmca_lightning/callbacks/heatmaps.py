@@ -10,7 +10,12 @@ from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.inspection import collect_statistics, default_figure_layers, density_ratio_heatmaps, heatmap_placements
+from hfmca_lightning.methods.inspection import (
+    collect_statistics,
+    default_figure_layers,
+    density_ratio_heatmaps,
+    heatmap_placements,
+)
 from hfmca_lightning.visualization import heatmap_overlay_figure
 
 __all__ = ["DensityRatioHeatmapCallback"]
@@ -37,8 +42,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
     warning), in float64 and eval mode, not from the few drawn images: with 9 images and 64 features the
     decomposition of independent features shows spurious eigenvalues above 0.5. The response is then
     propagated from the top hooked layer down (Alg. 5). ``image_class`` draws only images of that class (the
-    appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure overlays the response at
-    ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
+    appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure
+    overlays the response at ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
     ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
     internal costs. Rank 0 only.
     """
@@ -54,7 +59,11 @@ class DensityRatioHeatmapCallback(FigureCallback):
         first_image: int = 0,
     ) -> None:
         super().__init__(output_dir)
-        for name, value in (("num_images", num_images), ("every_n_epochs", every_n_epochs), ("statistics_images", statistics_images)):
+        for name, value in (
+            ("num_images", num_images),
+            ("every_n_epochs", every_n_epochs),
+            ("statistics_images", statistics_images),
+        ):
             if value < 1:
                 raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 1; got {value}", parameter=name)
         self.num_images = num_images
@@ -68,11 +77,16 @@ class DensityRatioHeatmapCallback(FigureCallback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         internal = getattr(pl_module, "internal_costs", None)
         if internal is None:
-            raise ConfigurationError("DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)")
+            raise ConfigurationError(
+                "DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)"
+            )
         names = [pair.log_name for pair in internal.pairs]
         unknown = set(self.layers or []) - set(names)
         if unknown:
-            raise ConfigurationError(f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {names}", parameter="layers")
+            raise ConfigurationError(
+                f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {names}",
+                parameter="layers",
+            )
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
@@ -82,10 +96,17 @@ class DensityRatioHeatmapCallback(FigureCallback):
         counted = _Counted(datamodule.evaluation_batches(self.statistics_images))
         statistics = collect_statistics(pl_module, counted)
         if counted.images < self.statistics_images and not self._warned:
-            rank_zero_warn(f"DensityRatioHeatmapCallback: the evaluation split has {counted.images} images, fewer than statistics_images={self.statistics_images}")
+            rank_zero_warn(
+                f"DensityRatioHeatmapCallback: the evaluation split has {counted.images} images, fewer than "
+                f"statistics_images={self.statistics_images}"
+            )
             self._warned = True
         self.last_statistics_images = counted.images
         heatmaps = density_ratio_heatmaps(pl_module, images, statistics)
         chosen = self.layers or default_figure_layers(list(heatmaps))
-        figure = heatmap_overlay_figure(trainer.datamodule.denormalise(images), {name: heatmaps[name] for name in chosen}, placements=heatmap_placements(pl_module))
+        figure = heatmap_overlay_figure(
+            trainer.datamodule.denormalise(images),
+            {name: heatmaps[name] for name in chosen},
+            placements=heatmap_placements(pl_module),
+        )
         self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.callbacks.gather import gather_in_dataset_order
+from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.knn import knn_predict
 
@@ -18,10 +18,10 @@ __all__ = ["KNNEvaluation"]
 class KNNEvaluation(Callback):
     """kNN top-1 of the backbone features, logged as ``knn/top1`` (this epoch) and ``knn/top1_max``.
 
-    Consumes the validation (and test) loop: dataloader ``BANK`` (train split, no augmentation) and
-    ``QUERIES`` (test split) of :class:`~hfmca_lightning.data.MultiViewDataModule`; the module's ``validation_step`` / ``test_step`` returns
-    ``{"features", "targets"}``. Lightning runs these loops in eval mode, so BN uses running statistics
-    during the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
+    Consumes the validation (and test) loop: dataloader ``BANK`` (train split, no augmentation) and ``QUERIES`` (test
+    split) of :class:`~hfmca_lightning.data.MultiViewDataModule`; the module's ``validation_step`` / ``test_step``
+    returns ``{"features", "targets"}``. Lightning runs these loops in eval mode, so BN uses running statistics during
+    the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
         k: neighbours (paper / lightly protocol: 200). temperature: softmax temperature (0.1).
@@ -31,7 +31,9 @@ class KNNEvaluation(Callback):
         super().__init__()
         for name, value, valid in (("k", k, k >= 1), ("temperature", temperature, temperature > 0)):
             if not valid:
-                raise ConfigurationError(f"KNNEvaluation needs k >= 1 and temperature > 0; got {name}={value}", parameter=name)
+                raise ConfigurationError(
+                    f"KNNEvaluation needs k >= 1 and temperature > 0; got {name}={value}", parameter=name
+                )
         self.k = k
         self.temperature = temperature
         self.best = 0.0
@@ -46,7 +48,13 @@ class KNNEvaluation(Callback):
     on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if dataloader_idx not in (BANK, QUERIES):
             return
@@ -64,9 +72,13 @@ class KNNEvaluation(Callback):
         if trainer.sanity_checking or not self._features[BANK] or not self._features[QUERIES]:
             return
         loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-        bank, bank_targets = (gather_in_dataset_order(pl_module, store[BANK], len(loaders[BANK].dataset)) for store in (self._features, self._targets))
+        bank, bank_targets = (
+            gather_in_dataset_order(pl_module, store[BANK], len(loaders[BANK].dataset))
+            for store in (self._features, self._targets)
+        )
         queries, query_targets = (
-            gather_in_dataset_order(pl_module, store[QUERIES], len(loaders[QUERIES].dataset)) for store in (self._features, self._targets)
+            gather_in_dataset_order(pl_module, store[QUERIES], len(loaders[QUERIES].dataset))
+            for store in (self._features, self._targets)
         )
         num_classes = getattr(trainer.datamodule, "num_classes", None)
         if num_classes is None:

@@ -91,7 +91,8 @@ class LinearProbe(Callback):
         self.feature_dim = self.feature_dim or getattr(getattr(pl_module, "backbone", None), "feature_dim", None)
         if self.num_classes is None or self.feature_dim is None:
             raise ConfigurationError(
-                "LinearProbe cannot tell the number of classes or the feature dimension from the data and backbone; set its num_classes and feature_dim"
+                "LinearProbe cannot tell the number of classes or the feature dimension from the data and backbone; "
+                "set its num_classes and feature_dim"
             )
         if self.classifier is None:
             from lightly.utils.benchmarking import OnlineLinearClassifier
@@ -100,14 +101,20 @@ class LinearProbe(Callback):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 self.standardise = nn.BatchNorm1d(self.feature_dim, affine=False)
-                self.classifier = OnlineLinearClassifier(self.feature_dim, self.num_classes, topk=tuple(min(k, self.num_classes) for k in self.topk))
-            self.optimizer = torch.optim.SGD(self._parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+                self.classifier = OnlineLinearClassifier(
+                    self.feature_dim, self.num_classes, topk=tuple(min(k, self.num_classes) for k in self.topk)
+                )
+            self.optimizer = torch.optim.SGD(
+                self._parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
         self.standardise.to(pl_module.device)
         self.classifier.to(pl_module.device)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         images, targets = batch[0], batch[1]  # (views, target[, grids])
         if images.dim() == 5:
             images = images[:, 0]
@@ -121,7 +128,9 @@ class LinearProbe(Callback):
                 features = pl_module(images)
             if features.shape[-1] != self.feature_dim:
                 raise ConfigurationError(
-                    f"LinearProbe has feature_dim={self.feature_dim} but the module's features have {features.shape[-1]}", parameter="feature_dim"
+                    f"LinearProbe has feature_dim={self.feature_dim} but the module's features have "
+                    f"{features.shape[-1]}",
+                    parameter="feature_dim",
                 )
             self.standardise.train()
             self.classifier.train()
@@ -145,12 +154,20 @@ class LinearProbe(Callback):
     on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if dataloader_idx != QUERIES:
             return
         if not isinstance(outputs, dict) or "features" not in outputs or "targets" not in outputs:
-            raise TypeError(f"LinearProbe needs {type(pl_module).__name__}.validation_step to return {{'features', 'targets'}}")
+            raise TypeError(
+                f"LinearProbe needs {type(pl_module).__name__}.validation_step to return {{'features', 'targets'}}"
+            )
         self.standardise.eval()
         with torch.no_grad():
             self._logits.append(self.classifier(self.standardise(outputs["features"].float())))
@@ -174,7 +191,11 @@ class LinearProbe(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.classifier is None:
             return dict(self._pending_state or {})
-        return {"standardise": self.standardise.state_dict(), "classifier": self.classifier.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {
+            "standardise": self.standardise.state_dict(),
+            "classifier": self.classifier.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:

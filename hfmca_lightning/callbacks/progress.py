@@ -58,7 +58,9 @@ class CostProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
         self._values = AsyncHostValues()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
             self._values.push(outputs["progress_bar"])
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
-from hfmca_lightning.seeding import step_seed
+from hfmca_lightning.runtime.seeding import step_seed
 
 __all__ = ["RunState", "saved_wandb_run_id"]
 

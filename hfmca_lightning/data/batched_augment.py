@@ -1,9 +1,8 @@
 """SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations.
 
-kornia draws the same distributions per sample, but at CIFAR size its cost is dispatch, not arithmetic:
-~1,400 tensor operations for the 9 views of one image (3.9 ms on one core; 34 ms of GPU time for a
-64 x 9 batch on an H200, docs/benchmarks/README.md). Here every step is a handful of operations on all
-``B * L`` views at once, whatever their number:
+kornia draws the same distributions per sample, but at CIFAR size its cost is dispatch, not arithmetic (about
+1,400 tensor operations for the 9 views of one image). Here every step is a handful of operations on all ``B * L``
+views at once, whatever their number:
 
 * crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its
   centre-crop fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one
@@ -17,13 +16,13 @@ kornia draws the same distributions per sample, but at CIFAR size its cost is di
   ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at
   ``SOLARIZE_THRESHOLD``, normalisation; blur and solarisation with the probabilities of each view's kind.
 
-Random numbers come from each sample's seed through a counter-based hash (:meth:`BatchedViewAugmentation.views_from_seeds`:
-the CPU workers' collate function and the training set kept on the device), or from torch's generator of the
-images' device (seeded per batch: ``augment_on_device``), so views stay a function of the seed. Nothing in it
-reads a device value on the host or copies a Python constant to the device. Pixels stay float32 throughout: the CPU
-torchvision path works on uint8 and its blends truncate after every jitter step, which leaves its views
-about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's images; the only difference
-seen in pixel statistics).
+Random numbers come from each sample's seed through a counter-based hash
+(:meth:`BatchedViewAugmentation.views_from_seeds`: the CPU workers' collate function and the training set kept on the
+device), or from torch's generator of the images' device (seeded per batch: ``augment_on_device``), so views stay a
+function of the seed. Nothing in it reads a device value on the host or copies a Python constant to the device. Pixels
+stay float32 throughout: the CPU torchvision path works on uint8 and its blends truncate after every jitter step,
+which leaves its views about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's images; the only
+difference seen in pixel statistics).
 """
 
 from __future__ import annotations
@@ -47,7 +46,12 @@ CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
 
 
 def sample_crop_boxes(
-    count: int, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], device: torch.device | None = None,
+    count: int,
+    height: int,
+    width: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    device: torch.device | None = None,
     uniforms: Uniforms | None = None,
 ) -> Tensor:
     """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn as torchvision's
@@ -74,8 +78,12 @@ def sample_crop_boxes(
     w = torch.where(found, w, torch.full_like(w, fallback_w))
     h = torch.where(found, h, torch.full_like(h, fallback_h))
     uniform = uniforms.rand((count, 2), dtype=torch.float64)
-    top = torch.where(found, torch.floor(uniform[:, 0] * (height - h + 1)), torch.full_like(h, (height - fallback_h) // 2))
-    left = torch.where(found, torch.floor(uniform[:, 1] * (width - w + 1)), torch.full_like(w, (width - fallback_w) // 2))
+    top = torch.where(
+        found, torch.floor(uniform[:, 0] * (height - h + 1)), torch.full_like(h, (height - fallback_h) // 2)
+    )
+    left = torch.where(
+        found, torch.floor(uniform[:, 1] * (width - w + 1)), torch.full_like(w, (width - fallback_w) // 2)
+    )
     return torch.stack((top, left, h, w), dim=1)
 
 
@@ -91,7 +99,8 @@ def _crop_grid(boxes: Tensor, flip: Tensor, size: int, height: int, width: int) 
 
 
 def _grey(views: Tensor) -> Tensor:
-    """``(N, 1, H, W)`` luma of ``(N, 3, H, W)`` RGB views (as torchvision; a 1 x 1 convolution is 100x slower on CPUs)."""
+    """``(N, 1, H, W)`` luma of ``(N, 3, H, W)`` RGB views, as torchvision's ``rgb_to_grayscale`` (two fused
+    multiply-adds: a 1 x 1 convolution is far slower on CPUs)."""
     r, g, b = views[:, 0:1], views[:, 1:2], views[:, 2:3]
     return r.mul(GREY_WEIGHTS[0]).add_(g, alpha=GREY_WEIGHTS[1]).add_(b, alpha=GREY_WEIGHTS[2])
 
@@ -104,10 +113,16 @@ def _shift_hue(views: Tensor, shift: Tensor) -> Tensor:
     chroma = maximum - minimum
     safe_chroma = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
     saturation = chroma / torch.where(maximum > 0, maximum, torch.ones_like(maximum))
-    hue = torch.where(maximum == r, (g - b) / safe_chroma, torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0))
+    hue = torch.where(
+        maximum == r,
+        (g - b) / safe_chroma,
+        torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0),
+    )
     hue = torch.remainder(hue / 6.0 + 1.0 + shift.view(-1, 1, 1), 1.0)
     # channel n in (5, 3, 1) for (R, G, B): v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6
-    offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(1, 3, 1, 1)  # made on the device
+    offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(
+        1, 3, 1, 1
+    )  # made on the device
     k = torch.remainder(offsets + 6.0 * hue.unsqueeze(1), 6.0)
     return maximum.unsqueeze(1) * (1.0 - saturation.unsqueeze(1) * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0))
 
@@ -124,8 +139,12 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
     weights = torch.where(blurred[:, None], weights, identity).repeat_interleave(channels, dim=0)  # (N*C, k)
     half = kernel // 2
     flat = views.reshape(1, count * channels, *views.shape[2:])
-    flat = F.conv2d(F.pad(flat, (0, 0, half, half), mode="reflect"), weights.view(-1, 1, kernel, 1), groups=count * channels)
-    flat = F.conv2d(F.pad(flat, (half, half, 0, 0), mode="reflect"), weights.view(-1, 1, 1, kernel), groups=count * channels)
+    flat = F.conv2d(
+        F.pad(flat, (0, 0, half, half), mode="reflect"), weights.view(-1, 1, kernel, 1), groups=count * channels
+    )
+    flat = F.conv2d(
+        F.pad(flat, (half, half, 0, 0), mode="reflect"), weights.view(-1, 1, 1, kernel), groups=count * channels
+    )
     return flat.view_as(views)
 
 
@@ -162,7 +181,9 @@ class BatchedViewAugmentation(nn.Module):
     blur_p: Tensor
     solarize_p: Tensor
 
-    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], select_rows: bool | None = None) -> None:
+    def __init__(
+        self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], select_rows: bool | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.select_rows = select_rows
@@ -170,7 +191,9 @@ class BatchedViewAugmentation(nn.Module):
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         kinds = [spec.kind(kind) for kind in range(spec.view_kinds)]
         self.register_buffer("blur_p", torch.tensor([blur for blur, _ in kinds], dtype=torch.float32), persistent=False)
-        self.register_buffer("solarize_p", torch.tensor([solarize for _, solarize in kinds], dtype=torch.float32), persistent=False)
+        self.register_buffer(
+            "solarize_p", torch.tensor([solarize for _, solarize in kinds], dtype=torch.float32), persistent=False
+        )
         self._any_blur = any(blur for blur, _ in kinds)
         self._any_solarize = any(solarize for _, solarize in kinds)
 
@@ -186,9 +209,19 @@ class BatchedViewAugmentation(nn.Module):
         batch, _, height, width = images.shape
         if seeds.shape != (batch,):
             raise ValueError(f"need one seed per image: {batch} images, seeds of shape {tuple(seeds.shape)}")
-        return self.apply(images, self.draw(batch, num_views, height, width, uniforms=CounterUniforms(seeds, num_views)), num_views)
+        return self.apply(
+            images, self.draw(batch, num_views, height, width, uniforms=CounterUniforms(seeds, num_views)), num_views
+        )
 
-    def draw(self, batch: int, num_views: int, height: int, width: int, device: torch.device | None = None, uniforms: Uniforms | None = None) -> ViewParameters:
+    def draw(
+        self,
+        batch: int,
+        num_views: int,
+        height: int,
+        width: int,
+        device: torch.device | None = None,
+        uniforms: Uniforms | None = None,
+    ) -> ViewParameters:
         """Parameters of ``batch * num_views`` views of ``height x width`` images (views ``l`` of kind
         ``l % view_kinds``), random numbers from ``uniforms`` (default: torch's generator of ``device``). Which
         random numbers are drawn depends only on the arguments."""
@@ -196,7 +229,11 @@ class BatchedViewAugmentation(nn.Module):
         spec, count = self.spec, batch * num_views
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
         device = boxes.device
-        flip = uniforms.rand((count,)) < 0.5 if spec.horizontal_flip else torch.zeros(count, dtype=torch.bool, device=device)
+        flip = (
+            uniforms.rand((count,)) < 0.5
+            if spec.horizontal_flip
+            else torch.zeros(count, dtype=torch.bool, device=device)
+        )
         brightness, contrast, saturation, hue = spec.jitter
         applied = uniforms.rand((count,)) < spec.jitter_p
 
@@ -213,33 +250,44 @@ class BatchedViewAugmentation(nn.Module):
         sigma = uniforms.uniform((count,), *BLUR_SIGMA)
         blurred = uniforms.rand((count,)) < self.blur_p.to(device)[kind]
         solarize = uniforms.rand((count,)) < self.solarize_p.to(device)[kind]
-        return ViewParameters(boxes, flip, factors, hue_shift, order, grey, torch.where(blurred, sigma, torch.zeros_like(sigma)), solarize)
+        return ViewParameters(
+            boxes, flip, factors, hue_shift, order, grey, torch.where(blurred, sigma, torch.zeros_like(sigma)), solarize
+        )
 
     def apply(self, images: Tensor, parameters: ViewParameters, num_views: int) -> Tensor:
-        """The views of ``images (B, C, H, W)`` uint8 with ``parameters`` of ``B * num_views`` views -> ``(B, L, C, S, S)``."""
+        """The views of ``images (B, C, H, W)`` uint8 with ``parameters`` of ``B * num_views`` views -> ``(B, L, C, S,
+        S)``."""
         _check_images(images)
         spec = self.spec
         batch, channels, height, width = images.shape
         size = spec.image_size
         sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
         grid = _crop_grid(parameters.boxes.to(images.device), parameters.flip.to(images.device), size, height, width)
-        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(0.0, 1.0)
+        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(
+            0.0, 1.0
+        )
         if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
             select_rows = views.device.type == "cpu" if self.select_rows is None else self.select_rows
-            views = jitter_views(views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, select_rows)
+            views = jitter_views(
+                views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, select_rows
+            )
         if spec.gray_p > 0 and channels == 3:
             views = torch.where(parameters.grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
         if self._any_blur:
             views = _gaussian_blur(views, parameters.blur_sigma, spec.blur_kernel)
         if self._any_solarize:
-            views = torch.where(parameters.solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
+            views = torch.where(
+                parameters.solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views
+            )
         views = (views - self.mean) / self.std
         return views.view(batch, num_views, channels, size, size)
 
 
 def _check_images(images: Tensor) -> None:
     if images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
+        raise ValueError(
+            f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
+        )
 
 
 class BatchViews:
@@ -254,10 +302,14 @@ class BatchViews:
     def __call__(self, samples: list[tuple[Tensor, int, int]]) -> tuple[Tensor, Tensor]:
         images = torch.stack([image for image, _, _ in samples])
         seeds = torch.tensor([seed for _, _, seed in samples], dtype=torch.int64)
-        return self.augmentation.views_from_seeds(images, seeds, self.num_views), torch.tensor([target for _, target, _ in samples])
+        return self.augmentation.views_from_seeds(images, seeds, self.num_views), torch.tensor(
+            [target for _, target, _ in samples]
+        )
 
 
-def jitter_views(views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor, select_rows: bool | None = None) -> Tensor:
+def jitter_views(
+    views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor, select_rows: bool | None = None
+) -> Tensor:
     """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1] with per-view parameters:
     ``factors (N, 3)`` brightness, contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged) and
     ``order (N, 4)`` a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue. Four rounds; in each,

@@ -88,8 +88,8 @@ class CounterUniforms:
 
 
 class TorchUniforms:
-    """Uniforms from torch's generator of ``device``, drawn by exactly the calls that drew them before this
-    interface existed (``torch.rand`` and ``Tensor.uniform_``), so seeded draws are unchanged."""
+    """Uniforms from torch's generator of ``device``, drawn by ``torch.rand`` and ``Tensor.uniform_`` (the views
+    seeded per batch on the device, ``augment_on_device``)."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device

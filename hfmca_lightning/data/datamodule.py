@@ -1,4 +1,5 @@
-"""``MultiViewDataModule``: L-view (or same-class) training batches plus kNN evaluation loaders (docs/conventions.md §5)."""
+"""``MultiViewDataModule``: L-view (or same-class) training batches plus kNN evaluation loaders (docs/conventions.md
+§5)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,18 @@ from hfmca_lightning.data.datasets import (
     SeededRandomSampler,
     SingleViewDataset,
 )
-from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.stored_images import SeededIndices, StoredImages
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform, resize_transform, view_transforms
+from hfmca_lightning.data.transforms import (
+    ViewAugmentation,
+    eval_transform,
+    finetune_transform,
+    resize_transform,
+    view_transforms,
+)
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.seeding import step_seed
+from hfmca_lightning.runtime.seeding import step_seed
 
 __all__ = ["BANK", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
 
@@ -56,7 +63,6 @@ def _stop_workers_at_exit() -> None:
 
 
 atexit.register(_stop_workers_at_exit)
-
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,12 @@ class MultiViewDataModule(LightningDataModule):
             or ``batched`` (each image's parameters from its seed, then the pixels of the whole batch at once
             by :class:`BatchedViewAugmentation`, in the worker's collate function; like ``augment_on_device``,
             from the image resized and centre-cropped to ``image_size``, which changes nothing for CIFAR).
-            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws 4-5x
-            the views per core of ``torchvision``, 2x those of ``kornia``. ImageNet-sized views with blur are
-            faster with ``torchvision`` (PIL's blur).
+            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws several
+            times the views per CPU core of the others; ImageNet-sized views with blur are faster with
+            ``torchvision`` (PIL's blur).
         device_pipeline: what draws the views with ``augment_on_device``: ``batched``
             (:class:`BatchedViewAugmentation`, the default: a fixed number of whole-batch operations, no
-            host-device waits; 2x kornia's speed on a CPU for 64 x 9 views) or ``kornia``.
+            host-device waits) or ``kornia``.
         images_on_device: mode ``views`` only. The training split is kept on the accelerator as one uint8 tensor
             (for data sets that fit: a clear error if it would take more than half of the free device memory);
             a training batch is then its samples' indices and seeds, and the views are drawn on the device by
@@ -167,8 +173,15 @@ class MultiViewDataModule(LightningDataModule):
         if mode not in ("views", "same_class", "single"):
             raise ConfigurationError(f"mode must be 'views', 'same_class' or 'single'; got {mode!r}", parameter="mode")
         if mode == "single" and num_views != 1:
-            raise ConfigurationError(f"mode 'single' yields one image per sample; set num_views: 1 (got {num_views})", parameter="num_views")
-        for name, value, least in (("num_views", num_views, 1), ("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1), ("num_workers", num_workers, 0)):
+            raise ConfigurationError(
+                f"mode 'single' yields one image per sample; set num_views: 1 (got {num_views})", parameter="num_views"
+            )
+        for name, value, least in (
+            ("num_views", num_views, 1),
+            ("batch_size", batch_size, 1),
+            ("eval_batch_size", eval_batch_size, 1),
+            ("num_workers", num_workers, 0),
+        ):
             if value < least:
                 raise ConfigurationError(f"{name} must be >= {least}; got {value}", parameter=name)
         self.source = source
@@ -180,43 +193,75 @@ class MultiViewDataModule(LightningDataModule):
         self.persistent_workers = persistent_workers
         self.seed = seed
         if augment_on_device and mode != "views":
-            raise ConfigurationError(f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device")
+            raise ConfigurationError(
+                f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device"
+            )
         self.augment_on_device = augment_on_device
         if worker_augmentation not in ("torchvision", "kornia", "batched"):
             raise ConfigurationError(
-                f"worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got {worker_augmentation!r}", parameter="worker_augmentation"
+                f"worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got {worker_augmentation!r}",
+                parameter="worker_augmentation",
             )
         if worker_augmentation != "torchvision" and (mode != "views" or augment_on_device):
             raise ConfigurationError(
-                f"worker_augmentation {worker_augmentation!r} draws the views of mode 'views' in the CPU workers; it does not apply with "
-                f"mode {mode!r} or augment_on_device: true", parameter="worker_augmentation",
+                f"worker_augmentation {worker_augmentation!r} draws the views of mode 'views' in the CPU workers; it "
+                "does not apply with "
+                f"mode {mode!r} or augment_on_device: true",
+                parameter="worker_augmentation",
             )
         if device_pipeline not in ("batched", "kornia"):
-            raise ConfigurationError(f"device_pipeline must be 'batched' or 'kornia'; got {device_pipeline!r}", parameter="device_pipeline")
+            raise ConfigurationError(
+                f"device_pipeline must be 'batched' or 'kornia'; got {device_pipeline!r}", parameter="device_pipeline"
+            )
         self.worker_augmentation = worker_augmentation
         if images_on_device and (mode != "views" or augment_on_device or worker_augmentation == "kornia"):
             raise ConfigurationError(
-                f"images_on_device draws the views of mode 'views' on the device with the batched pipeline; it does not apply with "
-                f"mode {mode!r}, augment_on_device: {augment_on_device} or worker_augmentation: {worker_augmentation!r}",
+                "images_on_device draws the views of mode 'views' on the device with the batched pipeline; it does "
+                "not apply with "
+                f"mode {mode!r}, augment_on_device: {augment_on_device} or worker_augmentation: "
+                f"{worker_augmentation!r}",
                 parameter="images_on_device",
             )
         self.images_on_device = images_on_device
-        if view_grids < 0 or (view_grids > 0 and (mode != "views" or augment_on_device or images_on_device or worker_augmentation != "torchvision")):
+        if view_grids < 0 or (
+            view_grids > 0
+            and (mode != "views" or augment_on_device or images_on_device or worker_augmentation != "torchvision")
+        ):
             raise ConfigurationError(
-                f"view_grids (the side of the grid of crop positions VICRegL matches local features with) must be >= 0 and "
-                f"needs mode 'views' with the CPU torchvision augmentation; got view_grids={view_grids}, mode={mode!r}, "
-                f"augment_on_device={augment_on_device}, worker_augmentation={worker_augmentation!r}", parameter="view_grids",
+                "view_grids (the side of the grid of crop positions VICRegL matches local features with) must be >= "
+                "0 and "
+                f"needs mode 'views' with the CPU torchvision augmentation; got view_grids={view_grids}, "
+                f"mode={mode!r}, "
+                f"augment_on_device={augment_on_device}, worker_augmentation={worker_augmentation!r}",
+                parameter="view_grids",
             )
         self.view_grids = view_grids
         spec = ViewAugmentation.from_strengths(
-            source.image_size, crop_strength, color_strength, gray_strength, horizontal_flip, color_jitter, blur, solarize
+            source.image_size,
+            crop_strength,
+            color_strength,
+            gray_strength,
+            horizontal_flip,
+            color_jitter,
+            blur,
+            solarize,
         )
         self.augmentation = spec
         self.train_transforms = view_transforms(spec, source.mean, source.std, grid_size=view_grids)
         pipelines = {"batched": BatchedViewAugmentation, "kornia": DeviceViewAugmentation}
-        self.device_augmentation = pipelines[device_pipeline](spec, source.mean, source.std) if augment_on_device else None
-        self.sample_views = SampleViews(DeviceViewAugmentation(spec, source.mean, source.std)) if worker_augmentation == "kornia" else None
-        self.batch_views = BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views) if worker_augmentation == "batched" and not images_on_device else None
+        self.device_augmentation = (
+            pipelines[device_pipeline](spec, source.mean, source.std) if augment_on_device else None
+        )
+        self.sample_views = (
+            SampleViews(DeviceViewAugmentation(spec, source.mean, source.std))
+            if worker_augmentation == "kornia"
+            else None
+        )
+        self.batch_views = (
+            BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views)
+            if worker_augmentation == "batched" and not images_on_device
+            else None
+        )
         self.view_augmentation = BatchedViewAugmentation(spec, source.mean, source.std) if images_on_device else None
         self._stored: StoredImages | None = None
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
@@ -241,7 +286,9 @@ class MultiViewDataModule(LightningDataModule):
                     "is skipped (give the source labelled evaluation data to get it)."
                 )
             if self.mode == "same_class" and UNLABELLED in set(self._train_split.targets):
-                raise ConfigurationError("mode 'same_class' groups images by class, but the training images have no labels", parameter="mode")
+                raise ConfigurationError(
+                    "mode 'same_class' groups images by class, but the training images have no labels", parameter="mode"
+                )
         if self.images_on_device and self._stored is None:
             self._stored = StoredImages.from_split(self._train_split, self.source.image_size)
         if self._stored is not None and self.trainer is not None:  # errors (device memory) before training starts
@@ -264,11 +311,17 @@ class MultiViewDataModule(LightningDataModule):
         if self.batch_views is not None:
             return SeededImageDataset(self._train_split, resize_transform(self.source.image_size))
         if self.sample_views is not None:
-            return MultiViewDataset(self._train_split, self.train_transforms, self.num_views, all_views=self.sample_views)
-        dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[self.mode]
+            return MultiViewDataset(
+                self._train_split, self.train_transforms, self.num_views, all_views=self.sample_views
+            )
+        dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[
+            self.mode
+        ]
         return dataset_class(self._train_split, self.train_transforms, self.num_views)
 
-    def _loader(self, dataset: torch.utils.data.Dataset, batch_size: int, workers: int | None = None, **kwargs: object) -> DataLoader:
+    def _loader(
+        self, dataset: torch.utils.data.Dataset, batch_size: int, workers: int | None = None, **kwargs: object
+    ) -> DataLoader:
         workers = self.num_workers if workers is None else workers
         return DataLoader(
             dataset,
@@ -290,7 +343,9 @@ class MultiViewDataModule(LightningDataModule):
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
             self._resume_position = None
         workers = 0 if self.images_on_device else None  # a batch is its indices and seeds: nothing for workers to do
-        return self._loader(dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=self.batch_views)
+        return self._loader(
+            dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=self.batch_views
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""
@@ -322,9 +377,9 @@ class MultiViewDataModule(LightningDataModule):
         return views, targets
 
     def draw_views(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``images_on_device``: a training batch ``(indices (B,), seeds (B,))`` on a device -> ``(views (B, L, C, S, S),
-        targets (B,))`` drawn there from the stored images, each sample's views from its seed alone. Nothing is read
-        on the host."""
+        """``images_on_device``: a training batch ``(indices (B,), seeds (B,))`` on a device ->
+        ``(views (B, L, C, S, S), targets (B,))`` drawn there from the stored images, each sample's views from its seed
+        alone. Nothing is read on the host."""
         if self.view_augmentation is None:
             raise RuntimeError("draw_views needs images_on_device: true")
         indices, seeds = batch
@@ -354,7 +409,9 @@ class MultiViewDataModule(LightningDataModule):
         linear classifier's training and test data."""
         self.setup()
         if self._evaluation is None:
-            raise ConfigurationError(f"{type(self.source).__name__} has no labelled evaluation splits; kNN and linear evaluation need them")
+            raise ConfigurationError(
+                f"{type(self.source).__name__} has no labelled evaluation splits; kNN and linear evaluation need them"
+            )
         return self._evaluation
 
     def finetune_dataloader(self, indices: Sequence[int] | None = None, seed: int = 0) -> DataLoader:
@@ -363,23 +420,36 @@ class MultiViewDataModule(LightningDataModule):
         train, _ = self.labelled_splits()
         dataset = EvalDataset(train, finetune_transform(self.source.image_size, self.source.mean, self.source.std))
         subset = dataset if indices is None else torch.utils.data.Subset(dataset, list(indices))
-        return self._loader(subset, self.batch_size, shuffle=True, drop_last=len(subset) > self.batch_size, generator=torch.Generator().manual_seed(seed))
+        return self._loader(
+            subset,
+            self.batch_size,
+            shuffle=True,
+            drop_last=len(subset) > self.batch_size,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     def _figure_split(self) -> LabelledImages:
-        """The split figures and their statistics draw from: the test split, or the training split of a source without labels."""
+        """The split figures and their statistics draw from: the test split, or the training split of a source without
+        labels."""
         self.setup()
         return self._evaluation[QUERIES] if self._evaluation is not None else self._train_split
 
-    def evaluation_images(self, count: int, target: int | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluation_images(
+        self, count: int, target: int | None = None, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` evaluation queries (training images for sources without labels) from index ``start`` on,
         only those of class ``target`` when given (the appendix's figures show samples of one class), without
         augmentation: ``(images (N, C, H, W), targets (N,))``."""
         split = self._figure_split()
         dataset = EvalDataset(split, self.eval_transform)
-        indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target][:count]
+        indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target][
+            :count
+        ]
         if not indices:
             which = f" of class {target}" if target is not None else ""
-            raise ConfigurationError(f"the evaluation split has no images{which} from index {start} on ({len(split)} images)")
+            raise ConfigurationError(
+                f"the evaluation split has no images{which} from index {start} on ({len(split)} images)"
+            )
         items = [dataset[index] for index in indices]
         return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
 

@@ -62,7 +62,7 @@ class SeededRandomSampler(DistributedSampler):
         self._resume_at = (epoch, samples_seen)
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]  # (index, seed) keys, not indices
         skip = 0
         if self._resume_at is not None:
             self.epoch, skip = self._resume_at
@@ -104,11 +104,20 @@ class MultiViewDataset(Dataset):
     """
 
     def __init__(
-        self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int, all_views: Callable[[Tensor, int], Tensor] | None = None
+        self,
+        images: LabelledImages,
+        transform: Callable | Sequence[Callable],
+        num_views: int,
+        all_views: Callable[[Tensor, int], Tensor] | None = None,
     ) -> None:
         if num_views < 1:
             raise ValueError(f"num_views must be >= 1; got {num_views}")
-        self.images, self.transforms, self.num_views, self.all_views = images, _transform_list(transform), num_views, all_views
+        self.images, self.transforms, self.num_views, self.all_views = (
+            images,
+            _transform_list(transform),
+            num_views,
+            all_views,
+        )
 
     def __len__(self) -> int:
         return len(self.images)
@@ -183,7 +192,10 @@ class SameClassDataset(Dataset):
         partners = candidates[torch.randperm(len(candidates), generator=generator)[: self.num_views - 1]].tolist()
         with _seeded(seed):
             members = torch.stack(
-                [self.transforms[member % len(self.transforms)](self.images[i][0]) for member, i in enumerate([index, *partners])]
+                [
+                    self.transforms[member % len(self.transforms)](self.images[i][0])
+                    for member, i in enumerate([index, *partners])
+                ]
             )
         return members, target
 

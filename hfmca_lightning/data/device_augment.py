@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torchvision.transforms.functional import pil_to_tensor
 
 from hfmca_lightning.data.transforms import BLUR_SIGMA, ViewAugmentation
+from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["DeviceViewAugmentation", "SampleViews"]
 
@@ -30,7 +31,13 @@ class DeviceViewAugmentation(nn.Module):
 
     def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         super().__init__()
-        import kornia.augmentation as K  # only device augmentation needs kornia
+        try:
+            import kornia.augmentation as K  # only this pipeline needs kornia (an optional extra)
+        except ImportError:
+            raise ConfigurationError(
+                "the kornia view pipeline (worker_augmentation: kornia, device_pipeline: kornia) needs kornia: "
+                "pip install 'hfmca_lightning[kornia]', or use the batched pipeline (the default)"
+            ) from None
 
         size = (spec.image_size, spec.image_size)
         steps: list[nn.Module] = [K.RandomResizedCrop(size, scale=spec.crop_scale, ratio=spec.crop_ratio)]
@@ -55,7 +62,9 @@ class DeviceViewAugmentation(nn.Module):
 
     def forward(self, images: Tensor, num_views: int) -> Tensor:
         if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ValueError(f"device augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}")
+            raise ValueError(
+                f"device augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
+            )
         batch = images.shape[0]
         views = self.pipeline(images.repeat_interleave(num_views, dim=0).float().div_(255))
         kinds = len(self.per_kind)

@@ -14,8 +14,9 @@ import os
 import pickle
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -50,6 +51,15 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
+    """Per-channel normalisation values (RGB) as a triple; one clear error for anything else."""
+    if len(values) != 3:
+        raise ConfigurationError(
+            f"{name} needs one value per RGB channel (3 values); got {list(values)}", parameter=name
+        )
+    return float(values[0]), float(values[1]), float(values[2])
 
 
 class LabelledImages(Dataset):
@@ -89,7 +99,7 @@ class ImageSource(ABC):
     std: tuple[float, float, float]
     eval_resize: int | None = None
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 - optional: sources without files to fetch or check keep this no-op
         """Download (if asked) and check that the data is there; run once, on one process."""
 
     @abstractmethod
@@ -122,7 +132,11 @@ class CIFAR(ImageSource):
     image_size = 32
 
     def __init__(
-        self, name: Literal["cifar10", "cifar100"] = "cifar10", root: str = "data", download: bool = False, verify: bool = True
+        self,
+        name: Literal["cifar10", "cifar100"] = "cifar10",
+        root: str = "data",
+        download: bool = False,
+        verify: bool = True,
     ) -> None:
         if name not in ("cifar10", "cifar100"):
             raise ConfigurationError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}", parameter="name")
@@ -147,7 +161,9 @@ class CIFAR(ImageSource):
     def prepare(self) -> None:
         if self._missing() and self.download:
             try:
-                download_and_extract_archive(self._spec.url, str(self.root), filename=self._spec.filename, md5=self._spec.tgz_md5)
+                download_and_extract_archive(
+                    self._spec.url, str(self.root), filename=self._spec.filename, md5=self._spec.tgz_md5
+                )
             except Exception as error:  # network errors come in many types; all mean the same to the user
                 raise ConfigurationError(
                     f"could not download {self.name} from {self._spec.url} into {self.root}: {error}. "
@@ -210,8 +226,13 @@ class FolderImages(LabelledImages):
                         f"cannot read image {path}: {error}. Remove or replace the file, or set on_bad_image: skip."
                     ) from None
                 self.skipped += 1
-                warnings.warn(f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process", stacklevel=2)
-        raise ConfigurationError(f"no readable image among 100 files from {self.samples[index][0]}: check the data folder")
+                warnings.warn(
+                    f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process",
+                    stacklevel=2,
+                )
+        raise ConfigurationError(
+            f"no readable image among 100 files from {self.samples[index][0]}: check the data folder"
+        )
 
 
 def read_image(path: str) -> Tensor:
@@ -238,7 +259,9 @@ def _read_class_list(path: str) -> list[str]:
     lines = [line.split("#", 1)[0].strip() for line in Path(path).expanduser().read_text().splitlines()]
     classes = [line for line in lines if line]
     if not classes or len(set(classes)) != len(classes):
-        raise ConfigurationError(f"class_list {path} must list distinct class folder names, one per line", parameter="class_list")
+        raise ConfigurationError(
+            f"class_list {path} must list distinct class folder names, one per line", parameter="class_list"
+        )
     return sorted(classes)
 
 
@@ -274,13 +297,15 @@ class ImageFolderSource(ImageSource):
         on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
         if on_bad_image not in ("error", "skip"):
-            raise ConfigurationError(f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image")
+            raise ConfigurationError(
+                f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image"
+            )
         self.root = Path(root).expanduser()
         self.train_dir, self.test_dir = train_dir, test_dir
         self.class_list = class_list
         self.image_size = image_size
         self.eval_resize = eval_resize
-        self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
+        self.mean, self.std = _channel_values(mean, "mean"), _channel_values(std, "std")
         self.on_bad_image = on_bad_image
         self.classes: list[str] | None = None
         self.num_classes = 0
@@ -292,7 +317,10 @@ class ImageFolderSource(ImageSource):
     def prepare(self) -> None:
         if self.class_list is not None and self.classes is None:
             if not Path(self.class_list).expanduser().is_file():
-                raise DataNotFoundError(f"class_list file not found: {Path(self.class_list).expanduser().resolve()} (relative paths start at the working folder)")
+                raise DataNotFoundError(
+                    f"class_list file not found: {Path(self.class_list).expanduser().resolve()} (relative paths "
+                    "start at the working folder)"
+                )
             self.classes = _read_class_list(self.class_list)
             self.num_classes = len(self.classes)
         splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
@@ -335,7 +363,10 @@ class ImageFolderSource(ImageSource):
         for target, name in enumerate(self.classes):
             files = _image_files(folder / name)
             if not files:
-                raise ConfigurationError(f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder or remove it.")
+                raise ConfigurationError(
+                    f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder "
+                    "or remove it."
+                )
             samples += [(path, target) for path in files]
         return FolderImages(samples, self.on_bad_image)
 
@@ -365,7 +396,7 @@ class UnlabelledFolderSource(ImageSource):
         self.root = Path(root).expanduser()
         self.image_size = image_size
         self.eval_resize = eval_resize
-        self.mean, self.std = tuple(mean), tuple(std)  # type: ignore[assignment]
+        self.mean, self.std = _channel_values(mean, "mean"), _channel_values(std, "std")
         self.on_bad_image = on_bad_image
         self.evaluation = evaluation
         self.num_classes = evaluation.num_classes if evaluation is not None else 0
@@ -381,13 +412,17 @@ class UnlabelledFolderSource(ImageSource):
         if not train:
             splits = self.evaluation_splits()
             if splits is None:
-                raise ConfigurationError(f"{self.root} has no labels: give `evaluation` a labelled source for test images")
+                raise ConfigurationError(
+                    f"{self.root} has no labels: give `evaluation` a labelled source for test images"
+                )
             return splits[1]
         if self._images is None:
             self.prepare()
             files = _image_files(self.root)
             if not files:
-                raise ConfigurationError(f"no image files under {self.root} (extensions: {', '.join(IMAGE_EXTENSIONS)})")
+                raise ConfigurationError(
+                    f"no image files under {self.root} (extensions: {', '.join(IMAGE_EXTENSIONS)})"
+                )
             self._images = FolderImages([(path, UNLABELLED) for path in files], self.on_bad_image)
         return self._images
 
@@ -422,7 +457,7 @@ class _ConcatImages(LabelledImages):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
         part = int(np.searchsorted(self.offsets, index, side="right")) - 1
         return self.parts[part][index - int(self.offsets[part])]
 
@@ -446,7 +481,14 @@ class STL10(ImageSource):
     mean, std = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
     num_classes = 10
 
-    def __init__(self, root: str = "data", download: bool = False, verify: bool = True, train_on_labelled: bool = True, image_size: int = 96) -> None:
+    def __init__(
+        self,
+        root: str = "data",
+        download: bool = False,
+        verify: bool = True,
+        train_on_labelled: bool = True,
+        image_size: int = 96,
+    ) -> None:
         self.root = Path(root).expanduser()
         self.download = download
         self.verify = verify
@@ -464,9 +506,17 @@ class STL10(ImageSource):
         missing = [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
         if missing and self.download:
             try:
-                download_and_extract_archive(_TorchvisionSTL10.url, str(self.root), filename=_TorchvisionSTL10.filename, md5=_TorchvisionSTL10.tgz_md5)
+                download_and_extract_archive(
+                    _TorchvisionSTL10.url,
+                    str(self.root),
+                    filename=_TorchvisionSTL10.filename,
+                    md5=_TorchvisionSTL10.tgz_md5,
+                )
             except Exception as error:  # network errors come in many types
-                raise ConfigurationError(f"could not download STL-10 into {self.root}: {error}. Copy the extracted stl10_binary folder there instead.") from error
+                raise ConfigurationError(
+                    f"could not download STL-10 into {self.root}: {error}. Copy the extracted stl10_binary folder "
+                    "there instead."
+                ) from error
             missing = [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
         if missing:
             raise DataNotFoundError(
@@ -477,14 +527,19 @@ class STL10(ImageSource):
             for name, md5 in self._files():
                 if not check_integrity(str(self.folder / name), md5):
                     raise ConfigurationError(
-                        f"{self.folder / name} does not have the md5 sum of the official STL-10 release (partial download?). "
+                        f"{self.folder / name} does not have the md5 sum of the official STL-10 release (partial "
+                        "download?). "
                         "Delete it and download again; set `verify: false` only for data you generated yourself."
                     )
 
     def _read(self, name: str) -> _BinaryImages:
         images = np.memmap(self.folder / f"{name}_X.bin", dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
         labels_file = self.folder / f"{name}_y.bin"
-        targets = np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1 if labels_file.is_file() else np.full(len(images), UNLABELLED)
+        targets = (
+            np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1
+            if labels_file.is_file()
+            else np.full(len(images), UNLABELLED)
+        )
         if len(targets) != len(images):
             raise ConfigurationError(f"{labels_file} has {len(targets)} labels for {len(images)} images")
         return _BinaryImages(images, targets)
@@ -508,7 +563,12 @@ class SyntheticShapes(ImageSource):
     """
 
     def __init__(
-        self, num_classes: int = 10, train_per_class: int = 200, test_per_class: int = 50, image_size: int = 32, seed: int = 0
+        self,
+        num_classes: int = 10,
+        train_per_class: int = 200,
+        test_per_class: int = 50,
+        image_size: int = 32,
+        seed: int = 0,
     ) -> None:
         self.num_classes = num_classes
         self.train_per_class = train_per_class
@@ -517,8 +577,16 @@ class SyntheticShapes(ImageSource):
         self.seed = seed
         self.mean, self.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
         if not 2 <= num_classes <= len(SHAPES):
-            raise ConfigurationError(f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got {num_classes}", parameter="num_classes")
-        for name, value, least in (("train_per_class", train_per_class, 1), ("test_per_class", test_per_class, 1), ("image_size", image_size, 8)):
+            raise ConfigurationError(
+                f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got "
+                f"{num_classes}",
+                parameter="num_classes",
+            )
+        for name, value, least in (
+            ("train_per_class", train_per_class, 1),
+            ("test_per_class", test_per_class, 1),
+            ("image_size", image_size, 8),
+        ):
             if value < least:
                 raise ConfigurationError(f"SyntheticShapes needs {name} >= {least}; got {value}", parameter=name)
 

@@ -33,7 +33,10 @@ class StoredImages:
 
     def __init__(self, images: Tensor, targets: Tensor) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4 or targets.shape != images.shape[:1]:
-            raise ValueError(f"expected (N, C, S, S) uint8 images and (N,) targets; got {images.dtype} {tuple(images.shape)} and {tuple(targets.shape)}")
+            raise ValueError(
+                f"expected (N, C, S, S) uint8 images and (N,) targets; got {images.dtype} {tuple(images.shape)} and "
+                f"{tuple(targets.shape)}"
+            )
         self.images, self.targets = images, targets
 
     @classmethod
@@ -58,8 +61,10 @@ class StoredImages:
             free, _ = torch.cuda.mem_get_info(device)
             if self.images.numel() > DEVICE_MEMORY_SHARE * free:
                 raise ConfigurationError(
-                    f"images_on_device: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, more than half of "
-                    f"the {free / 2**30:.1f} GiB free on {device}; set images_on_device: false to draw the views in CPU workers",
+                    f"images_on_device: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, "
+                    "more than half of "
+                    f"the {free / 2**30:.1f} GiB free on {device}; set images_on_device: false to draw the views in "
+                    "CPU workers",
                     parameter="images_on_device",
                 )
         return StoredImages(self.images.to(device), self.targets.to(device))

@@ -49,7 +49,9 @@ def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int
         ordered by class.
     """
     if not 2 <= num_classes <= len(SHAPES):
-        raise ValueError(f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got {num_classes}")
+        raise ValueError(
+            f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got {num_classes}"
+        )
     if per_class < 1 or image_size < 8:
         raise ValueError(f"need per_class >= 1 and image_size >= 8; got {per_class}, {image_size}")
     rng = np.random.default_rng(seed)
@@ -63,6 +65,8 @@ def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int
         mask = _mask(SHAPES[target], y, x, radius)
         background = rng.uniform(0, 255, size=3)
         foreground = (background + rng.uniform(80, 175, size=3)) % 255
-        picture = np.where(mask[..., None], foreground, background) + rng.normal(0, 12, size=(image_size, image_size, 3))
+        picture = np.where(mask[..., None], foreground, background) + rng.normal(
+            0, 12, size=(image_size, image_size, 3)
+        )
         images[index] = np.clip(picture, 0, 255).astype(np.uint8)
     return images, targets

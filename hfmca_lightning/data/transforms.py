@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import Any
 
 import torch
@@ -36,7 +35,17 @@ from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["RandomGaussianBlur", "ViewAugmentation", "view_transform", "view_transforms", "eval_transform", "resize_transform", "DEFAULT_CROP_SCALE", "DEFAULT_COLOR_STRENGTH", "DEFAULT_GRAY_STRENGTH"]
+__all__ = [
+    "RandomGaussianBlur",
+    "ViewAugmentation",
+    "view_transform",
+    "view_transforms",
+    "eval_transform",
+    "resize_transform",
+    "DEFAULT_CROP_SCALE",
+    "DEFAULT_COLOR_STRENGTH",
+    "DEFAULT_GRAY_STRENGTH",
+]
 
 DEFAULT_CROP_SCALE = (0.08, 1.0)
 BLUR_SIGMA = (0.1, 2.0)
@@ -47,7 +56,9 @@ DEFAULT_GRAY_STRENGTH = 0.2
 
 def _check_strength(name: str, value: float | None) -> None:
     if value is not None and not 0.0 <= value <= 1.0:
-        raise ConfigurationError(f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}", parameter=name)
+        raise ConfigurationError(
+            f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}", parameter=name
+        )
 
 
 @dataclass(frozen=True)
@@ -101,7 +112,11 @@ class ViewAugmentation:
         ``color_jitter`` (brightness, contrast, saturation, hue) replaces the jitter that ``color_strength``
         gives (BYOL's is (0.4, 0.4, 0.2, 0.1)); ``blur`` and ``solarize`` are probabilities, one per view kind.
         """
-        for name, value in (("crop_strength", crop_strength), ("color_strength", color_strength), ("gray_strength", gray_strength)):
+        for name, value in (
+            ("crop_strength", crop_strength),
+            ("color_strength", color_strength),
+            ("gray_strength", gray_strength),
+        ):
             _check_strength(name, value)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if crop_strength is None:
@@ -115,8 +130,12 @@ class ViewAugmentation:
         jitter = (0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
         if color_jitter is not None:
             if len(color_jitter) != 4 or any(value < 0 for value in color_jitter):
-                raise ConfigurationError(f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}", parameter="color_jitter")
-            jitter = tuple(float(value) for value in color_jitter)  # type: ignore[assignment]
+                raise ConfigurationError(
+                    f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}",
+                    parameter="color_jitter",
+                )
+            brightness, contrast, saturation, hue = (float(value) for value in color_jitter)
+            jitter = (brightness, contrast, saturation, hue)
         jitter_p = 0.8 if any(jitter) else 0.0
         return cls(image_size, scale, ratio, jitter, jitter_p, gray, horizontal_flip, blur_p, solarize_p)
 
@@ -124,22 +143,31 @@ class ViewAugmentation:
 def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ...]:
     values = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise ConfigurationError(f"{name} is a probability in [0, 1], or a list of them (one per view kind); got {value!r}", parameter=name)
+        raise ConfigurationError(
+            f"{name} is a probability in [0, 1], or a list of them (one per view kind); got {value!r}", parameter=name
+        )
     return values
 
 
-def view_transform(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0) -> v2.Compose:
+def view_transform(
+    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
+) -> v2.Compose:
     """One random view (number ``view`` of its group) of a uint8 / PIL image -> normalised float
     ``(3, image_size, image_size)``, drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation`
     draws from on the device). Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter,
     greyscale, blur, solarisation, normalisation."""
-    steps: list[v2.Transform] = [v2.ToImage(), v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)]
+    steps: list[v2.Transform] = [
+        v2.ToImage(),
+        v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True),
+    ]
     if spec.horizontal_flip:
         steps.append(v2.RandomHorizontalFlip())
     return v2.Compose(steps + appearance_steps(spec, mean, std, view))
 
 
-def appearance_steps(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0) -> list[nn.Module]:
+def appearance_steps(
+    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
+) -> list[nn.Module]:
     """The steps of :func:`view_transform` after the crop and flip: colour jitter, greyscale, blur,
     solarisation (with the probabilities of view kind ``view``), conversion to float and normalisation."""
     steps: list[nn.Module] = []
@@ -167,13 +195,20 @@ class ViewWithGrid(nn.Module):
     which puts the last centre outside the crop, so its grid is not used.
     """
 
-    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int, grid_size: int) -> None:
+    def __init__(
+        self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int, grid_size: int
+    ) -> None:
         super().__init__()
-        from lightly.transforms.random_crop_and_flip_with_grid import RandomHorizontalFlipWithLocation, RandomResizedCropWithLocation
+        from lightly.transforms.random_crop_and_flip_with_grid import (
+            RandomHorizontalFlipWithLocation,
+            RandomResizedCropWithLocation,
+        )
 
         self.grid_size = grid_size
         self.to_image = v2.ToImage()
-        self.crop = RandomResizedCropWithLocation(size=spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)
+        self.crop = RandomResizedCropWithLocation(
+            size=spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True
+        )
         self.flip = RandomHorizontalFlipWithLocation(p=0.5 if spec.horizontal_flip else 0.0)
         self.appearance = v2.Compose(appearance_steps(spec, mean, std, view))
 
@@ -191,9 +226,9 @@ class ViewWithGrid(nn.Module):
 
 class RandomGaussianBlur(nn.Module):
     """With probability ``p``, PIL's Gaussian blur with a radius (sigma) drawn uniformly from ``sigma``: the blur
-    of lightly's transforms. PIL's filter costs about 1 ms on a 224-px image, where torchvision's
-    non-separable 23 x 23 kernel costs 25 ms (measured: ``benchmarks/data_pipeline.py``). Random numbers come
-    from torch's generator, so views stay a function of their sample seed."""
+    of lightly's transforms (PIL's separable filter is much faster than torchvision's 23 x 23 kernel on 224-px
+    views: docs/benchmarks/cpu.md). Random numbers come from torch's generator, so views stay a function of their
+    sample seed."""
 
     def __init__(self, p: float = 0.5, sigma: tuple[float, float] = BLUR_SIGMA) -> None:
         super().__init__()
@@ -206,13 +241,19 @@ class RandomGaussianBlur(nn.Module):
         if isinstance(image, Image.Image):
             return image.filter(ImageFilter.GaussianBlur(radius=radius))
         blurred = to_pil_image(image).filter(ImageFilter.GaussianBlur(radius=radius))
-        return tv_tensors.wrap(pil_to_tensor(blurred), like=image) if isinstance(image, tv_tensors.Image) else pil_to_tensor(blurred)
+        return (
+            tv_tensors.wrap(pil_to_tensor(blurred), like=image)
+            if isinstance(image, tv_tensors.Image)
+            else pil_to_tensor(blurred)
+        )
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sigma={self.sigma}"
 
 
-def view_transforms(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0) -> list[nn.Module]:
+def view_transforms(
+    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0
+) -> list[nn.Module]:
     """One :func:`view_transform` per view kind (view ``l`` uses entry ``l % len``); with ``grid_size > 0`` one
     :class:`ViewWithGrid` per kind instead (views with the positions of their grid cells, for VICRegL)."""
     if grid_size > 0:
@@ -220,7 +261,9 @@ def view_transforms(spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
 
 
-def eval_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None) -> v2.Compose:
+def eval_transform(
+    image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None
+) -> v2.Compose:
     """No augmentation: resize the shorter side to ``resize`` (default ``image_size``; ImageNet: 256 for 224),
     centre-crop ``image_size``, normalise."""
     return v2.Compose(
@@ -249,5 +292,6 @@ def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[floa
 
 
 def resize_transform(image_size: int) -> v2.Compose:
-    """uint8 image resized (shorter side) and centre-cropped to ``image_size``: the CPU half of on-device augmentation."""
+    """uint8 image resized (shorter side) and centre-cropped to ``image_size``: the CPU half of on-device
+    augmentation."""
     return v2.Compose([v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])

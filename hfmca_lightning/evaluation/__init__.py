@@ -2,7 +2,12 @@
 
 from hfmca_lightning.evaluation.features import extract_features
 from hfmca_lightning.evaluation.knn import knn_accuracy, knn_grid, knn_predict
-from hfmca_lightning.evaluation.linear import LinearClassifier, class_balanced_subset, topk_accuracies, train_linear_classifier
+from hfmca_lightning.evaluation.linear import (
+    LinearClassifier,
+    class_balanced_subset,
+    topk_accuracies,
+    train_linear_classifier,
+)
 
 __all__ = [
     "LinearClassifier",

@@ -25,7 +25,9 @@ def evaluation_mode(module: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def extract_features(model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+def extract_features(
+    model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
     """``model(images)`` over every ``(images, targets)`` batch of ``loader``, in eval mode on ``device``:
     ``(N, D)`` float32 features and ``(N,)`` targets, on the CPU, in loader order. The model's modes are restored."""
     features, targets = [], []

@@ -1,4 +1,5 @@
-"""Weighted k-nearest-neighbour classification of embeddings (paper Table 1 / lightly protocol, docs/conventions.md §6)."""
+"""Weighted k-nearest-neighbour classification of embeddings (paper Table 1 / lightly protocol, docs/conventions.md
+§6)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,20 @@ def knn_predict(
 
 
 def knn_accuracy(
-    queries: Tensor, query_targets: Tensor, bank: Tensor, bank_targets: Tensor, num_classes: int, **kwargs: float
+    queries: Tensor,
+    query_targets: Tensor,
+    bank: Tensor,
+    bank_targets: Tensor,
+    num_classes: int,
+    *,
+    k: int = 200,
+    temperature: float = 0.1,
+    chunk_size: int = 1024,
 ) -> float:
     """Top-1 accuracy in [0, 1] of :func:`knn_predict` on labelled queries."""
-    predicted = knn_predict(queries, bank, bank_targets, num_classes, **kwargs)  # type: ignore[arg-type]
+    predicted = knn_predict(
+        queries, bank, bank_targets, num_classes, k=k, temperature=temperature, chunk_size=chunk_size
+    )
     return (predicted == query_targets).float().mean().item()
 
 
@@ -70,7 +81,11 @@ def knn_grid(
 ) -> list[dict[str, float]]:
     """:func:`knn_accuracy` for every ``(k, temperature)``: rows ``{"k", "temperature", "top1"}``, k-major."""
     return [
-        {"k": k, "temperature": t, "top1": knn_accuracy(queries, query_targets, bank, bank_targets, num_classes, k=k, temperature=t)}
+        {
+            "k": k,
+            "temperature": t,
+            "top1": knn_accuracy(queries, query_targets, bank, bank_targets, num_classes, k=k, temperature=t),
+        }
         for k in ks
         for t in temperatures
     ]

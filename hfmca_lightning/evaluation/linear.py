@@ -33,9 +33,12 @@ class LinearClassifier:
 
 
 def topk_accuracies(logits: Tensor, targets: Tensor, num_classes: int, ks: Sequence[int] = (1, 5)) -> dict[int, float]:
-    """Top-k accuracy in [0, 1] for every ``k`` in ``ks`` (each capped at ``num_classes``), micro-averaged over samples."""
+    """Top-k accuracy in [0, 1] for every ``k`` in ``ks`` (each capped at ``num_classes``), micro-averaged over
+    samples."""
     return {
-        k: float(multiclass_accuracy(logits, targets, num_classes=num_classes, top_k=min(k, num_classes), average="micro"))
+        k: float(
+            multiclass_accuracy(logits, targets, num_classes=num_classes, top_k=min(k, num_classes), average="micro")
+        )
         for k in ks
     }
 
@@ -74,7 +77,9 @@ def train_linear_classifier(
     ``epochs * ceil(N / batch_size)`` steps; cross-entropy loss. Runs on the features' device.
     """
     if features.dim() != 2 or features.shape[0] != targets.shape[0]:
-        raise ValueError(f"need (N, D) features and (N,) targets; got {tuple(features.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"need (N, D) features and (N,) targets; got {tuple(features.shape)} and {tuple(targets.shape)}"
+        )
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"need epochs >= 1 and batch_size >= 1; got {epochs} and {batch_size}")
     features = features.float()
@@ -87,7 +92,9 @@ def train_linear_classifier(
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator).mul_(0.01))
         linear.bias.zero_()
     steps_per_epoch = -(-features.shape[0] // batch_size)
-    optimizer = torch.optim.SGD(linear.parameters(), lr=lr * batch_size / 256, momentum=momentum, nesterov=True, weight_decay=weight_decay)
+    optimizer = torch.optim.SGD(
+        linear.parameters(), lr=lr * batch_size / 256, momentum=momentum, nesterov=True, weight_decay=weight_decay
+    )
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * steps_per_epoch)
     targets = targets.to(features.device)
     with torch.enable_grad():

@@ -15,8 +15,8 @@ from torch import Tensor
 
 __all__ = ["cholesky_by_size", "inverse_from_factor", "identity_where"]
 
-# MKL's Cholesky runs 1.5x to 3x slower at sizes that are multiples of 64 (2.0 ms at 512 against 0.8 ms at 520 on a
-# 2-core x86 CPU); such sizes are factored with this many rows and columns of the identity appended.
+# MKL's Cholesky runs slower at sizes that are multiples of 64 (docs/benchmarks/cpu.md); such sizes are factored with
+# this many rows and columns of the identity appended.
 _CPU_PADDING = 8
 
 
@@ -32,7 +32,7 @@ def cholesky_by_size(matrices: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
         if stack.dim() != 3 or stack.shape[-1] != stack.shape[-2]:
             raise ValueError(f"expected a stack of square matrices (n, k, k); got shape {tuple(stack.shape)}")
         by_size.setdefault(stack.shape[-1], []).append(position)
-    results: list[tuple[Tensor, Tensor] | None] = [None] * len(matrices)
+    results: dict[int, tuple[Tensor, Tensor]] = {}
     for positions in by_size.values():
         stacks = [matrices[position] for position in positions]
         factors, infos = _cholesky_ex(stacks[0] if len(stacks) == 1 else torch.cat(stacks))
@@ -41,8 +41,7 @@ def cholesky_by_size(matrices: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
             stop = start + stack.shape[0]
             results[position] = (factors[start:stop], infos[start:stop])
             start = stop
-    assert all(result is not None for result in results)
-    return results  # type: ignore[return-value]
+    return [results[position] for position in range(len(matrices))]
 
 
 def _cholesky_ex(stack: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,7 +66,7 @@ def identity_where(failed: Tensor, factors: Tensor) -> Tensor:
 
 def inverse_from_factor(factors: Tensor) -> Tensor:
     """``(L L^T)^-1`` of lower factors ``(n, k, k)``: LAPACK's ``potri`` on CPUs; on GPUs ``L^-T L^-1`` from one
-    triangular solve and one product (``torch.cholesky_inverse`` costs ~0.5 ms of host time per call there)."""
+    triangular solve and one product (``torch.cholesky_inverse`` spends far more host time per call there)."""
     if factors.device.type == "cpu":
         return torch.cholesky_inverse(factors)
     return _inverse_by_triangular_solve(factors)

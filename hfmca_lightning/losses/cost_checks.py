@@ -81,7 +81,9 @@ class CostChecks:
             row = values[position * width : (position + 1) * width]
             for matrix, column in enumerate(row[:NONFINITE]):
                 if column:
-                    return _factorisation_error(name, matrix, column, self.sizes[position], self.regs[position], finite=not row[NONFINITE])
+                    return _factorisation_error(
+                        name, matrix, column, self.sizes[position], self.regs[position], finite=not row[NONFINITE]
+                    )
         return CostFactorisationError("the total cost is not finite (features or weights hold NaN or Inf)")
 
 
@@ -96,7 +98,9 @@ def merge_checks(checks: Sequence[CostChecks]) -> CostChecks:
     return CostChecks(state, first.names, first.sizes, first.regs, total)
 
 
-def _factorisation_error(name: str, matrix: int, column: int, sizes: tuple[int, int], reg: float, *, finite: bool) -> CostFactorisationError:
+def _factorisation_error(
+    name: str, matrix: int, column: int, sizes: tuple[int, int], reg: float, *, finite: bool
+) -> CostFactorisationError:
     size = sizes[0] if matrix % 3 == 0 else sizes[1]
     if finite:
         hint = f"increase `reg` (now {reg}) or check that the features are not exploding"

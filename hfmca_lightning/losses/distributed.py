@@ -16,7 +16,13 @@ from torch import Tensor
 
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 
-__all__ = ["distributed_world_size", "all_reduce_sum", "all_reduce_max", "all_reduce_statistics", "all_reduce_statistics_together"]
+__all__ = [
+    "distributed_world_size",
+    "all_reduce_sum",
+    "all_reduce_max",
+    "all_reduce_statistics",
+    "all_reduce_statistics_together",
+]
 
 
 def distributed_world_size() -> int:
@@ -39,7 +45,9 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     if _functional_all_reduce_has_autograd():
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", dist.group.WORLD))
+        world = dist.group.WORLD
+        assert world is not None  # initialised: the world size is > 1
+        return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", world))
     # Older torch: the functional all_reduce has no autograd formula yet; this API has one.
     from torch.distributed.nn.functional import all_reduce
 
@@ -67,7 +75,10 @@ def all_reduce_statistics_together(statistics: Sequence[CorrelationStatistics]) 
         return list(statistics)
     fields = [field for stats in statistics for field in _fields(stats)]
     flat = all_reduce_sum(torch.cat([field.reshape(-1) for field in fields]))
-    pieces = iter(piece.reshape(field.shape) for piece, field in zip(torch.split(flat, [field.numel() for field in fields]), fields))
+    pieces = iter(
+        piece.reshape(field.shape)
+        for piece, field in zip(torch.split(flat, [field.numel() for field in fields]), fields)
+    )
     return [CorrelationStatistics(*(next(pieces) for _ in range(5))) for _ in statistics]
 
 

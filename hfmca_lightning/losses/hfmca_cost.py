@@ -28,7 +28,15 @@ from hfmca_lightning.losses.cost_checks import NONFINITE, CostChecks, CostFactor
 from hfmca_lightning.losses.distributed import all_reduce_statistics
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 
-__all__ = ["hfmca_cost", "hfmca_costs", "cost_values", "cost_from_statistics", "HFMCACost", "CostFactorisationError", "CostChecks"]
+__all__ = [
+    "hfmca_cost",
+    "hfmca_costs",
+    "cost_values",
+    "cost_from_statistics",
+    "HFMCACost",
+    "CostFactorisationError",
+    "CostChecks",
+]
 
 
 def check_reg(reg: float) -> float:
@@ -120,15 +128,21 @@ class HFMCACost(nn.Module):
             )
         self.joint_ema = torch.zeros(size, size, dtype=torch.float64, device=stats.low_outer_sum.device)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # The EMA's size is only known after the first step: take it from the checkpoint.
         key = prefix + "joint_ema"
         if key in state_dict and state_dict[key].shape != self.joint_ema.shape:
             self.joint_ema = torch.empty_like(state_dict[key], device=self.joint_ema.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
-def hfmca_costs(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]) -> tuple[list[Tensor], CostChecks]:
+def hfmca_costs(
+    statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]
+) -> tuple[list[Tensor], CostChecks]:
     """The costs ``costs[i]`` of ``statistics[i]`` (already synchronised), all together, and their checks.
 
     Each value is a 0-dim float64 tensor with the cost's value and (with gradients enabled) its gradient: the
@@ -137,7 +151,9 @@ def hfmca_costs(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFM
     values, and the returned :class:`CostChecks` say so when read (:meth:`CostChecks.raise_if_failed`).
     """
     if len(statistics) != len(costs) or not costs:
-        raise ValueError(f"need one cost module per statistics; got {len(statistics)} statistics and {len(costs)} costs")
+        raise ValueError(
+            f"need one cost module per statistics; got {len(statistics)} statistics and {len(costs)} costs"
+        )
     for stats, cost in zip(statistics, costs):
         if cost.filtering():
             cost.prepare_filter(stats)
@@ -174,26 +190,40 @@ def cost_values(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFM
         for position, (stats, cost) in enumerate(zip(statistics, costs)):
             beta = cost.beta if cost.filtering() else 0.0
             keys.setdefault((stats.low_dim, stats.high_dim, cost.reg, beta), []).append(position)
-        groups = [_group(positions, [statistics[p] for p in positions], [costs[p] for p in positions], reg, beta) for (_, _, reg, beta), positions in keys.items()]
+        groups = [
+            _group(positions, [statistics[p] for p in positions], [costs[p] for p in positions], reg, beta)
+            for (_, _, reg, beta), positions in keys.items()
+        ]
         factors = iter(cholesky_by_size([matrix for group in groups for matrix in group.matrices]))
         values: list[Tensor | None] = [None] * len(costs)
         states: list[Tensor | None] = [None] * len(costs)
         for group in groups:
-            group_values, group_state = _group_costs(group, [next(factors) for _ in group.matrices], [costs[p] for p in group.positions])
+            group_values, group_state = _group_costs(
+                group, [next(factors) for _ in group.matrices], [costs[p] for p in group.positions]
+            )
             for row, position in enumerate(group.positions):
                 values[position], states[position] = group_values[row], group_state[row]
-        return [value for value in values if value is not None], torch.stack([state for state in states if state is not None])
+        return [value for value in values if value is not None], torch.stack(
+            [state for state in states if state is not None]
+        )
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
-def _group(positions: list[int], statistics: list[CorrelationStatistics], costs: list[HFMCACost], reg: float, beta: float) -> _Group:
+def _group(
+    positions: list[int], statistics: list[CorrelationStatistics], costs: list[HFMCACost], reg: float, beta: float
+) -> _Group:
     """Stack the group's statistics and build ``J = [[A, P], [P^T, C]]`` and ``C`` (and, filtered, the bias-corrected
     EMA ``J_hat`` of paper Alg. 3 lines 4-7 with this step's ``J`` taken in, and its block ``C_hat``)."""
-    low, high, cross = (_stack([getattr(stats, field) for stats in statistics]) for field in ("low_outer_sum", "high_outer_sum", "cross_sum"))
-    members, groups = (_stack([getattr(stats, field).detach() for stats in statistics]) for field in ("member_count", "group_count"))
+    low, high, cross = (
+        _stack([getattr(stats, field) for stats in statistics])
+        for field in ("low_outer_sum", "high_outer_sum", "cross_sum")
+    )
+    members, groups = (
+        _stack([getattr(stats, field).detach() for stats in statistics]) for field in ("member_count", "group_count")
+    )
     a = low.detach() / members[:, None, None]
     a.diagonal(dim1=-2, dim2=-1).add_(reg)
     c = high.detach() / groups[:, None, None]
@@ -214,17 +244,26 @@ def _failures(joint_info: Tensor, high_info: Tensor, k1: int) -> tuple[Tensor, T
     """The columns at which A, C and S failed (0: they did not), from the infos of the factors of J and C: a
     failure in J's first ``k1`` columns is A's, a later one the Schur complement's."""
     zero = torch.zeros_like(joint_info)
-    return torch.where(joint_info <= k1, joint_info, zero), high_info, torch.where(joint_info > k1, joint_info - k1, zero)
+    return (
+        torch.where(joint_info <= k1, joint_info, zero),
+        high_info,
+        torch.where(joint_info > k1, joint_info - k1, zero),
+    )
 
 
 def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: list[HFMCACost]) -> tuple[Tensor, Tensor]:
     """Values ``(n,)`` and checks ``(n, 7)`` of a group's costs from the factors of its matrices."""
     k1 = group.k1
     (joint_factor, joint_info), (high_factor, high_info) = factors[:2]
-    exact = 2.0 * (torch.log(torch.diagonal(joint_factor[:, k1:, k1:], dim1=-2, dim2=-1)).sum(-1) - torch.log(torch.diagonal(high_factor, dim1=-2, dim2=-1)).sum(-1))
+    exact = 2.0 * (
+        torch.log(torch.diagonal(joint_factor[:, k1:, k1:], dim1=-2, dim2=-1)).sum(-1)
+        - torch.log(torch.diagonal(high_factor, dim1=-2, dim2=-1)).sum(-1)
+    )
     columns = list(_failures(joint_info, high_info, k1))
     failed = (joint_info > 0) | (high_info > 0)
-    if group.candidate_ema is not None:  # filtered: gradient at the smoothed matrices; the EMA takes this J if J was fine
+    if (
+        group.candidate_ema is not None
+    ):  # filtered: gradient at the smoothed matrices; the EMA takes this J if J was fine
         (joint_factor, joint_hat_info), (high_factor, high_hat_info) = factors[2:]
         columns += _failures(joint_hat_info, high_hat_info, k1)
         for row, cost in enumerate(costs):
@@ -234,7 +273,11 @@ def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: lis
     else:
         columns += [torch.zeros_like(joint_info)] * 3
     low, high, cross = group.sums
-    finite = torch.isfinite(low).flatten(1).all(1) & torch.isfinite(high).flatten(1).all(1) & torch.isfinite(cross).flatten(1).all(1)
+    finite = (
+        torch.isfinite(low).flatten(1).all(1)
+        & torch.isfinite(high).flatten(1).all(1)
+        & torch.isfinite(cross).flatten(1).all(1)
+    )
     columns.append((~finite).to(joint_info.dtype))
     state = torch.stack(columns, dim=1).to(torch.int64)
     assert state.shape[1] == NONFINITE + 1
@@ -242,7 +285,11 @@ def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: lis
         return exact, state
     gradients = _gradients(identity_where(failed, joint_factor), identity_where(failed, high_factor), k1)
     members, groups = group.counts
-    surrogate = sum((gradient * total).sum(dim=(-2, -1)) / count for gradient, total, count in zip(gradients, group.sums, (members, groups, groups)))
+    low, high, cross = (
+        (gradient * total).sum(dim=(-2, -1)) / count
+        for gradient, total, count in zip(gradients, group.sums, (members, groups, groups))
+    )
+    surrogate = low + high + cross
     return exact + (surrogate - surrogate.detach()), state
 
 
@@ -252,7 +299,11 @@ def _gradients(joint_factor: Tensor, high_factor: Tensor, k1: int) -> tuple[Tens
     smoothed ones). By the block inverse of ``J``: with ``X = A^-1 P = L_A^-T W`` and ``Y = X S^-1``, they are
     ``Y X^T`` (A), ``S^-1 - C^-1`` (C) and ``-2 Y`` (P, which appears twice in ``J``): one triangular solve and two
     inverses of size K2 per cost, batched over the group."""
-    low_factor, coupling, schur_factor = joint_factor[:, :k1, :k1], joint_factor[:, k1:, :k1].mT, joint_factor[:, k1:, k1:]
+    low_factor, coupling, schur_factor = (
+        joint_factor[:, :k1, :k1],
+        joint_factor[:, k1:, :k1].mT,
+        joint_factor[:, k1:, k1:],
+    )
     low_inv_cross = torch.linalg.solve_triangular(low_factor.mT, coupling, upper=True)
     inv_schur = inverse_from_factor(schur_factor)
     weighted = low_inv_cross @ inv_schur
@@ -264,9 +315,7 @@ def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name
     return HFMCACost(check_reg(reg), name=name).eval().forward_statistics(stats, synchronised=True)
 
 
-def hfmca_cost(
-    low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool = False, name: str = "hfmca"
-) -> Tensor:
+def hfmca_cost(low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool = False, name: str = "hfmca") -> Tensor:
     """HFMCA cost between ``L`` members per group and the group's feature (paper Prop. 2).
 
     Args:

@@ -15,7 +15,7 @@ computed outside autocast, whatever the dtype of the features.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -120,9 +120,7 @@ def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:
             f"{tuple(low.shape)}. For a single member per group use low.unsqueeze(1)."
         )
     if high.dim() != 2:
-        raise ValueError(
-            f"`high` must have shape (M, K2) = (groups, features); got shape {tuple(high.shape)}"
-        )
+        raise ValueError(f"`high` must have shape (M, K2) = (groups, features); got shape {tuple(high.shape)}")
     if low.shape[0] != high.shape[0]:
         raise ValueError(
             f"`low` and `high` must describe the same groups: low has M={low.shape[0]} groups "
@@ -144,7 +142,10 @@ def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:
 
 
 def window_coverage(
-    input_size: tuple[int, int], output_size: tuple[int, int], geometry: WindowGeometry, device: torch.device | None = None
+    input_size: tuple[int, int],
+    output_size: tuple[int, int],
+    geometry: WindowGeometry,
+    device: torch.device | None = None,
 ) -> Tensor:
     """``(H, W)`` float64 map: how many output windows contain each input position.
 
@@ -212,13 +213,18 @@ def feature_map_statistics(
         )
     if precision not in ("fast", "float64"):
         raise ValueError(f"precision must be 'fast' or 'float64'; got {precision!r}")
-    coverage, coverage32, rows, columns = _window_constants(tuple(low_map.shape[-2:]), tuple(high_map.shape[-2:]), geometry, low_map.device)
+    coverage, coverage32, rows, columns = _window_constants(
+        tuple(low_map.shape[-2:]), tuple(high_map.shape[-2:]), geometry, low_map.device
+    )
     groups = high_map.shape[0] * high_map.shape[2] * high_map.shape[3]
     counts = _count(groups * geometry.kernel**2, low_map), _count(groups, low_map)
     with torch.autocast(device_type=low_map.device.type, enabled=False):
         if precision == "float64":
-            return CorrelationStatistics(*_float64_statistics(_float64(low_map), _float64(high_map), coverage, geometry), *counts)
+            return CorrelationStatistics(
+                *_float64_statistics(_float64(low_map), _float64(high_map), coverage, geometry), *counts
+            )
         z_map, h_map = low_map.to(torch.float32), high_map.to(torch.float32)
+        statistics: type[torch.autograd.Function]
         if not _per_image(h_map):
             statistics = _CentredRowStatistics  # copies maps of any layout into its rows
         elif _channels_last(z_map):  # HFMCAModule(channels_last=True): products on the maps' rows as they lie
@@ -226,11 +232,13 @@ def feature_map_statistics(
         else:
             statistics, z_map, h_map = _PerImageStatistics, z_map.contiguous(), h_map.contiguous()
         with _exact_float32_products(z_map.device):  # the forward passes; each backward pass sets it itself
-            sums = statistics.apply(z_map, h_map, coverage32, rows, columns)
-        return CorrelationStatistics(*sums, *counts)
+            low_sum, high_sum, cross_sum = statistics.apply(z_map, h_map, coverage32, rows, columns)
+        return CorrelationStatistics(low_sum, high_sum, cross_sum, *counts)
 
 
-def _float64_statistics(z_map: Tensor, h_map: Tensor, coverage: Tensor, geometry: WindowGeometry) -> tuple[Tensor, Tensor, Tensor]:
+def _float64_statistics(
+    z_map: Tensor, h_map: Tensor, coverage: Tensor, geometry: WindowGeometry
+) -> tuple[Tensor, Tensor, Tensor]:
     """The three sums in float64 by the definitions, with average pooling and plain autograd (the reference)."""
     p = geometry.padding
     means = F.avg_pool2d(F.pad(z_map, (p, p, p, p)), geometry.kernel, geometry.stride).flatten(2)
@@ -260,7 +268,9 @@ def _window_means_adjoint(d_means: Tensor, rows: Tensor, columns: Tensor, out: T
     return _window_means(d_means, rows.T, columns.T, out)
 
 
-def _pooled_rows(rows_: Tensor, rows: Tensor, columns: Tensor, images: int, size: tuple[int, int], out: Tensor | None = None) -> Tensor:
+def _pooled_rows(
+    rows_: Tensor, rows: Tensor, columns: Tensor, images: int, size: tuple[int, int], out: Tensor | None = None
+) -> Tensor:
     """:func:`_window_means` of channels-last maps given as ``(images * H * W, K)`` rows: ``(images * H' * W', K)``,
     one product along the height with ``(W * K)``-long rows, one along the width with ``K``-long rows."""
     (height, width), channels = size, rows_.shape[1]
@@ -278,7 +288,9 @@ def _row_block_product(left: Tensor, right: Tensor, image_rows: int) -> Tensor:
     whole = left.shape[0] // block * block
     total = left.new_zeros(left.shape[1], right.shape[1], dtype=torch.float64)
     if whole:
-        blocks = torch.bmm(left[:whole].view(-1, block, left.shape[1]).transpose(1, 2), right[:whole].view(-1, block, right.shape[1]))
+        blocks = torch.bmm(
+            left[:whole].view(-1, block, left.shape[1]).transpose(1, 2), right[:whole].view(-1, block, right.shape[1])
+        )
         total += blocks.sum(dim=0, dtype=torch.float64)
     if whole < left.shape[0]:
         total += (left[whole:].T @ right[whole:]).to(torch.float64)
@@ -295,7 +307,12 @@ def _window_constants(
     with torch.inference_mode(False):  # usable in training even if first made under inference mode
         like = torch.empty(0, dtype=torch.float32, device=device)
         coverage = window_coverage(input_size, output_size, geometry, device=device)
-        return coverage, coverage.to(torch.float32).flatten(), _window_band(input_size[0], geometry, like), _window_band(input_size[1], geometry, like)
+        return (
+            coverage,
+            coverage.to(torch.float32).flatten(),
+            _window_band(input_size[0], geometry, like),
+            _window_band(input_size[1], geometry, like),
+        )
 
 
 def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
@@ -310,11 +327,8 @@ def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
 
 def _per_image(h_map: Tensor) -> bool:
     """Whether a block's statistics are cheaper one image at a time than over centred rows: when each image's
-    output map ``(K2, H', W')`` has at least as many positions as channels (the early layers). Measured on
-    ResNet-18's blocks with their (5, 1, 2) / (7, 2, 3) windows, 72 maps, forward + backward: per image 30 ms
-    against 44 ms for the first stride-2 block (64 x 32 x 32 -> 128 x 16 x 16), centred rows 20 ms against
-    23 ms for the second (128 x 16 x 16 -> 256 x 8 x 8), whose input has more positions than channels but
-    whose output has fewer."""
+    output map ``(K2, H', W')`` has at least as many positions as channels (the early layers; the measured split
+    is in docs/benchmarks/cpu.md)."""
     return h_map.shape[2] * h_map.shape[3] >= h_map.shape[1]
 
 
@@ -323,9 +337,8 @@ _CPU_CHUNK_BYTES = 32 << 20
 
 def _image_chunks(batch: int, map_: Tensor) -> list[slice]:
     """Slices of the batch for image-by-image work on ``map_``: the whole batch on GPUs; on CPUs chunks of about
-    32 MiB, which bound the temporaries (weighted maps, half-pooled maps) of large batches. Smaller chunks did
-    not pay: with ResNet-18 at 8 x 9 views (every map one chunk) the internal step measured 1.29x-1.30x the
-    backbone step against 1.32x-1.34x with 4 MiB chunks (rows alternated in one run; 8 and 16 MiB between)."""
+    32 MiB, which bound the temporaries (weighted maps, half-pooled maps) of large batches (smaller chunks were
+    slower: docs/benchmarks/cpu.md)."""
     if map_.device.type != "cpu":
         return [slice(0, batch)]
     per_image = max(1, map_[0].numel() * map_.element_size())
@@ -335,8 +348,7 @@ def _image_chunks(batch: int, map_: Tensor) -> list[slice]:
 
 def _weighted(rows_: Tensor, coverage: Tensor, out: Tensor | None = None) -> Tensor:
     """``(..., N)`` rows times the ``(N,)`` coverage (into ``out``, of the same shape, if given), multiplied as one
-    ``(-1, N)`` matrix (contiguous rows): the broadcast over a 3-D tensor ran half as fast on CPUs (1.45
-    against 0.77 ms for a 19 MB map)."""
+    ``(-1, N)`` matrix of contiguous rows (a broadcast over a 3-D tensor runs half as fast on CPUs)."""
     size = coverage.shape[0]
     product = torch.mul(rows_.reshape(-1, size), coverage, out=None if out is None else out.view(-1, size))
     return product.view(rows_.shape)
@@ -344,21 +356,26 @@ def _weighted(rows_: Tensor, coverage: Tensor, out: Tensor | None = None) -> Ten
 
 def _symmetric_product(left: Tensor, right: Tensor) -> Tensor:
     """``left @ right^T`` (float64, summed over a leading batch dimension if any) for a symmetric result
-    (``left = right diag(w)``), made exactly symmetric. One product: three products of half the rows (25 %
-    less arithmetic) measured 3-9 % slower on CPUs for the statistics' shapes once the batch is one chunk."""
+    (``left = right diag(w)``), made exactly symmetric, as one product (products of half the rows save a quarter
+    of the arithmetic but run slower at these shapes)."""
     product = torch.matmul(left, right.transpose(-1, -2))
     product = product.sum(dim=0, dtype=torch.float64) if product.dim() == 3 else product.to(torch.float64)
     return (product + product.T) / 2
 
 
-def _per_image_products(z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor, Tensor]:
+def _per_image_products(
+    z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
+) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor, Tensor]:
     """The three sums as one float32 product per image in the maps' own ``(B, K, N)`` layout, summed in float64
     over chunks of images (:func:`_image_chunks`); the window means ``(B, K1, H', W')`` shifted by ``mu``,
     ``mu (K1,)`` (the first image's mean window mean per channel, :func:`_shifted_cross`) and the weighted
     maps ``Z diag(w)`` ``(B, K1, N)``."""
     batch, low_dim, high_dim = z_map.shape[0], z_map.shape[1], h_map.shape[1]
     means, weighted = z_map.new_empty(batch, low_dim, *h_map.shape[-2:]), torch.empty_like(z_map).flatten(2)
-    sums = [z_map.new_zeros(size, dtype=torch.float64) for size in ((low_dim, low_dim), (high_dim, high_dim), (low_dim, high_dim))]
+    sums = [
+        z_map.new_zeros(size, dtype=torch.float64)
+        for size in ((low_dim, low_dim), (high_dim, high_dim), (low_dim, high_dim))
+    ]
     shift, high_sum = None, z_map.new_zeros(high_dim, dtype=torch.float64)
     for chunk in _image_chunks(batch, z_map):
         z, h = z_map[chunk].flatten(2), h_map[chunk].flatten(2)
@@ -378,25 +395,28 @@ def _shifted_cross(product: Tensor, shift: Tensor, high_sum: Tensor) -> Tensor:
     """``sum M H^T = sum (M - mu 1^T) H^T + mu (sum H 1)^T``: the cross sum from the product of window means shifted
     by a constant ``mu`` (float32) and the float64 mean term. Window means of post-ReLU maps share a large
     common part; taking it out before the float32 product keeps about 10x more of the digits the gradients
-    need (layer-2 stride-2 block of the realistic-map test: 2.8e-5 -> 3e-6 relative in the cost's gradient
-    w.r.t. the cross sum)."""
+    need."""
     return product + torch.outer(shift.to(torch.float64), high_sum)
 
 
 def _centred_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(K, B, N)`` rows of a ``(B, K, H, W)`` map shifted by their means, and the means in float64: one
-    transposing copy (of the ``(B * N, K)`` matrix for channels-last maps: 3x faster than the general copy),
-    then contiguous reductions and an in-place shift."""
+    transposing copy (of the ``(B * N, K)`` matrix for channels-last maps, faster than the general copy), then
+    contiguous reductions and an in-place shift."""
     batch, channels = x.shape[:2]
     if _channels_last(x):
         rows = x.permute(0, 2, 3, 1).reshape(-1, channels).t().contiguous().view(channels, batch, -1)
     else:
-        rows = x.new_empty(channels, batch, x.shape[2] * x.shape[3]).copy_(x.flatten(2).transpose(0, 1))  # always a copy
+        rows = x.new_empty(channels, batch, x.shape[2] * x.shape[3]).copy_(
+            x.flatten(2).transpose(0, 1)
+        )  # always a copy
     mean = rows.mean(dim=(1, 2))
     return rows.sub_(mean[:, None, None]), mean.to(torch.float64)
 
 
-def _shifted(product: Tensor, left_sum: Tensor, left_mean: Tensor, right_sum: Tensor, right_mean: Tensor, total: Tensor | float) -> Tensor:
+def _shifted(
+    product: Tensor, left_sum: Tensor, left_mean: Tensor, right_sum: Tensor, right_mean: Tensor, total: Tensor | float
+) -> Tensor:
     """``sum w l r^T`` from the product of shifted rows ``sum w c d^T`` and the mean terms,
     ``+ (sum w c) nu^T + mu (sum w d)^T + (sum w) mu nu^T``, as one rank-2 update in float64."""
     left = torch.stack([left_sum + total * left_mean, left_mean], dim=1)
@@ -404,7 +424,9 @@ def _shifted(product: Tensor, left_sum: Tensor, left_mean: Tensor, right_sum: Te
     return torch.addmm(product, left, right.T)
 
 
-def _gradient_matrices(grads: tuple[Tensor | None, Tensor | None, Tensor | None], dims: tuple[int, int], like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _gradient_matrices(
+    grads: Sequence[Tensor | None], dims: tuple[int, int], like: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(G1 + G1^T, G2 + G2^T, G3)`` in the maps' dtype from the gradients of the three sums (zeros for None)."""
     k1, k2 = dims
     sizes, matrices = ((k1, k1), (k2, k2), (k1, k2)), []
@@ -424,7 +446,8 @@ class _PerImageStatistics(torch.autograd.Function):
     the cross sum's from shifted window means (:func:`_shifted_cross`). Backward, in the same layout, one
     accumulating product per map instead of gradients added up from parts,
 
-        dZ_b = (G1 + G1^T) Z_b diag(w) + R_H^T (G3 H_b) R_W,    dH_b = (G2 + G2^T) H_b + G3^T (M_b - mu 1^T) + G3^T mu 1^T,
+        dZ_b = (G1 + G1^T) Z_b diag(w) + R_H^T (G3 H_b) R_W,
+        dH_b = (G2 + G2^T) H_b + G3^T (M_b - mu 1^T) + G3^T mu 1^T,
 
     (sums over channels only: float32 needs no shift there). It keeps the weighted input maps ``Z diag(w)``, the
     output maps and the shifted window means (recomputing the weighted maps or the means would cost an
@@ -432,14 +455,16 @@ class _PerImageStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         sums, means, shift, weighted = _per_image_products(z_map, h_map, coverage, rows, columns)
         ctx.save_for_backward(weighted, h_map, rows, columns, means, shift)
         ctx.low_shape = z_map.shape
         return sums
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         weighted, h_map, rows, columns, means, shift = ctx.saved_tensors
         (batch, k1), k2 = ctx.low_shape[:2], h_map.shape[1]
         low, high, cross = _gradient_matrices(grads, (k1, k2), weighted)
@@ -480,7 +505,9 @@ class _CentredRowStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1), height, width = z_map.shape[:2], *z_map.shape[-2:]
         z_rows, z_mean = _centred_rows(z_map)
         h_rows, h_mean = _centred_rows(h_map)
@@ -502,7 +529,9 @@ class _CentredRowStatistics(torch.autograd.Function):
         coverage_total, groups = batch * coverage.sum(dtype=torch.float64), float(h_rows.shape[1] * h_rows.shape[2])
         ctx.save_for_backward(weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage, rows, columns)
         ctx.shapes = (z_map.shape, h_map.shape)
-        ctx.layouts = tuple(torch.channels_last if _channels_last(x) else torch.contiguous_format for x in (z_map, h_map))
+        ctx.layouts = tuple(
+            torch.channels_last if _channels_last(x) else torch.contiguous_format for x in (z_map, h_map)
+        )
         return (
             _shifted(low, weighted_sum, z_mean, weighted_sum, z_mean, coverage_total),
             _shifted(high, h_sum, h_mean, h_sum, h_mean, groups),
@@ -510,7 +539,7 @@ class _CentredRowStatistics(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage, rows, columns = ctx.saved_tensors
         z_shape, h_shape = ctx.shapes
         z_layout, h_layout = ctx.layouts
@@ -554,7 +583,9 @@ class _ChannelsLastStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1, height, width), (k2, out_height, out_width) = z_map.shape, h_map.shape[1:]
         positions, out_positions = height * width, out_height * out_width
         z = z_map.permute(0, 2, 3, 1).reshape(batch * positions, k1)  # views of channels-last maps
@@ -563,12 +594,19 @@ class _ChannelsLastStatistics(torch.autograd.Function):
         sums = [z.new_zeros(size, dtype=torch.float64) for size in ((k1, k1), (k2, k2), (k1, k2))]
         shift, high_sum = None, z.new_zeros(k2, dtype=torch.float64)
         for chunk in _image_chunks(batch, z_map):
-            inputs, outputs = slice(chunk.start * positions, chunk.stop * positions), slice(chunk.start * out_positions, chunk.stop * out_positions)
+            inputs, outputs = (
+                slice(chunk.start * positions, chunk.stop * positions),
+                slice(chunk.start * out_positions, chunk.stop * out_positions),
+            )
             images = chunk.stop - chunk.start
             chunk_means = _pooled_rows(z[inputs], rows, columns, images, (height, width), out=means[outputs])
             shift = chunk_means[:out_positions].mean(dim=0) if shift is None else shift
             chunk_means.sub_(shift)
-            torch.mul(z[inputs].view(images, positions, k1), coverage[:, None], out=weighted[inputs].view(images, positions, k1))
+            torch.mul(
+                z[inputs].view(images, positions, k1),
+                coverage[:, None],
+                out=weighted[inputs].view(images, positions, k1),
+            )
             sums[0] += _row_block_product(weighted[inputs], z[inputs], positions)
             sums[1] += _row_block_product(h[outputs], h[outputs], out_positions)
             sums[2] += _row_block_product(chunk_means, h[outputs], out_positions)
@@ -579,7 +617,7 @@ class _ChannelsLastStatistics(torch.autograd.Function):
         return sums[0], sums[1], _shifted_cross(sums[2], shift, high_sum)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         weighted, h, means, shift, rows, columns = ctx.saved_tensors
         (batch, k1, height, width), (_, k2, out_height, out_width) = ctx.shapes
         positions, out_positions = height * width, out_height * out_width
@@ -588,13 +626,26 @@ class _ChannelsLastStatistics(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[1] else None
         with _exact_float32_products(weighted.device):
             for chunk in _image_chunks(batch, weighted.view(batch, -1)):
-                inputs, outputs = slice(chunk.start * positions, chunk.stop * positions), slice(chunk.start * out_positions, chunk.stop * out_positions)
+                inputs, outputs = (
+                    slice(chunk.start * positions, chunk.stop * positions),
+                    slice(chunk.start * out_positions, chunk.stop * out_positions),
+                )
                 if grad_z is not None:  # the adjoint pooling of H G3^T, then the low term added in place
-                    _pooled_rows(h[outputs] @ cross.T, rows.T, columns.T, chunk.stop - chunk.start, (out_height, out_width), out=grad_z[inputs])
+                    _pooled_rows(
+                        h[outputs] @ cross.T,
+                        rows.T,
+                        columns.T,
+                        chunk.stop - chunk.start,
+                        (out_height, out_width),
+                        out=grad_z[inputs],
+                    )
                     grad_z[inputs].addmm_(weighted[inputs], low)
                 if grad_h is not None:
                     torch.mm(h[outputs], high, out=grad_h[outputs]).addmm_(means[outputs], cross).add_(shift @ cross)
-        as_maps = [None if grad is None else grad.view(batch, size[2], size[3], size[1]).permute(0, 3, 1, 2) for grad, size in ((grad_z, ctx.shapes[0]), (grad_h, ctx.shapes[1]))]
+        as_maps = [
+            None if grad is None else grad.view(batch, size[2], size[3], size[1]).permute(0, 3, 1, 2)
+            for grad, size in ((grad_z, ctx.shapes[0]), (grad_h, ctx.shapes[1]))
+        ]
         return as_maps[0], as_maps[1], None, None, None
 
 
@@ -607,9 +658,8 @@ def _channels_last(x: Tensor) -> bool:
 @contextmanager
 def _exact_float32_products(device: torch.device) -> Iterator[None]:
     """Full float32 matrix products on CUDA (no TF32), whatever ``torch.set_float32_matmul_precision`` says, for
-    work on ``device``. Decided by the device, not by ``torch.cuda.is_available()``: on a machine with a CUDA
-    build of torch and no GPU that call retries the driver each time (0.4-1.1 ms inside a training step, 16
-    calls per ResNet-18 step)."""
+    work on ``device``. Decided by the device, not by ``torch.cuda.is_available()``, which on a machine with a CUDA
+    build of torch and no GPU asks the driver again at every call."""
     if device.type != "cuda":
         yield
         return

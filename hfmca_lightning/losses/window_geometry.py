@@ -12,8 +12,8 @@ with a ``window_geometry`` attribute (a :class:`WindowGeometry`, or a method ret
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
@@ -31,9 +31,7 @@ class WindowGeometry:
 
     def __post_init__(self) -> None:
         if self.kernel < 1 or self.stride < 1 or self.padding < 0:
-            raise ValueError(
-                f"window geometry needs kernel >= 1, stride >= 1, padding >= 0; got {self}"
-            )
+            raise ValueError(f"window geometry needs kernel >= 1, stride >= 1, padding >= 0; got {self}")
 
     @classmethod
     def identity(cls) -> WindowGeometry:
@@ -50,10 +48,10 @@ class WindowGeometry:
 
     def output_size(self, input_size: Sequence[int]) -> tuple[int, int]:
         """``(H', W')`` of the window grid over an ``(H, W)`` input (floor, as conv and pooling do)."""
-        size = tuple((int(n) + 2 * self.padding - self.kernel) // self.stride + 1 for n in input_size)
+        size = [(int(n) + 2 * self.padding - self.kernel) // self.stride + 1 for n in input_size]
         if len(size) != 2 or min(size) < 1:
             raise ValueError(f"window geometry {self} does not fit an input of size {tuple(input_size)}")
-        return size  # type: ignore[return-value]
+        return size[0], size[1]
 
 
 def _square(value: int | Sequence[int], what: str, layer: nn.Module) -> int:
@@ -85,11 +83,10 @@ def _conv_geometry(conv: nn.Conv2d) -> WindowGeometry:
     elif conv.padding == "same":
         padding = (kernel - 1) // 2
     else:
+        assert not isinstance(conv.padding, str)  # 'valid' and 'same', the only strings, are handled above
         padding = _square(conv.padding, "padding", conv)
     if conv.padding_mode != "zeros":
-        raise ValueError(
-            f"internal costs treat padding as zero members; {conv} pads with '{conv.padding_mode}'"
-        )
+        raise ValueError(f"internal costs treat padding as zero members; {conv} pads with '{conv.padding_mode}'")
     return WindowGeometry(kernel, stride, padding)
 
 

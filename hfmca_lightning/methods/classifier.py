@@ -26,7 +26,13 @@ class FineTunedClassifier(LightningModule):
     """
 
     def __init__(
-        self, backbone: nn.Module, feature_dim: int, num_classes: int, lr: float = 0.05, batch_size: int = 256, weight_decay: float = 5e-4
+        self,
+        backbone: nn.Module,
+        feature_dim: int,
+        num_classes: int,
+        lr: float = 0.05,
+        batch_size: int = 256,
+        weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
         self.backbone = backbone
@@ -53,6 +59,14 @@ class FineTunedClassifier(LightningModule):
         self.log("finetune/top5", self.top5)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr * self.batch_size / 256, momentum=0.9, nesterov=True, weight_decay=self.weight_decay)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.trainer.estimated_stepping_batches))
+        optimizer = torch.optim.SGD(
+            self.parameters(),
+            lr=self.lr * self.batch_size / 256,
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=self.weight_decay,
+        )
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, T_max=max(1, self.trainer.estimated_stepping_batches)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

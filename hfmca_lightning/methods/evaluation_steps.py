@@ -14,9 +14,11 @@ class KNNFeatureSteps:
     :class:`~hfmca_lightning.data.MultiViewDataModule` (``BANK`` and ``QUERIES``).
     """
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+    def validation_step(
+        self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, Tensor]:
         images, targets = batch
-        return {"features": self(images), "targets": targets}  # type: ignore[operator]
+        return {"features": self(images), "targets": targets}  # type: ignore[operator]  # mixed into LightningModules
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         return self.validation_step(batch, batch_idx, dataloader_idx)

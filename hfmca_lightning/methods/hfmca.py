@@ -190,30 +190,49 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     ) -> None:
         super().__init__()
         if views_through_backbone not in ("concat", "per_view"):
-            raise ConfigurationError(f"views_through_backbone must be 'concat' or 'per_view'; got {views_through_backbone!r}")
+            raise ConfigurationError(
+                f"views_through_backbone must be 'concat' or 'per_view'; got {views_through_backbone!r}"
+            )
         if external_head is None and internal_costs is None:
-            raise ConfigurationError("HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train")
+            raise ConfigurationError(
+                "HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train"
+            )
         if external_head is None and (projector is not None or external_cost is not None):
             raise ConfigurationError("projector / external_cost are given but there is no external_head to use them")
         if checkpoint_backbone and internal_costs is not None:
             raise ConfigurationError(
-                "checkpoint_backbone recomputes the backbone's activations in the backward pass, but internal costs take "
+                "checkpoint_backbone recomputes the backbone's activations in the backward pass, but internal costs "
+                "take "
                 "their statistics from those activations: use one or the other",
                 parameter="checkpoint_backbone",
             )
         if backbone_chunk_size is not None and backbone_chunk_size < 1:
-            raise ConfigurationError(f"backbone_chunk_size must be >= 1 or null; got {backbone_chunk_size}", parameter="backbone_chunk_size")
+            raise ConfigurationError(
+                f"backbone_chunk_size must be >= 1 or null; got {backbone_chunk_size}", parameter="backbone_chunk_size"
+            )
         if warmup_epochs < 0:
             raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
         # Modules and optimiser callables are not hyper-parameters (and would make checkpoints unloadable
         # with weights_only=True); the hfmca CLI stores the whole config in every checkpoint instead.
-        self.save_hyperparameters(ignore=["backbone", "projector", "external_head", "external_cost", "internal_costs", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(
+            ignore=[
+                "backbone",
+                "projector",
+                "external_head",
+                "external_cost",
+                "internal_costs",
+                "optimizer",
+                "lr_scheduler",
+            ]
+        )
         self.backbone = backbone
         self.projector = projector if projector is not None else nn.Identity()
         self.external_head = external_head
         self.external_cost = None
         if external_head is not None:
-            self.external_cost = external_cost if external_cost is not None else HFMCACost(reg=0.1, beta=0.0, name="external")
+            self.external_cost = (
+                external_cost if external_cost is not None else HFMCACost(reg=0.1, beta=0.0, name="external")
+            )
         self.internal_costs = internal_costs
         if internal_costs is not None:
             internal_costs.attach(self.backbone)
@@ -233,7 +252,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             # then never run. Guarding on hooks costs a few checks per call.
             torch._dynamo.config.skip_nnmodule_hook_guards = False
         # Not registered as a submodule, so state_dict keys stay those of the plain backbone.
-        object.__setattr__(self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone)
+        object.__setattr__(
+            self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone
+        )
         self.compile_costs = compile_costs
         self._cost_path: Any = None  # objective_values, compiled on first use with compile_costs
         self._pending_checks: list[CostChecks] = []  # a training step's checks, read before the optimizer step
@@ -248,7 +269,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         """:meth:`embed`, in chunks of ``backbone_chunk_size`` and with activation checkpointing if configured."""
         chunks = images.split(self.backbone_chunk_size) if self.backbone_chunk_size else (images,)
         if self.checkpoint_backbone and torch.is_grad_enabled():
-            features = [checkpoint(self.embed, chunk, use_reentrant=False, context_fn=partial(_recompute_without_bn_updates, self.backbone)) for chunk in chunks]
+            features = [
+                checkpoint(
+                    self.embed,
+                    chunk,
+                    use_reentrant=False,
+                    context_fn=partial(_recompute_without_bn_updates, self.backbone),
+                )
+                for chunk in chunks
+            ]
         else:
             features = [self.embed(chunk) for chunk in chunks]
         return features[0] if len(features) == 1 else torch.cat(features)
@@ -264,7 +293,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
                 "or change the head's grid_height / grid_width so that their product is num_views"
             )
         if self.external_head is not None and getattr(datamodule, "mode", None) == "single":
-            raise ConfigurationError("data mode 'single' gives one image per sample, but the external head needs groups of views")
+            raise ConfigurationError(
+                "data mode 'single' gives one image per sample, but the external head needs groups of views"
+            )
 
     def forward(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of un-augmented images (what kNN evaluates)."""
@@ -273,16 +304,22 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     def encode_views(self, views: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, L, C, H, W)`` -> view features ``(B, L, K)`` and group features ``(B, K)``."""
         if views.dim() != 5 or self.external_head is None:
-            raise ValueError(f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}")
+            raise ValueError(
+                f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}"
+            )
         batch, num_views = views.shape[:2]
         if self.views_through_backbone == "concat":
             features = self._embed_for_training(views.flatten(0, 1))
         else:
-            features = torch.stack([self._embed_for_training(views[:, view]) for view in range(num_views)], dim=1).flatten(0, 1)
+            features = torch.stack(
+                [self._embed_for_training(views[:, view]) for view in range(num_views)], dim=1
+            ).flatten(0, 1)
         view_features = self.projector(features).reshape(batch, num_views, -1)
         return view_features, self.external_head(view_features)
 
-    def collect(self, batch: Tensor, keep_maps: bool = False, precision: StatisticsPrecision | None = None) -> Collected:
+    def collect(
+        self, batch: Tensor, keep_maps: bool = False, precision: StatisticsPrecision | None = None
+    ) -> Collected:
         """The one forward pass of the module: the statistics of every cost pair of ``batch``.
 
         ``batch`` is ``(B, L, C, H, W)`` groups (the external pair needs them; the backbone sees ``B * L``
@@ -292,7 +329,11 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         costs' statistics precision (analysis uses ``float64``). Training, the callbacks, inspection and
         ``hfmca analyze`` all go through here.
         """
-        with self.internal_costs.record(keep_maps, precision) if self.internal_costs is not None else nullcontext() as recording:
+        with (
+            self.internal_costs.record(keep_maps, precision)
+            if self.internal_costs is not None
+            else nullcontext() as recording
+        ):
             if self.external_head is not None and batch.dim() == 5:
                 view_features, group_features = self.encode_views(batch)
                 features = None
@@ -324,14 +365,24 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         costs = [cost_modules[name] for name in names]
         statistics = list(collected.statistics.values())
         synced = [position for position, cost in enumerate(costs) if cost.sync_dist]
-        for position, stats in zip(synced, all_reduce_statistics_together([statistics[position] for position in synced])):
+        for position, stats in zip(
+            synced, all_reduce_statistics_together([statistics[position] for position in synced])
+        ):
             statistics[position] = stats
         for stats, cost in zip(statistics, costs):
             if cost.filtering():
                 cost.prepare_filter(stats)
         weight = self.internal_costs.weight if self.internal_costs is not None else 0.0
-        values, total, state, total_failed = self._cost_path_function(statistics[0].low_outer_sum.device)(statistics, costs, names[0] == "external", weight)
-        checks = CostChecks(state, tuple(names), tuple((stats.low_dim, stats.high_dim) for stats in statistics), tuple(cost.reg for cost in costs), total_failed)
+        values, total, state, total_failed = self._cost_path_function(statistics[0].low_outer_sum.device)(
+            statistics, costs, names[0] == "external", weight
+        )
+        checks = CostChecks(
+            state,
+            tuple(names),
+            tuple((stats.low_dim, stats.high_dim) for stats in statistics),
+            tuple(cost.reg for cost in costs),
+            total_failed,
+        )
         objective = Objective(total, dict(zip(names, values)), dict(zip(names, statistics)), checks)
         if check:
             self._raise_if_failed(checks)
@@ -375,7 +426,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         return {
             "loss": objective.total,
             "statistics": {name: stats.detach() for name, stats in objective.statistics.items()},
-            "progress_bar": {shown: (objective.costs["external"] if "external" in objective.costs else objective.total).detach()},
+            "progress_bar": {
+                shown: (objective.costs["external"] if "external" in objective.costs else objective.total).detach()
+            },
         }
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -396,7 +449,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         return modules
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory, self.warmup_epochs, self.weight_decay_on_bias_and_norm)
+        return configure_optimizers(
+            self, self.optimizer_factory, self.scheduler_factory, self.warmup_epochs, self.weight_decay_on_bias_and_norm
+        )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_architecture(self, checkpoint)

@@ -71,11 +71,15 @@ def spectra(module: HFMCAModule, statistics: dict[str, CorrelationStatistics]) -
     return {name: decompose(stats, reg=costs[name].reg).eigenvalues for name, stats in statistics.items()}
 
 
-def layer_pairs(module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None) -> list[LayerPair]:
+def layer_pairs(
+    module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None
+) -> list[LayerPair]:
     """The internal pairs of ``images (N, C, H, W)`` in backbone order, each with its Alg. 4 decomposition
     (from ``statistics`` when given, else from the statistics of these images), named by log name (``L3``)."""
     if module.internal_costs is None:
-        raise ConfigurationError("density-ratio heatmaps and basis functions need internal costs (InternalCosts) on the backbone")
+        raise ConfigurationError(
+            "density-ratio heatmaps and basis functions need internal costs (InternalCosts) on the backbone"
+        )
     collected = collect_for_analysis(module, images, keep_maps=True)
     pairs = []
     for pair in module.internal_costs.pairs:
@@ -98,15 +102,21 @@ def heatmap_placements(module: HFMCAModule) -> dict[str, WindowGeometry]:
     return placements
 
 
-def density_ratio_heatmaps(module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None) -> dict[str, Tensor]:
+def density_ratio_heatmaps(
+    module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None
+) -> dict[str, Tensor]:
     """Alg. 5 response ``{layer: (N, H_s, W_s)}`` on the input map of every hooked layer."""
     return telescoping_response(layer_pairs(module, images, statistics))
 
 
-def layer_basis_maps(module: HFMCAModule, image: Tensor, layer: str, statistics: dict[str, CorrelationStatistics] | None = None) -> tuple[Tensor, Tensor]:
+def layer_basis_maps(
+    module: HFMCAModule, image: Tensor, layer: str, statistics: dict[str, CorrelationStatistics] | None = None
+) -> tuple[Tensor, Tensor]:
     """Normalised eigenfunctions of ``layer`` (log name) over one image ``(C, H, W)``: ``(r, H_s, W_s)`` maps
     and their eigenvalues."""
     pairs = {pair.name: pair for pair in layer_pairs(module, image[None], statistics)}
     if layer not in pairs:
         raise ConfigurationError(f"no internal cost layer named {layer!r}; have {list(pairs)}")
-    return basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0]), pairs[layer].decomposition.eigenvalues
+    return basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0]), pairs[
+        layer
+    ].decomposition.eigenvalues

@@ -27,7 +27,8 @@ def internal_cost_name(log_name: str) -> str:
 
 
 def _log_names(layers: list[str]) -> list[str]:
-    """Module paths without a first component that they all share: ``blocks.L3`` -> ``L3``, ``net.layer2.0`` -> ``layer2.0``."""
+    """Module paths without a first component that they all share: ``blocks.L3`` -> ``L3``, ``net.layer2.0`` ->
+    ``layer2.0``."""
     first = {layer.split(".", 1)[0] for layer in layers}
     if len(first) == 1 and all("." in layer for layer in layers):
         return [layer.split(".", 1)[1] for layer in layers]
@@ -79,8 +80,8 @@ class InternalCosts(nn.Module):
             a ResNet BasicBlock or ``blocks.L3`` for :class:`~hfmca_lightning.models.SpectrumCNN`.
         weight: lambda of the paper's objective ``external + weight * sum(internal)``.
         reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
-        precision: of the statistics in training, ``fast`` (float32 products summed in float64, see ``feature_map_statistics``; costs
-            agree with ``float64`` to 1e-6, gradients to 1e-5) or ``float64``. Analysis uses ``float64``.
+        precision: of the statistics in training, ``fast`` (float32 products summed in float64, see
+            ``feature_map_statistics``) or ``float64``. Analysis uses ``float64``.
     """
 
     def __init__(
@@ -103,12 +104,9 @@ class InternalCosts(nn.Module):
         self.precision = precision
         log_names = _log_names(list(layers))
         # ModuleDict keys cannot hold dots; they name the cost buffers in checkpoints.
-        self.costs = nn.ModuleDict(
-            {path.replace(".", "/"): HFMCACost(reg, beta, sync_dist, name=internal_cost_name(log)) for path, log in zip(layers, log_names)}
-        )
-        self.pairs = [
-            InternalPair(path, log, self.costs[path.replace(".", "/")]) for path, log in zip(layers, log_names)  # type: ignore[arg-type]
-        ]
+        costs = [HFMCACost(reg, beta, sync_dist, name=internal_cost_name(log)) for log in log_names]
+        self.costs = nn.ModuleDict({path.replace(".", "/"): cost for path, cost in zip(layers, costs)})
+        self.pairs = [InternalPair(path, log, cost) for path, log, cost in zip(layers, log_names, costs)]
         self._recording: Recording | None = None
         self._handles: list[Any] = []
 
@@ -126,7 +124,8 @@ class InternalCosts(nn.Module):
             if pair.module_path not in modules:
                 blocks = [name for name, module in modules.items() if name and list(module.children())]
                 raise ConfigurationError(
-                    f"internal cost layer {pair.module_path!r} is not a module of the backbone {type(backbone).__name__}; "
+                    f"internal cost layer {pair.module_path!r} is not a module of the backbone "
+                    f"{type(backbone).__name__}; "
                     f"module names with children are: {', '.join(blocks[:40])}{' ...' if len(blocks) > 40 else ''}",
                     parameter="layers",
                 )
@@ -136,10 +135,14 @@ class InternalCosts(nn.Module):
                 hint = ""
                 if any(isinstance(m, (nn.Linear, nn.MultiheadAttention)) for m in modules[pair.module_path].modules()):
                     hint = (
-                        " Internal costs need blocks that map feature maps (B, C, H, W) through convolutions and pooling; "
-                        "transformer blocks (ViT, Swin) have no window geometry: train such backbones with the external cost only."
+                        " Internal costs need blocks that map feature maps (B, C, H, W) through convolutions and "
+                        "pooling; "
+                        "transformer blocks (ViT, Swin) have no window geometry: train such backbones with the "
+                        "external cost only."
                     )
-                raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}{hint}", parameter="layers") from error
+                raise ConfigurationError(
+                    f"internal cost layer {pair.module_path!r}: {error}{hint}", parameter="layers"
+                ) from error
             self._handles.append(modules[pair.module_path].register_forward_hook(partial(self._hook, pair)))
 
     @torch.compiler.disable
@@ -152,7 +155,8 @@ class InternalCosts(nn.Module):
         low = args[0] if args else None
         if not isinstance(low, Tensor) or not isinstance(output, Tensor) or low.dim() != 4 or output.dim() != 4:
             raise ConfigurationError(
-                f"internal cost layer {pair.module_path!r} must map one (B, C, H, W) tensor to one (B, C', H', W') tensor"
+                f"internal cost layer {pair.module_path!r} must map one (B, C, H, W) tensor to one (B, C', H', W') "
+                "tensor"
             )
         try:
             # Re-derived on every pass (microseconds): a block's window may change after attach, e.g. SpectrumCNN
@@ -168,7 +172,8 @@ class InternalCosts(nn.Module):
         if recording.keep_maps:
             maps = (low.detach(), output.detach())
             if pair.cost_name in recording.maps:
-                maps = tuple(torch.cat([old, new]) for old, new in zip(recording.maps[pair.cost_name], maps))  # type: ignore[assignment]
+                old_low, old_high = recording.maps[pair.cost_name]
+                maps = (torch.cat([old_low, maps[0]]), torch.cat([old_high, maps[1]]))
             recording.maps[pair.cost_name] = maps
 
     @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -20,7 +20,7 @@ __all__ = ["LRSchedulerCallable", "OptimizerCallable", "configure_optimizers", "
 # The types of Lightning's CLI (lightning.pytorch.cli), spelled out here so that the methods import without
 # jsonargparse (installed with the CLI; GPU machines without it still train from Python).
 OptimizerCallable = Callable[[Iterable], Optimizer]
-LRSchedulerCallable = Callable[[Optimizer], Union[LRScheduler, ReduceLROnPlateau]]
+LRSchedulerCallable = Callable[[Optimizer], LRScheduler | ReduceLROnPlateau]
 
 
 def parameter_groups(module: nn.Module, weight_decay_on_bias_and_norm: bool = True) -> Any:
@@ -31,10 +31,15 @@ def parameter_groups(module: nn.Module, weight_decay_on_bias_and_norm: bool = Tr
     if weight_decay_on_bias_and_norm:
         return module.parameters()
     parameters = [p for p in module.parameters() if p.requires_grad]
-    return [{"params": [p for p in parameters if p.ndim > 1]}, {"params": [p for p in parameters if p.ndim <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in parameters if p.ndim > 1]},
+        {"params": [p for p in parameters if p.ndim <= 1], "weight_decay": 0.0},
+    ]
 
 
-def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, warmup_epochs: float = 0.0) -> dict[str, Any]:
+def cosine_schedule(
+    module: LightningModule, optimizer: torch.optim.Optimizer, warmup_epochs: float = 0.0
+) -> dict[str, Any]:
     """Cosine annealing to 0 over the run.
 
     Without warm-up: per epoch over ``max_epochs`` (per step when epochs are unbounded). With
@@ -44,7 +49,10 @@ def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, w
     trainer = module.trainer
     max_epochs = trainer.max_epochs
     if warmup_epochs <= 0 and max_epochs is not None and max_epochs > 0:
-        return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs), "interval": "epoch"}
+        return {
+            "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs),
+            "interval": "epoch",
+        }
     total = max(1, int(trainer.estimated_stepping_batches))
     if warmup_epochs <= 0:
         return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total), "interval": "step"}
@@ -54,7 +62,8 @@ def cosine_schedule(module: LightningModule, optimizer: torch.optim.Optimizer, w
         warmup = min(warmup, total)
     if warmup > total:
         raise ConfigurationError(
-            f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)", parameter="warmup_epochs"
+            f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)",
+            parameter="warmup_epochs",
         )
     from lightly.utils.scheduler import CosineWarmupScheduler  # only runs with a warm-up need lightly
 
@@ -77,6 +86,10 @@ def configure_optimizers(
     (and from LARS's scaling).
     """
     groups = parameter_groups(module, weight_decay_on_bias_and_norm)
-    built = optimizer(groups) if optimizer is not None else torch.optim.SGD(groups, lr=0.06, momentum=0.9, weight_decay=5e-4)
+    built = (
+        optimizer(groups)
+        if optimizer is not None
+        else torch.optim.SGD(groups, lr=0.06, momentum=0.9, weight_decay=5e-4)
+    )
     schedule = lr_scheduler(built) if lr_scheduler is not None else cosine_schedule(module, built, warmup_epochs)
     return {"optimizer": built, "lr_scheduler": schedule}

@@ -36,14 +36,18 @@ class TorchvisionBackbone(nn.Module):
         if name not in available:
             close = difflib.get_close_matches(name, available, n=3)
             raise ConfigurationError(
-                f"{name!r} is not a torchvision classification model{'; did you mean ' + ' / '.join(close) + '?' if close else ''} "
+                f"{name!r} is not a torchvision classification "
+                f"model{'; did you mean ' + ' / '.join(close) + '?' if close else ''} "
                 "(torchvision.models.list_models() lists them)",
                 parameter="name",
             )
         net = torchvision.models.get_model(name, weights=weights)
         if cifar_stem:
             if not isinstance(getattr(net, "conv1", None), nn.Conv2d) or not hasattr(net, "maxpool"):
-                raise ConfigurationError(f"cifar_stem replaces conv1 and the max-pool of ResNet-family models; {name} has none", parameter="cifar_stem")
+                raise ConfigurationError(
+                    f"cifar_stem replaces conv1 and the max-pool of ResNet-family models; {name} has none",
+                    parameter="cifar_stem",
+                )
             net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
         self.feature_dim, self.classifier_path = _remove_classifier(net, name)
@@ -70,7 +74,10 @@ def _remove_classifier(net: nn.Module, name: str) -> tuple[int, str]:
             parent = classifier.get_submodule(path.rpartition(".")[0]) if "." in path else classifier
             setattr(parent, path.rpartition(".")[2], nn.Identity())
             return linear.in_features, f"{attribute}.{path}"
-    raise ConfigurationError(f"cannot find the classifier of torchvision model {name} (looked for {', '.join(_CLASSIFIER_ATTRIBUTES)})", parameter="name")
+    raise ConfigurationError(
+        f"cannot find the classifier of torchvision model {name} (looked for {', '.join(_CLASSIFIER_ATTRIBUTES)})",
+        parameter="name",
+    )
 
 
 class CIFARResNet18(TorchvisionBackbone):
@@ -97,7 +104,9 @@ class TimmBackbone(nn.Module):
         model_kwargs: more arguments of ``timm.create_model``, e.g. ``{img_size: 96, patch_size: 8}``.
     """
 
-    def __init__(self, name: str = "vit_small_patch16_224", pretrained: bool = False, model_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, name: str = "vit_small_patch16_224", pretrained: bool = False, model_kwargs: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         try:
             import timm
@@ -105,9 +114,12 @@ class TimmBackbone(nn.Module):
             raise ConfigurationError("TimmBackbone needs timm: pip install 'hfmca_lightning[timm]'") from None
         if not timm.is_model(name):
             close = difflib.get_close_matches(name, timm.list_models(), n=3)
-            raise ConfigurationError(f"{name!r} is not a timm model{'; did you mean ' + ' / '.join(close) + '?' if close else ''}", parameter="name")
+            raise ConfigurationError(
+                f"{name!r} is not a timm model{'; did you mean ' + ' / '.join(close) + '?' if close else ''}",
+                parameter="name",
+            )
         self.net = timm.create_model(name, pretrained=pretrained, num_classes=0, **(model_kwargs or {}))
-        self.feature_dim = int(self.net.num_features)
+        self.feature_dim = int(self.net.num_features)  # type: ignore[arg-type]  # timm models set it to an int
         self.architecture, self.model_kwargs = name, dict(model_kwargs or {})  # what `hfmca export` writes down
 
     def forward(self, images: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Literal
 
 from torch import Tensor, nn
@@ -71,12 +72,19 @@ class SpectrumCNN(nn.Module):
         self.image_size = image_size
         # L0's and L9's padding and L9's final pool depend on the layout: _arranged sets them.
         blocks = {"L0": spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)}
-        blocks.update({f"L{index}": spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1) for index in range(1, 9)})
-        blocks["L9"] = nn.Sequential(spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(1))
+        blocks.update(
+            {
+                f"L{index}": spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=3, padding=1)
+                for index in range(1, 9)
+            }
+        )
+        blocks["L9"] = nn.Sequential(
+            spectrum_block(channels, channels, hidden_dim, noise_channels, kernel=1, padding=0), nn.AvgPool2d(1)
+        )
         self.layout = layout
         self.blocks = self._arranged(blocks, layout)
 
-    def _arranged(self, blocks: dict[str, nn.Module], layout: str) -> nn.Sequential:
+    def _arranged(self, blocks: Mapping[str, nn.Module], layout: str) -> nn.Sequential:
         """``blocks`` L0..L9 (these very modules) with the padding of L0 / L9 and the pools of ``layout``."""
         if layout not in ("paper", "three_pools"):
             raise ConfigurationError(f"layout must be 'paper' or 'three_pools'; got {layout!r}", parameter="layout")
@@ -87,7 +95,8 @@ class SpectrumCNN(nn.Module):
         if size < 1 or (layout == "three_pools" and self.image_size % 8 != 0):
             needed = "at least 14" if layout == "paper" else "a multiple of 8"
             raise ConfigurationError(
-                f"SpectrumCNN(layout={layout!r}) pools {len(pools_after)} times before L9; image_size must be {needed}, got {self.image_size}",
+                f"SpectrumCNN(layout={layout!r}) pools {len(pools_after)} times before L9; image_size must be "
+                f"{needed}, got {self.image_size}",
                 parameter="image_size",
             )
         arranged: OrderedDict[str, nn.Module] = OrderedDict()
@@ -95,9 +104,14 @@ class SpectrumCNN(nn.Module):
             arranged[f"L{index}"] = blocks[f"L{index}"]
             if index in pools_after:
                 arranged[f"pool{index}"] = nn.AvgPool2d(2)
-        arranged["L0"][0].padding = (outer_padding,) * 4  # the blocks' PaddingLayers
-        arranged["L9"][0][0].padding = (outer_padding,) * 4
-        arranged["L9"][1] = nn.AvgPool2d(size + 2 * outer_padding)  # 4 for a 32x32 image in either layout
+        first, last = arranged["L0"], arranged["L9"]
+        assert (
+            isinstance(first, nn.Sequential) and isinstance(last, nn.Sequential) and isinstance(last[0], nn.Sequential)
+        )
+        for padding in (first[0], last[0][0]):  # the blocks' PaddingLayers
+            assert isinstance(padding, PaddingLayer)
+            padding.padding = (outer_padding,) * 4
+        last[1] = nn.AvgPool2d(size + 2 * outer_padding)  # 4 for a 32x32 image in either layout
         return nn.Sequential(arranged)
 
     def get_extra_state(self) -> dict[str, str]:
@@ -107,20 +121,29 @@ class SpectrumCNN(nn.Module):
     def set_extra_state(self, state: dict[str, str]) -> None:
         """Take the layout of the loaded weights, with a warning when it differs from the configured one."""
         layout = state["layout"]
+        if layout not in ("paper", "three_pools"):
+            raise ConfigurationError(f"the loaded weights name an unknown SpectrumCNN layout {layout!r}")
         if layout != self.layout:
             warnings.warn(
-                f"SpectrumCNN: the loaded weights were trained with layout {layout!r}; using it instead of the configured {self.layout!r}",
+                f"SpectrumCNN: the loaded weights were trained with layout {layout!r}; using it instead of the "
+                f"configured {self.layout!r}",
                 stacklevel=2,
             )
-            self.blocks = self._arranged({name: module for name, module in self.blocks.named_children() if not name.startswith("pool")}, layout)
-            self.layout = layout
+            self.blocks = self._arranged(
+                {name: module for name, module in self.blocks.named_children() if not name.startswith("pool")}, layout
+            )
+            self.layout = "paper" if layout == "paper" else "three_pools"
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Weights saved before layouts existed (no extra state) are the three-pool network.
         key = prefix + "_extra_state"
         if key not in state_dict and any(name.startswith(prefix + "blocks.") for name in state_dict):
             state_dict[key] = {"layout": "three_pools"}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     @property
     def internal_layers(self) -> list[str]:

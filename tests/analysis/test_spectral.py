@@ -4,7 +4,7 @@ import torch
 
 from hfmca_lightning.analysis import decompose, eigenspectrum, inverse_sqrt
 from hfmca_lightning.losses import WindowGeometry, cost_from_statistics, feature_map_statistics, group_statistics
-from tests.reference import reference_group_moments
+from tests.helpers import reference_group_moments
 
 
 def _inputs(seed: int = 0, groups: int = 200, members: int = 4, k1: int = 6, k2: int = 5):
@@ -60,7 +60,9 @@ def test_density_ratio_is_the_weighted_sum_of_basis_products():
 
 def test_decomposition_of_feature_map_statistics_satisfies_the_cost_identity():
     torch.manual_seed(3)
-    stats = feature_map_statistics(torch.rand(3, 4, 6, 6), torch.rand(3, 4, 3, 3), WindowGeometry(4, 2, 1), precision="float64")
+    stats = feature_map_statistics(
+        torch.rand(3, 4, 6, 6), torch.rand(3, 4, 3, 3), WindowGeometry(4, 2, 1), precision="float64"
+    )
     sigma = decompose(stats, reg=1e-3).eigenvalues
     cost = cost_from_statistics(stats, reg=1e-3)
     assert cost.item() == pytest.approx(torch.log1p(-sigma).sum().item(), rel=1e-9)

@@ -13,25 +13,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
-from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
-from hfmca_lightning.losses import HFMCACost, WindowGeometry
-from hfmca_lightning.methods import HFMCAModule, InternalCosts
-from hfmca_lightning.models import GridExternalHead, SpectrumCNN
-
-
-def tiny_spectrum_module(noise_channels: int = 2) -> HFMCAModule:
-    backbone = SpectrumCNN(channels=6, hidden_dim=12, noise_channels=noise_channels)
-    return HFMCAModule(
-        backbone,
-        external_head=GridExternalHead(6, 2, 2, 12, noise_channels=noise_channels),
-        external_cost=HFMCACost(reg=1e-3, beta=0.5, name="external"),
-        internal_costs=InternalCosts(backbone.internal_layers, reg=1e-3, beta=0.5),
-    )
-
-
-def tiny_data() -> MultiViewDataModule:
-    return MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3), num_views=4, batch_size=6, num_workers=0)
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.losses import WindowGeometry
+from hfmca_lightning.methods import HFMCAModule
+from tests.helpers import tiny_data, tiny_spectrum_module
 
 
 def reference_eigenvalues(stats, reg):
@@ -48,8 +34,15 @@ def trained(tmp_path_factory):
     spectrum = EigenspectrumCallback(every_n_steps=1, top_k=5)
     heatmaps = DensityRatioHeatmapCallback(num_images=3, layers=["L1", "L5"])
     trainer = Trainer(
-        max_epochs=1, logger=CSVLogger(tmp, name="run"), callbacks=[spectrum, heatmaps], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+        max_epochs=1,
+        logger=CSVLogger(tmp, name="run"),
+        callbacks=[spectrum, heatmaps],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(module, tiny_data())
     return module, spectrum, trainer
@@ -71,24 +64,38 @@ class ReferenceSpectra(Callback):
             view_features, group_features = pl_module.encode_views(views)
         costs = pl_module.cost_modules()
         step = trainer.global_step + 1  # the step number once this batch's optimiser step is done
-        self.by_step[step] = {name: reference_eigenvalues(stats, costs[name].reg) for name, stats in collected.statistics.items()}
+        self.by_step[step] = {
+            name: reference_eigenvalues(stats, costs[name].reg) for name, stats in collected.statistics.items()
+        }
         self.external[step] = eigenspectrum(view_features, group_features, reg=costs["external"].reg).numpy()
 
 
 def cost_module_attributes(module: HFMCAModule) -> dict[str, dict]:
     """Every cost module's plain attributes (not parameters, buffers or submodules)."""
-    return {name: {k: v for k, v in vars(cost).items() if not k.startswith("_")} for name, cost in module.cost_modules().items()}
+    return {
+        name: {k: v for k, v in vars(cost).items() if not k.startswith("_")}
+        for name, cost in module.cost_modules().items()
+    }
 
 
 def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_schedule(tmp_path):
     torch.manual_seed(0)
-    module = tiny_spectrum_module(noise_channels=0)  # no noise: the reference forward sees exactly the training features
+    module = tiny_spectrum_module(
+        noise_channels=0
+    )  # no noise: the reference forward sees exactly the training features
     attributes_before = cost_module_attributes(module)
     reference = ReferenceSpectra()
     spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
     trainer = Trainer(
-        max_epochs=1, logger=CSVLogger(tmp_path, name="run"), callbacks=[reference, spectrum], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[reference, spectrum],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(module, tiny_data())
     rows = list(csv.DictReader(open(Path(trainer.log_dir) / "metrics.csv")))
@@ -113,7 +120,9 @@ def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_sched
 
 def test_figures_are_written_under_the_run_directory(trained):
     _, _, trainer = trained
-    figures = sorted(p.name for p in (trainer.log_dir and __import__("pathlib").Path(trainer.log_dir) / "figures").glob("*.png"))
+    figures = sorted(
+        p.name for p in (trainer.log_dir and __import__("pathlib").Path(trainer.log_dir) / "figures").glob("*.png")
+    )
     assert figures == ["density_ratio_epoch000.png", "layer_spectra_epoch000.png", "learning_dynamics_epoch000.png"]
 
 
@@ -127,7 +136,9 @@ def test_history_round_trips_through_the_callback_state(trained):
 def test_heatmap_callback_rejects_unknown_layers():
     module = tiny_spectrum_module()
     callback = DensityRatioHeatmapCallback(layers=["L42"])
-    trainer = Trainer(max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     with pytest.raises(ConfigurationError, match=r"\['L42'\] are not internal cost layers"):
         trainer.fit(module, tiny_data())
 
@@ -146,18 +157,37 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
         return original(module, images, statistics)
 
     monkeypatch.setattr(heatmaps_module, "density_ratio_heatmaps", spy)
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=10), num_views=4, batch_size=6, eval_batch_size=7, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=10),
+        num_views=4,
+        batch_size=6,
+        eval_batch_size=7,
+        num_workers=0,
+    )
     callback = DensityRatioHeatmapCallback(num_images=3, layers=["L1"], statistics_images=24, output_dir=str(tmp_path))
     module = tiny_spectrum_module(noise_channels=0)
-    trainer = Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, callbacks=[callback], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, data)
     assert used["images"] == 3 and callback.last_statistics_images == 24
     images, _ = data.evaluation_images(24)
     expected = collect_statistics(module, [images])
     for name, stats in expected.items():
         got = used["statistics"][name]
-        assert int(got.group_count) == int(stats.group_count) > int(collect_statistics(module, [images[:3]])[name].group_count)
+        assert (
+            int(got.group_count)
+            == int(stats.group_count)
+            > int(collect_statistics(module, [images[:3]])[name].group_count)
+        )
         torch.testing.assert_close(got.cross_sum, stats.cross_sum, rtol=1e-9, atol=1e-9)
 
 
@@ -177,10 +207,23 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
         return original(images, maps, **options)
 
     monkeypatch.setattr(heatmaps_module, "heatmap_overlay_figure", spy)
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4), num_views=4, batch_size=6, num_workers=0)
-    callback = DensityRatioHeatmapCallback(num_images=3, layers=["L1"], statistics_images=12, image_class=2, first_image=1, output_dir=str(tmp_path))
-    trainer = Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, callbacks=[callback], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4), num_views=4, batch_size=6, num_workers=0
+    )
+    callback = DensityRatioHeatmapCallback(
+        num_images=3, layers=["L1"], statistics_images=12, image_class=2, first_image=1, output_dir=str(tmp_path)
+    )
+    trainer = Trainer(
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(tiny_spectrum_module(noise_channels=0), data)
     images, targets = data.evaluation_images(3, target=2, start=1)
     assert targets.tolist() == [2, 2, 2]
@@ -189,11 +232,15 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
     assert drawn["placements"]["L1"] == WindowGeometry(1, 1, 1) and drawn["placements"]["L3"] == WindowGeometry(6, 2, 3)
     split = data.labelled_splits()[1]
     expected = [index for index, target in enumerate(split.targets) if target == 2 and index >= 1][:3]
-    torch.testing.assert_close(images, torch.stack([data.eval_transform(split[index][0]) for index in expected]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        images, torch.stack([data.eval_transform(split[index][0]) for index in expected]), rtol=0, atol=0
+    )
 
 
 def test_a_class_without_images_is_one_clear_error():
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2), num_views=4, batch_size=6, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2), num_views=4, batch_size=6, num_workers=0
+    )
     with pytest.raises(ConfigurationError, match="no images of class 7"):
         data.evaluation_images(3, target=7)
 
@@ -224,8 +271,16 @@ def test_spectra_can_come_from_statistics_summed_over_the_last_batches():
 
     record, spectrum = Record(), EigenspectrumCallback(every_n_steps=3, top_k=5, accumulate_batches=3)
     module = tiny_spectrum_module()
-    Trainer(max_epochs=1, logger=False, callbacks=[record, spectrum], enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, tiny_data())
+    Trainer(
+        max_epochs=1,
+        logger=False,
+        callbacks=[record, spectrum],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    ).fit(module, tiny_data())
     assert len(record.statistics) == 4  # 24 images, batch 6; logged after batches 0 and 3
     costs = module.cost_modules()
     for name in ("external", "internal/L1", "internal/L9"):

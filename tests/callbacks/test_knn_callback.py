@@ -48,7 +48,15 @@ class BatchNormEncoder(LightningModule):
 
 
 def _trainer(callback: KNNEvaluation, epochs: int = 1) -> Trainer:
-    return Trainer(max_epochs=epochs, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return Trainer(
+        max_epochs=epochs,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
 
 
 def test_callback_accuracy_equals_knn_of_eval_mode_features():
@@ -70,7 +78,9 @@ def test_max_is_kept_across_epochs_and_restored_from_state():
     callback.load_state_dict({"best": 0.99})
     trainer = _trainer(callback)
     trainer.fit(BatchNormEncoder(), BankAndQueries())
-    assert float(trainer.callback_metrics["knn/top1_max"]) == pytest.approx(0.99) and callback.state_dict() == {"best": 0.99}
+    assert float(trainer.callback_metrics["knn/top1_max"]) == pytest.approx(0.99) and callback.state_dict() == {
+        "best": 0.99
+    }
 
 
 def test_test_loop_reports_test_accuracy():

@@ -1,4 +1,5 @@
-"""LinearProbe (its learning on SyntheticShapes: tests/methods/test_hfmca_learning.py): leaves the trained module exactly as a run without it, resumes."""
+"""LinearProbe (its learning on SyntheticShapes: tests/methods/test_hfmca_learning.py): leaves the trained module
+exactly as a run without it, resumes."""
 
 from __future__ import annotations
 
@@ -11,27 +12,36 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.callbacks import LinearProbe, RunState
-from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.data.sources import UNLABELLED
+from hfmca_lightning.diagnostics import HostReads
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import SmallConvNet
-from hfmca_lightning.diagnostics import HostReads
 
 NUM_CLASSES = 4
 
 
 def _data() -> MultiViewDataModule:
     source = SyntheticShapes(num_classes=NUM_CLASSES, train_per_class=24, test_per_class=10, image_size=16)
-    return MultiViewDataModule(source, num_views=2, batch_size=16, eval_batch_size=32, num_workers=0, crop_strength=0.3, color_strength=0.2)
+    return MultiViewDataModule(
+        source, num_views=2, batch_size=16, eval_batch_size=32, num_workers=0, crop_strength=0.3, color_strength=0.2
+    )
 
 
 def _fit(callbacks: list, epochs: int, ckpt_path: Path | None = None) -> tuple[SimCLR, Trainer]:
     seed_everything(0)
     module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
     trainer = Trainer(
-        max_epochs=epochs, callbacks=[*callbacks, RunState()], logger=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", deterministic=True,
+        max_epochs=epochs,
+        callbacks=[*callbacks, RunState()],
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        deterministic=True,
     )
     trainer.fit(module, _data(), ckpt_path=ckpt_path)
     return module, trainer

@@ -8,8 +8,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torchvision.transforms import RandomResizedCrop
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, view_transform
-from hfmca_lightning.data import batched_augment
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, batched_augment, view_transform
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, jitter_views, sample_crop_boxes
 from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, ViewAugmentation
 
@@ -19,10 +18,21 @@ N = 4000
 
 def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
     grid = np.sort(np.concatenate([a, b]))
-    return float(np.abs(np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)).max())
+    return float(
+        np.abs(
+            np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)
+        ).max()
+    )
 
 
-@pytest.mark.parametrize(("size", "scale", "ratio"), [((32, 32), (0.08, 1.0), (3 / 4, 4 / 3)), ((24, 40), (0.5, 1.0), (3 / 4, 4 / 3)), ((32, 32), (0.2, 1.0), (1.0, 1.0))])
+@pytest.mark.parametrize(
+    ("size", "scale", "ratio"),
+    [
+        ((32, 32), (0.08, 1.0), (3 / 4, 4 / 3)),
+        ((24, 40), (0.5, 1.0), (3 / 4, 4 / 3)),
+        ((32, 32), (0.2, 1.0), (1.0, 1.0)),
+    ],
+)
 def test_crop_boxes_have_the_distribution_of_torchvision(size, scale, ratio):
     torch.manual_seed(0)
     height, width = size
@@ -49,7 +59,9 @@ def test_crop_and_flip_resample_the_box():
     source = images.float() / 255
     whole = torch.tensor([[0.0, 0.0, 16.0, 16.0], [0.0, 0.0, 16.0, 16.0]], dtype=torch.float64)
     grid = batched_augment._crop_grid(whole, torch.tensor([False, True]), 16, 16, 16)
-    views = torch.nn.functional.grid_sample(source.expand(2, -1, -1, -1), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    views = torch.nn.functional.grid_sample(
+        source.expand(2, -1, -1, -1), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
     torch.testing.assert_close(views[0], source[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(views[1], source[0].flip(-1), rtol=0, atol=1e-6)
     # an 8 x 8 box at (4, 2) enlarged to 16 x 16 is torchvision's bilinear resized crop (inside the box's border)
@@ -116,11 +128,23 @@ def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
     """BYOL's two view kinds: kind 0 always blurred, never solarised; kind 1 blurred with p 0.1, solarised with p 0.2.
     Sigma is uniform in [0.1, 2]; a blurred view is torchvision's Gaussian blur with the view's sigma;
     solarisation inverts values >= 128/255."""
-    spec = ViewAugmentation.from_strengths(16, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False, blur=(1.0, 0.1), solarize=(0.0, 0.2))
+    spec = ViewAugmentation.from_strengths(
+        16,
+        crop_strength=0,
+        color_strength=0,
+        gray_strength=0,
+        horizontal_flip=False,
+        blur=(1.0, 0.1),
+        solarize=(0.0, 0.2),
+    )
     augmentation = BatchedViewAugmentation(spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
     sigmas = []
     blur = batched_augment._gaussian_blur
-    monkeypatch.setattr(batched_augment, "_gaussian_blur", lambda views, sigma, kernel: sigmas.append(sigma) or blur(views, sigma, kernel))
+    monkeypatch.setattr(
+        batched_augment,
+        "_gaussian_blur",
+        lambda views, sigma, kernel: sigmas.append(sigma) or blur(views, sigma, kernel),
+    )
     torch.manual_seed(4)
     images = torch.randint(0, 256, (2000, 3, 16, 16), dtype=torch.uint8)
     views = augmentation(images, num_views=2)
@@ -130,7 +154,9 @@ def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
     assert ks_statistic(kind0.numpy(), np.random.default_rng(2).uniform(0.1, 2.0, 2000)) < 0.05
     source = images.float() / 255
     unblurred = kind1 == 0
-    solarised = torch.isclose(views[:, 1], torch.where(source >= SOLARIZE_THRESHOLD / 255, 1 - source, source), atol=1e-5).all(dim=(1, 2, 3))
+    solarised = torch.isclose(
+        views[:, 1], torch.where(source >= SOLARIZE_THRESHOLD / 255, 1 - source, source), atol=1e-5
+    ).all(dim=(1, 2, 3))
     untouched = torch.isclose(views[:, 1], source, atol=1e-5).all(dim=(1, 2, 3))
     assert solarised[unblurred].float().mean().item() == pytest.approx(0.2, abs=0.03)
     assert untouched[unblurred].float().mean().item() == pytest.approx(0.8, abs=0.03)
@@ -140,9 +166,15 @@ def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
     for index in range(2):
         expected = TF.gaussian_blur(source[index], [spec.blur_kernel, spec.blur_kernel], [float(sigma[index])] * 2)
         torch.testing.assert_close(blurred[index], expected, rtol=0, atol=1e-5)
-    grey_spec = ViewAugmentation.from_strengths(8, crop_strength=0, color_strength=0, gray_strength=1.0, horizontal_flip=False)
-    grey_views = BatchedViewAugmentation(grey_spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))(images[:200, :, :8, :8], num_views=1)[:, 0]
-    is_grey = (grey_views[:, 0] == grey_views[:, 1]).all(dim=(1, 2)) & (grey_views[:, 1] == grey_views[:, 2]).all(dim=(1, 2))
+    grey_spec = ViewAugmentation.from_strengths(
+        8, crop_strength=0, color_strength=0, gray_strength=1.0, horizontal_flip=False
+    )
+    grey_views = BatchedViewAugmentation(grey_spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))(
+        images[:200, :, :8, :8], num_views=1
+    )[:, 0]
+    is_grey = (grey_views[:, 0] == grey_views[:, 1]).all(dim=(1, 2)) & (grey_views[:, 1] == grey_views[:, 2]).all(
+        dim=(1, 2)
+    )
     assert is_grey.float().mean().item() == pytest.approx(grey_spec.gray_p, abs=0.08)
 
 
@@ -178,7 +210,11 @@ def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
     loader = workers.train_dataloader()
     keys = list(loader.sampler)[:4]
     views, targets = next(iter(loader))
-    assert views.shape == (4, 5, 3, 32, 32) and views.dtype == torch.float32 and targets.tolist() == [workers._train_split[i][1] for i, _ in keys]
+    assert (
+        views.shape == (4, 5, 3, 32, 32)
+        and views.dtype == torch.float32
+        and targets.tolist() == [workers._train_split[i][1] for i, _ in keys]
+    )
     augmentation = workers.batch_views.augmentation
     for row, (index, seed) in enumerate(keys):
         alone = augmentation.views_from_seeds(workers._train_split[index][0][None], torch.tensor([seed]), 5)[0]
@@ -194,10 +230,22 @@ def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"worker_augmentation": "batched", "augment_on_device": True}, "worker_augmentation 'batched' draws the views of mode 'views'"),
-        ({"worker_augmentation": "batched", "mode": "same_class"}, "worker_augmentation 'batched' draws the views of mode 'views'"),
-        ({"worker_augmentation": "fast"}, "worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got 'fast'"),
-        ({"augment_on_device": True, "device_pipeline": "dali"}, "device_pipeline must be 'batched' or 'kornia'; got 'dali'"),
+        (
+            {"worker_augmentation": "batched", "augment_on_device": True},
+            "worker_augmentation 'batched' draws the views of mode 'views'",
+        ),
+        (
+            {"worker_augmentation": "batched", "mode": "same_class"},
+            "worker_augmentation 'batched' draws the views of mode 'views'",
+        ),
+        (
+            {"worker_augmentation": "fast"},
+            "worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got 'fast'",
+        ),
+        (
+            {"augment_on_device": True, "device_pipeline": "dali"},
+            "device_pipeline must be 'batched' or 'kornia'; got 'dali'",
+        ),
     ],
 )
 def test_pipeline_options_are_checked_before_anything_runs(options, message):
@@ -214,7 +262,9 @@ def test_views_drawn_from_seeds_have_the_distribution_of_the_generators_views():
     augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(32), MEAN, STD)
     torch.manual_seed(6)
     drawn = augmentation(images, num_views=200).flatten(0, 1)
-    seeded = augmentation.views_from_seeds(images, torch.tensor([3, 1_000_003, 2**40, 2**62]), num_views=200).flatten(0, 1)
+    seeded = augmentation.views_from_seeds(images, torch.tensor([3, 1_000_003, 2**40, 2**62]), num_views=200).flatten(
+        0, 1
+    )
     torch.testing.assert_close(seeded.mean(dim=(0, 2, 3)), drawn.mean(dim=(0, 2, 3)), atol=0.05, rtol=0)
     torch.testing.assert_close(seeded.std(dim=(0, 2, 3)), drawn.std(dim=(0, 2, 3)), atol=0.05, rtol=0)
     assert len({tuple(row.tolist()) for row in seeded.flatten(1)}) == len(seeded)

@@ -19,7 +19,11 @@ MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
     """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
     grid = np.sort(np.concatenate([a, b]))
-    return float(np.abs(np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)).max())
+    return float(
+        np.abs(
+            np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)
+        ).max()
+    )
 
 
 def device(spec: ViewAugmentation) -> DeviceViewAugmentation:
@@ -35,7 +39,10 @@ def test_crop_area_and_aspect_distributions_match_torchvision(crop_strength):
     width = (boxes[:, 1, 0] - boxes[:, 0, 0] + 1).numpy()
     height = (boxes[:, 2, 1] - boxes[:, 1, 1] + 1).numpy()
     image = torch.zeros(3, 32, 32)
-    cpu = np.array([RandomResizedCrop.get_params(image, list(spec.crop_scale), list(spec.crop_ratio))[2:] for _ in range(N)], dtype=float)
+    cpu = np.array(
+        [RandomResizedCrop.get_params(image, list(spec.crop_scale), list(spec.crop_ratio))[2:] for _ in range(N)],
+        dtype=float,
+    )
     assert ks_statistic(width * height / 1024, cpu[:, 0] * cpu[:, 1] / 1024) < 0.05
     assert ks_statistic(np.log(width / height), np.log(cpu[:, 1] / cpu[:, 0])) < 0.05
 
@@ -50,7 +57,9 @@ def test_colour_and_greyscale_parameters():
         assert ks_statistic(params[key].numpy(), uniform) < 0.05, key
     assert ks_statistic(params["hue_factor"].numpy(), np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 0.05
     assert params["batch_prob"].float().mean().item() == pytest.approx(0.8, abs=0.03)
-    assert grey.forward_parameters(torch.Size([N, 3, 32, 32]))["batch_prob"].float().mean().item() == pytest.approx(0.2, abs=0.03)
+    assert grey.forward_parameters(torch.Size([N, 3, 32, 32]))["batch_prob"].float().mean().item() == pytest.approx(
+        0.2, abs=0.03
+    )
 
 
 def test_every_view_of_the_same_image_gets_its_own_parameters():
@@ -73,7 +82,13 @@ def test_device_and_cpu_views_have_the_same_pixel_statistics():
 
 
 def test_datamodule_turns_uint8_batches_into_views_after_transfer():
-    datamodule = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=4), num_views=3, batch_size=4, num_workers=0, augment_on_device=True)
+    datamodule = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=4),
+        num_views=3,
+        batch_size=4,
+        num_workers=0,
+        augment_on_device=True,
+    )
     datamodule.setup()
     images, targets = next(iter(datamodule.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
@@ -122,3 +137,24 @@ def test_cpu_workers_can_draw_all_views_of_an_image_in_one_batched_call():
 def test_kornia_worker_augmentation_is_for_views_drawn_in_workers(options):
     with pytest.raises(ConfigurationError, match="worker_augmentation 'kornia'"):
         MultiViewDataModule(SyntheticShapes(), worker_augmentation="kornia", **options)
+
+
+def test_the_kornia_pipeline_without_kornia_is_one_clear_error(monkeypatch):
+    """kornia is an optional extra: choosing its pipeline without it installed says so before anything runs."""
+    import builtins
+    import sys
+
+    from hfmca_lightning.errors import ConfigurationError
+
+    real_import = builtins.__import__
+
+    def without_kornia(name, *args, **kwargs):
+        if name.split(".")[0] == "kornia":
+            raise ModuleNotFoundError("No module named 'kornia'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_kornia)
+    for module in [name for name in sys.modules if name.split(".")[0] == "kornia"]:
+        monkeypatch.delitem(sys.modules, module)
+    with pytest.raises(ConfigurationError, match=r"needs kornia: pip install 'hfmca_lightning\[kornia\]'"):
+        MultiViewDataModule(SyntheticShapes(), worker_augmentation="kornia")

@@ -4,7 +4,7 @@ import torch
 
 from hfmca_lightning.data import CIFAR, STL10, UNLABELLED, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
 from hfmca_lightning.errors import ConfigurationError
-from tests.factories import write_cifar, write_image_folder, write_stl10
+from tests.helpers import write_cifar, write_image_folder, write_stl10
 
 
 @pytest.mark.parametrize(("name", "classes"), [("cifar10", 10), ("cifar100", 100)])
@@ -49,7 +49,9 @@ def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
         raise OSError("network is unreachable")
 
     monkeypatch.setattr("hfmca_lightning.data.sources.download_and_extract_archive", offline)
-    with pytest.raises(ConfigurationError, match="could not download cifar100.*network is unreachable.*copy the extracted"):
+    with pytest.raises(
+        ConfigurationError, match="could not download cifar100.*network is unreachable.*copy the extracted"
+    ):
         CIFAR(name="cifar100", root=str(tmp_path), download=True).prepare()
 
 

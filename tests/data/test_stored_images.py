@@ -10,16 +10,18 @@ import torch
 from hfmca_lightning.data import CIFAR, ImageFolderSource, MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.data.stored_images import StoredImages
 from hfmca_lightning.data.transforms import resize_transform
-from hfmca_lightning.errors import ConfigurationError
-from tests.factories import write_cifar, write_image_folder
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
+from hfmca_lightning.errors import ConfigurationError
+from tests.helpers import write_cifar, write_image_folder
 
 
 def test_the_stored_images_give_the_batches_of_the_batched_workers(tmp_path):
     """Every batch of an epoch (CIFAR's layout on disk, 2 workers on the worker path): the same views and targets."""
     write_cifar(tmp_path, per_class=2)
     source = CIFAR(root=str(tmp_path), verify=False)
-    workers = MultiViewDataModule(source, num_views=4, batch_size=8, num_workers=2, worker_augmentation="batched", seed=3)
+    workers = MultiViewDataModule(
+        source, num_views=4, batch_size=8, num_workers=2, worker_augmentation="batched", seed=3
+    )
     stored = MultiViewDataModule(source, num_views=4, batch_size=8, num_workers=2, images_on_device=True, seed=3)
     stored_loader = stored.train_dataloader()
     assert stored_loader.num_workers == 0  # a batch is 8 indices and 8 seeds
@@ -36,7 +38,15 @@ def test_the_stored_images_give_the_batches_of_the_batched_workers(tmp_path):
 def test_drawing_views_reads_nothing_on_the_host_and_copies_no_python_constants():
     """With the hue computed on all rows and selected (the default on GPUs), a batch's views come from tensors on the
     device alone: no host read of a device value, no tensor made from Python data."""
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8), num_views=4, batch_size=6, num_workers=0, images_on_device=True, blur=[1.0, 0.1], solarize=[0.0, 0.2])
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8),
+        num_views=4,
+        batch_size=6,
+        num_workers=0,
+        images_on_device=True,
+        blur=[1.0, 0.1],
+        solarize=[0.0, 0.2],
+    )
     data.view_augmentation.select_rows = False
     keys = next(iter(data.train_dataloader()))
     data.draw_views(keys)  # the first call places the images and the pipeline's constants
@@ -58,12 +68,17 @@ def test_images_of_another_size_are_stored_resized_like_the_workers_resize_them(
 def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
     stored = StoredImages(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.zeros(10, dtype=torch.int64))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40_000, 80_000))
-    with pytest.raises(ConfigurationError, match=r"takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on cuda.*images_on_device: false"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on cuda.*images_on_device: false",
+    ):
         stored.to(torch.device("cuda"))
 
 
 @pytest.mark.parametrize(
-    "options", [{"mode": "same_class"}, {"augment_on_device": True}, {"worker_augmentation": "kornia"}], ids=["same_class", "augment_on_device", "kornia"]
+    "options",
+    [{"mode": "same_class"}, {"augment_on_device": True}, {"worker_augmentation": "kornia"}],
+    ids=["same_class", "augment_on_device", "kornia"],
 )
 def test_images_on_device_with_another_pipeline_is_rejected(options):
     with pytest.raises(ConfigurationError, match="images_on_device draws the views of mode 'views' on the device"):

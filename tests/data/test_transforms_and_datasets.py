@@ -23,7 +23,11 @@ def _image() -> torch.Tensor:
 
 def test_strength_zero_is_no_distortion():
     image = _image()
-    identity = view_transform(ViewAugmentation.from_strengths(32, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False), MEAN, STD)
+    identity = view_transform(
+        ViewAugmentation.from_strengths(32, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False),
+        MEAN,
+        STD,
+    )
     plain = eval_transform(32, MEAN, STD)
     for _ in range(3):
         torch.testing.assert_close(identity(image), plain(image))
@@ -48,7 +52,9 @@ def test_crop_strength_maps_to_scale_range():
 
 
 def test_color_strength_one_doubles_the_default_jitter():
-    jitter = view_transform(ViewAugmentation.from_strengths(32, color_strength=1.0), MEAN, STD).transforms[3].transforms[0]
+    jitter = (
+        view_transform(ViewAugmentation.from_strengths(32, color_strength=1.0), MEAN, STD).transforms[3].transforms[0]
+    )
     default = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD).transforms[3].transforms[0]
     assert jitter.brightness == (max(0, 1 - 0.8), 1 + 0.8)
     assert default.brightness == pytest.approx((0.6, 1.4)) and default.hue == pytest.approx((-0.1, 0.1))
@@ -64,7 +70,11 @@ def test_strength_outside_unit_interval_is_rejected(knob):
 
 def test_every_view_draws_its_own_crop():
     source = SyntheticShapes(num_classes=2, train_per_class=2)
-    dataset = MultiViewDataset(source.split(True), view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD), num_views=6)
+    dataset = MultiViewDataset(
+        source.split(True),
+        view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD),
+        num_views=6,
+    )
     views, _ = dataset[(0, 123)]
     assert views.shape == (6, 3, 32, 32)
     distinct = {tuple(v.flatten()[:50].tolist()) for v in views}
@@ -72,7 +82,11 @@ def test_every_view_draws_its_own_crop():
 
 
 def test_views_are_a_function_of_the_sample_seed_only():
-    dataset = MultiViewDataset(SyntheticShapes(num_classes=2, train_per_class=2).split(True), view_transform(ViewAugmentation.from_strengths(32), MEAN, STD), 3)
+    dataset = MultiViewDataset(
+        SyntheticShapes(num_classes=2, train_per_class=2).split(True),
+        view_transform(ViewAugmentation.from_strengths(32), MEAN, STD),
+        3,
+    )
     first, _ = dataset[(1, 42)]
     torch.manual_seed(999)  # global state must not matter
     again, _ = dataset[(1, 42)]
@@ -107,7 +121,14 @@ def test_same_class_needs_enough_images_per_class():
 
 @pytest.mark.parametrize("mode", ["views", "same_class"])
 def test_datamodule_batches(mode):
-    datamodule = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=6, test_per_class=2), mode=mode, num_views=4, batch_size=5, eval_batch_size=7, num_workers=0)
+    datamodule = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=6, test_per_class=2),
+        mode=mode,
+        num_views=4,
+        batch_size=5,
+        eval_batch_size=7,
+        num_workers=0,
+    )
     datamodule.setup("fit")
     views, targets = next(iter(datamodule.train_dataloader()))
     assert views.shape == (5, 4, 3, 32, 32) and views.dtype == torch.float32 and targets.shape == (5,)
@@ -154,7 +175,9 @@ def test_imagenet_augmentations_match_lightlys(preset):
         spec = ViewAugmentation.from_strengths(224, color_strength=1.0, blur=0.5)
         theirs = [SimCLRTransform(input_size=224).transforms[0].transform]
     else:
-        spec = ViewAugmentation.from_strengths(224, color_jitter=[0.4, 0.4, 0.2, 0.1], blur=[1.0, 0.1], solarize=[0.0, 0.2])
+        spec = ViewAugmentation.from_strengths(
+            224, color_jitter=[0.4, 0.4, 0.2, 0.1], blur=[1.0, 0.1], solarize=[0.0, 0.2]
+        )
         theirs = [BYOLView1Transform(input_size=224).transform, BYOLView2Transform(input_size=224).transform]
     ours = view_transforms(spec, MEAN, STD)
     assert len(ours) == len(theirs)
@@ -162,7 +185,11 @@ def test_imagenet_augmentations_match_lightlys(preset):
         crop = mine.transforms[1]
         lightly_crop = lightly_transform.transforms[0]
         assert (crop.size, crop.scale, crop.ratio) == (lightly_crop.size, lightly_crop.scale, lightly_crop.ratio)
-        lightly_apply = next(step for step in lightly_transform.transforms if isinstance(step, v2.RandomApply) or type(step).__name__ == "RandomApply")
+        lightly_apply = next(
+            step
+            for step in lightly_transform.transforms
+            if isinstance(step, v2.RandomApply) or type(step).__name__ == "RandomApply"
+        )
         lightly_jitter = lightly_apply.transforms[0]
         p, ranges = _jitter(mine)
         assert p == pytest.approx(lightly_apply.p)
@@ -175,7 +202,9 @@ def test_imagenet_augmentations_match_lightlys(preset):
         found = [step for step in mine.transforms if isinstance(step, RandomGaussianBlur)]
         assert (found[0].p if found else 0.0) == blur.prob
         assert not found or found[0].sigma == pytest.approx(blur.sigmas)
-        solarize = next((step for step in lightly_transform.transforms if type(step).__name__ == "RandomSolarization"), None)
+        solarize = next(
+            (step for step in lightly_transform.transforms if type(step).__name__ == "RandomSolarization"), None
+        )
         mine_solarize = [s for _, s in _steps(mine, v2.RandomSolarize)]
         assert (mine_solarize[0].p if mine_solarize else 0.0) == (solarize.prob if solarize else 0.0)
         assert not mine_solarize or mine_solarize[0].threshold == solarize.threshold
@@ -186,7 +215,15 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     255 - 200 = 55 when solarised; views 0, 2, ... are kind 0 and 1, 3, ... kind 1."""
     from hfmca_lightning.data.device_augment import DeviceViewAugmentation
 
-    spec = ViewAugmentation.from_strengths(32, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False, blur=[1.0, 0.0], solarize=[0.0, 1.0])
+    spec = ViewAugmentation.from_strengths(
+        32,
+        crop_strength=0,
+        color_strength=0,
+        gray_strength=0,
+        horizontal_flip=False,
+        blur=[1.0, 0.0],
+        solarize=[0.0, 1.0],
+    )
     flat = torch.full((3, 32, 32), 200, dtype=torch.uint8)
     images = ArrayImages(flat.permute(1, 2, 0)[None].numpy(), [0])
     cpu_views, _ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
@@ -202,10 +239,14 @@ def test_view_grids_give_the_source_position_of_every_cell_centre():
     from hfmca_lightning.data.transforms import ViewAugmentation, ViewWithGrid
 
     size, cells = 32, 4
-    spec = ViewAugmentation.from_strengths(size, None, 0.0, 0.0, True, None, 0.0, 0.0)  # SimCLR crops and flips, no colour
+    spec = ViewAugmentation.from_strengths(
+        size, None, 0.0, 0.0, True, None, 0.0, 0.0
+    )  # SimCLR crops and flips, no colour
     transform = ViewWithGrid(spec, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), 0, cells)
     rows, columns = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
-    image = torch.stack([columns * 8, rows * 8, torch.zeros_like(rows)]).to(torch.uint8)  # value 8 k at pixel k (centre k + 1/2)
+    image = torch.stack([columns * 8, rows * 8, torch.zeros_like(rows)]).to(
+        torch.uint8
+    )  # value 8 k at pixel k (centre k + 1/2)
     centres = (torch.arange(cells) + 0.5) / cells * 2 - 1  # cell centres in grid_sample's [-1, 1] coordinates
     sample_at = torch.stack(torch.meshgrid(centres, centres, indexing="xy"), dim=-1)[None]  # [i, j] = (x_j, y_i)
     flips = 0
@@ -213,17 +254,30 @@ def test_view_grids_give_the_source_position_of_every_cell_centre():
         torch.manual_seed(seed)
         view, grid = transform(image)
         assert view.shape == (3, size, size) and grid.shape == (cells, cells, 2)
-        seen = torch.nn.functional.grid_sample(view[None, :2].double(), sample_at.double(), align_corners=False)[0] * 255 / 8 + 0.5
+        seen = (
+            torch.nn.functional.grid_sample(view[None, :2].double(), sample_at.double(), align_corners=False)[0]
+            * 255
+            / 8
+            + 0.5
+        )
         torch.testing.assert_close(seen.permute(1, 2, 0), grid.double(), atol=0.3, rtol=0)
         flips += bool(grid[0, 0, 0] > grid[0, -1, 0])
     assert 0 < flips < 20
 
 
 def test_view_grids_come_with_the_views_in_training_batches():
-    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4, image_size=16), num_views=3, batch_size=4, num_workers=0, view_grids=2)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=4, image_size=16),
+        num_views=3,
+        batch_size=4,
+        num_workers=0,
+        view_grids=2,
+    )
     views, targets, grids = next(iter(data.train_dataloader()))
     assert views.shape == (4, 3, 3, 16, 16) and targets.shape == (4,) and grids.shape == (4, 3, 2, 2, 2)
     assert float(grids.min()) >= 0 and float(grids.max()) <= 16
     with pytest.raises(ConfigurationError) as error:
-        MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4), num_views=2, augment_on_device=True, view_grids=4)
+        MultiViewDataModule(
+            SyntheticShapes(num_classes=2, train_per_class=4), num_views=2, augment_on_device=True, view_grids=4
+        )
     assert error.value.parameter == "view_grids"

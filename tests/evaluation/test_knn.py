@@ -8,7 +8,9 @@ def reference_knn(queries, bank, targets, num_classes, k, temperature):
     """One query at a time, sorted neighbours, explicit vote."""
     predictions = []
     for query in queries:
-        sims = [(float(torch.nn.functional.cosine_similarity(query, item, dim=0)), int(t)) for item, t in zip(bank, targets)]
+        sims = [
+            (float(torch.nn.functional.cosine_similarity(query, item, dim=0)), int(t)) for item, t in zip(bank, targets)
+        ]
         sims.sort(key=lambda pair: -pair[0])
         votes = [0.0] * num_classes
         for sim, target in sims[:k]:

@@ -34,7 +34,9 @@ def test_classifier_separates_separable_classes_whatever_their_scale():
     generator = torch.Generator().manual_seed(0)
     centres = torch.randn(5, 16, generator=generator) * 4
     targets = torch.arange(5).repeat(40)
-    features = (centres[targets] + torch.randn(200, 16, generator=generator)) * 1000 + 50  # a badly scaled feature space
+    features = (
+        centres[targets] + torch.randn(200, 16, generator=generator)
+    ) * 1000 + 50  # a badly scaled feature space
     classifier = train_linear_classifier(features, targets, 5, epochs=30, batch_size=32)
     assert topk_accuracies(classifier.logits(features), targets, 5)[1] == 1.0
     again = train_linear_classifier(features, targets, 5, epochs=30, batch_size=32)

@@ -14,6 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hfmca_lightning.losses import HFMCACost, all_reduce_statistics, group_statistics, hfmca_cost
 
+pytestmark = pytest.mark.integration  # two processes
+
 WORLD_SIZE = 2
 GROUPS, MEMBERS, FEATURES = 12, 3, 6
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hfmca_lightning.analysis import eigenspectrum
+from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses import (
     CorrelationStatistics,
     CostFactorisationError,
@@ -16,8 +17,7 @@ from hfmca_lightning.losses import (
     hfmca_cost,
 )
 from hfmca_lightning.losses.hfmca_cost import hfmca_costs
-from hfmca_lightning.diagnostics import HostReads
-from tests.reference import reference_cost, reference_cost_autograd, reference_group_moments, reference_unfold_windows
+from tests.helpers import reference_cost, reference_cost_autograd, reference_group_moments, reference_unfold_windows
 
 CASES = {
     "random": (64, 9, 16, 16),
@@ -55,7 +55,9 @@ def test_cost_matches_numpy_slogdet_reference(case: str):
     assert hfmca_cost(low, high, reg=0.1).item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("geometry", [WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(4, 2, 1)], ids=str)
+@pytest.mark.parametrize(
+    "geometry", [WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(4, 2, 1)], ids=str
+)
 def test_feature_map_cost_matches_unfolded_reference(geometry: WindowGeometry):
     torch.manual_seed(4)
     low_map = torch.rand(2, 5, 6, 6)
@@ -139,7 +141,11 @@ def test_values_and_gradients_equal_autograd_through_the_assembled_matrices(case
     module in eval mode."""
     low, high = _inputs(*CASES[case], seed=7)
     expected = _grads(lambda lo, hi: reference_cost_autograd(lo, hi, 0.1), low, high)
-    for cost_fn in (HFMCACost(reg=0.1, beta=0.0).train(), HFMCACost(reg=0.1, beta=0.5).eval(), lambda lo, hi: hfmca_cost(lo, hi, reg=0.1)):
+    for cost_fn in (
+        HFMCACost(reg=0.1, beta=0.0).train(),
+        HFMCACost(reg=0.1, beta=0.5).eval(),
+        lambda lo, hi: hfmca_cost(lo, hi, reg=0.1),
+    ):
         for got, want in zip(_grads(cost_fn, low, high), expected):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
@@ -160,7 +166,7 @@ def _hand_filtered_gradient(steps, beta: float, reg: float):
         inv_a = torch.from_numpy(np.linalg.inv(joint_hat[:k1, :k1]))
         inv_c = torch.from_numpy(np.linalg.inv(joint_hat[k1:, k1:]))
 
-        def surrogate(lo, hi):
+        def surrogate(lo, hi, inv_joint=inv_joint, inv_a=inv_a, inv_c=inv_c):
             groups, members, _ = lo.shape
             r1_t = lo.reshape(-1, lo.shape[-1]).T @ lo.reshape(-1, lo.shape[-1]) / (groups * members)
             r2_t = hi.T @ hi / groups
@@ -271,7 +277,10 @@ def _statistics(a: torch.Tensor, c: torch.Tensor, cross: torch.Tensor, reg: floa
     return CorrelationStatistics(a - reg * eye, c - reg * torch.eye(c.shape[0], dtype=torch.float64), cross, one, one)
 
 
-@pytest.mark.parametrize(("broken", "named", "column"), [("low", "low-level matrix A", 2), ("high", "high-level matrix C", 3), ("schur", "Schur complement", 1)])
+@pytest.mark.parametrize(
+    ("broken", "named", "column"),
+    [("low", "low-level matrix A", 2), ("high", "high-level matrix C", 3), ("schur", "Schur complement", 1)],
+)
 def test_a_failed_factor_is_named(broken: str, named: str, column: int):
     """J and C are factored, then checked at once; the error names the first failed matrix in the order A, C, S
     (S <= C, so a C that is not positive definite fails S as well), with the column the factorisation stopped at."""
@@ -283,7 +292,10 @@ def test_a_failed_factor_is_named(broken: str, named: str, column: int):
         c[2, 2] = -1.0
     else:
         cross = 2.0 * eye  # S = C - P^T A^-1 P = -3 I, while A and C are fine
-    with pytest.raises(CostFactorisationError, match=rf"HFMCA cost 'x': the {named}[^(]*\(3x3\) is not positive definite.*column {column}\)"):
+    with pytest.raises(
+        CostFactorisationError,
+        match=rf"HFMCA cost 'x': the {named}[^(]*\(3x3\) is not positive definite.*column {column}\)",
+    ):
         HFMCACost(name="x").train().forward_statistics(_statistics(a, c, cross))
 
 
@@ -322,7 +334,10 @@ def test_costs_taken_together_report_the_first_failure_when_their_checks_are_rea
 def test_costs_taken_together_read_nothing_until_their_checks_are_read():
     """No host read of a device value while the costs (values and gradients) are computed; one when the checks are
     read (each is a wait for the queue on a GPU), however many costs there are."""
-    statistics = [dataclasses.replace(_good_statistics(), low_outer_sum=torch.eye(3, dtype=torch.float64).requires_grad_(True)) for _ in range(5)]
+    statistics = [
+        dataclasses.replace(_good_statistics(), low_outer_sum=torch.eye(3, dtype=torch.float64).requires_grad_(True))
+        for _ in range(5)
+    ]
     with HostReads() as recorder:
         values, checks = hfmca_costs(statistics, [HFMCACost(beta=beta).train() for beta in (0.0, 0.5, 0.0, 0.5, 0.0)])
         torch.stack(values).sum().backward()
@@ -342,13 +357,17 @@ def test_a_failed_step_leaves_the_filter_state_as_it_was():
     cost = HFMCACost(beta=0.5).train()
     cost.forward_statistics(_good_statistics())
     ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
-    broken = dataclasses.replace(_good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True))
+    broken = dataclasses.replace(
+        _good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True)
+    )
     (value,), checks = hfmca_costs([broken], [cost])
     value.backward()
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
     with pytest.raises(CostFactorisationError, match=r"NaN or Inf"):
         checks.raise_if_failed()
-    failing = dataclasses.replace(_failing_statistics(), low_outer_sum=_failing_statistics().low_outer_sum.requires_grad_(True))
+    failing = dataclasses.replace(
+        _failing_statistics(), low_outer_sum=_failing_statistics().low_outer_sum.requires_grad_(True)
+    )
     (value,), checks = hfmca_costs([failing], [cost])
     value.backward()  # the inverses of a failed factor are taken of the identity: no LAPACK error
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates

@@ -9,7 +9,7 @@ from hfmca_lightning.losses import (
     group_statistics,
     window_coverage,
 )
-from tests.reference import reference_group_moments, reference_unfold_windows
+from tests.helpers import reference_group_moments, reference_unfold_windows
 
 
 def _assert_moments(stats: CorrelationStatistics, reference: tuple[np.ndarray, ...]) -> None:
@@ -101,7 +101,10 @@ def test_group_statistics_reject_malformed_shapes(low, high, message):
 
 
 def test_feature_map_statistics_reject_empty_maps():
-    for low, high in ((torch.rand(0, 2, 8, 8), torch.rand(0, 2, 8, 8)), (torch.rand(1, 0, 8, 8), torch.rand(1, 2, 8, 8))):
+    for low, high in (
+        (torch.rand(0, 2, 8, 8), torch.rand(0, 2, 8, 8)),
+        (torch.rand(1, 0, 8, 8), torch.rand(1, 2, 8, 8)),
+    ):
         with pytest.raises(ValueError, match="at least one map with channels and positions"):
             feature_map_statistics(low, high, WindowGeometry(3, 1, 1))
 
@@ -111,12 +114,19 @@ def test_feature_map_statistics_reject_a_geometry_that_does_not_fit():
         feature_map_statistics(torch.rand(1, 2, 8, 8), torch.rand(1, 2, 8, 8), WindowGeometry(3, 2, 1))
 
 
-def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeometry, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def realistic_pair(
+    batch: int, k1: int, k2: int, size: int, geometry: WindowGeometry, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A ResNet-like block input (post-ReLU) and a sigmoid output map, correlated through a 1x1 mixing."""
     torch.manual_seed(seed)
     low = torch.relu(torch.randn(batch, k1, size, size))
-    mixed = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(low, [geometry.padding] * 4), geometry.kernel, geometry.stride)
-    high = torch.sigmoid(torch.einsum("bkhw,kl->blhw", mixed, torch.randn(k1, k2) / k1**0.5) + 0.3 * torch.randn(batch, k2, *mixed.shape[-2:]))
+    mixed = torch.nn.functional.avg_pool2d(
+        torch.nn.functional.pad(low, [geometry.padding] * 4), geometry.kernel, geometry.stride
+    )
+    high = torch.sigmoid(
+        torch.einsum("bkhw,kl->blhw", mixed, torch.randn(k1, k2) / k1**0.5)
+        + 0.3 * torch.randn(batch, k2, *mixed.shape[-2:])
+    )
     return low.requires_grad_(), high.contiguous().requires_grad_()  # (einsum leaves its output channels-last)
 
 
@@ -129,15 +139,26 @@ def realistic_pair(batch: int, k1: int, k2: int, size: int, geometry: WindowGeom
         (256, 512, 8, WindowGeometry(7, 2, 3)),
         (64, 64, 34, WindowGeometry(3, 1, 1)),
     ],
-    ids=["layer1 block", "layer2 stride-2 block", "layer3 stride-2 block", "layer4 stride-2 block", "spectrum-CNN block"],
+    ids=[
+        "layer1 block",
+        "layer2 stride-2 block",
+        "layer3 stride-2 block",
+        "layer4 stride-2 block",
+        "spectrum-CNN block",
+    ],
 )
-@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+@pytest.mark.parametrize(
+    "layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"]
+)
 def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geometry, layout):
     """The training path (float32 products, summed in float64; deep maps centred; channels-last maps on their
     rows): cost within 1e-6 and gradients within 1e-5 of the all-float64 path, relative."""
     from hfmca_lightning.losses import cost_from_statistics
 
-    low, high = (x.detach().contiguous(memory_format=layout).requires_grad_() for x in realistic_pair(18, k1, k2, size, geometry, seed=k1 + size))
+    low, high = (
+        x.detach().contiguous(memory_format=layout).requires_grad_()
+        for x in realistic_pair(18, k1, k2, size, geometry, seed=k1 + size)
+    )
     results = {}
     for precision in ("float64", "fast"):
         cost = cost_from_statistics(feature_map_statistics(low, high, geometry, precision=precision), reg=0.1)
@@ -148,7 +169,9 @@ def test_fast_statistics_agree_with_float64_on_realistic_maps(k1, k2, size, geom
         assert float((got.double() - expected.double()).norm() / expected.double().norm()) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+@pytest.mark.parametrize(
+    "layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"]
+)
 def test_fast_statistics_make_no_copy_of_a_large_map(layout):
     """The fast path uses a float32 map as it is, plain or channels-last: no op of it copies the map into another
     layout or dtype (the float64 path makes several); deep layers (few positions, many channels) may copy their
@@ -177,7 +200,9 @@ def test_fast_statistics_make_no_copy_of_a_large_map(layout):
     assert not fast.sizes or max(fast.sizes) < map_size, fast.sizes
 
 
-@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"])
+@pytest.mark.parametrize(
+    "layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"]
+)
 def test_chunks_of_images_give_the_sums_and_gradients_of_one_chunk(layout, monkeypatch):
     """On CPUs the early blocks' statistics run over chunks of images (32 MiB; a large batch has several): with
     chunks of two images and an odd batch (a short last chunk) the sums and gradients are those of one chunk."""
@@ -216,15 +241,25 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     shifted = _CentredRowStatistics.apply(z, h, coverage.float().flatten(), rows, rows)
     exact = _float64_statistics(z.double(), h.double(), coverage, geometry)
     plain = _float64_statistics(z, h, coverage.float(), geometry)  # the same sums in float32
+
     # the scale of the dependence: the moments of the maps centred by their channel means
     def centred(x):
         return (x - x.mean((0, 2), keepdim=True)).double()
 
     means = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(z, (1, 1, 1, 1)), 3, 1).flatten(2)
     zc, hc, mc = centred(z.flatten(2)), centred(h.flatten(2)), centred(means)
-    scales = (torch.einsum("bkn,bln->kl", zc * coverage.flatten(), zc), torch.einsum("bkn,bln->kl", hc, hc), torch.einsum("bkn,bln->kl", mc, hc))
-    errors = [float((got - expected).abs().max() / scale.abs().max()) for got, expected, scale in zip(shifted, exact, scales)]
-    lost = [float((got.double() - expected).abs().max() / scale.abs().max()) for got, expected, scale in zip(plain, exact, scales)]
+    scales = (
+        torch.einsum("bkn,bln->kl", zc * coverage.flatten(), zc),
+        torch.einsum("bkn,bln->kl", hc, hc),
+        torch.einsum("bkn,bln->kl", mc, hc),
+    )
+    errors = [
+        float((got - expected).abs().max() / scale.abs().max()) for got, expected, scale in zip(shifted, exact, scales)
+    ]
+    lost = [
+        float((got.double() - expected).abs().max() / scale.abs().max())
+        for got, expected, scale in zip(plain, exact, scales)
+    ]
     assert all(got.dtype == torch.float64 for got in shifted)
     assert errors[0] < 1e-5 and errors[1] < 1e-5, errors
     assert lost[0] > 1e-4 and lost[1] > 1e-4, lost  # what the shift avoids
@@ -240,7 +275,13 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     means or shifted rows): numerical gradients of all three sums agree with it in float64, for the per-image
     products (early layers), the centred products over all rows (deep layers) and the products on the rows
     of channels-last maps."""
-    from hfmca_lightning.losses.statistics import _ChannelsLastStatistics, _CentredRowStatistics, _per_image, _PerImageStatistics, _window_band
+    from hfmca_lightning.losses.statistics import (
+        _CentredRowStatistics,
+        _ChannelsLastStatistics,
+        _per_image,
+        _PerImageStatistics,
+        _window_band,
+    )
 
     torch.manual_seed(0)
     channels = (40, 50) if path == "centred rows" else (2, 3)
@@ -251,13 +292,24 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     assert _per_image(high) == (path != "centred rows")
     coverage = window_coverage((6, 6), size, geometry).flatten()
     rows, columns = _window_band(6, geometry, low), _window_band(6, geometry, low)
-    statistics = {"per image": _PerImageStatistics, "centred rows": _CentredRowStatistics, "channels last": _ChannelsLastStatistics}[path]
+    statistics = {
+        "per image": _PerImageStatistics,
+        "centred rows": _CentredRowStatistics,
+        "channels last": _ChannelsLastStatistics,
+    }[path]
     # gradcheck over the 3,000 inputs of the deep case is slow: one random direction per output there
-    assert torch.autograd.gradcheck(lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path == "centred rows")
+    assert torch.autograd.gradcheck(
+        lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path == "centred rows"
+    )
     # and its forward is the reference statistics
-    stats = CorrelationStatistics(*statistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0))
+    stats = CorrelationStatistics(
+        *statistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0)
+    )
     reference = feature_map_statistics(low, high, geometry, precision="float64")
-    for got, expected in zip((stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum), (reference.low_outer_sum, reference.high_outer_sum, reference.cross_sum)):
+    for got, expected in zip(
+        (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum),
+        (reference.low_outer_sum, reference.high_outer_sum, reference.cross_sum),
+    ):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 

@@ -21,7 +21,14 @@ SMALL_HEADS = {
     FastSiam: {"hidden_dim": 64, "output_dim": 32, "prediction_dim": 16},
     BarlowTwins: {"hidden_dim": 64, "output_dim": 64},
     VICReg: {"hidden_dim": 64, "output_dim": 64},
-    VICRegL: {"hidden_dim": 64, "output_dim": 64, "local_hidden_dim": 16, "local_output_dim": 16, "local_layer": "features", "num_matches": (8, 2)},
+    VICRegL: {
+        "hidden_dim": 64,
+        "output_dim": 64,
+        "local_hidden_dim": 16,
+        "local_output_dim": 16,
+        "local_layer": "features",
+        "num_matches": (8, 2),
+    },
 }
 
 
@@ -44,9 +51,23 @@ def test_baseline_trains_and_its_loss_decreases(method):
     )
     views = 4 if method is FastSiam else 2
     grids = 4 if method is VICRegL else 0  # SmallConvNet's 2 stages: 16 px -> a 4x4 local map
-    data = MultiViewDataModule(SyntheticShapes(num_classes=4, train_per_class=16, image_size=16), num_views=views, batch_size=16, num_workers=0, view_grids=grids)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=4, train_per_class=16, image_size=16),
+        num_views=views,
+        batch_size=16,
+        num_workers=0,
+        view_grids=grids,
+    )
     losses = Losses()
-    Trainer(max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[losses]).fit(module, data)
+    Trainer(
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[losses],
+    ).fit(module, data)
     assert len(losses.values) == 16
     # MoCo's loss first rises while its memory bank (64 keys, 16 per step) fills with negatives.
     start = 4 if method is MoCo else 0
@@ -56,7 +77,9 @@ def test_baseline_trains_and_its_loss_decreases(method):
 
 def test_fastsiam_needs_several_views():
     module = FastSiam(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[FastSiam])
-    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=4, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=4, num_workers=0
+    )
     with pytest.raises(ConfigurationError, match="FastSiam needs at least 3 views"):
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
 
@@ -66,22 +89,33 @@ def test_fastsiam_target_is_the_mean_of_the_other_views():
     module = FastSiam(SmallConvNet(width=4, num_stages=1), **SMALL_HEADS[FastSiam]).eval()
     views = [torch.rand(3, 3, 8, 8) for _ in range(4)]
     projections, predictions = module.project(views)
-    expected = torch.stack([
-        module.criterion(predictions[i], torch.stack([projections[j] for j in range(4) if j != i]).mean(0)) for i in range(4)
-    ]).mean()
+    expected = torch.stack(
+        [
+            module.criterion(predictions[i], torch.stack([projections[j] for j in range(4) if j != i]).mean(0))
+            for i in range(4)
+        ]
+    ).mean()
     torch.testing.assert_close(module.views_loss(views), expected)
 
 
 def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_grids():
     torch.manual_seed(0)
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
-    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=8, num_workers=0, view_grids=4)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        num_views=2,
+        batch_size=8,
+        num_workers=0,
+        view_grids=4,
+    )
     views, targets, grids = next(iter(data.train_dataloader()))
     loss = module.training_step((views, targets, grids), 0)["loss"]
     features = []
     for view in views.unbind(1):
         local_map = module.backbone.features(view)  # (B, 8, 4, 4): the named local layer's output
-        features.append((module.projection_head(module.backbone(view)), module.local_projection_head(local_map.permute(0, 2, 3, 1))))
+        features.append(
+            (module.projection_head(module.backbone(view)), module.local_projection_head(local_map.permute(0, 2, 3, 1)))
+        )
     expected = module.criterion(global_view_features=features, global_view_grids=[grids[:, 0], grids[:, 1]])
     torch.testing.assert_close(loss, expected)
     swapped = module.criterion(global_view_features=features, global_view_grids=[grids[:, 1], grids[:, 0]])
@@ -90,14 +124,22 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
 
 def test_vicregl_without_view_grids_fails_before_training():
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
-    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=4, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=4, num_workers=0
+    )
     with pytest.raises(ConfigurationError, match="view_grids") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
     assert error.value.parameter == "view_grids"
     with pytest.raises(ConfigurationError, match="no residual blocks"):
         VICRegL(SmallConvNet(width=4, num_stages=2))
     too_many = VICRegL(SmallConvNet(width=4, num_stages=2), **{**SMALL_HEADS[VICRegL], "num_matches": (20, 4)})
-    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=4, num_workers=0, view_grids=4)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        num_views=2,
+        batch_size=4,
+        num_workers=0,
+        view_grids=4,
+    )
     with pytest.raises(ConfigurationError, match="more matches than the 4x4 local map") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(too_many, data)
     assert error.value.parameter == "num_matches"

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from hfmca_lightning.diagnostics import OperationCounts
 from hfmca_lightning.losses import CorrelationStatistics
 from hfmca_lightning.losses.hfmca_cost import cost_values
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.hfmca import objective_values
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, ViewProjector
-from hfmca_lightning.diagnostics import OperationCounts
 
 LAYERS = [f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)]
 
@@ -35,31 +35,53 @@ def step_statistics() -> dict[str, CorrelationStatistics]:
     """A step's float64 statistics of the nine pairs (2 images x 9 views of 32 px)."""
     module = cifar_module()
     with torch.no_grad():
-        return module.collect(torch.rand(2, 9, 3, 32, 32, generator=torch.Generator().manual_seed(1)), precision="float64").statistics
+        return module.collect(
+            torch.rand(2, 9, 3, 32, 32, generator=torch.Generator().manual_seed(1)), precision="float64"
+        ).statistics
 
 
 def leaves(statistics: dict[str, CorrelationStatistics]) -> list[CorrelationStatistics]:
     """Copies whose three sums are leaves that require gradients."""
     return [
-        dataclasses.replace(stats, **{field: getattr(stats, field).clone().requires_grad_(True) for field in ("low_outer_sum", "high_outer_sum", "cross_sum")})
+        dataclasses.replace(
+            stats,
+            **{
+                field: getattr(stats, field).clone().requires_grad_(True)
+                for field in ("low_outer_sum", "high_outer_sum", "cross_sum")
+            },
+        )
         for stats in statistics.values()
     ]
 
 
 def sum_gradients(statistics: list[CorrelationStatistics], total: torch.Tensor) -> list[torch.Tensor]:
-    return list(torch.autograd.grad(total, [getattr(stats, field) for stats in statistics for field in ("low_outer_sum", "high_outer_sum", "cross_sum")]))
+    return list(
+        torch.autograd.grad(
+            total,
+            [
+                getattr(stats, field)
+                for stats in statistics
+                for field in ("low_outer_sum", "high_outer_sum", "cross_sum")
+            ],
+        )
+    )
 
 
 def test_a_step_factors_each_matrix_size_once(step_statistics):
     """Forward and backward of a training step of the nine costs: one batched Cholesky call per distinct matrix
     size (the joint matrices J of size K1 + K2 and the C of size K2; 8 sizes here, 27 separate calls when each
     cost factored A, S and C alone), and one triangular solve per group of costs of equal dimensions."""
-    sizes = {stats.low_dim + stats.high_dim for stats in step_statistics.values()} | {stats.high_dim for stats in step_statistics.values()}
+    sizes = {stats.low_dim + stats.high_dim for stats in step_statistics.values()} | {
+        stats.high_dim for stats in step_statistics.values()
+    }
     shapes = {(stats.low_dim, stats.high_dim) for stats in step_statistics.values()}
     assert len(step_statistics) == 9 and len(sizes) == 8 and len(shapes) == 7
     module = cifar_module()
     views = torch.rand(2, 9, 3, 32, 32)
-    with OperationCounts(torch.ops.aten.linalg_cholesky_ex) as factorisations, OperationCounts(torch.ops.aten.linalg_solve_triangular) as solves:
+    with (
+        OperationCounts(torch.ops.aten.linalg_cholesky_ex) as factorisations,
+        OperationCounts(torch.ops.aten.linalg_solve_triangular) as solves,
+    ):
         objective = module.objective(module.collect(views), check=False)
         objective.total.backward()
     objective.checks.raise_if_failed()
@@ -90,7 +112,13 @@ def test_costs_taken_together_equal_costs_taken_one_at_a_time(step_statistics, b
                 state = torch.cat(state)
             assert not bool(state.any())
             total = torch.stack(values).sum()
-            results.append((torch.stack(values).detach(), sum_gradients(statistics, total), [cost.joint_ema.clone() for cost in costs]))
+            results.append(
+                (
+                    torch.stack(values).detach(),
+                    sum_gradients(statistics, total),
+                    [cost.joint_ema.clone() for cost in costs],
+                )
+            )
     for (values, gradients, emas), (values_alone, gradients_alone, emas_alone) in zip(results[:2], results[2:]):
         torch.testing.assert_close(values, values_alone, rtol=1e-10, atol=0)
         for got, expected in zip(gradients, gradients_alone):
@@ -108,7 +136,9 @@ def test_the_cost_path_compiles_as_one_graph(step_statistics):
     for function in (objective_values, compiled):
         statistics = leaves(step_statistics)
         values, total, state, total_failed = function(statistics, costs, True, 1.0)
-        results.append((torch.stack(values).detach(), total.detach(), state, total_failed, sum_gradients(statistics, total)))
+        results.append(
+            (torch.stack(values).detach(), total.detach(), state, total_failed, sum_gradients(statistics, total))
+        )
     (values, total, state, total_failed, gradients), (c_values, c_total, c_state, c_total_failed, c_gradients) = results
     torch.testing.assert_close(c_values, values, rtol=1e-12, atol=0)
     torch.testing.assert_close(c_total, total, rtol=1e-12, atol=0)
@@ -133,7 +163,13 @@ def test_compile_costs_trains_like_the_eager_module(monkeypatch):
     for compile_costs in (False, True):
         torch.manual_seed(0)
         module = HFMCAModule(
-            torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()),
+            torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(),
+            ),
             projector=torch.nn.Linear(8, 8),
             external_head=GridExternalHead(8, 3, 3, 8, noise_channels=0),
             internal_costs=InternalCosts(["0", "2"], beta=0.5),

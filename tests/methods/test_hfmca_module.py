@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN
-from hfmca_lightning.diagnostics import HostReads
 
 
 def test_a_module_without_any_cost_is_rejected():
@@ -32,8 +32,15 @@ def test_cost_modules_are_named_like_their_logs():
 
 def _bn_free_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
-    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0), **kwargs)
+    backbone = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
+    )
+    return HFMCAModule(
+        backbone,
+        projector=torch.nn.Linear(4, 4),
+        external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0),
+        **kwargs,
+    )
 
 
 def test_per_view_and_concatenated_views_agree_without_batch_norm_in_the_backbone():
@@ -47,7 +54,11 @@ def test_per_view_and_concatenated_views_agree_without_batch_norm_in_the_backbon
 
 
 def test_per_view_batch_norm_sees_one_view_at_a_time():
-    module = HFMCAModule(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(3)), external_head=GridExternalHead(3, 1, 2, 4, noise_channels=0), views_through_backbone="per_view")
+    module = HFMCAModule(
+        torch.nn.Sequential(torch.nn.Flatten(), torch.nn.BatchNorm1d(3)),
+        external_head=GridExternalHead(3, 1, 2, 4, noise_channels=0),
+        views_through_backbone="per_view",
+    )
     seen = []
     module.backbone[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     module.encode_views(torch.rand(5, 2, 3, 1, 1))
@@ -77,7 +88,9 @@ def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_com
         module = _bn_free_module(internal_costs=InternalCosts(["0"]), compile_backbone=compile_backbone)
         objective = module.objective(module.collect(views))
         objective.total.backward()
-        results.append(({name: float(cost) for name, cost in objective.costs.items()}, module.backbone[0].weight.grad.clone()))
+        results.append(
+            ({name: float(cost) for name, cost in objective.costs.items()}, module.backbone[0].weight.grad.clone())
+        )
     (eager_costs, eager_grad), (compiled_costs, compiled_grad) = results
     assert list(compiled_costs) == ["external", "internal/0"]
     assert compiled_costs == pytest.approx(eager_costs, rel=1e-5)
@@ -97,8 +110,11 @@ def test_channels_last_backbone_with_internal_costs_gives_the_plain_costs_and_gr
     for channels_last in (False, True):
         torch.manual_seed(0)
         module = HFMCAModule(
-            CIFARResNet18(), projector=torch.nn.Linear(512, 16), external_head=GridExternalHead(16, 3, 3, 8, noise_channels=0),
-            internal_costs=InternalCosts(layers), channels_last=channels_last,
+            CIFARResNet18(),
+            projector=torch.nn.Linear(512, 16),
+            external_head=GridExternalHead(16, 3, 3, 8, noise_channels=0),
+            internal_costs=InternalCosts(layers),
+            channels_last=channels_last,
         ).train()
         objective = module.objective(module.collect(views))
         objective.total.backward()
@@ -120,15 +136,30 @@ def test_unknown_view_mode_is_rejected():
 
 def _bn_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
-    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
-    return HFMCAModule(backbone, projector=torch.nn.Linear(4, 4), external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0), **kwargs)
+    backbone = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+    )
+    return HFMCAModule(
+        backbone,
+        projector=torch.nn.Linear(4, 4),
+        external_head=GridExternalHead(4, 2, 2, 8, noise_channels=0),
+        **kwargs,
+    )
 
 
-def _gradients_and_running_stats(module: HFMCAModule, views: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def _gradients_and_running_stats(
+    module: HFMCAModule, views: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     module.train()
     module.objective(module.collect(views)).total.backward()
     norm = module.backbone[1]
-    return [p.grad.clone() for p in module.parameters()], norm.running_mean.clone() if isinstance(norm, torch.nn.BatchNorm2d) else None
+    return [p.grad.clone() for p in module.parameters()], norm.running_mean.clone() if isinstance(
+        norm, torch.nn.BatchNorm2d
+    ) else None
 
 
 def test_activation_checkpointing_gives_the_same_gradients_and_updates_batchnorm_once():
@@ -158,7 +189,12 @@ def test_internal_statistics_add_up_over_views_and_chunks():
     def module(**kwargs) -> HFMCAModule:
         torch.manual_seed(0)
         backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0)
-        return HFMCAModule(backbone, external_head=GridExternalHead(4, 2, 2, 6, noise_channels=0), internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]), **kwargs).eval()
+        return HFMCAModule(
+            backbone,
+            external_head=GridExternalHead(4, 2, 2, 6, noise_channels=0),
+            internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]),
+            **kwargs,
+        ).eval()
 
     views = torch.rand(2, 4, 3, 32, 32)
     with torch.no_grad():
@@ -173,7 +209,12 @@ def test_internal_statistics_add_up_over_views_and_chunks():
 
 def test_checkpointing_and_internal_costs_are_exclusive():
     with pytest.raises(ConfigurationError, match="checkpoint_backbone recomputes") as error:
-        HFMCAModule(SpectrumCNN(channels=4, hidden_dim=6), external_head=GridExternalHead(4, 3, 3, 6, noise_channels=0), internal_costs=InternalCosts(["blocks.L1"]), checkpoint_backbone=True)
+        HFMCAModule(
+            SpectrumCNN(channels=4, hidden_dim=6),
+            external_head=GridExternalHead(4, 3, 3, 6, noise_channels=0),
+            internal_costs=InternalCosts(["blocks.L1"]),
+            checkpoint_backbone=True,
+        )
     assert error.value.parameter == "checkpoint_backbone"
 
 

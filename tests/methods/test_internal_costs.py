@@ -10,7 +10,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses import WindowGeometry, cost_from_statistics
 from hfmca_lightning.methods import InternalCosts
 from hfmca_lightning.models import CIFARResNet18, SpectrumCNN
-from tests.reference import reference_cost, reference_group_moments, reference_unfold_windows
+from tests.helpers import reference_cost, reference_group_moments, reference_unfold_windows
 
 
 def window_mean_backbone() -> nn.Sequential:
@@ -42,7 +42,10 @@ def test_window_mean_blocks_match_the_hand_computed_statistics():
     internal.attach(backbone)
     geometries = {pair.module_path: pair.geometry for pair in internal.pairs}
     assert [geometries[n] for n in names] == [
-        WindowGeometry(1, 1, 0), WindowGeometry(3, 1, 1), WindowGeometry(7, 2, 3), WindowGeometry(4, 4, 0)
+        WindowGeometry(1, 1, 0),
+        WindowGeometry(3, 1, 1),
+        WindowGeometry(7, 2, 3),
+        WindowGeometry(4, 4, 0),
     ]
     captured = {name: _capture_io(module) for name, module in backbone.named_children()}
     torch.manual_seed(0)
@@ -51,7 +54,9 @@ def test_window_mean_blocks_match_the_hand_computed_statistics():
     statistics = {pair.module_path: recording.statistics[pair.cost_name] for pair in internal.pairs}
     for name in names:
         geometry = geometries[name]
-        members, highs = reference_unfold_windows(captured[name]["low"], captured[name]["high"], geometry.kernel, geometry.stride, geometry.padding)
+        members, highs = reference_unfold_windows(
+            captured[name]["low"], captured[name]["high"], geometry.kernel, geometry.stride, geometry.padding
+        )
         # The block output really is its window mean...
         torch.testing.assert_close(members.mean(dim=1), highs)
         r1, r2, cross = reference_group_moments(members, highs)
@@ -77,7 +82,9 @@ def test_resnet_stride2_block_statistics_match_unfolded_windows():
     with internal.record() as recording:
         backbone(torch.rand(2, 3, 16, 16))
     members, highs = reference_unfold_windows(seen["low"], seen["high"], 7, 2, 3)
-    for value, expected in zip(recording.statistics["internal/layer2.0"].detach().means(), reference_group_moments(members, highs)):
+    for value, expected in zip(
+        recording.statistics["internal/layer2.0"].detach().means(), reference_group_moments(members, highs)
+    ):
         np.testing.assert_allclose(value.numpy(), expected, rtol=1e-9, atol=1e-9)
 
 
@@ -102,7 +109,9 @@ def test_hooks_are_idle_outside_record():
 
 
 def test_unknown_layer_and_layers_without_geometry_are_configuration_errors():
-    with pytest.raises(ConfigurationError, match=r"'net.layer9' is not a module of the backbone CIFARResNet18.*net.layer1"):
+    with pytest.raises(
+        ConfigurationError, match=r"'net.layer9' is not a module of the backbone CIFARResNet18.*net.layer1"
+    ):
         InternalCosts(["net.layer9"]).attach(CIFARResNet18())
     backbone = nn.Sequential(OrderedDict(pool=nn.AdaptiveAvgPool2d(1)))
     with pytest.raises(ConfigurationError, match="internal cost layer 'pool'.*cannot derive the window geometry"):
@@ -137,7 +146,10 @@ def test_resnet18_internal_costs_never_allocate_the_unfolded_windows():
     tracker = LargestTensor()
     with tracker, internal.record() as recording:
         features = backbone(images)
-        costs = {pair.cost_name: pair.cost.forward_statistics(recording.statistics[pair.cost_name]) for pair in internal.pairs}
+        costs = {
+            pair.cost_name: pair.cost.forward_statistics(recording.statistics[pair.cost_name])
+            for pair in internal.pairs
+        }
         (sum(costs.values()) + features.sum() * 0).backward()
     assert len(costs) == 8 and all(torch.isfinite(c) for c in costs.values())
     assert tracker.largest <= 2 * largest_activation < unfolded / 10

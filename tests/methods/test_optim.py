@@ -9,17 +9,22 @@ from lightly.utils.lars import LARS
 from lightly.utils.scheduler import cosine_warmup_schedule
 from lightning.pytorch import Callback, Trainer
 
+from hfmca_lightning.cli.trainer_cli import HFMCACLI
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.methods.optim import parameter_groups
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
-from hfmca_lightning.trainer_cli import HFMCACLI
-from tests.cli_helpers import DEMO, tiny_overrides
+from tests.helpers import DEMO, tiny_overrides
 
 
 def small_module(**kwargs) -> HFMCAModule:
     torch.manual_seed(0)
-    return HFMCAModule(SmallConvNet(width=4, num_stages=2), ViewProjector(8, 6, 8), GridExternalHead(6, 2, 2, 8, noise_channels=0), **kwargs)
+    return HFMCAModule(
+        SmallConvNet(width=4, num_stages=2),
+        ViewProjector(8, 6, 8),
+        GridExternalHead(6, 2, 2, 8, noise_channels=0),
+        **kwargs,
+    )
 
 
 def test_bias_and_norm_parameters_can_be_exempt_from_weight_decay():
@@ -28,11 +33,17 @@ def test_bias_and_norm_parameters_can_be_exempt_from_weight_decay():
     assert exempt["weight_decay"] == 0.0
     names = {id(p): n for n, p in module.named_parameters()}
     assert {names[id(p)] for p in exempt["params"]} == {n for n, p in module.named_parameters() if p.ndim <= 1}
-    assert all(p.ndim > 1 for p in weights["params"]) and len(weights["params"]) + len(exempt["params"]) == len(list(module.parameters()))
-    assert any(".bias" in names[id(p)] for p in exempt["params"]) and any("1.weight" in names[id(p)] for p in exempt["params"])  # BN weight
+    assert all(p.ndim > 1 for p in weights["params"]) and len(weights["params"]) + len(exempt["params"]) == len(
+        list(module.parameters())
+    )
+    assert any(".bias" in names[id(p)] for p in exempt["params"]) and any(
+        "1.weight" in names[id(p)] for p in exempt["params"]
+    )  # BN weight
 
 
-def reference_lars_step(parameter: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float, eta: float, eps: float = 1e-8) -> torch.Tensor:
+def reference_lars_step(
+    parameter: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float, eta: float, eps: float = 1e-8
+) -> torch.Tensor:
     """One momentum-free LARS step (You et al. 2017, eq. 6, as lightly documents it): parameters with weight
     decay get the trust ratio eta * |w| / (|g| + wd |w|); parameters without weight decay plain SGD."""
     if weight_decay == 0:
@@ -42,11 +53,18 @@ def reference_lars_step(parameter: torch.Tensor, grad: torch.Tensor, lr: float, 
 
 
 def test_lars_from_yaml_scales_weights_and_leaves_biases_and_norms_to_sgd(tmp_path):
-    optimizer = {"class_path": "lightly.utils.lars.LARS", "init_args": {"lr": 0.3, "weight_decay": 1e-4, "trust_coefficient": 0.001}}
-    overrides = tiny_overrides(tmp_path, **{"model.init_args.optimizer": optimizer, "model.init_args.weight_decay_on_bias_and_norm": False})
+    optimizer = {
+        "class_path": "lightly.utils.lars.LARS",
+        "init_args": {"lr": 0.3, "weight_decay": 1e-4, "trust_coefficient": 0.001},
+    }
+    overrides = tiny_overrides(
+        tmp_path, **{"model.init_args.optimizer": optimizer, "model.init_args.weight_decay_on_bias_and_norm": False}
+    )
     cli = HFMCACLI(args=["--config", str(DEMO), "--config", str(overrides)], run=False)
     module = cli.model
-    module.trainer = Trainer(max_epochs=1, logger=False, enable_checkpointing=False)  # configure_optimizers reads max_epochs
+    module.trainer = Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False
+    )  # configure_optimizers reads max_epochs
     built = module.configure_optimizers()["optimizer"]
     assert isinstance(built, LARS) and [group["weight_decay"] for group in built.param_groups] == [1e-4, 0.0]
     torch.manual_seed(1)
@@ -62,14 +80,27 @@ def test_lars_from_yaml_scales_weights_and_leaves_biases_and_norms_to_sgd(tmp_pa
 
 def test_warmup_then_cosine_follows_lightlys_schedule_step_by_step():
     module = small_module(warmup_epochs=1.0, optimizer=lambda params: torch.optim.SGD(params, lr=0.2))
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16), num_views=4, batch_size=4, num_workers=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
+        num_views=4,
+        batch_size=4,
+        num_workers=0,
+    )
     seen = []
 
     class Record(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    trainer = Trainer(max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Record()])
+    trainer = Trainer(
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Record()],
+    )
     trainer.fit(module, data)
     steps_per_epoch = 6  # 24 images, batch 4
     total = 3 * steps_per_epoch
@@ -77,7 +108,9 @@ def test_warmup_then_cosine_follows_lightlys_schedule_step_by_step():
     assert len(seen) == total
     assert seen == pytest.approx(expected, rel=1e-9, abs=1e-12)
     warmup, decay = seen[:steps_per_epoch], seen[steps_per_epoch - 1 :]
-    assert warmup == pytest.approx([0.2 * (step + 1) / steps_per_epoch for step in range(steps_per_epoch)])  # linear, to the base lr
+    assert warmup == pytest.approx(
+        [0.2 * (step + 1) / steps_per_epoch for step in range(steps_per_epoch)]
+    )  # linear, to the base lr
     assert decay == sorted(decay, reverse=True) and decay[-1] < 0.2 * 0.05  # then a cosine towards 0
 
 
@@ -85,7 +118,14 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
     from hfmca_lightning.errors import ConfigurationError
 
     module = small_module(warmup_epochs=5.0)
-    data = MultiViewDataModule(SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16), num_views=4, batch_size=4, num_workers=0)
-    trainer = Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
+        num_views=4,
+        batch_size=4,
+        num_workers=0,
+    )
+    trainer = Trainer(
+        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0
+    )
     with pytest.raises(ConfigurationError, match="warmup_epochs=5.0 is 30 steps, longer than the whole run"):
         trainer.fit(module, data)

@@ -5,7 +5,15 @@ from torch import nn
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses import WindowGeometry
 from hfmca_lightning.methods import InternalCosts
-from hfmca_lightning.models import CIFARResNet18, GridExternalHead, NoiseChannels, SmallConvNet, TimmBackbone, TorchvisionBackbone, ViewProjector
+from hfmca_lightning.models import (
+    CIFARResNet18,
+    GridExternalHead,
+    NoiseChannels,
+    SmallConvNet,
+    TimmBackbone,
+    TorchvisionBackbone,
+    ViewProjector,
+)
 
 
 def test_cifar_resnet18_has_the_cifar_stem():
@@ -15,7 +23,9 @@ def test_cifar_resnet18_has_the_cifar_stem():
     assert isinstance(backbone.net.maxpool, nn.Identity) and isinstance(backbone.net.fc, nn.Identity)
     assert backbone(torch.rand(2, 3, 32, 32)).shape == (2, 512)
     # No downsampling before layer2: layer1 keeps the 32x32 resolution.
-    trunk = nn.Sequential(backbone.net.conv1, backbone.net.bn1, backbone.net.relu, backbone.net.maxpool, backbone.net.layer1)
+    trunk = nn.Sequential(
+        backbone.net.conv1, backbone.net.bn1, backbone.net.relu, backbone.net.maxpool, backbone.net.layer1
+    )
     assert trunk(torch.rand(1, 3, 32, 32)).shape == (1, 64, 32, 32)
 
 
@@ -57,11 +67,22 @@ def test_noise_channels_append_uniform_noise():
     assert NoiseChannels(0)(x) is x
 
 
-@pytest.mark.parametrize(("name", "feature_dim"), [("resnet50", 2048), ("wide_resnet50_2", 2048), ("convnext_tiny", 768), ("mobilenet_v3_small", 1024), ("vit_b_16", 768)])
+@pytest.mark.parametrize(
+    ("name", "feature_dim"),
+    [
+        ("resnet50", 2048),
+        ("wide_resnet50_2", 2048),
+        ("convnext_tiny", 768),
+        ("mobilenet_v3_small", 1024),
+        ("vit_b_16", 768),
+    ],
+)
 def test_any_torchvision_classifier_by_name_without_its_classifier(name, feature_dim):
     backbone = TorchvisionBackbone(name).eval()
     assert backbone.feature_dim == feature_dim
-    assert not [m for m in backbone.modules() if isinstance(m, nn.Linear) and m.out_features == 1000], "the 1000-way classifier is gone"
+    assert not [m for m in backbone.modules() if isinstance(m, nn.Linear) and m.out_features == 1000], (
+        "the 1000-way classifier is gone"
+    )
     with torch.no_grad():
         assert backbone(torch.rand(1, 3, 224, 224)).shape == (1, feature_dim)
 
@@ -77,10 +98,15 @@ def test_cifar_resnet18_is_the_torchvision_resnet18_with_the_cifar_stem():
 
 
 def test_backbone_names_and_stems_are_checked():
-    with pytest.raises(ConfigurationError, match="'resnet5' is not a torchvision classification model; did you mean resnet50") as error:
+    with pytest.raises(
+        ConfigurationError, match="'resnet5' is not a torchvision classification model; did you mean resnet50"
+    ) as error:
         TorchvisionBackbone("resnet5")
     assert error.value.parameter == "name"
-    with pytest.raises(ConfigurationError, match="cifar_stem replaces conv1 and the max-pool of ResNet-family models; convnext_tiny has none"):
+    with pytest.raises(
+        ConfigurationError,
+        match="cifar_stem replaces conv1 and the max-pool of ResNet-family models; convnext_tiny has none",
+    ):
         TorchvisionBackbone("convnext_tiny", cifar_stem=True)
 
 
@@ -88,7 +114,10 @@ def test_timm_vit_is_a_backbone_and_refuses_internal_costs_clearly():
     pytest.importorskip("timm")
     vit = TimmBackbone("vit_tiny_patch16_224", model_kwargs={"img_size": 32, "patch_size": 8})
     assert vit.feature_dim == 192 and vit(torch.rand(2, 3, 32, 32)).shape == (2, 192)
-    with pytest.raises(ConfigurationError, match="transformer blocks .* have no window geometry: train such backbones with the external cost only"):
+    with pytest.raises(
+        ConfigurationError,
+        match="transformer blocks .* have no window geometry: train such backbones with the external cost only",
+    ):
         InternalCosts(["net.blocks.0"]).attach(vit)
     with pytest.raises(ConfigurationError, match="is not a timm model; did you mean"):
         TimmBackbone("vit_tiny_patch16_22")
@@ -99,7 +128,11 @@ def test_internal_costs_on_resnet50_bottlenecks():
     internal = InternalCosts(["net.layer1.0", "net.layer2.0", "net.layer3.1"])
     internal.attach(backbone)
     # torchvision's Bottleneck strides in its 3x3 conv: the window is that conv's.
-    assert [pair.geometry for pair in internal.pairs] == [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(3, 1, 1)]
+    assert [pair.geometry for pair in internal.pairs] == [
+        WindowGeometry(3, 1, 1),
+        WindowGeometry(3, 2, 1),
+        WindowGeometry(3, 1, 1),
+    ]
     with internal.record() as recording:
         backbone(torch.rand(2, 3, 64, 64))
     costs = [pair.cost.forward_statistics(recording.statistics[pair.cost_name]) for pair in internal.pairs]

@@ -8,25 +8,7 @@ import torch
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses import WindowGeometry, window_geometry
 from hfmca_lightning.models import SpectrumCNN
-from hfmca_lightning.models.layers import PaddingLayer
-
-
-def block_sizes(model: SpectrumCNN, image_size: int) -> dict[str, tuple[int, int, int]]:
-    """``{block: (input size, padded size, output size)}`` of one forward pass on square images."""
-    sizes: dict[str, list[int]] = {}
-    handles = []
-    for name, block in model.blocks.named_children():
-        if not name.startswith("L"):
-            continue
-        padding = next(module for module in block.modules() if isinstance(module, PaddingLayer))
-        handles.append(block.register_forward_hook(lambda _m, inputs, output, name=name: sizes.setdefault(name, []).extend([inputs[0].shape[-1], output.shape[-1]])))
-        handles.append(padding.register_forward_hook(lambda _m, _i, output, name=name: sizes.setdefault(name + "/padded", []).append(output.shape[-1])))
-    with torch.no_grad():
-        features = model.eval()(torch.rand(2, 3, image_size, image_size))
-    for handle in handles:
-        handle.remove()
-    assert features.shape == (2, model.feature_dim)
-    return {name: (sizes[name][0], sizes[name + "/padded"][0], sizes[name][1]) for name in sizes if "/" not in name}
+from tests.helpers import block_sizes
 
 
 def test_paper_layout_pads_every_block_and_pools_four_times():
@@ -47,7 +29,10 @@ def test_three_pools_layout_is_the_documented_option():
 
 
 def test_window_geometries_of_the_cost_blocks():
-    paper, three_pools = SpectrumCNN(channels=4, hidden_dim=6), SpectrumCNN(channels=4, hidden_dim=6, layout="three_pools")
+    paper, three_pools = (
+        SpectrumCNN(channels=4, hidden_dim=6),
+        SpectrumCNN(channels=4, hidden_dim=6, layout="three_pools"),
+    )
     for model in (paper, three_pools):
         for index in range(1, 9):
             assert window_geometry(model.get_submodule(f"blocks.L{index}")) == WindowGeometry(3, 1, 1)
@@ -58,11 +43,26 @@ def test_window_geometries_of_the_cost_blocks():
 
 
 def test_other_image_sizes_end_in_one_position():
-    assert block_sizes(SpectrumCNN(channels=4, hidden_dim=6, image_size=64), 64)["L9"] == (4, 6, 1)  # 66 -> 33 -> 16 -> 8 -> 4
-    assert block_sizes(SpectrumCNN(channels=4, hidden_dim=6, image_size=16), 16)["L9"] == (1, 3, 1)  # 18 -> 9 -> 4 -> 2 -> 1
+    assert block_sizes(SpectrumCNN(channels=4, hidden_dim=6, image_size=64), 64)["L9"] == (
+        4,
+        6,
+        1,
+    )  # 66 -> 33 -> 16 -> 8 -> 4
+    assert block_sizes(SpectrumCNN(channels=4, hidden_dim=6, image_size=16), 16)["L9"] == (
+        1,
+        3,
+        1,
+    )  # 18 -> 9 -> 4 -> 2 -> 1
 
 
-@pytest.mark.parametrize(("kwargs", "parameter"), [({"layout": "four_pools"}, "layout"), ({"image_size": 12}, "image_size"), ({"image_size": 20, "layout": "three_pools"}, "image_size")])
+@pytest.mark.parametrize(
+    ("kwargs", "parameter"),
+    [
+        ({"layout": "four_pools"}, "layout"),
+        ({"image_size": 12}, "image_size"),
+        ({"image_size": 20, "layout": "three_pools"}, "image_size"),
+    ],
+)
 def test_bad_layouts_are_configuration_errors(kwargs, parameter):
     with pytest.raises(ConfigurationError) as error:
         SpectrumCNN(**kwargs)
@@ -86,7 +86,9 @@ def test_the_layout_travels_with_the_weights():
 def test_weights_saved_before_layouts_existed_load_as_the_three_pool_network():
     torch.manual_seed(0)
     old = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0, layout="three_pools").eval()
-    state = {key: value for key, value in old.state_dict().items() if key != "_extra_state"}  # what earlier versions saved
+    state = {
+        key: value for key, value in old.state_dict().items() if key != "_extra_state"
+    }  # what earlier versions saved
     model = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0).eval()
     with pytest.warns(UserWarning, match="trained with layout 'three_pools'"):
         model.load_state_dict(state)  # strict: nothing missing
@@ -107,7 +109,10 @@ def test_internal_costs_follow_a_layout_taken_from_loaded_weights():
     with pytest.warns(UserWarning, match="three_pools"):
         configured.load_state_dict(trained.state_dict())
     images = torch.rand(3, 3, 32, 32)
-    got, expected = collect_for_analysis(configured, images).statistics, collect_for_analysis(trained, images).statistics
+    got, expected = (
+        collect_for_analysis(configured, images).statistics,
+        collect_for_analysis(trained, images).statistics,
+    )
     assert configured.internal_costs.pairs[-1].geometry == WindowGeometry(4, 4, 0)  # L9 without the padding ring
     for name in expected:
         torch.testing.assert_close(got[name].low_outer_sum, expected[name].low_outer_sum)

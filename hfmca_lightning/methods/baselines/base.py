@@ -26,7 +26,12 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
 
     min_views = 2
 
-    def __init__(self, backbone: nn.Module, optimizer: OptimizerCallable | None = None, lr_scheduler: LRSchedulerCallable | None = None) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "optimizer", "lr_scheduler"])
         self.backbone = backbone
@@ -37,13 +42,17 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     def feature_dim(self) -> int:
         dim = getattr(self.backbone, "feature_dim", None)
         if dim is None:
-            raise ConfigurationError(f"{type(self.backbone).__name__} has no feature_dim attribute; baselines need it to size their heads")
+            raise ConfigurationError(
+                f"{type(self.backbone).__name__} has no feature_dim attribute; baselines need it to size their heads"
+            )
         return int(dim)
 
     def setup(self, stage: str) -> None:
         num_views = getattr(getattr(self.trainer, "datamodule", None), "num_views", None)
         if num_views is not None and num_views < self.min_views:
-            raise ConfigurationError(f"{type(self).__name__} needs at least {self.min_views} views per image; data.num_views is {num_views}")
+            raise ConfigurationError(
+                f"{type(self).__name__} needs at least {self.min_views} views per image; data.num_views is {num_views}"
+            )
 
     def forward(self, images: Tensor) -> Tensor:
         return self.backbone(images)
@@ -73,7 +82,9 @@ class ProjectedPairBaseline(SSLBaseline):
     criterion: nn.Module
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
-        return self.criterion(self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1])))
+        return self.criterion(
+            self.projection_head(self.backbone(views[0])), self.projection_head(self.backbone(views[1]))
+        )
 
 
 class MomentumBaseline(SSLBaseline):
@@ -90,6 +101,8 @@ class MomentumBaseline(SSLBaseline):
 
     def update_momentum_copies(self, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
         """One EMA step of every ``(module, momentum copy)`` pair, at this step's scheduled momentum."""
-        momentum = cosine_schedule(self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0)
+        momentum = cosine_schedule(
+            self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0
+        )
         for module, copied in pairs:
             update_momentum(module, copied, m=momentum)

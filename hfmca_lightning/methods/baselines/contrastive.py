@@ -6,8 +6,8 @@ from lightly.loss import NTXentLoss
 from lightly.models.modules import MoCoProjectionHead, SimCLRProjectionHead
 from torch import Tensor, nn
 
-from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 from hfmca_lightning.methods.baselines.base import MomentumBaseline, ProjectedPairBaseline
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 
 __all__ = ["SimCLR", "MoCo"]
 
@@ -48,10 +48,14 @@ class MoCo(MomentumBaseline):
         self.key_backbone = self.momentum_copy(self.backbone)
         self.key_projection_head = self.momentum_copy(self.projection_head)
         self.momentum = momentum
-        self.criterion = NTXentLoss(temperature=temperature, memory_bank_size=(memory_bank_size, output_dim), gather_distributed=True)
+        self.criterion = NTXentLoss(
+            temperature=temperature, memory_bank_size=(memory_bank_size, output_dim), gather_distributed=True
+        )
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
-        self.update_momentum_copies([(self.backbone, self.key_backbone), (self.projection_head, self.key_projection_head)])
+        self.update_momentum_copies(
+            [(self.backbone, self.key_backbone), (self.projection_head, self.key_projection_head)]
+        )
         query = self.projection_head(self.backbone(views[0]))
         key = self.key_projection_head(self.key_backbone(views[1])).detach()
         return self.criterion(query, key)

@@ -86,7 +86,8 @@ class VICRegL(SSLBaseline):
             blocks = residual_blocks(backbone)
             if not blocks:
                 raise ConfigurationError(
-                    f"{type(backbone).__name__} has no residual blocks: name the module whose output map gives VICRegL's local features with local_layer",
+                    f"{type(backbone).__name__} has no residual blocks: name the module whose output map gives "
+                    "VICRegL's local features with local_layer",
                     parameter="local_layer",
                 )
             local_layer = blocks[-1]
@@ -94,14 +95,21 @@ class VICRegL(SSLBaseline):
             local_module = backbone.get_submodule(local_layer)
         except AttributeError:
             names = [name for name, _ in backbone.named_modules() if name][:12]
-            raise ConfigurationError(f"local_layer {local_layer!r} is not a module of the backbone; e.g. {names}", parameter="local_layer") from None
+            raise ConfigurationError(
+                f"local_layer {local_layer!r} is not a module of the backbone; e.g. {names}", parameter="local_layer"
+            ) from None
         channels = [module.out_channels for module in local_module.modules() if isinstance(module, nn.Conv2d)]
         if not channels:
-            raise ConfigurationError(f"local_layer {local_layer!r} has no convolution: its output is not a feature map", parameter="local_layer")
+            raise ConfigurationError(
+                f"local_layer {local_layer!r} has no convolution: its output is not a feature map",
+                parameter="local_layer",
+            )
         self.local_layer = local_layer
         self.projection_head = BarlowTwinsProjectionHead(self.feature_dim, hidden_dim, output_dim)
         self.local_projection_head = VicRegLLocalProjectionHead(channels[-1], local_hidden_dim, local_output_dim)
-        self.criterion = VICRegLLoss(alpha=alpha, num_matches=(int(num_matches[0]), int(num_matches[1])), gather_distributed=True)
+        self.criterion = VICRegLLoss(
+            alpha=alpha, num_matches=(int(num_matches[0]), int(num_matches[1])), gather_distributed=True
+        )
         self._local_map: Tensor | None = None
         local_module.register_forward_hook(self._keep_local_map)
 
@@ -114,13 +122,17 @@ class VICRegL(SSLBaseline):
         grids = getattr(getattr(self.trainer, "datamodule", None), "view_grids", None)
         if stage == "fit" and grids is not None and grids < 1:
             raise ConfigurationError(
-                "VICRegL matches local features by their positions in the image: set data.init_args.view_grids to the side "
-                f"of the output map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)", parameter="view_grids",
+                "VICRegL matches local features by their positions in the image: set data.init_args.view_grids to "
+                "the side "
+                f"of the output map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)",
+                parameter="view_grids",
             )
         if stage == "fit" and grids and max(self.criterion.num_matches) > grids**2:
             raise ConfigurationError(
-                f"num_matches {tuple(self.criterion.num_matches)} keeps more matches than the {grids}x{grids} local map has "
-                f"positions ({grids**2}); lower model.init_args.num_matches (lightly's (20, 4) is for 7x7 maps)", parameter="num_matches",
+                f"num_matches {tuple(self.criterion.num_matches)} keeps more matches than the {grids}x{grids} local "
+                "map has "
+                f"positions ({grids**2}); lower model.init_args.num_matches (lightly's (20, 4) is for 7x7 maps)",
+                parameter="num_matches",
             )
 
     def embed_views(self, view: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,15 +143,19 @@ class VICRegL(SSLBaseline):
         self._local_map = None
         return self.projection_head(features), self.local_projection_head(local.permute(0, 2, 3, 1))
 
-    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]  # batches carry crop grids
         if len(batch) != 3:
-            raise ConfigurationError("VICRegL needs batches (views, target, grids): set data.init_args.view_grids", parameter="view_grids")
+            raise ConfigurationError(
+                "VICRegL needs batches (views, target, grids): set data.init_args.view_grids", parameter="view_grids"
+            )
         views, _, grids = batch
         features = [self.embed_views(view) for view in views.unbind(dim=1)]
         if features[0][1].shape[1:3] != grids.shape[2:4]:
             raise ConfigurationError(
-                f"the local feature map of {self.local_layer} is {tuple(features[0][1].shape[1:3])} but the data's grids are "
-                f"{tuple(grids.shape[2:4])}: set data.init_args.view_grids to {features[0][1].shape[1]}", parameter="view_grids",
+                f"the local feature map of {self.local_layer} is {tuple(features[0][1].shape[1:3])} but the data's "
+                "grids are "
+                f"{tuple(grids.shape[2:4])}: set data.init_args.view_grids to {features[0][1].shape[1]}",
+                parameter="view_grids",
             )
         loss = self.criterion(global_view_features=features, global_view_grids=list(grids.unbind(dim=1)))
         self.log("train/loss", loss)

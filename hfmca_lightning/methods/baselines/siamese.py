@@ -7,8 +7,8 @@ from lightly.loss import NegativeCosineSimilarity
 from lightly.models.modules import BYOLPredictionHead, BYOLProjectionHead, SimSiamPredictionHead, SimSiamProjectionHead
 from torch import Tensor, nn
 
-from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 from hfmca_lightning.methods.baselines.base import MomentumBaseline, SSLBaseline
+from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 
 __all__ = ["BYOL", "SimSiam", "FastSiam"]
 
@@ -34,7 +34,9 @@ class BYOL(MomentumBaseline):
         self.criterion = NegativeCosineSimilarity()
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
-        self.update_momentum_copies([(self.backbone, self.momentum_backbone), (self.projection_head, self.momentum_projection_head)])
+        self.update_momentum_copies(
+            [(self.backbone, self.momentum_backbone), (self.projection_head, self.momentum_projection_head)]
+        )
         online = [self.prediction_head(self.projection_head(self.backbone(v))) for v in views[:2]]
         with torch.no_grad():
             target = [self.momentum_projection_head(self.momentum_backbone(v)) for v in views[:2]]

@@ -1,0 +1,288 @@
+"""``hfmca linear`` and ``hfmca knn``: offline evaluation of any checkpoint of the package.
+
+    hfmca linear --ckpt_path runs/cifar10_ss/checkpoints/last.ckpt                      # frozen features
+    hfmca linear --ckpt_path ... --label_fraction 0.01                                  # 1 % of the labels
+    hfmca linear --ckpt_path ... --finetune --epochs 30                                 # full fine-tuning
+    hfmca knn --ckpt_path ... --k 20 200 --temperature 0.07 0.1                         # a grid
+
+Both use the run's DataModule evaluation splits (the labelled train split and the test split, without
+augmentation, exactly what :class:`~hfmca_lightning.callbacks.KNNEvaluation` uses) and write a JSON file
+and a Markdown table to ``--out`` (default: ``<run dir>/evaluation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+
+from hfmca_lightning.cli.runs import backbone_of, load_run
+from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation import (
+    class_balanced_subset,
+    extract_features,
+    knn_grid,
+    topk_accuracies,
+    train_linear_classifier,
+)
+
+__all__ = ["split_features", "frozen_linear_accuracy", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_out(ckpt_path: str | Path) -> Path:
+    """``<run dir>/evaluation`` for ``<run dir>/checkpoints/<name>.ckpt``."""
+    return Path(ckpt_path).resolve().parent.parent / "evaluation"
+
+
+def split_features(
+    module: LightningModule, datamodule: MultiViewDataModule, device: str
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Features and targets of the ``BANK`` (labelled train) and ``QUERIES`` (test) splits, un-augmented."""
+    datamodule.labelled_splits()  # one clear error when the source has no labels
+    module.to(device)
+    loaders = datamodule.val_dataloader()
+    return {index: extract_features(module, loaders[index], device) for index in (BANK, QUERIES)}
+
+
+def frozen_linear_accuracy(
+    module: LightningModule,
+    datamodule: MultiViewDataModule,
+    subset: torch.Tensor | None = None,
+    *,
+    epochs: int = 100,
+    batch_size: int = 256,
+    lr: float = 0.1,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict[int, float]:
+    """Top-1 / top-5 on the test split of a linear classifier trained on the frozen features of the labelled
+    training split (its rows ``subset`` when given), features computed once."""
+    features = split_features(module, datamodule, device)
+    train_features, train_labels = features[BANK]
+    if subset is not None:
+        train_features, train_labels = train_features[subset], train_labels[subset]
+    classifier = train_linear_classifier(
+        train_features.to(device),
+        train_labels.to(device),
+        datamodule.num_classes,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+    )
+    test_features, test_labels = features[QUERIES]
+    return topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, datamodule.num_classes)
+
+
+def _write(out: Path, name: str, result: dict[str, Any], table: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(table)
+    return out / f"{name}.json"
+
+
+def linear_evaluation(
+    ckpt_path: str | Path,
+    out: str | Path | None = None,
+    *,
+    epochs: int = 100,
+    batch_size: int = 256,
+    lr: float = 0.1,
+    label_fraction: float = 1.0,
+    finetune: bool = False,
+    seed: int = 0,
+    device: str | None = None,
+    config_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Top-1 / top-5 on the test split of a linear classifier on the frozen backbone's features (computed
+    once), or with ``finetune`` of the whole backbone + linear layer; trained on ``label_fraction`` of the
+    labelled training split (class-balanced). Writes ``linear.json`` / ``linear.md`` (``finetune.*``)."""
+    device = device or default_device()
+    module, datamodule = load_run(ckpt_path, config_path)
+    train_split, test_split = datamodule.labelled_splits()
+    train_targets = torch.as_tensor(train_split.targets)
+    subset = class_balanced_subset(train_targets, label_fraction, seed)
+    seed_everything(seed, verbose=False)
+    if finetune:
+        top = _finetune(module, datamodule, subset, epochs=epochs, lr=lr, seed=seed, device=device)
+    else:
+        top = frozen_linear_accuracy(
+            module, datamodule, subset, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device
+        )
+    protocol = "finetune" if finetune else "linear"
+    result = {
+        "checkpoint": str(ckpt_path),
+        "method": type(module).__name__,
+        "protocol": "full fine-tuning" if finetune else "linear classifier on frozen features",
+        "label_fraction": label_fraction,
+        "train_samples": len(subset),
+        "test_samples": len(test_split),
+        "epochs": epochs,
+        "lr": lr,
+        "seed": seed,
+        "top1": top[1],
+        "top5": top[5],
+    }
+    table = (
+        "| checkpoint | method | protocol | labels | top-1 | top-5 |\n| --- | --- | --- | ---: | ---: | ---: |\n"
+        f"| {ckpt_path} | {result['method']} | {result['protocol']} | {label_fraction:.0%} | {100 * top[1]:.2f} | "
+        f"{100 * top[5]:.2f} |\n"
+    )
+    _write(Path(out) if out else default_out(ckpt_path), protocol, result, table)
+    return result
+
+
+def _finetune(
+    module: LightningModule,
+    datamodule: MultiViewDataModule,
+    subset: torch.Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    seed: int,
+    device: str,
+) -> dict[int, float]:
+    from hfmca_lightning.methods.classifier import FineTunedClassifier
+
+    backbone = backbone_of(module)
+    feature_dim = getattr(backbone, "feature_dim", None)
+    if feature_dim is None:
+        raise ConfigurationError(
+            f"{type(backbone).__name__} has no feature_dim attribute; fine-tuning needs it to size the linear layer"
+        )
+    classifier = FineTunedClassifier(
+        backbone.train(), int(feature_dim), datamodule.num_classes, lr=lr, batch_size=datamodule.batch_size
+    )
+    trainer = Trainer(
+        max_epochs=epochs,
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    queries = datamodule.val_dataloader()[QUERIES]
+    trainer.fit(
+        classifier, train_dataloaders=datamodule.finetune_dataloader(subset.tolist(), seed), val_dataloaders=queries
+    )
+    metrics = trainer.validate(classifier, dataloaders=queries, verbose=False)[0]
+    return {1: float(metrics["finetune/top1"]), 5: float(metrics["finetune/top5"])}
+
+
+def knn_evaluation(
+    ckpt_path: str | Path,
+    out: str | Path | None = None,
+    *,
+    ks: list[int] | tuple[int, ...] = (20, 200),
+    temperatures: list[float] | tuple[float, ...] = (0.07, 0.1),
+    device: str | None = None,
+    config_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """kNN top-1 on the test split for every ``(k, temperature)``, features computed once. Writes
+    ``knn.json`` and ``knn.md`` (rows: k, columns: temperature)."""
+    if any(k < 1 for k in ks) or any(t <= 0 for t in temperatures):
+        raise ConfigurationError(
+            f"--k values must be >= 1 and --temperature values > 0; got {list(ks)} and {list(temperatures)}"
+        )
+    module, datamodule = load_run(ckpt_path, config_path)
+    features = split_features(module, datamodule, device or default_device())
+    (bank, bank_targets), (queries, query_targets) = features[BANK], features[QUERIES]
+    rows = knn_grid(queries, query_targets, bank, bank_targets, datamodule.num_classes, ks, temperatures)
+    result = {
+        "checkpoint": str(ckpt_path),
+        "method": type(module).__name__,
+        "bank": len(bank),
+        "queries": len(queries),
+        "results": rows,
+    }
+    header = (
+        "| k | " + " | ".join(f"t = {t:g}" for t in temperatures) + " |\n|---:|" + "---:|" * len(temperatures) + "\n"
+    )
+    lines = [f"| {k} | " + " | ".join(f"{100 * row['top1']:.2f}" for row in rows if row["k"] == k) + " |" for k in ks]
+    table = (
+        f"kNN top-1 (%) of {ckpt_path} ({result['method']}), {len(bank)} bank / {len(queries)} test images\n\n{header}"
+        + "\n".join(lines)
+        + "\n"
+    )
+    _write(Path(out) if out else default_out(ckpt_path), "knn", result, table)
+    return result
+
+
+def run_evaluation_command(argv: list[str]) -> None:
+    """Parse and run ``linear ...`` or ``knn ...``."""
+    parser = argparse.ArgumentParser(prog="hfmca", description="Offline evaluation of trained checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    linear = commands.add_parser(
+        "linear", help="linear classifier on frozen features, or --finetune; top-1/top-5 on the test split"
+    )
+    knn = commands.add_parser("knn", help="kNN top-1 on the test split over a grid of k and temperature")
+    for sub in (linear, knn):
+        sub.add_argument("--ckpt_path", required=True)
+        sub.add_argument("--out", default=None, help="output folder (default: <run dir>/evaluation)")
+        sub.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
+        sub.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    linear.add_argument(
+        "--finetune", action="store_true", help="train the whole backbone too (augmented training images)"
+    )
+    linear.add_argument(
+        "--label_fraction",
+        type=float,
+        default=1.0,
+        help="share of the labelled training images, class-balanced (0.01, 0.1)",
+    )
+    linear.add_argument("--epochs", type=int, default=100)
+    linear.add_argument(
+        "--batch_size", type=int, default=256, help="of the linear classifier on features (fine-tuning uses the run's)"
+    )
+    linear.add_argument(
+        "--lr", type=float, default=None, help="base learning rate at batch 256 (default 0.1 linear, 0.05 fine-tuning)"
+    )
+    linear.add_argument("--seed", type=int, default=0)
+    knn.add_argument("--k", type=int, nargs="+", default=[20, 200])
+    knn.add_argument("--temperature", type=float, nargs="+", default=[0.07, 0.1])
+    args = parser.parse_args(argv)
+    if args.command == "linear":
+        if not 0 < args.label_fraction <= 1:
+            raise ConfigurationError(f"--label_fraction must be in (0, 1]; got {args.label_fraction}")
+        if args.epochs < 1:
+            raise ConfigurationError(f"--epochs must be >= 1; got {args.epochs}")
+        lr = args.lr if args.lr is not None else (0.05 if args.finetune else 0.1)
+        result = linear_evaluation(
+            args.ckpt_path,
+            args.out,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=lr,
+            label_fraction=args.label_fraction,
+            finetune=args.finetune,
+            seed=args.seed,
+            device=args.device,
+            config_path=args.config,
+        )
+        print(
+            f"{result['protocol']}, {result['label_fraction']:.0%} of the labels: top-1 {100 * result['top1']:.2f} "
+            f"%, top-5 {100 * result['top5']:.2f} %"
+        )
+    else:
+        result = knn_evaluation(
+            args.ckpt_path,
+            args.out,
+            ks=args.k,
+            temperatures=args.temperature,
+            device=args.device,
+            config_path=args.config,
+        )
+        for row in result["results"]:
+            print(f"k={row['k']:<4d} t={row['temperature']:<5g} top-1 {100 * row['top1']:.2f} %")
+    print(f"wrote {Path(args.out) if args.out else default_out(args.ckpt_path)}")

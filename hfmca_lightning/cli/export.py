@@ -1,0 +1,190 @@
+"""``hfmca export``: a trained backbone as plain weights that load without this package.
+
+    hfmca export --ckpt_path runs/cifar10_ss/checkpoints/last.ckpt --out exported/cifar10_ss
+    hfmca export --ckpt_path ... --out ... --embeddings train test     # + features and labels (npz)
+
+Writes ``backbone.pt`` (a ``state_dict``: tensors and plain extra state such as SpectrumCNN's layout;
+``torch.load(..., weights_only=True)``), ``backbone.json`` (library, architecture, stem, feature dimension, input
+normalisation, how to load it) and, with ``--embeddings``, ``embeddings_<split>.npz`` (``features (N, D)`` float32,
+``labels (N,)``).
+
+torchvision backbones (``CIFARResNet18``, ``TorchvisionBackbone``) load into the stock torchvision model
+with its classifier replaced by ``nn.Identity()`` (and, for the CIFAR stem, a 3x3 stride-1 ``conv1`` and
+no max-pool); timm backbones into ``timm.create_model(name, num_classes=0)``; the package's own small
+backbones (``SmallConvNet``, ``SpectrumCNN``) into their class with the ``init_args`` in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hfmca_lightning.cli.runs import backbone_of, load_run, run_config
+from hfmca_lightning.data.datamodule import BANK, QUERIES
+from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation import extract_features
+from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
+
+__all__ = ["export_backbone", "backbone_description", "run_export_command"]
+
+TORCHVISION_LOAD = """import torch, torchvision
+from torch import nn
+net = torchvision.models.{architecture}()
+{stem}net.{classifier} = nn.Identity()
+net.load_state_dict(torch.load("backbone.pt", weights_only=True))
+net.eval()  # net(images) -> (N, {feature_dim}) features of images normalised with mean/std below
+"""
+CIFAR_STEM = (
+    "net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)\n"
+    "net.maxpool = nn.Identity()\n"
+)
+TIMM_LOAD = """import timm, torch
+net = timm.create_model("{architecture}", num_classes=0{kwargs})
+net.load_state_dict(torch.load("backbone.pt", weights_only=True))
+net.eval()  # net(images) -> (N, {feature_dim}) features
+"""
+PACKAGE_LOAD = """import torch
+from {module} import {name}
+net = {name}(**{init_args!r})
+net.load_state_dict(torch.load("backbone.pt", weights_only=True))
+net.eval()  # net(images) -> (N, {feature_dim}) features
+"""
+
+
+def _python_path(module_path: str) -> str:
+    """``classifier.2`` -> ``classifier[2]`` (Sequential entries are indexed, not attributes)."""
+    return "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in module_path.split(".")).lstrip(".")
+
+
+def backbone_description(
+    backbone: nn.Module, backbone_config: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What ``backbone.json`` says about ``backbone`` and the ``state_dict`` to save (keys as the library's model has
+    them)."""
+    feature_dim = int(getattr(backbone, "feature_dim", 0)) or None
+    state = {
+        key: value.detach().cpu().contiguous() if isinstance(value, torch.Tensor) else value
+        for key, value in backbone.state_dict().items()
+    }
+    architecture = getattr(backbone, "architecture", None)
+    if architecture is not None and hasattr(backbone, "cifar_stem"):  # TorchvisionBackbone / CIFARResNet18
+        state = {key.removeprefix("net."): value for key, value in state.items()}
+        stem = "cifar" if backbone.cifar_stem else "standard"
+        classifier = _python_path(backbone.classifier_path)
+        load = TORCHVISION_LOAD.format(
+            architecture=architecture,
+            stem=CIFAR_STEM if backbone.cifar_stem else "",
+            classifier=classifier,
+            feature_dim=feature_dim,
+        )
+        return {
+            "library": "torchvision",
+            "architecture": architecture,
+            "stem": stem,
+            "classifier": f"{backbone.classifier_path} replaced by nn.Identity()",
+            "feature_dim": feature_dim,
+            "load": load,
+        }, state
+    if architecture is not None and hasattr(backbone, "model_kwargs"):  # TimmBackbone
+        state = {key.removeprefix("net."): value for key, value in state.items()}
+        kwargs = "".join(f", {key}={value!r}" for key, value in backbone.model_kwargs.items())
+        load = TIMM_LOAD.format(architecture=architecture, kwargs=kwargs, feature_dim=feature_dim)
+        return {
+            "library": "timm",
+            "architecture": architecture,
+            "model_kwargs": backbone.model_kwargs,
+            "stem": "standard",
+            "feature_dim": feature_dim,
+            "load": load,
+        }, state
+    module_name, class_name = type(backbone).__module__, type(backbone).__name__
+    init_args = dict((backbone_config or {}).get("init_args") or {})
+    load = PACKAGE_LOAD.format(module=module_name, name=class_name, init_args=init_args, feature_dim=feature_dim)
+    description = {
+        "library": "hfmca_lightning",
+        "architecture": f"{module_name}.{class_name}",
+        "init_args": init_args,
+        "stem": "n/a",
+        "feature_dim": feature_dim,
+        "load": load,
+    }
+    return description, state
+
+
+def export_backbone(
+    ckpt_path: str | Path,
+    out: str | Path,
+    *,
+    embeddings: list[str] | None = None,
+    device: str = "cpu",
+    config_path: str | Path | None = None,
+) -> Path:
+    """Write ``backbone.pt``, ``backbone.json`` and, for each split in ``embeddings`` (``train``: the labelled
+    training split; ``test``), ``embeddings_<split>.npz``. Returns the JSON's path."""
+    ckpt_path, out = Path(ckpt_path), Path(out)
+    checkpoint = read_checkpoint(ckpt_path)
+    module, datamodule = load_run(ckpt_path, config_path, checkpoint=checkpoint)
+    backbone = backbone_of(module)
+    backbone_config = ((run_config(ckpt_path, checkpoint, config_path).get("model") or {}).get("init_args") or {}).get(
+        "backbone"
+    )
+    description, state = backbone_description(backbone, backbone_config)
+    source = datamodule.source
+    description.update(
+        normalisation={
+            "mean": list(source.mean),
+            "std": list(source.std),
+            "pixel_range": "[0, 1] before normalisation",
+        },
+        image_size=source.image_size,
+        eval_resize=getattr(source, "eval_resize", None) or source.image_size,
+        method=type(module).__name__,
+        checkpoint=str(ckpt_path),
+        epoch=checkpoint.get("epoch"),
+        global_step=checkpoint.get("global_step"),
+        torch_version=torch.__version__,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / "backbone.pt")
+    (out / "backbone.json").write_text(json.dumps(description, indent=1))
+    if embeddings:
+        loaders = datamodule.val_dataloader()
+        if not loaders:
+            raise ConfigurationError(
+                "the run's data has no labelled evaluation splits to embed; leave out --embeddings"
+            )
+        module.to(device)
+        for split in embeddings:
+            features, labels = extract_features(module, loaders[{"train": BANK, "test": QUERIES}[split]], device)
+            np.savez(out / f"embeddings_{split}.npz", features=features.numpy(), labels=labels.numpy())
+    return out / "backbone.json"
+
+
+def run_export_command(argv: list[str]) -> None:
+    """Parse and run ``export ...``."""
+    parser = argparse.ArgumentParser(
+        prog="hfmca export", description="A trained backbone as plain weights (torchvision / timm / state_dict)."
+    )
+    parser.add_argument("--ckpt_path", required=True)
+    parser.add_argument(
+        "--out", required=True, help="output folder (backbone.pt, backbone.json, embeddings_<split>.npz)"
+    )
+    parser.add_argument(
+        "--embeddings",
+        nargs="*",
+        choices=["train", "test"],
+        default=None,
+        help="also write features and labels of these splits (no value: both)",
+    )
+    parser.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    splits = ["train", "test"] if args.embeddings == [] else args.embeddings
+    path = export_backbone(args.ckpt_path, args.out, embeddings=splits, device=args.device, config_path=args.config)
+    print(f"wrote {path.parent}")

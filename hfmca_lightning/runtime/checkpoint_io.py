@@ -1,0 +1,121 @@
+"""Checkpoint files that survive kills: atomic writes, and reads that fail in one clear line.
+
+:class:`AtomicCheckpointIO` is the checkpoint writer of every ``hfmca fit`` run. Lightning's own writer
+stages the file in the system temporary folder and moves it into place; when that folder is on another
+file system than the checkpoints (``/tmp`` on a local disk or tmpfs, checkpoints on NFS or Lustre: the
+usual cluster layout) the move is a copy, and a kill during the copy leaves a truncated ``last.ckpt``.
+This one writes beside the target, flushes to disk and renames, so a reader sees the old file or the new
+one, never a part.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["AtomicCheckpointIO", "read_checkpoint"]
+
+_TEMPORARY_SUFFIX = ".partial"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic on local and network file systems.
+
+    The checkpoint is written to ``.<name>.<pid>.partial`` in the target's folder, fsynced, renamed over the
+    target (``os.replace``, atomic on POSIX file systems) and the folder is fsynced. Partial files left by a
+    process killed while saving are removed by the next save. Remote URLs (``s3://``) use Lightning's writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{target.name}.*{_TEMPORARY_SUFFIX}"):
+            stale.unlink(missing_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}{_TEMPORARY_SUFFIX}")
+        try:
+            with open(partial, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        _fsync_directory(target.parent)
+
+
+def _is_local(path: _PATH) -> bool:
+    return "file" in (get_filesystem(path).protocol or ("file",))
+
+
+def _fsync_directory(folder: Path) -> None:
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open folders
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file.
+
+    Tells apart a missing path, a file that is not a readable checkpoint (truncated, corrupt, another
+    format) and a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigurationError(f"checkpoint not found: {path}. Check --ckpt_path (or use `--ckpt_path last`).")
+    if not path.is_file():
+        raise ConfigurationError(
+            f"checkpoint path {path} is a folder; give the .ckpt file inside it (e.g. {path / 'last.ckpt'})."
+        )
+    try:
+        checkpoint = _load(path)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigurationError(
+            f"{path} is not a readable checkpoint (truncated or corrupt file?): {first_line}. "
+            "Resume from another checkpoint of the run, e.g. an epoch=...-step=....ckpt beside it."
+        ) from None
+    if (
+        not isinstance(checkpoint, dict)
+        or "state_dict" not in checkpoint
+        or "pytorch-lightning_version" not in checkpoint
+    ):
+        keys = ", ".join(list(checkpoint)[:5]) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ConfigurationError(
+            f"{path} is not a Lightning training checkpoint (it holds {keys}); --ckpt_path resumes only checkpoints "
+            "written by `hfmca fit` (runs/<name>/checkpoints/*.ckpt)."
+        )
+    return checkpoint
+
+
+def _load(path: Path) -> Any:
+    # mmap reads only what is used (checkpoints with optimiser state are large); files in torch's legacy
+    # format cannot be mapped.
+    mmap = zipfile.is_zipfile(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise
+    # A complete file holding objects beyond tensors and containers (e.g. custom hyper-parameters): load it
+    # as Lightning does when resuming.
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

@@ -1,0 +1,284 @@
+"""``hfmca analyze`` / ``hfmca compare`` on checkpoints trained in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfmca_lightning.analysis import decompose
+from hfmca_lightning.cli import main
+from hfmca_lightning.cli.analyze import load_run
+from hfmca_lightning.methods.inspection import collect_statistics
+from tests.helpers import REPO, tiny_overrides
+
+TINY_SPECTRUM = {
+    "init_args": {
+        "backbone": {
+            "class_path": "hfmca_lightning.models.SpectrumCNN",
+            "init_args": {"channels": 6, "hidden_dim": 12, "noise_channels": 2},
+        },
+        "external_head": {
+            "class_path": "hfmca_lightning.models.GridExternalHead",
+            "init_args": {"feature_dim": 6, "grid_height": 3, "grid_width": 3, "hidden_dim": 12, "noise_channels": 2},
+        },
+    }
+}
+
+
+def train(tmp_path: Path, config: str) -> Path:
+    model = (
+        TINY_SPECTRUM
+        if "selfsupervised" in config
+        else {"init_args": {"backbone": TINY_SPECTRUM["init_args"]["backbone"]}}
+    )
+    if "simclr" in config:  # the baseline on the same (tiny) spectrum CNN: the backbones share module names
+        model["init_args"].update(hidden_dim=12, output_dim=6)
+    data = {
+        "data.init_args.batch_size": 4,
+        "data.init_args.source.init_args.train_per_class": 10,
+        "trainer.limit_val_batches": 0,
+    }
+    main(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / config),
+            "--config",
+            str(tiny_overrides(tmp_path, model=model, **data)),
+            "--trainer.limit_train_batches",
+            "3",
+        ]
+    )
+    return tmp_path / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    runs = {name: train(root / name, f"spectrum_{name}.yaml") for name in ("selfsupervised", "unsupervised")}
+    runs["simclr"] = train(root / "simclr", "baselines/simclr_cifar10.yaml")
+    return runs
+
+
+def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoints, tmp_path, capsys):
+    out = tmp_path / "analysis"
+    main(
+        [
+            "analyze",
+            "--ckpt_path",
+            str(checkpoints["selfsupervised"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "2",
+            "--num_images",
+            "3",
+            "--layers",
+            "L1",
+            "L3",
+        ]
+    )
+    assert f"wrote {out / 'index.html'}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "basis_L1.png",
+        "basis_L3.png",
+        "density_ratio.png",
+        "index.html",
+        "spectra.json",
+        "spectra.png",
+    ]
+    spectra = json.loads((out / "spectra.json").read_text())
+    assert list(spectra) == ["external", *(f"internal/L{i}" for i in range(1, 10))]
+    # The JSON holds the eigenspectrum of the statistics of the same batches.
+    module, datamodule = load_run(checkpoints["selfsupervised"])
+    batches = [batch for batch, _ in list(datamodule.train_dataloader())[:2]]
+    stats = collect_statistics(module, batches)
+    expected = decompose(stats["internal/L4"], reg=module.cost_modules()["internal/L4"].reg).eigenvalues
+    torch.testing.assert_close(
+        torch.tensor(spectra["internal/L4"], dtype=torch.float64), expected, rtol=1e-6, atol=1e-9
+    )
+    page = (out / "index.html").read_text()
+    for name in ("spectra.png", "density_ratio.png", "basis_L1.png", "internal/L9"):
+        assert name in page
+
+
+def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, monkeypatch):
+    import hfmca_lightning.cli.analyze as analyze_module
+
+    drawn = {}
+    original = analyze_module.heatmap_overlay_figure
+
+    def spy(images, maps, **options):
+        drawn["images"] = images
+        assert set(maps) <= set(options["placements"])  # every drawn map is placed on the image by its geometry
+        return original(images, maps, **options)
+
+    monkeypatch.setattr(analyze_module, "heatmap_overlay_figure", spy)
+    main(
+        [
+            "analyze",
+            "--ckpt_path",
+            str(checkpoints["selfsupervised"]),
+            "--out",
+            str(tmp_path / "by_class"),
+            "--num_batches",
+            "1",
+            "--num_images",
+            "2",
+            "--image_class",
+            "1",
+        ]
+    )
+    _, datamodule = load_run(checkpoints["selfsupervised"])
+    images, targets = datamodule.evaluation_images(2, target=1)
+    assert targets.tolist() == [1, 1]
+    torch.testing.assert_close(drawn["images"], datamodule.denormalise(images), rtol=0, atol=0)
+
+
+def test_loaded_run_has_the_checkpoint_weights(checkpoints):
+    module, _ = load_run(checkpoints["unsupervised"])
+    saved = torch.load(checkpoints["unsupervised"], weights_only=True)["state_dict"]
+    for key, value in module.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
+        else:  # modules' extra state: the spectrum CNN's layout
+            assert value == saved[key] == {"layout": "paper"}, key
+    assert not module.training
+
+
+def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
+    out = tmp_path / "compare"
+    main(
+        [
+            "compare",
+            "--ckpt_a",
+            str(checkpoints["selfsupervised"]),
+            "--ckpt_b",
+            str(checkpoints["unsupervised"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "1",
+        ]
+    )
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
+    assert all(0 <= value < 1 for values in spectra.values() for value in values)
+    assert (out / "cross_spectra.png").stat().st_size > 10_000
+
+
+def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path):
+    out = tmp_path / "self"
+    main(
+        [
+            "compare",
+            "--ckpt_a",
+            str(checkpoints["unsupervised"]),
+            "--ckpt_b",
+            str(checkpoints["unsupervised"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "1",
+        ]
+    )
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert spectra["blocks.L1"][0] > 0.95  # noise channels make the two passes differ slightly
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", "--ckpt_path", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path)])
+    assert "hfmca: error: checkpoint not found" in capsys.readouterr().err
+
+
+def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):
+    """A baseline's checkpoint compares with an HFMCA one at the same backbone modules (by name)."""
+    out = tmp_path / "hfmca_vs_simclr"
+    main(
+        [
+            "compare",
+            "--ckpt_a",
+            str(checkpoints["selfsupervised"]),
+            "--ckpt_b",
+            str(checkpoints["simclr"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "1",
+        ]
+    )
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
+    assert all(0 <= value < 1 for values in spectra.values() for value in values)
+    assert "SimCLR" in (out / "index.html").read_text()
+
+
+def test_compare_equals_the_eigenvalues_of_the_two_models_features(checkpoints, tmp_path):
+    """The cross spectrum at the output is that of group_statistics between the two models' features."""
+    from hfmca_lightning.losses.statistics import group_statistics
+
+    out = tmp_path / "check"
+    main(
+        [
+            "compare",
+            "--ckpt_a",
+            str(checkpoints["selfsupervised"]),
+            "--ckpt_b",
+            str(checkpoints["simclr"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "1",
+            "--layers",
+            "blocks.L2",
+        ]
+    )
+    spectra = json.loads((out / "cross_spectra.json").read_text())
+    assert set(spectra) == {"blocks.L2", "backbone"}
+    model_a, data = load_run(checkpoints["selfsupervised"])
+    model_b, _ = load_run(checkpoints["simclr"])
+    images, _ = next(iter(data.val_dataloader()[1]))
+    with torch.no_grad():
+        stats = group_statistics(model_a(images).double()[:, None], model_b(images).double())
+    expected = decompose(stats, reg=1e-3).eigenvalues
+    torch.testing.assert_close(torch.tensor(spectra["backbone"], dtype=torch.float64), expected, rtol=1e-9, atol=1e-12)
+
+
+def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
+    out = tmp_path / "simclr_analysis"
+    main(
+        [
+            "analyze",
+            "--ckpt_path",
+            str(checkpoints["simclr"]),
+            "--out",
+            str(out),
+            "--num_batches",
+            "1",
+            "--num_images",
+            "2",
+            "--internal_layers",
+            "blocks.L2",
+            "blocks.L4",
+            "blocks.L6",
+            "--layers",
+            "L2",
+        ]
+    )
+    spectra = json.loads((out / "spectra.json").read_text())
+    assert list(spectra) == ["internal/L2", "internal/L4", "internal/L6"]
+    assert all(0 <= value <= 1 for values in spectra.values() for value in values)
+    assert (out / "density_ratio.png").exists() and (out / "basis_L2.png").exists()
+
+
+def test_residual_blocks_are_found_by_default():
+    from hfmca_lightning.methods.inspection import residual_blocks
+    from hfmca_lightning.models import CIFARResNet18
+
+    assert residual_blocks(CIFARResNet18()) == [
+        f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)
+    ]

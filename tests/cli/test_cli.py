@@ -1,0 +1,116 @@
+"""The ``hfmca`` command end to end: configs, real fits on on-disk data layouts, resume (clear errors:
+test_cli_errors.py; resume after real kills: test_resume.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfmca_lightning.cli.trainer_cli import HFMCACLI
+from tests.helpers import REPO, fit, interrupted_fit, logged, write_cifar, write_image_folder
+
+CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c.relative_to(REPO)) for c in CONFIGS])
+def test_every_config_parses_and_instantiates(config: Path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = HFMCACLI(args=["--config", str(config)], run=False)
+    assert cli.model is not None and cli.datamodule is not None
+    assert (cli.trainer.max_epochs or 0) > 0 or cli.trainer.max_steps > 0, "every config must bound its run"
+
+
+def test_fit_on_cifar_pickles(tmp_path):
+    write_cifar(tmp_path / "data", "cifar10", per_class=2)
+    source = {
+        "class_path": "hfmca_lightning.data.CIFAR",
+        "init_args": {"name": "cifar10", "root": str(tmp_path / "data"), "verify": False},
+    }
+    fit(tmp_path, **{"data.init_args.source": source})
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    costs = logged(tmp_path, "cost/external")
+    assert costs and all(c < 0 for c in costs)
+    assert 0.0 <= logged(tmp_path, "knn/top1")[-1] <= 1.0
+
+
+def test_fit_on_an_image_folder(tmp_path):
+    write_image_folder(tmp_path / "images", per_class=6, num_classes=3, size=40)
+    source = {
+        "class_path": "hfmca_lightning.data.ImageFolderSource",
+        "init_args": {"root": str(tmp_path / "images"), "image_size": 32},
+    }
+    fit(tmp_path, **{"data.init_args.source": source})
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert logged(tmp_path, "knn/top1")
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    # Noise channels (global RNG) and beta > 0 (EMA buffers) make the test sensitive to lost state.
+    changes = {
+        "model.init_args.external_head.init_args.noise_channels": 3,
+        "model.init_args.external_cost": {
+            "class_path": "hfmca_lightning.losses.HFMCACost",
+            "init_args": {"reg": 0.1, "beta": 0.5},
+        },
+    }
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    fit(straight, "--trainer.max_epochs", "2", **changes)
+    interrupted_fit(resumed, 1, "--trainer.max_epochs", "2", **changes)
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
+    fit(resumed, "--trainer.max_epochs", "2", "--ckpt_path", "last", **changes)
+    expected, got = _weights(straight / "checkpoints" / "last.ckpt"), _weights(resumed / "checkpoints" / "last.ckpt")
+    assert expected.keys() == got.keys()
+    assert int(got["external_cost.num_updates"]) == int(expected["external_cost.num_updates"]) > 0
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+def test_bf16_mixed_precision_keeps_the_cost_in_float64(tmp_path):
+    fit(tmp_path, "--trainer.precision", "bf16-mixed", "--trainer.log_every_n_steps", "1")
+    costs = logged(tmp_path, "cost/external")
+    assert len(costs) == 4 and all(-1e3 < c < 0 for c in costs)
+
+
+def test_fit_with_augmentation_on_the_device(tmp_path):
+    fit(tmp_path, "--data.init_args.augment_on_device", "true", "--trainer.log_every_n_steps", "1")
+    costs = logged(tmp_path, "cost/external")
+    assert len(costs) == 4 and all(c < 0 for c in costs)
+
+
+@pytest.mark.integration  # a subprocess or a training run
+def test_limit_train_batches_counts_batches_when_an_integer_and_is_a_fraction_otherwise(tmp_path):
+    """``hfmca fit --config configs/demo.yaml --trainer.limit_train_batches 1 --trainer.max_epochs 1`` trains one batch,
+    ``0.5`` half an epoch (4 batches of the shrunk demo here), in a fresh process as users run it: typing's union cache
+    made Lightning's ``Optional[Union[int, float]]`` try ``float`` first, and ``1`` meant 100 %."""
+    from tests.helpers import DEMO, finish_hfmca, start_hfmca, tiny_overrides
+
+    runs = {}
+    for limit in ("1", "0.5"):
+        folder = tmp_path / limit
+        overrides = tiny_overrides(folder)
+        runs[limit] = (
+            folder,
+            start_hfmca(
+                folder,
+                "fit",
+                "--config",
+                str(DEMO),
+                "--config",
+                str(overrides),
+                "--trainer.limit_train_batches",
+                limit,
+                "--trainer.max_epochs",
+                "1",
+            ),
+        )
+    for limit, steps in (("1", 1), ("0.5", 2)):
+        folder, process = runs[limit]
+        result = finish_hfmca(process, folder, timeout=120)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps, limit

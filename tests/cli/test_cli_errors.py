@@ -1,0 +1,291 @@
+"""Every bad input a user can give ``hfmca fit`` ends as one line, ``hfmca: error: ...``, with exit status 2,
+before any training (an unreadable image: when it is first read, before any checkpoint): the line names the
+config key or the file, and says how to fix it."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfmca_lightning.cli import main
+from tests.helpers import DEMO, HFMCA, fit, run_hfmca, tiny_overrides, write_image_folder, write_overrides
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained")
+    fit(folder)
+    return folder / "checkpoints" / "last.ckpt"
+
+
+def image_folder(root: Path, damage: Callable[[Path], None]) -> dict:
+    write_image_folder(root, per_class=6, num_classes=3, size=40)
+    damage(root)
+    return {
+        "data.init_args.source": {
+            "class_path": "hfmca_lightning.data.ImageFolderSource",
+            "init_args": {"root": str(root), "image_size": 32},
+        }
+    }
+
+
+def truncated(checkpoint: Path, tmp: Path) -> Path:
+    data = checkpoint.read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    return tmp / "truncated.ckpt"
+
+
+def plain_state_dict(checkpoint: Path, tmp: Path) -> Path:
+    torch.save(torch.load(checkpoint, weights_only=True)["state_dict"], tmp / "weights.pt")
+    return tmp / "weights.pt"
+
+
+# (case, extra command-line args, config changes, the part of the message that must be there)
+CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict], str]] = [
+    (
+        "reg <= 0",
+        lambda tmp, ckpt: ["--model.init_args.external_cost.init_args.reg", "0"],
+        lambda tmp: {},
+        "model.init_args.external_cost.init_args.reg: reg must be a finite number > 0",
+    ),
+    (
+        "beta outside [0, 1)",
+        lambda tmp, ckpt: ["--model.init_args.external_cost.init_args.beta", "1"],
+        lambda tmp: {},
+        "model.init_args.external_cost.init_args.beta: beta (the adaptive-filter smoothing of paper Alg. 3) must be "
+        "in [0, 1)",
+    ),
+    (
+        "negative num_workers",
+        lambda tmp, ckpt: ["--data.init_args.num_workers", "-1"],
+        lambda tmp: {},
+        "data.init_args.num_workers: num_workers must be >= 0",
+    ),
+    (
+        "batch larger than the split",
+        lambda tmp, ckpt: ["--data.init_args.batch_size", "1000"],
+        lambda tmp: {},
+        "batch_size=1000 is larger than the training split (32 images",
+    ),
+    (
+        "num_views off the head's grid",
+        lambda tmp, ckpt: ["--data.init_args.num_views", "3"],
+        lambda tmp: {},
+        "data.num_views=3 does not fit the external head's 2x2 grid",
+    ),
+    (
+        "unknown key",
+        lambda tmp, ckpt: ["--model.init_args.backbone.init_args.widht", "3"],
+        lambda tmp: {},
+        "unknown key model.init_args.backbone.init_args.widht of SmallConvNet; did you mean "
+        "model.init_args.backbone.init_args.width?",
+    ),
+    (
+        "unknown trainer key",
+        lambda tmp, ckpt: ["--trainer.max_epoch_count", "3"],
+        lambda tmp: {},
+        "unknown key trainer.max_epoch_count",
+    ),
+    (
+        "value of the wrong type",
+        lambda tmp, ckpt: ["--model.init_args.external_cost.init_args.reg", "abc"],
+        lambda tmp: {},
+        "model.init_args.external_cost.init_args.reg: Expected a <class 'float'>",
+    ),
+    ("missing config file", lambda tmp, ckpt: ["--config", str(tmp / "nowhere.yaml")], lambda tmp: {}, "nowhere.yaml"),
+    (
+        "missing checkpoint",
+        lambda tmp, ckpt: ["--ckpt_path", str(tmp / "nowhere.ckpt")],
+        lambda tmp: {},
+        "checkpoint not found: ",
+    ),
+    (
+        "truncated checkpoint",
+        lambda tmp, ckpt: ["--ckpt_path", str(truncated(ckpt, tmp))],
+        lambda tmp: {},
+        "truncated.ckpt is not a readable checkpoint (truncated or corrupt file?)",
+    ),
+    (
+        "plain state_dict as checkpoint",
+        lambda tmp, ckpt: ["--ckpt_path", str(plain_state_dict(ckpt, tmp))],
+        lambda tmp: {},
+        "weights.pt is not a Lightning training checkpoint",
+    ),
+    (
+        "checkpoint of another architecture",
+        lambda tmp, ckpt: ["--ckpt_path", str(ckpt)],
+        lambda tmp: {
+            "model.init_args.backbone": {
+                "class_path": "hfmca_lightning.models.SmallConvNet",
+                "init_args": {"width": 16, "num_stages": 2},
+            }
+        },
+        "the checkpoint was trained with a different architecture",
+    ),
+    (
+        "missing data root",
+        lambda tmp, ckpt: [],
+        lambda tmp: {
+            "data.init_args.source": {
+                "class_path": "hfmca_lightning.data.CIFAR",
+                "init_args": {"root": str(tmp / "no_data")},
+            }
+        },
+        "cifar10 not found: looked for",
+    ),
+    (
+        "unreadable image",
+        lambda tmp, ckpt: [],
+        lambda tmp: image_folder(
+            tmp / "images", lambda root: (root / "train" / "class_1" / "3.png").write_bytes(b"not a png")
+        ),
+        "cannot read image ",
+    ),
+    (
+        "empty class folder",
+        lambda tmp, ckpt: [],
+        lambda tmp: image_folder(
+            tmp / "images", lambda root: [p.unlink() for p in (root / "test" / "class_2").iterdir()]
+        ),
+        "Found no valid file for the classes class_2",
+    ),
+    (
+        "train/test class mismatch",
+        lambda tmp, ckpt: [],
+        lambda tmp: image_folder(
+            tmp / "images", lambda root: (root / "test" / "class_2").rename(root / "test" / "class_9")
+        ),
+        "have different class folders (only in train: ['class_2']; only in test: ['class_9'])",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "changes", "expected"), CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line_with_exit_status_2_before_training(
+    case, args, changes, expected, tmp_path, trained_checkpoint, capsys
+):
+    overrides = tiny_overrides(tmp_path, **changes(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(DEMO), "--config", str(overrides), *args(tmp_path, trained_checkpoint)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in err and len(err.splitlines()) <= 3, err
+    assert not (tmp_path / "checkpoints").exists(), "training started"
+
+
+@pytest.mark.integration  # a subprocess or a training run
+def test_the_console_script_prints_the_same_single_line(tmp_path):
+    """The installed ``hfmca`` command, as a user runs it: no usage text, no traceback, no warnings wall."""
+    assert HFMCA.is_file() and shutil.which(str(HFMCA))
+    overrides = write_overrides(tmp_path, "tiny.yaml", {"trainer": {"max_epochs": 1}})
+    result = run_hfmca(
+        tmp_path,
+        "fit",
+        "--config",
+        str(DEMO),
+        "--config",
+        str(overrides),
+        "--model.init_args.external_cost.init_args.reg",
+        "-1",
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert errors == [
+        "hfmca: error: model.init_args.external_cost.init_args.reg: reg must be a finite number > 0 (it makes the "
+        "correlation matrices invertible); got -1.0. Use 0.1 for self-supervised training and 1e-3 for spectrum "
+        "analysis (paper appendix)."
+    ]
+    assert len(result.stdout.strip().splitlines()) <= 2, result.stdout
+
+
+@pytest.mark.integration  # a subprocess or a training run
+def test_an_image_a_worker_cannot_read_is_one_line_and_the_command_exits(tmp_path):
+    """Raised in a persistent data-loader worker (which ignores SIGTERM), re-raised in the main process with
+    the worker's traceback: still one line, and the process ends instead of waiting for the worker."""
+    changes = image_folder(
+        tmp_path / "images", lambda root: (root / "train" / "class_1" / "3.png").write_bytes(b"not a png")
+    )
+    overrides = tiny_overrides(tmp_path, **changes, **{"data.init_args.num_workers": 2})
+    result = run_hfmca(tmp_path, "fit", "--config", str(DEMO), "--config", str(overrides), timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(errors) == 1 and "cannot read image " in errors[0] and "3.png" in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+
+
+def test_a_corrupt_last_checkpoint_is_named_when_resuming_with_last(tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"PK\x03\x04 cut short by a full disk")
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, "--ckpt_path", "last")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"hfmca: error: {tmp_path / 'checkpoints' / 'last.ckpt'} is not a readable checkpoint" in err
+
+
+def test_resuming_with_last_before_any_checkpoint_starts_a_new_run(tmp_path):
+    """A job script can always pass `--ckpt_path last` (SLURM requeue): the first start has nothing to resume."""
+    fit(tmp_path, "--ckpt_path", "last")
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_a_nan_mid_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    callbacks = [
+        {
+            "class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True, "every_n_train_steps": 2},
+        },
+        {"class_path": "tests.helpers.PoisonWeightsAtStep", "init_args": {"step": 5}},
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, "--trainer.max_epochs", "3", **{"trainer.callbacks": callbacks})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    [line] = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
+    assert "training stopped at step 5 (epoch 1): HFMCA cost 'external'" in line and "Traceback" not in err
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 4
+    assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
+
+
+@pytest.mark.integration  # a subprocess or a training run
+def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    """Two processes (gloo), the demo's external cost without ``sync_dist`` (each process factors its own statistics),
+    data-loader workers on; process 1's weights turn NaN. The checks are all-reduced before the optimizer step, so
+    process 0, whose own costs are fine, stops at the same step: both exit (no hang at the next collective), one
+    line is printed, and the last checkpoint is the good one before the failure."""
+    callbacks = [
+        {
+            "class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint",
+            "init_args": {"dirpath": "checkpoints", "save_last": True, "every_n_train_steps": 2},
+        },
+        {"class_path": "tests.helpers.PoisonWeightsAtStep", "init_args": {"step": 5, "rank": 1}},
+    ]
+    overrides = tiny_overrides(tmp_path, **{"trainer.callbacks": callbacks, "data.init_args.num_workers": 1})
+    ddp = [
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.max_epochs",
+        "3",
+    ]
+    result = run_hfmca(
+        tmp_path, "fit", "--config", str(DEMO), "--config", str(overrides), *ddp, timeout=150, test_classes=True
+    )
+    assert result.returncode == 1, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert "training stopped at step 5 (epoch 2): HFMCA cost 'external'" in errors[0] and "NaN or Inf" in errors[0]
+    assert "Traceback" not in result.stdout
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 4
+    assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())

@@ -1,0 +1,210 @@
+"""``hfmca linear``, ``hfmca knn`` and ``hfmca export`` on checkpoints written by ``hfmca fit``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from lightning.pytorch import Trainer
+from torch import nn
+
+from hfmca_lightning.callbacks import KNNEvaluation
+from hfmca_lightning.cli import main
+from hfmca_lightning.cli.runs import load_run
+from hfmca_lightning.evaluation import extract_features
+from tests.helpers import REPO, tiny_overrides
+
+SIMCLR_RESNET = {
+    "init_args": {
+        "backbone": {"class_path": "hfmca_lightning.models.CIFARResNet18"},
+        "hidden_dim": 32,
+        "output_dim": 16,
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def simclr_run(tmp_path_factory) -> Path:
+    """A SimCLR run of the shipped baseline config (CIFAR-stem ResNet-18), shrunk to 16-px shapes and two steps."""
+    root = tmp_path_factory.mktemp("simclr")
+    overrides = tiny_overrides(root, model=SIMCLR_RESNET, **{"data.init_args.source.init_args.image_size": 16})
+    main(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / "baselines" / "simclr_cifar10.yaml"),
+            "--config",
+            str(overrides),
+            "--trainer.limit_train_batches",
+            "2",
+        ]
+    )
+    return root / "checkpoints" / "last.ckpt"
+
+
+def stock_resnet18(description: dict) -> nn.Module:
+    """torchvision's resnet18 with the stem the JSON documents, without this package."""
+    net = torchvision.models.resnet18()
+    if description["stem"] == "cifar":
+        net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+    net.fc = nn.Identity()
+    return net
+
+
+def test_exported_weights_give_the_modules_features_in_stock_torchvision(simclr_run, tmp_path, capsys):
+    out = tmp_path / "export"
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    description = json.loads((out / "backbone.json").read_text())
+    assert {k: description[k] for k in ("library", "architecture", "stem", "feature_dim", "method")} == {
+        "library": "torchvision",
+        "architecture": "resnet18",
+        "stem": "cifar",
+        "feature_dim": 512,
+        "method": "SimCLR",
+    }
+    assert description["normalisation"]["mean"] == [0.5, 0.5, 0.5] and description["image_size"] == 16
+    net = stock_resnet18(description)
+    net.load_state_dict(torch.load(out / "backbone.pt", weights_only=True))  # strict: every key matches
+    module, datamodule = load_run(simclr_run)
+    images, _ = datamodule.evaluation_images(6)
+    with torch.no_grad():
+        torch.testing.assert_close(net.eval()(images), module(images), rtol=0, atol=1e-6)
+    # The JSON's own loading snippet does the same, without importing this package.
+    assert "hfmca_lightning" not in description["load"]
+    namespace: dict = {}
+    exec(description["load"].replace('"backbone.pt"', repr(str(out / "backbone.pt"))), namespace)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["net"](images), module(images), rtol=0, atol=1e-6)
+
+
+def test_exported_embeddings_are_the_features_and_labels_of_each_split(simclr_run, tmp_path):
+    out = tmp_path / "embed"
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(out), "--embeddings"])
+    module, datamodule = load_run(simclr_run)
+    for split, loader in zip(("train", "test"), datamodule.val_dataloader()):
+        saved = np.load(out / f"embeddings_{split}.npz")
+        features, labels = extract_features(module, loader)
+        np.testing.assert_allclose(saved["features"], features.numpy(), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(saved["labels"], labels.numpy())
+    assert saved["features"].shape == (12, 512)  # 4 classes x 3 test images
+
+
+def test_package_backbones_export_with_their_init_args(tmp_path):
+    """A run of the tiny demo model: the JSON names the class and its arguments, and they rebuild it."""
+    main(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / "demo.yaml"),
+            "--config",
+            str(tiny_overrides(tmp_path)),
+            "--trainer.limit_train_batches",
+            "1",
+        ]
+    )
+    main(["export", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "export")])
+    description = json.loads((tmp_path / "export" / "backbone.json").read_text())
+    assert description["architecture"] == "hfmca_lightning.models.backbones.SmallConvNet" and description[
+        "init_args"
+    ] == {"width": 8, "num_stages": 2}
+    namespace: dict = {}
+    exec(description["load"].replace('"backbone.pt"', repr(str(tmp_path / "export" / "backbone.pt"))), namespace)
+    assert namespace["net"].feature_dim == description["feature_dim"] == 16
+
+
+def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_path, capsys):
+    out = tmp_path / "knn"
+    main(["knn", "--ckpt_path", str(simclr_run), "--out", str(out), "--k", "5", "20", "--temperature", "0.07", "0.1"])
+    result = json.loads((out / "knn.json").read_text())
+    assert [(row["k"], row["temperature"]) for row in result["results"]] == [(5, 0.07), (5, 0.1), (20, 0.07), (20, 0.1)]
+    assert (result["bank"], result["queries"]) == (32, 12)
+    table = (out / "knn.md").read_text()
+    assert "| k | t = 0.07 | t = 0.1 |" in table and table.count("\n| 5 |") == 1
+    module, datamodule = load_run(simclr_run)
+    trainer = Trainer(
+        callbacks=[KNNEvaluation(k=20, temperature=0.1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    callback_top1 = trainer.validate(module, datamodule, verbose=False)[0]["knn/top1"]
+    assert result["results"][3]["top1"] == pytest.approx(callback_top1, abs=1e-7)
+    assert f"top-1 {100 * callback_top1:.2f} %" in capsys.readouterr().out
+
+
+def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(simclr_run, tmp_path):
+    out = tmp_path / "linear"
+    main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--epochs", "20", "--label_fraction", "0.25"])
+    result = json.loads((out / "linear.json").read_text())
+    assert result["train_samples"] == 8 and result["test_samples"] == 12  # 2 of 8 per class; 4 classes x 3 test images
+    assert result["method"] == "SimCLR" and 0 <= result["top1"] <= result["top5"] == 1.0  # top-5 of 4 classes
+    assert "| 25% |" in (out / "linear.md").read_text()
+    main(
+        [
+            "linear",
+            "--ckpt_path",
+            str(simclr_run),
+            "--out",
+            str(tmp_path / "again"),
+            "--epochs",
+            "20",
+            "--label_fraction",
+            "0.25",
+        ]
+    )
+    assert json.loads((tmp_path / "again" / "linear.json").read_text())["top1"] == result["top1"]  # seeded
+
+
+def test_finetuning_reports_test_accuracy(simclr_run, tmp_path):
+    out = tmp_path / "finetune"
+    main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--finetune", "--epochs", "1"])
+    result = json.loads((out / "finetune.json").read_text())
+    assert result["protocol"] == "full fine-tuning" and result["train_samples"] == 32
+    assert 0 <= result["top1"] <= 1 and result["top5"] == 1.0
+
+
+def test_finetuning_trains_the_backbone_on_the_chosen_labels(simclr_run):
+    from hfmca_lightning.cli.evaluate import _finetune
+
+    module, datamodule = load_run(simclr_run)
+    before = {key: value.clone() for key, value in module.backbone.state_dict().items()}
+    _finetune(module, datamodule, torch.arange(0, 32, 4), epochs=1, lr=0.05, seed=0, device="cpu")
+    changed = [
+        key
+        for key, value in module.backbone.state_dict().items()
+        if key.endswith("weight") and not torch.equal(value, before[key])
+    ]
+    assert "net.conv1.weight" in changed and "net.layer4.1.conv2.weight" in changed
+
+
+def test_bad_label_fraction_is_one_line(simclr_run, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["linear", "--ckpt_path", str(simclr_run), "--label_fraction", "2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "hfmca: error: --label_fraction must be in (0, 1]; got 2.0"
+
+
+def test_a_classifier_inside_a_sequential_is_replaced_where_it_was(tmp_path):
+    """MobileNetV3's classifier is Linear-Hardswish-Dropout-Linear: only the last Linear goes, and the JSON's
+    snippet says so (replacing the whole classifier would drop layers and fail the strict load)."""
+    from hfmca_lightning.cli.export import backbone_description
+    from hfmca_lightning.models import TorchvisionBackbone
+
+    backbone = TorchvisionBackbone("mobilenet_v3_small").eval()
+    description, state = backbone_description(backbone, None)
+    assert (
+        description["classifier"] == "classifier.3 replaced by nn.Identity()"
+        and "net.classifier[3] = nn.Identity()" in description["load"]
+    )
+    torch.save(state, tmp_path / "backbone.pt")
+    namespace: dict = {}
+    exec(description["load"].replace('"backbone.pt"', repr(str(tmp_path / "backbone.pt"))), namespace)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["net"](images), backbone(images), rtol=0, atol=1e-6)

@@ -1,0 +1,39 @@
+"""Markers and shared fixtures of the test suite.
+
+``make test`` runs every test not marked ``slow``; ``make test-fast`` leaves out ``integration`` tests too: every
+test under ``tests/integration/`` (subprocess runs of ``hfmca``, DDP, notebooks, benchmarks) and the unit tests
+marked so because they train a model for several steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_overrides, write_cifar
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).resolve().is_relative_to(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def shrunk_demo(tmp_path: Path) -> Callable[..., Path]:
+    """``shrunk_demo(**overrides) -> path``: a second ``--config`` that shrinks configs/demo.yaml (or another shipped
+    config) to a few seconds: 32 SyntheticShapes images, a tiny model, one epoch, outputs under ``tmp_path``;
+    ``overrides`` by dotted key (``"data.init_args.num_workers": 2``)."""
+    return lambda **overrides: tiny_overrides(tmp_path, **overrides)
+
+
+@pytest.fixture
+def cifar10_on_disk(tmp_path: Path) -> Path:
+    """A CIFAR10 folder in torchvision's layout (``cifar-10-batches-py``, 100 training images) under ``tmp_path /
+    "data"``."""
+    write_cifar(tmp_path / "data", "cifar10", per_class=2)
+    return tmp_path / "data"

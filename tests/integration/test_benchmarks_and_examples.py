@@ -1,0 +1,350 @@
+"""The benchmark harnesses and the DataModule example run tiny on CPU and print complete tables."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(path: str, args: list[str], monkeypatch) -> object:
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    namespace = runpy.run_path(str(REPO / path), run_name="benchmark")
+    return namespace["main"](args)
+
+
+def table_rows(table: str, after: str | None = None) -> list[list[str]]:
+    """Cells of the Markdown table's rows (header first); ``after``: of the table following that line."""
+    lines = table.splitlines()
+    if after is not None:
+        lines = lines[lines.index(after) + 1 :]
+        lines = lines[: next((i for i, line in enumerate(lines) if i > 1 and not line.startswith("|")), len(lines))]
+    else:
+        lines = lines[: next((i for i, line in enumerate(lines) if line == "Runs"), len(lines))]
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in lines
+        if line.startswith("| ") and "---" not in line
+    ]
+
+
+HARNESS_TINY = [
+    "--data",
+    "synthetic",
+    "--backbone",
+    "small",
+    "--head-dim",
+    "32",
+    "--batch-size",
+    "16",
+    "--limit-train-batches",
+    "2",
+    "--workers",
+    "0",
+    "--per-class",
+    "10",
+    "--knn-k",
+    "10",
+    "--hfmca-views",
+    "4",
+    "--linear-epochs",
+    "5",
+]
+
+
+def test_harness_trains_one_run_per_budget_with_its_own_schedule(monkeypatch, tmp_path):
+    out = tmp_path / "table1.md"
+    table = run_script(
+        "benchmarks/harness.py",
+        [*HARNESS_TINY, "--epochs", "1", "3", "--methods", "hfmca", "simclr", "hfmca_internal", "--out", str(out)],
+        monkeypatch,
+    )
+    rows = table_rows(table)
+    assert rows[0][:4] == ["Method", "Views", "kNN / linear top-1, 1-epoch run", "kNN / linear top-1, 3-epoch run"]
+    assert [row[0] for row in rows[1:]] == ["HFMCA-SS(*)", "SimCLR", "HFMCA-SS"]  # one row per method
+    for row in rows[1:]:
+        assert len(row) == 8 and all(row) and "nan" not in " ".join(row), row
+        for cell in row[2:4]:
+            knn, linear = (float(value) for value in cell.split(" / "))
+            assert 0 <= knn <= 100 and 0 <= linear <= 100
+        assert 0 <= float(row[4]) <= 100
+    runs = table_rows(table, after="Runs")
+    assert runs[0][:4] == ["Method", "Budget (epochs)", "Epochs trained", "Schedule"]
+    assert [(row[0], row[1]) for row in runs[1:]] == [
+        (method, budget) for method in ("HFMCA-SS(*)", "SimCLR", "HFMCA-SS") for budget in ("1", "3")
+    ]
+    for method, budget, trained, schedule, rates, *_ in runs[1:]:
+        # each column its own run: as many epochs as its budget, a cosine over exactly those epochs, annealed to 0
+        assert trained == budget and schedule == f"cosine over {budget} epochs", (method, budget, trained, schedule)
+        start, end = (float(value) for value in rates.split(" -> "))
+        assert start == 0.06 and end < 1e-12, rates
+    assert out.read_text().strip().endswith(runs[-1][-1] + " |")
+
+
+def test_harness_single_run_mode_is_labelled_and_reads_every_column_from_one_run(monkeypatch):
+    table = run_script(
+        "benchmarks/harness.py",
+        [
+            *HARNESS_TINY,
+            "--epochs",
+            "1",
+            "2",
+            "--methods",
+            "hfmca",
+            "vicregl",
+            "--protocol",
+            "single-run",
+            "--linear-epochs",
+            "2",
+        ],
+        monkeypatch,
+    )
+    assert "single run (not the paper's protocol)" in table.splitlines()[0]
+    rows = table_rows(table)
+    assert rows[0][2:4] == ["kNN / linear top-1 @ epoch 1", "kNN / linear top-1 @ epoch 2"]
+    assert [row[0] for row in rows[1:]] == ["HFMCA-SS(*)", "VICRegL"]
+    runs = table_rows(table, after="Runs")
+    assert len(runs) == 3 and all(run[2:4] == ["2", "cosine over 2 epochs"] for run in runs[1:])
+    for row in rows[1:]:
+        first, second = (float(cell.split(" / ")[0]) for cell in row[2:4])
+        assert second >= first  # best up to the epoch of one run never decreases
+
+
+def test_augmentation_sweep_reports_accuracy_and_external_cost_and_draws_the_learning_curves(monkeypatch, tmp_path):
+    table = run_script(
+        "benchmarks/augmentation_sweep.py",
+        [
+            "--data",
+            "synthetic",
+            "--backbone",
+            "small",
+            "--epochs",
+            "1",
+            "--head-dim",
+            "16",
+            "--knobs",
+            "crop",
+            "gray",
+            "--strengths",
+            "0",
+            "1",
+            "--limit-train-batches",
+            "2",
+            "--hfmca-views",
+            "4",
+            "--batch-size",
+            "16",
+            "--workers",
+            "0",
+            "--per-class",
+            "10",
+            "--knn-k",
+            "10",
+            "--linear-epochs",
+            "5",
+            "--smoothing",
+            "1",
+            "--out",
+            str(tmp_path / "table2.md"),
+        ],
+        monkeypatch,
+    )
+    assert "### crop strength" in table and "### gray strength" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    assert len(rows) == 4
+    for row in rows:
+        _, accuracy, cost = [cell.strip() for cell in row.strip("|").split("|")]
+        assert 0 <= float(accuracy) <= 100 and float(cost) < 0
+    figure = tmp_path / "table2_external_cost.png"
+    assert figure.stat().st_size > 10_000 and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_external_cost_curves_figure_draws_one_curve_per_strength_and_panel_per_protocol():
+    from hfmca_lightning.visualization import external_cost_curves_figure
+
+    curves = {
+        "crop": {0.0: [-9.0, -10.0, -11.0, -12.0], 1.0: [-3.0, -4.0, -4.5, -5.0]},
+        "gray": {0.5: [-8.0, -8.5, -9.0, -9.5]},
+    }
+    figure = external_cost_curves_figure(curves, smoothing=2)
+    crop, gray = figure.axes
+    assert crop.get_title() == "crop strength" and gray.get_title() == "gray strength"
+    assert [line.get_label() for line in crop.get_lines()] == ["0", "1"] and len(gray.get_lines()) == 1
+    x, y = crop.get_lines()[0].get_data()
+    assert list(y) == [-9.5, -10.5, -11.5] and list(x) == [2, 3, 4]  # 2-step moving average, placed at its last step
+
+
+def test_datamodule_example_runs(monkeypatch):
+    accuracy = run_script("examples/custom_ssl_module.py", ["--epochs", "1", "--limit-train-batches", "3"], monkeypatch)
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(
+        sys, "argv", ["benchmarks/data_pipeline.py", "--root", str(tmp_path), "--files", "3000", "--jpegs", "3"]
+    )
+    runpy.run_path(str(REPO / "benchmarks" / "data_pipeline.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "MultiViewDataModule.setup(): " in out and "for 3,000 training images" in out
+    assert "decode + 9 views of 224 px" in out and "views/s" in out
+
+
+def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "benchmarks/throughput.py",
+            "--backbone",
+            "small",
+            "--batch-size",
+            "4",
+            "--steps",
+            "1",
+            "--workers",
+            "0",
+            "--views",
+            "4",
+            "--default-malloc",
+        ],
+    )
+    runpy.run_path(str(REPO / "benchmarks" / "throughput.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "; default malloc" in out.splitlines()[0]  # (in-process: the test process keeps its allocator)
+    for row in (
+        "step: backbone fwd/bwd alone",
+        "activation checkpointing",
+        "checkpointing, chunks of 4",
+        "step: HFMCA external + internal",
+    ):
+        (line,) = [line for line in out.splitlines() if row in line]
+        assert "views/s" in line and "failed" not in line, line
+
+
+def test_demo_views_benchmark_trains_the_demo_with_each_setting(monkeypatch):
+    table = run_script(
+        "benchmarks/demo_views.py",
+        [
+            "--epochs",
+            "2",
+            "--per-class",
+            "10",
+            "--workers",
+            "0",
+            "--limit-train-batches",
+            "2",
+            "--settings",
+            "l4",
+            "l9",
+            "simclr",
+        ],
+        monkeypatch,
+    )
+    rows = table_rows(table)
+    assert [row[0] for row in rows[1:]] == [
+        "HFMCA-SS(*), L = 4 (2x2 grid, no noise)",
+        "HFMCA-SS(*), L = 9 (3x3 grid, 20 noise channels)",
+        "SimCLR (2 views)",
+    ]
+    for row in rows[1:]:
+        assert 0 <= float(row[1]) <= 100 and row[2].endswith(" s") and len(row[4].split(", ")) == 2
+
+
+def test_demo_views_settings_change_only_views_grid_and_noise():
+    import yaml
+
+    namespace = runpy.run_path(str(REPO / "benchmarks" / "demo_views.py"), run_name="benchmark")
+    base = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    l9 = namespace["setting_config"](base, "l9", None)
+    assert l9["data"]["init_args"]["num_views"] == 9
+    head = l9["model"]["init_args"]["external_head"]["init_args"]
+    assert (head["grid_height"], head["grid_width"], head["noise_channels"]) == (3, 3, 20)
+    l9["data"]["init_args"]["num_views"], l9["model"]["init_args"]["external_head"] = (
+        base["data"]["init_args"]["num_views"],
+        base["model"]["init_args"]["external_head"],
+    )
+    assert l9 == base
+    simclr = namespace["setting_config"](base, "simclr", None)
+    assert (
+        simclr["model"]["class_path"].endswith("SimCLR")
+        and simclr["model"]["init_args"]["backbone"] == base["model"]["init_args"]["backbone"]
+    )
+
+
+def test_external_cost_curves_shorter_than_the_smoothing_window_are_drawn_raw_from_step_one():
+    from hfmca_lightning.visualization import external_cost_curves_figure
+
+    (panel,) = external_cost_curves_figure({"crop": {0.5: [-3.0, -4.0, -5.0]}}, smoothing=20).axes
+    x, y = panel.get_lines()[0].get_data()
+    assert list(x) == [1, 2, 3] and list(y) == [-3.0, -4.0, -5.0]
+
+
+def test_internal_cost_breakdown_prints_the_statistics_and_cost_parts(monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "benchmarks/internal_cost_breakdown.py",
+            "--backbone",
+            "small",
+            "--batch-size",
+            "4",
+            "--steps",
+            "1",
+            "--views",
+            "4",
+            "--default-malloc",
+        ],
+    )
+    runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "; default malloc" in out
+    assert "step: backbone fwd/bwd alone" in out and "step: HFMCA external + internal" in out
+    # both hooked convolutions of the small network, their backward nodes and the labelled factorisations
+    for part in (
+        "statistics forward, input (3, 32, 32)",
+        "statistics forward, input (32, 16, 16)",
+        "statistics backward",
+        "cost factorisations",
+    ):
+        assert part in out, part
+    added = next(line for line in out.splitlines() if "added by the internal costs" in line)
+    assert float(added.split()[5]) > 0, added  # GFLOP
+
+
+def test_internal_cost_breakdown_counts_in_place_products():
+    count = runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"))["matrix_product_flops"]
+    a, b, c = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(6, 7)
+    # what the backward passes of the statistics use: in-place accumulating products
+    assert count(lambda: torch.zeros(2, 3, 5).baddbmm_(a, b)) == 2 * 2 * 3 * 4 * 5
+    assert count(lambda: torch.zeros(6, 6).addmm_(c, c.T)) == 2 * 6 * 7 * 6
+    assert count(lambda: torch.bmm(a, b)) == 2 * 2 * 3 * 4 * 5
+
+
+def test_internal_cost_breakdown_reads_the_channels_last_statistics(monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "benchmarks/internal_cost_breakdown.py",
+            "--backbone",
+            "small",
+            "--batch-size",
+            "4",
+            "--steps",
+            "1",
+            "--views",
+            "4",
+            "--default-malloc",
+            "--channels-last",
+        ],
+    )
+    runpy.run_path(str(REPO / "benchmarks" / "internal_cost_breakdown.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "; channels-last" in out.splitlines()[0]
+    for part in ("statistics forward, input (3, 32, 32)", "statistics backward", "cost factorisations"):
+        assert part in out, part

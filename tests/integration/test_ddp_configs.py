@@ -1,0 +1,119 @@
+"""Every kind of shipped config runs under DDP as shipped (its callbacks, logger and workers; data, sizes and
+schedule shrunk) with two CPU processes (gloo), finishes in time, and writes its checkpoint and figures.
+
+A collective called on rank 0 only (``Trainer.log_dir`` inside a figure callback, once) hangs such a run
+at the end of its first epoch; the time limit turns that hang into a failure. A run that times out prints
+every process's stacks and is tried once more in a fresh folder, with a warning that carries the stacks:
+a deterministic hang fails twice, while the one unexplained hang CI saw in about thirty suite runs (gloo on
+a loaded 2-core machine; not reproduced in 30 isolated runs) leaves its stacks in the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import REPO, HFMCATimeout, run_hfmca, write_cifar, write_overrides
+
+TIME_LIMIT = 75  # seconds; a healthy run takes 10-30 s on 2 CPU cores
+
+# The spectrum configs share the callbacks and module of cifar10_ss_internal / demo (their callbacks are a subset
+# of cifar10_ss_internal's; only the backbone and data differ); they run under `make test-slow` to keep the
+# default suite under 10 minutes on 2 cores.
+SHIPPED = [
+    "demo.yaml",
+    "cifar10_ss.yaml",
+    "cifar10_ss_internal.yaml",
+    pytest.param("spectrum_unsupervised.yaml", marks=pytest.mark.slow),
+    pytest.param("spectrum_supervised.yaml", marks=pytest.mark.slow),
+    pytest.param("spectrum_selfsupervised.yaml", marks=pytest.mark.slow),
+    "baselines/simclr_cifar10.yaml",
+]
+
+SMALL_SPECTRUM_CNN = {"channels": 8, "hidden_dim": 16, "noise_channels": 2}
+SMALL_HEAD = {"feature_dim": 8, "hidden_dim": 16, "noise_channels": 2}
+
+
+def shrunk(config: dict, folder: Path) -> dict:
+    """Overrides that keep a config's classes and shrink its sizes: one epoch of 2 steps per process, every
+    periodic callback firing every step / epoch, tiny data on disk, 1 worker per process."""
+    trainer = config["trainer"]
+    callbacks = trainer.get("callbacks", [])
+    for callback in callbacks:
+        for key in ("every_n_steps", "every_n_epochs", "every_n_train_steps"):
+            if key in callback.get("init_args", {}):
+                callback["init_args"][key] = 1
+    data = {"batch_size": 4, "eval_batch_size": 32, "num_workers": 1}
+    source = config["data"]["init_args"]["source"]
+    if source["class_path"].endswith("CIFAR"):
+        write_cifar(folder / "data", source["init_args"].get("name", "cifar10"), per_class=2)
+        data["source"] = {
+            "class_path": source["class_path"],
+            "init_args": {**source["init_args"], "verify": False, "download": False},
+        }
+    else:
+        data["source"] = {
+            "class_path": source["class_path"],
+            "init_args": {**source["init_args"], "train_per_class": 8, "test_per_class": 2},
+        }
+    model = {}
+    init = config["model"]["init_args"]
+    if init["backbone"]["class_path"].endswith("SpectrumCNN"):
+        model["backbone"] = {"class_path": init["backbone"]["class_path"], "init_args": SMALL_SPECTRUM_CNN}
+        if init.get("external_head"):
+            model["external_head"] = {
+                "class_path": init["external_head"]["class_path"],
+                "init_args": {**init["external_head"]["init_args"], **SMALL_HEAD},
+            }
+    overrides = {
+        "trainer": {
+            "max_epochs": 1,
+            "max_steps": -1,
+            "limit_train_batches": 2,
+            "enable_progress_bar": False,
+            "callbacks": callbacks,
+        },
+        "data": {"init_args": data},
+    }
+    if model:
+        overrides["model"] = {"init_args": model}
+    return overrides
+
+
+def figure_files(folder: Path) -> set[str]:
+    return {path.name.split("_epoch")[0] for path in folder.rglob("figures/*.png")}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_runs_under_ddp_with_two_processes(name, tmp_path):
+    path = REPO / "configs" / name
+    config = yaml.safe_load(path.read_text())
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    try:
+        overrides = write_overrides(tmp_path, "shrink.yaml", shrunk(copy.deepcopy(config), tmp_path))
+        result = run_hfmca(tmp_path, "fit", "--config", str(path), "--config", str(overrides), *ddp, timeout=TIME_LIMIT)
+    except HFMCATimeout as hang:
+        warnings.warn(f"first DDP run of {name} hung; retrying once. {hang}", stacklevel=1)
+        tmp_path = tmp_path / "retry"
+        tmp_path.mkdir()
+        overrides = write_overrides(tmp_path, "shrink.yaml", shrunk(copy.deepcopy(config), tmp_path))
+        result = run_hfmca(tmp_path, "fit", "--config", str(path), "--config", str(overrides), *ddp, timeout=TIME_LIMIT)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    checkpoint_folders = {
+        callback["init_args"]["dirpath"]
+        for callback in config["trainer"]["callbacks"]
+        if "dirpath" in callback.get("init_args", {})
+    }
+    for folder in checkpoint_folders:
+        assert (tmp_path / folder / "last.ckpt").is_file(), f"no last.ckpt in {folder}"
+    kinds = {callback["class_path"].rsplit(".", 1)[-1] for callback in config["trainer"]["callbacks"]}
+    figures = figure_files(tmp_path / "runs")
+    if "EigenspectrumCallback" in kinds:
+        assert {"learning_dynamics", "layer_spectra"} <= figures, figures
+    if "DensityRatioHeatmapCallback" in kinds:
+        assert "density_ratio" in figures, figures

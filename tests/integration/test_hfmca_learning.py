@@ -1,0 +1,42 @@
+"""HFMCA really learns: kNN accuracy (and the online linear probe) on the embedded data set rises clearly above random
+initialisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hfmca_lightning.cli.trainer_cli import HFMCACLI
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+
+def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = HFMCACLI(
+        args=[
+            "--config",
+            str(DEMO),
+            "--trainer.max_epochs",
+            "8",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger",
+            "false",
+            "--data.init_args.source.init_args.train_per_class",
+            "100",
+            "--data.init_args.source.init_args.test_per_class",
+            "30",
+        ],
+        run=False,
+    )
+    initial = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]["knn/top1"]
+    cli.trainer.fit(cli.model, cli.datamodule)
+    trained = float(cli.trainer.callback_metrics["knn/top1"])
+    linear = float(cli.trainer.callback_metrics["linear/top1"])
+    print(f"kNN top-1: random init {initial:.3f} -> trained {trained:.3f}; online linear probe top-1 {linear:.3f}")
+    # Measured at seeds 0 / 1 / 2: random init 0.17 / 0.15 / 0.13 -> 0.40 / 0.39 / 0.39 (with SimCLR's 20 %
+    # greyscale views instead of the demo's 80 %: 0.29 / 0.18 / 0.19, matched by colour more than by shape).
+    assert trained > initial + 0.15, (initial, trained)
+    assert trained > 0.25  # chance is 0.1
+    # The shipped LinearProbe learns on the same run's detached features, well above chance too (0.53-0.63).
+    assert linear > 0.4, linear

@@ -1,0 +1,77 @@
+"""Multi-node DDP is Lightning's: two processes launched as two nodes of one process each (NODE_RANK 0 and 1,
+MASTER_ADDR / MASTER_PORT on loopback, gloo) train a few steps and end with the weights of one process that
+saw the doubled batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.helpers import DISTRIBUTED_ENVIRONMENT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+NODE = """
+import sys
+import torch
+from lightning.pytorch import Trainer
+from tests.helpers import PER_RANK_BATCH, bn_free_module, ddp_data
+
+module = bn_free_module()
+trainer = Trainer(
+    accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_epochs=1, limit_train_batches=int(sys.argv[2]),
+    limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False,
+)
+trainer.fit(module, ddp_data(PER_RANK_BATCH))
+if trainer.global_rank == 0:
+    torch.save(module.state_dict(), sys.argv[1])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_of_one_process_equal_one_process_with_the_doubled_batch(tmp_path):
+    single = bn_free_module()
+    ddp_trainer(1, max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0).fit(
+        single, ddp_data(2 * PER_RANK_BATCH)
+    )
+
+    port = str(free_port())
+    base = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENVIRONMENT}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-c", NODE, str(tmp_path / "node0.pt"), str(STEPS)],
+            env={
+                **base,
+                "PYTHONPATH": str(REPO),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "NODE_RANK": str(rank),
+            },
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1], outputs[1][-2000:]
+
+    two_nodes = torch.load(tmp_path / "node0.pt", weights_only=True)
+    untrained = bn_free_module().state_dict()
+    assert any(not torch.equal(value, untrained[key]) for key, value in single.state_dict().items()), "nothing trained"
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(two_nodes[key], value, rtol=1e-5, atol=1e-6, msg=key)

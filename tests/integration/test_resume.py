@@ -1,0 +1,220 @@
+"""Exact resume the way runs really stop.
+
+``hfmca fit`` runs as a subprocess on the shipped configs (shrunk: tiny data and model, a few epochs; their
+callbacks, logger and data-loader workers as shipped), is killed with SIGKILL after an end-of-epoch or a
+mid-epoch checkpoint, or stopped with SIGTERM sent to its whole process group (as SLURM does), and is
+continued with ``--ckpt_path last``. Every tensor of the final checkpoint (weights, buffers, optimiser state)
+must equal that of an uninterrupted run, with atol 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import (
+    DEMO,
+    REPO,
+    SHRUNK_DATA,
+    checkpoint_tensors,
+    finish_hfmca,
+    run_hfmca,
+    start_hfmca,
+    wait_for,
+    write_cifar,
+    write_overrides,
+)
+
+CIFAR10 = REPO / "configs" / "cifar10_ss.yaml"
+
+# Noise channels (model randomness) and beta > 0 (EMA buffers) make the comparison sensitive to lost state.
+TINY_NOISY_MODEL = {
+    "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 8, "num_stages": 2}},
+    "projector": {
+        "class_path": "hfmca_lightning.models.ViewProjector",
+        "init_args": {"input_dim": 16, "output_dim": 16, "hidden_dim": 32},
+    },
+    "external_cost": {
+        "class_path": "hfmca_lightning.losses.HFMCACost",
+        "init_args": {"reg": 0.1, "beta": 0.5, "name": "external"},
+    },
+}
+
+
+def demo_overrides(folder: Path) -> Path:
+    """configs/demo.yaml shrunk: 64 images (8 steps per epoch), 3 epochs, a tiny model; 2 persistent workers as
+    shipped."""
+    model = copy.deepcopy(TINY_NOISY_MODEL)
+    model["external_head"] = {
+        "class_path": "hfmca_lightning.models.GridExternalHead",
+        "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16, "noise_channels": 3},
+    }
+    overrides = {
+        "trainer": {"max_epochs": 3, "enable_progress_bar": False},
+        "model": {"init_args": model},
+        "data": {"init_args": SHRUNK_DATA},
+    }
+    return write_overrides(folder, "shrink.yaml", overrides)
+
+
+def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "batched-workers") -> Path:
+    """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
+    model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
+    workers not persistent; views from the shipped data path (``batched-workers``: ``worker_augmentation: batched``
+    in 2 workers), drawn after the transfer (``on-device``: ``augment_on_device``, seeded per batch), or from the
+    training split kept on the device (``images-on-device``, the device being the CPU here)."""
+    write_cifar(folder / "data", "cifar10", per_class=2)
+    shipped = yaml.safe_load(CIFAR10.read_text())
+    callbacks = shipped["trainer"]["callbacks"]
+    for callback in callbacks:
+        if callback["class_path"].endswith("PreemptionCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = every_n_train_steps
+    model = copy.deepcopy(TINY_NOISY_MODEL)
+    model["external_head"] = {
+        "class_path": "hfmca_lightning.models.GridExternalHead",
+        "init_args": {"feature_dim": 16, "grid_height": 3, "grid_width": 3, "hidden_dim": 16, "noise_channels": 3},
+    }
+    # A per-step warm-up schedule: its length comes from Trainer.estimated_stepping_batches, which makes
+    # Lightning build the training loader before it restores the checkpoint (Lightning issue #20550).
+    model["warmup_epochs"] = 1.0
+    data = {
+        "source": {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": "data", "verify": False}},
+        "batch_size": 8,
+        "eval_batch_size": 64,
+        "num_workers": 2,
+        "persistent_workers": False,
+    }
+    if data_path == "on-device":
+        data.update(augment_on_device=True, worker_augmentation="torchvision")
+    elif data_path == "images-on-device":
+        data.update(images_on_device=True)
+    overrides = {
+        "trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks},
+        "model": {"init_args": model},
+        "data": {"init_args": data},
+    }
+    return write_overrides(folder, "shrink.yaml", overrides)
+
+
+def fit_args(config: Path, overrides: Path, *extra: str) -> list[str]:
+    return ["fit", "--config", str(config), "--config", str(overrides), *extra]
+
+
+def assert_same_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+def saved_step(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+
+
+class ReferenceRun:
+    """An uninterrupted run, started in the background so that its start-up (a few seconds of imports) overlaps
+    the interrupted run's; :meth:`result` waits for it and gives every tensor of its last checkpoint and its step."""
+
+    def __init__(self, folder: Path, args: list[str], last: Path) -> None:
+        self.folder, self.last = folder, last
+        self.process = start_hfmca(folder, *args)
+        self._result: tuple[dict[str, torch.Tensor], int] | None = None
+
+    def result(self) -> tuple[dict[str, torch.Tensor], int]:
+        if self._result is None:
+            finished = finish_hfmca(self.process, self.folder)
+            assert finished.returncode == 0, finished.stdout[-3000:]
+            self._result = checkpoint_tensors(self.last), saved_step(self.last)
+        return self._result
+
+    def stop(self) -> None:
+        if self.process.poll() is None:  # a test failed before it waited for the run
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def demo_uninterrupted(tmp_path_factory) -> Iterator[ReferenceRun]:
+    folder = tmp_path_factory.mktemp("demo_uninterrupted")
+    run = ReferenceRun(
+        folder, fit_args(DEMO, demo_overrides(folder)), folder / "runs" / "demo" / "checkpoints" / "last.ckpt"
+    )
+    yield run
+    run.stop()
+
+
+def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path, demo_uninterrupted):
+    args = fit_args(DEMO, demo_overrides(tmp_path))
+    checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
+    process = start_hfmca(tmp_path, *args)
+    wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)  # written right after epoch=0-step=8.ckpt
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    expected, final_step = demo_uninterrupted.result()
+    stopped_at = saved_step(checkpoints / "last.ckpt")
+    assert 0 < stopped_at < final_step, "the kill came after the run had finished"
+
+    resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert any("LinearProbe" in key for key in expected), "the shipped online linear probe's state is compared too"
+    assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
+
+
+@pytest.mark.parametrize("data_path", ["batched-workers", "on-device", "images-on-device"])
+def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
+    steps_per_epoch, every = 12, 5
+    folder = tmp_path / "straight"
+    straight = ReferenceRun(
+        folder,
+        fit_args(CIFAR10, cifar_overrides(folder, every, data_path)),
+        folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt",
+    )
+
+    interrupted = tmp_path / "interrupted"
+    args = fit_args(CIFAR10, cifar_overrides(interrupted, every, data_path))
+    checkpoints = interrupted / "runs" / "cifar10_ss" / "checkpoints"
+    try:
+        process = start_hfmca(interrupted, *args)
+        wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        stopped_at = saved_step(checkpoints / "last.ckpt")
+        assert stopped_at % every == 0 and stopped_at % steps_per_epoch != 0, (
+            f"not a mid-epoch checkpoint: step {stopped_at}"
+        )
+        expected, final_step = straight.result()
+    finally:
+        straight.stop()
+    assert final_step == 2 * steps_per_epoch
+
+    resumed = run_hfmca(interrupted, *args, "--ckpt_path", "last", log_name="resumed.log")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert any("LinearProbe" in key for key in expected)
+    assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
+
+
+def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tmp_path, demo_uninterrupted):
+    expected, final_step = demo_uninterrupted.result()
+    args = fit_args(DEMO, demo_overrides(tmp_path))
+    checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
+    process = start_hfmca(tmp_path, *args)
+    wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
+    first_checkpoint = saved_step(checkpoints / "last.ckpt")
+    os.killpg(process.pid, signal.SIGTERM)  # main process and data-loader workers, as SLURM signals a job
+    process.wait(timeout=120)
+    output = (tmp_path / "hfmca.log").read_text()
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "hfmca: stopped by SIGTERM" in output and "Traceback" not in output
+    stopped_at = saved_step(checkpoints / "last.ckpt")
+    assert first_checkpoint <= stopped_at < final_step
+
+    resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))

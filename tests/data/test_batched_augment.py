@@ -11,18 +11,28 @@ from torchvision.transforms import RandomResizedCrop
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, batched_augment, view_transform
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, jitter_views, sample_crop_boxes
 from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, ViewAugmentation
+from tests.helpers import ks_critical, proportion_tolerance
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 N = 4000
+# Tolerances. Distributions: the KS statistic against its critical value at alpha = 1e-4 (ks_critical); fractions of
+# N draws within 5 standard deviations (proportion_tolerance). Pixels: float32 operations on values in [0, 1], each
+# rounding at most 2^-24; 1e-6 allows a few of them, 1e-5 the dozen of a colour-space round trip whose formulas
+# differ from torchvision's (divisions by chroma in HSV). Pixel statistics of two pipelines: a mean over 800 views of
+# per-view means with a spread of ~0.3 (normalised) has a sampling error of ~0.01 per pipeline, and torchvision's
+# uint8 blends truncate after every jitter step (0.01-0.03 darker): 0.05.
 
 
 def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic of ``a`` and ``b``, as a fraction of its critical value at
+    alpha = 1e-4 for their sizes (``ks_critical``): below 1 when they look drawn from one distribution."""
     grid = np.sort(np.concatenate([a, b]))
-    return float(
+    statistic = float(
         np.abs(
             np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)
         ).max()
     )
+    return statistic / ks_critical(len(a), len(b))
 
 
 @pytest.mark.parametrize(
@@ -40,7 +50,7 @@ def test_crop_boxes_have_the_distribution_of_torchvision(size, scale, ratio):
     image = torch.zeros(3, height, width)
     cpu = np.array([RandomResizedCrop.get_params(image, list(scale), list(ratio)) for _ in range(N)], dtype=float)
     for column, what in ((2, "height"), (3, "width"), (0, "top"), (1, "left")):
-        assert ks_statistic(boxes[:, column], cpu[:, column]) < 0.05, what
+        assert ks_statistic(boxes[:, column], cpu[:, column]) < 1, what
     assert (boxes[:, 0] >= 0).all() and (boxes[:, 0] + boxes[:, 2] <= height).all()
     assert (boxes[:, 1] >= 0).all() and (boxes[:, 1] + boxes[:, 3] <= width).all()
     assert np.array_equal(boxes, np.round(boxes))
@@ -114,12 +124,12 @@ def test_jitter_parameters_and_order_are_drawn_per_view(monkeypatch):
     augmentation(torch.randint(0, 256, (N // 4, 3, 8, 8), dtype=torch.uint8), num_views=4)
     factors, hue, order = seen["factors"].numpy(), seen["hue"].numpy(), seen["order"]
     applied = factors[:, 0] != 1.0
-    assert applied.mean() == pytest.approx(0.8, abs=0.03)
+    assert applied.mean() == pytest.approx(0.8, abs=proportion_tolerance(0.8, len(applied)))
     assert (hue[~applied] == 0).all() and (factors[~applied] == 1).all()
     uniform = np.random.default_rng(0).uniform(0.6, 1.4, N)
     for column in range(3):
-        assert ks_statistic(factors[applied, column], uniform) < 0.05
-    assert ks_statistic(hue[applied], np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 0.05
+        assert ks_statistic(factors[applied, column], uniform) < 1
+    assert ks_statistic(hue[applied], np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 1
     counts = np.unique(order.numpy(), axis=0, return_counts=True)[1]
     assert len(counts) == 24 and counts.min() > N / 24 * 0.7
 
@@ -150,16 +160,18 @@ def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
     views = augmentation(images, num_views=2)
     (sigma,) = sigmas
     kind0, kind1 = sigma.view(-1, 2).unbind(dim=1)
-    assert (kind0 > 0).all() and (kind1 > 0).float().mean().item() == pytest.approx(0.1, abs=0.02)
-    assert ks_statistic(kind0.numpy(), np.random.default_rng(2).uniform(0.1, 2.0, 2000)) < 0.05
+    assert (kind0 > 0).all()
+    assert (kind1 > 0).float().mean().item() == pytest.approx(0.1, abs=proportion_tolerance(0.1, len(kind1)))
+    assert ks_statistic(kind0.numpy(), np.random.default_rng(2).uniform(0.1, 2.0, 2000)) < 1
     source = images.float() / 255
     unblurred = kind1 == 0
     solarised = torch.isclose(
         views[:, 1], torch.where(source >= SOLARIZE_THRESHOLD / 255, 1 - source, source), atol=1e-5
     ).all(dim=(1, 2, 3))
     untouched = torch.isclose(views[:, 1], source, atol=1e-5).all(dim=(1, 2, 3))
-    assert solarised[unblurred].float().mean().item() == pytest.approx(0.2, abs=0.03)
-    assert untouched[unblurred].float().mean().item() == pytest.approx(0.8, abs=0.03)
+    count = int(unblurred.sum())
+    assert solarised[unblurred].float().mean().item() == pytest.approx(0.2, abs=proportion_tolerance(0.2, count))
+    assert untouched[unblurred].float().mean().item() == pytest.approx(0.8, abs=proportion_tolerance(0.8, count))
     assert not torch.isclose(views[:, 0], 1 - source, atol=1e-5).all(dim=(1, 2, 3)).any()  # kind 0 never solarised
     sigma = torch.tensor([0.7, 1.9])
     blurred = batched_augment._gaussian_blur(source[:2], sigma, spec.blur_kernel)
@@ -175,7 +187,9 @@ def test_greyscale_blur_and_solarisation_follow_each_views_kind(monkeypatch):
     is_grey = (grey_views[:, 0] == grey_views[:, 1]).all(dim=(1, 2)) & (grey_views[:, 1] == grey_views[:, 2]).all(
         dim=(1, 2)
     )
-    assert is_grey.float().mean().item() == pytest.approx(grey_spec.gray_p, abs=0.08)
+    assert is_grey.float().mean().item() == pytest.approx(
+        grey_spec.gray_p, abs=proportion_tolerance(grey_spec.gray_p, 200)
+    )
 
 
 def test_views_have_the_pixel_statistics_of_the_cpu_views_and_each_its_own_parameters():

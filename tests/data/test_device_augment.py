@@ -11,19 +11,22 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, view_tran
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation
 from hfmca_lightning.data.transforms import ViewAugmentation
 from hfmca_lightning.errors import ConfigurationError
+from tests.helpers import ks_critical, proportion_tolerance
 
 N = 4000
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
 def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    """The two-sample Kolmogorov-Smirnov statistic of ``a`` and ``b``, as a fraction of its critical value at
+    alpha = 1e-4 for their sizes (``ks_critical``): below 1 when they look drawn from one distribution."""
     grid = np.sort(np.concatenate([a, b]))
-    return float(
+    statistic = float(
         np.abs(
             np.searchsorted(np.sort(a), grid, "right") / len(a) - np.searchsorted(np.sort(b), grid, "right") / len(b)
         ).max()
     )
+    return statistic / ks_critical(len(a), len(b))
 
 
 def device(spec: ViewAugmentation) -> DeviceViewAugmentation:
@@ -43,8 +46,8 @@ def test_crop_area_and_aspect_distributions_match_torchvision(crop_strength):
         [RandomResizedCrop.get_params(image, list(spec.crop_scale), list(spec.crop_ratio))[2:] for _ in range(N)],
         dtype=float,
     )
-    assert ks_statistic(width * height / 1024, cpu[:, 0] * cpu[:, 1] / 1024) < 0.05
-    assert ks_statistic(np.log(width / height), np.log(cpu[:, 1] / cpu[:, 0])) < 0.05
+    assert ks_statistic(width * height / 1024, cpu[:, 0] * cpu[:, 1] / 1024) < 1
+    assert ks_statistic(np.log(width / height), np.log(cpu[:, 1] / cpu[:, 0])) < 1
 
 
 def test_colour_and_greyscale_parameters():
@@ -54,12 +57,11 @@ def test_colour_and_greyscale_parameters():
     params = jitter.forward_parameters(torch.Size([N, 3, 32, 32]))
     uniform = np.random.default_rng(0).uniform(0.6, 1.4, N)
     for key in ("brightness_factor", "contrast_factor", "saturation_factor"):
-        assert ks_statistic(params[key].numpy(), uniform) < 0.05, key
-    assert ks_statistic(params["hue_factor"].numpy(), np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 0.05
-    assert params["batch_prob"].float().mean().item() == pytest.approx(0.8, abs=0.03)
-    assert grey.forward_parameters(torch.Size([N, 3, 32, 32]))["batch_prob"].float().mean().item() == pytest.approx(
-        0.2, abs=0.03
-    )
+        assert ks_statistic(params[key].numpy(), uniform) < 1, key
+    assert ks_statistic(params["hue_factor"].numpy(), np.random.default_rng(1).uniform(-0.1, 0.1, N)) < 1
+    assert params["batch_prob"].float().mean().item() == pytest.approx(0.8, abs=proportion_tolerance(0.8, N))
+    greyed = grey.forward_parameters(torch.Size([N, 3, 32, 32]))["batch_prob"].float().mean().item()
+    assert greyed == pytest.approx(0.2, abs=proportion_tolerance(0.2, N))
 
 
 def test_every_view_of_the_same_image_gets_its_own_parameters():
@@ -77,6 +79,7 @@ def test_device_and_cpu_views_have_the_same_pixel_statistics():
     cpu_transform = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD)
     cpu = torch.stack([cpu_transform(image) for image in images for _ in range(200)])
     gpu_like = device(ViewAugmentation.from_strengths(32))(images, num_views=200).flatten(0, 1)
+    # per-channel statistics of two pipelines' views: sampling error ~0.01 each, uint8 truncation 0.01-0.03 (CPU)
     torch.testing.assert_close(gpu_like.mean(dim=(0, 2, 3)), cpu.mean(dim=(0, 2, 3)), atol=0.05, rtol=0)
     torch.testing.assert_close(gpu_like.std(dim=(0, 2, 3)), cpu.std(dim=(0, 2, 3)), atol=0.05, rtol=0)
 

@@ -38,6 +38,7 @@ def test_gray_strength_one_makes_every_view_grey():
     transform = view_transform(ViewAugmentation.from_strengths(32, gray_strength=1.0, color_strength=0), MEAN, STD)
     for _ in range(5):
         view = transform(image)
+        # float32 greyscale: one weighted sum of three channels per pixel, then the normalisation: a few roundings
         torch.testing.assert_close(view[0], view[1], atol=1e-5, rtol=0)
         torch.testing.assert_close(view[1], view[2], atol=1e-5, rtol=0)
 
@@ -230,6 +231,8 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     device_views = DeviceViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)(flat[None], num_views=4)[0]
     for views in (cpu_views, device_views):
         means = [float(view.mean()) * 255 for view in views]
+        # a flat grey image: blurred it stays 200, solarised 255 - 200; uint8 rounding on the CPU path (+-0.5) and
+        # the blur's reflect padding at the crop's border (a fraction of a level): within 1.5 levels
         assert means == pytest.approx([200, 55, 200, 55], abs=1.5)
 
 
@@ -260,6 +263,8 @@ def test_view_grids_give_the_source_position_of_every_cell_centre():
             / 8
             + 0.5
         )
+        # positions encoded in pixel values at 8 pixels per level and read back by bilinear sampling: uint8 rounding
+        # of the encoding (half a level, 1/16 of a pixel) and the resize's interpolation: within 0.3 pixel
         torch.testing.assert_close(seen.permute(1, 2, 0), grid.double(), atol=0.3, rtol=0)
         flips += bool(grid[0, 0, 0] > grid[0, -1, 0])
     assert 0 < flips < 20

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hfmca_lightning.losses import HFMCACost, all_reduce_statistics, group_statistics, hfmca_cost
+from tests.helpers import FLOAT64_UNIT, cost_error, cost_matrices, gamma, inverse_error
 
 pytestmark = pytest.mark.integration  # two processes
 
@@ -80,6 +81,15 @@ def _single_process() -> dict[str, object]:
     results["joint_ema"] = cost_module.joint_ema.clone()
     low, high = model(_data())
     results["functional"] = hfmca_cost(low, high, reg=0.1).detach()
+    # Sharded, the float64 sums of the moments are added in another order (twice 2 gamma_n of the terms'
+    # magnitudes, n = 36 members); the costs and gradients carry that through the factorisations, within their bounds.
+    low, high = low.detach(), high.detach()
+    results["cost_bound"] = cost_error(low, high, 0.1)
+    results["moment_bound"] = 4 * gamma(GROUPS * MEMBERS, FLOAT64_UNIT)
+    # a gradient is linear in J^-1, A^-1 and C^-1 (relative error inverse_error each) times sums over the members
+    results["gradient_rtol"] = 4 * (
+        sum(inverse_error(m) for m in cost_matrices(low, high, 0.1)) + results["moment_bound"]
+    )
     return results
 
 
@@ -96,7 +106,7 @@ def test_each_rank_cost_equals_the_whole_batch_cost(ranks):
     for result in ranks:
         assert float(result["global_counts"]) == GROUPS
         for key in ("cost0", "cost1", "functional"):
-            torch.testing.assert_close(result[key], single[key], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(result[key], single[key], rtol=0, atol=single["cost_bound"])
     # Without sync each rank sees only its half: a different number.
     assert abs(float(ranks[0]["local"]) - float(single["functional"])) > 1e-6
 
@@ -106,10 +116,12 @@ def test_ddp_averaged_gradients_equal_single_process_gradients(ranks):
     for result in ranks:
         for step in range(2):
             for got, expected in zip(result[f"grads{step}"], single[f"grads{step}"]):
-                torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+                tolerance = single["gradient_rtol"]
+                torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
 def test_adaptive_filter_state_is_identical_on_every_rank(ranks):
     single = _single_process()
     for result in ranks:
-        torch.testing.assert_close(result["joint_ema"], single["joint_ema"], rtol=1e-12, atol=1e-14)
+        # means of at most 36 terms of magnitude <= 1 (sigmoid features), summed in two orders
+        torch.testing.assert_close(result["joint_ema"], single["joint_ema"], rtol=0, atol=single["moment_bound"])

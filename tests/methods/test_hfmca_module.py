@@ -72,6 +72,8 @@ def test_channels_last_and_compiled_backbone_give_the_same_features():
     fast.load_state_dict(reference.state_dict())
     assert list(fast.state_dict()) == list(reference.state_dict())  # compiling does not rename weights
     assert fast.backbone[0].weight.is_contiguous(memory_format=torch.channels_last)
+    # float32 sums in other orders: a 3x3 convolution over 3 channels (27 terms) and a mean over 64 positions,
+    # 2 (gamma_27 + gamma_64) ~ 1.1e-5 of the terms' magnitudes (non-negative images, ReLU features)
     torch.testing.assert_close(fast(images), reference(images), rtol=1e-5, atol=1e-6)
 
 
@@ -93,6 +95,9 @@ def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_com
         )
     (eager_costs, eager_grad), (compiled_costs, compiled_grad) = results
     assert list(compiled_costs) == ["external", "internal/0"]
+    # the compiled convolution sums its 27 terms in another order (2 gamma_27 ~ 3e-6 of the features); the costs of
+    # these well-conditioned 4-d features (reg 0.1) move by a few times that, their gradients (sums over the
+    # 8 x 64 positions of the backbone's weight gradient: 2 gamma_512 ~ 6e-5) by more
     assert compiled_costs == pytest.approx(eager_costs, rel=1e-5)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
 
@@ -167,7 +172,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_updates_batchnorm
     plain_grads, plain_stats = _gradients_and_running_stats(_bn_module(), views)
     checkpointed = _bn_module(checkpoint_backbone=True)
     grads, stats = _gradients_and_running_stats(checkpointed, views)
-    for got, expected in zip(grads, plain_grads):
+    for got, expected in zip(grads, plain_grads):  # the recomputation runs the same kernels on the same inputs
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(stats, plain_stats)  # the recomputation leaves the running statistics alone
     assert int(checkpointed.backbone[1].num_batches_tracked) == 1
@@ -181,7 +186,9 @@ def test_chunks_through_the_backbone_equal_one_batch_without_batch_norm():
     whole_grads, _ = _gradients_and_running_stats(whole, views)
     chunk_grads, _ = _gradients_and_running_stats(chunked, views)
     assert seen[:3] == [5, 5, 2]  # 12 views in chunks of 5 (then the recomputation)
-    for got, expected in zip(chunk_grads, whole_grads):  # float32 sums in another order
+    # the weight gradients sum 12 views x 64 positions in chunks of 5 views instead of all at once: float32 sums in
+    # two groupings differ by at most 2 gamma_768 ~ 9e-5 of the terms' magnitudes
+    for got, expected in zip(chunk_grads, whole_grads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 

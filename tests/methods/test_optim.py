@@ -75,6 +75,8 @@ def test_lars_from_yaml_scales_weights_and_leaves_biases_and_norms_to_sgd(tmp_pa
     built.step()
     for n, p in module.named_parameters():
         expected = reference_lars_step(before[n], grads[n], 0.3, 1e-4 if before[n].ndim > 1 else 0.0, 0.001)
+        # float32: LARS and the reference take the same norms (torch's kernel on the same tensors) and differ in the
+        # order of a handful of multiplications: a few u (6e-8) relative; 1e-5 leaves two orders of magnitude
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-7, msg=n)
 
 
@@ -106,7 +108,7 @@ def test_warmup_then_cosine_follows_lightlys_schedule_step_by_step():
     total = 3 * steps_per_epoch
     expected = [0.2 * cosine_warmup_schedule(step, total, 1.0, 0.0, steps_per_epoch, 0.0) for step in range(total)]
     assert len(seen) == total
-    assert seen == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert seen == pytest.approx(expected, rel=1e-12, abs=0)  # the same float64 formula: a few roundings
     warmup, decay = seen[:steps_per_epoch], seen[steps_per_epoch - 1 :]
     assert warmup == pytest.approx(
         [0.2 * (step + 1) / steps_per_epoch for step in range(steps_per_epoch)]

@@ -72,7 +72,7 @@ def objective_values(
 
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
     """Raise one clear error if ``checkpoint`` was written by a model of another architecture."""
-    # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, absent from older checkpoints) is theirs to read.
+    # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, which a checkpoint may lack) is theirs to read.
     saved = {key: value for key, value in checkpoint.get("state_dict", {}).items() if isinstance(value, Tensor)}
     current = {key: value for key, value in module.state_dict().items() if isinstance(value, Tensor)}
     missing = sorted(set(current) - set(saved))

@@ -55,7 +55,7 @@ class SpectrumCNN(nn.Module):
     ``L1`` .. ``L9`` (module names are the block names). Output ``(N, channels)``.
 
     The layout is saved with the weights (``state_dict`` extra state); loading weights of the other layout
-    switches to it with a warning, and weights saved before layouts existed load as ``three_pools``.
+    switches to it with a warning, and weights without a layout entry load as ``three_pools``.
     """
 
     def __init__(
@@ -137,7 +137,7 @@ class SpectrumCNN(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        # Weights saved before layouts existed (no extra state) are the three-pool network.
+        # Weights without a layout entry (no extra state) are the three-pool network.
         key = prefix + "_extra_state"
         if key not in state_dict and any(name.startswith(prefix + "blocks.") for name in state_dict):
             state_dict[key] = {"layout": "three_pools"}

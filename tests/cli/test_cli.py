@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
-from tests.helpers import REPO, fit, interrupted_fit, logged, write_cifar, write_image_folder
+from tests.helpers import REPO, fit, interrupted_fit, logged, write_image_folder
 
 CONFIGS = sorted((REPO / "configs").glob("**/*.yaml"))
 
@@ -22,11 +22,10 @@ def test_every_config_parses_and_instantiates(config: Path, tmp_path, monkeypatc
     assert (cli.trainer.max_epochs or 0) > 0 or cli.trainer.max_steps > 0, "every config must bound its run"
 
 
-def test_fit_on_cifar_pickles(tmp_path):
-    write_cifar(tmp_path / "data", "cifar10", per_class=2)
+def test_fit_on_cifar_pickles(tmp_path, cifar10_on_disk):
     source = {
         "class_path": "hfmca_lightning.data.CIFAR",
-        "init_args": {"name": "cifar10", "root": str(tmp_path / "data"), "verify": False},
+        "init_args": {"name": "cifar10", "root": str(cifar10_on_disk), "verify": False},
     }
     fit(tmp_path, **{"data.init_args.source": source})
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()

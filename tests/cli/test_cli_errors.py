@@ -255,7 +255,7 @@ def test_a_nan_mid_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tm
 
 
 @pytest.mark.integration  # a subprocess or a training run
-def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, shrunk_demo):
     """Two processes (gloo), the demo's external cost without ``sync_dist`` (each process factors its own statistics),
     data-loader workers on; process 1's weights turn NaN. The checks are all-reduced before the optimizer step, so
     process 0, whose own costs are fine, stops at the same step: both exit (no hang at the next collective), one
@@ -267,7 +267,7 @@ def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_go
         },
         {"class_path": "tests.helpers.PoisonWeightsAtStep", "init_args": {"step": 5, "rank": 1}},
     ]
-    overrides = tiny_overrides(tmp_path, **{"trainer.callbacks": callbacks, "data.init_args.num_workers": 1})
+    overrides = shrunk_demo(**{"trainer.callbacks": callbacks, "data.init_args.num_workers": 1})
     ddp = [
         "--trainer.strategy",
         "ddp",

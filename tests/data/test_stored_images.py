@@ -12,13 +12,12 @@ from hfmca_lightning.data.stored_images import StoredImages
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
-from tests.helpers import write_cifar, write_image_folder
+from tests.helpers import write_image_folder
 
 
-def test_the_stored_images_give_the_batches_of_the_batched_workers(tmp_path):
+def test_the_stored_images_give_the_batches_of_the_batched_workers(cifar10_on_disk):
     """Every batch of an epoch (CIFAR's layout on disk, 2 workers on the worker path): the same views and targets."""
-    write_cifar(tmp_path, per_class=2)
-    source = CIFAR(root=str(tmp_path), verify=False)
+    source = CIFAR(root=str(cifar10_on_disk), verify=False)
     workers = MultiViewDataModule(
         source, num_views=4, batch_size=8, num_workers=2, worker_augmentation="batched", seed=3
     )

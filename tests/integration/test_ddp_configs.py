@@ -4,8 +4,8 @@ schedule shrunk) with two CPU processes (gloo), finishes in time, and writes its
 A collective called on rank 0 only (``Trainer.log_dir`` inside a figure callback, once) hangs such a run
 at the end of its first epoch; the time limit turns that hang into a failure. A run that times out prints
 every process's stacks and is tried once more in a fresh folder, with a warning that carries the stacks:
-a deterministic hang fails twice, while the one unexplained hang CI saw in about thirty suite runs (gloo on
-a loaded 2-core machine; not reproduced in 30 isolated runs) leaves its stacks in the report.
+a deterministic hang fails twice, while a rare hang of gloo on a loaded 2-core machine leaves its stacks in the
+report.
 """
 
 from __future__ import annotations

@@ -83,12 +83,12 @@ def test_the_layout_travels_with_the_weights():
     assert block_sizes(configured_otherwise, 32)["L9"] == (2, 4, 1)
 
 
-def test_weights_saved_before_layouts_existed_load_as_the_three_pool_network():
+def test_weights_without_a_layout_entry_load_as_the_three_pool_network():
     torch.manual_seed(0)
     old = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0, layout="three_pools").eval()
     state = {
         key: value for key, value in old.state_dict().items() if key != "_extra_state"
-    }  # what earlier versions saved
+    }  # a checkpoint without the layout entry
     model = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0).eval()
     with pytest.warns(UserWarning, match="trained with layout 'three_pools'"):
         model.load_state_dict(state)  # strict: nothing missing

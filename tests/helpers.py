@@ -648,3 +648,16 @@ def proportion_tolerance(p: float, n: int, sigmas: float = 5.0) -> float:
     """How far the fraction of ``n`` independent draws with probability ``p`` strays from ``p``: ``sigmas`` standard
     deviations, ``sigmas * sqrt(p (1 - p) / n)``."""
     return sigmas * (p * (1 - p) / n) ** 0.5
+
+
+def quiet_trainer(**options: object) -> Trainer:
+    """A ``Trainer`` for in-process tests: no logger, checkpoints, progress bar, model summary or sanity check, unless
+    ``options`` say otherwise."""
+    settings: dict = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return Trainer(**{**settings, **options})

@@ -17,7 +17,15 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses import WindowGeometry
 from hfmca_lightning.methods import HFMCAModule
-from tests.helpers import FLOAT32_UNIT, FLOAT64_UNIT, eigenvalue_error, gamma, tiny_data, tiny_spectrum_module
+from tests.helpers import (
+    FLOAT32_UNIT,
+    FLOAT64_UNIT,
+    eigenvalue_error,
+    gamma,
+    quiet_trainer,
+    tiny_data,
+    tiny_spectrum_module,
+)
 
 
 def reference_eigenvalues(stats, reg):
@@ -33,15 +41,11 @@ def trained(tmp_path_factory):
     module = tiny_spectrum_module()
     spectrum = EigenspectrumCallback(every_n_steps=1, top_k=5)
     heatmaps = DensityRatioHeatmapCallback(num_images=3, layers=["L1", "L5"])
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(tmp, name="run"),
         callbacks=[spectrum, heatmaps],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     trainer.fit(module, tiny_data())
@@ -91,15 +95,11 @@ def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_sched
     attributes_before = cost_module_attributes(module)
     reference = ReferenceSpectra()
     spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path, name="run"),
         callbacks=[reference, spectrum],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     trainer.fit(module, tiny_data())
@@ -177,16 +177,11 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
     )
     callback = DensityRatioHeatmapCallback(num_images=3, layers=["L1"], statistics_images=24, output_dir=str(tmp_path))
     module = tiny_spectrum_module(noise_channels=0)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=1,
         limit_val_batches=0,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
     trainer.fit(module, data)
     assert used["images"] == 3 and callback.last_statistics_images == 24
@@ -227,16 +222,11 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
     callback = DensityRatioHeatmapCallback(
         num_images=3, layers=["L1"], statistics_images=12, image_class=2, first_image=1, output_dir=str(tmp_path)
     )
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=1,
         limit_val_batches=0,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
     trainer.fit(tiny_spectrum_module(noise_channels=0), data)
     images, targets = data.evaluation_images(3, target=2, start=1)
@@ -285,14 +275,9 @@ def test_spectra_can_come_from_statistics_summed_over_the_last_batches():
 
     record, spectrum = Record(), EigenspectrumCallback(every_n_steps=3, top_k=5, accumulate_batches=3)
     module = tiny_spectrum_module()
-    Trainer(
+    quiet_trainer(
         max_epochs=1,
-        logger=False,
         callbacks=[record, spectrum],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
     ).fit(module, tiny_data())
     assert len(record.statistics) == 4  # 24 images, batch 6; logged after batches 0 and 3

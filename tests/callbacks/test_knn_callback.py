@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hfmca_lightning.callbacks import KNNEvaluation
 from hfmca_lightning.evaluation import knn_accuracy
-from tests.helpers import FLOAT32_UNIT
+from tests.helpers import FLOAT32_UNIT, quiet_trainer
 
 
 class BankAndQueries(LightningDataModule):
@@ -49,14 +49,9 @@ class BatchNormEncoder(LightningModule):
 
 
 def _trainer(callback: KNNEvaluation, epochs: int = 1) -> Trainer:
-    return Trainer(
+    return quiet_trainer(
         max_epochs=epochs,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
 
 

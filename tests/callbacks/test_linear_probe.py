@@ -18,6 +18,7 @@ from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import SmallConvNet
+from tests.helpers import quiet_trainer
 
 NUM_CLASSES = 4
 
@@ -32,14 +33,10 @@ def _data() -> MultiViewDataModule:
 def _fit(callbacks: list, epochs: int, ckpt_path: Path | None = None) -> tuple[SimCLR, Trainer]:
     seed_everything(0)
     module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=epochs,
         callbacks=[*callbacks, RunState()],
-        logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         accelerator="cpu",
         deterministic=True,
     )

@@ -155,21 +155,14 @@ def test_loaded_run_has_the_checkpoint_weights(checkpoints):
     assert not module.training
 
 
+def compare(ckpt_a: Path, ckpt_b: Path, out: Path) -> None:
+    """``hfmca compare`` of two checkpoints over one batch."""
+    main(["compare", "--ckpt_a", str(ckpt_a), "--ckpt_b", str(ckpt_b), "--out", str(out), "--num_batches", "1"])
+
+
 def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
     out = tmp_path / "compare"
-    main(
-        [
-            "compare",
-            "--ckpt_a",
-            str(checkpoints["selfsupervised"]),
-            "--ckpt_b",
-            str(checkpoints["unsupervised"]),
-            "--out",
-            str(out),
-            "--num_batches",
-            "1",
-        ]
-    )
+    compare(checkpoints["selfsupervised"], checkpoints["unsupervised"], out)
     spectra = json.loads((out / "cross_spectra.json").read_text())
     assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
     assert all(0 <= value < 1 for values in spectra.values() for value in values)
@@ -178,19 +171,7 @@ def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
 
 def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path):
     out = tmp_path / "self"
-    main(
-        [
-            "compare",
-            "--ckpt_a",
-            str(checkpoints["unsupervised"]),
-            "--ckpt_b",
-            str(checkpoints["unsupervised"]),
-            "--out",
-            str(out),
-            "--num_batches",
-            "1",
-        ]
-    )
+    compare(checkpoints["unsupervised"], checkpoints["unsupervised"], out)
     spectra = json.loads((out / "cross_spectra.json").read_text())
     assert spectra["blocks.L1"][0] > 0.95  # noise channels make the two passes differ slightly
 
@@ -204,19 +185,7 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
 def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):
     """A baseline's checkpoint compares with an HFMCA one at the same backbone modules (by name)."""
     out = tmp_path / "hfmca_vs_simclr"
-    main(
-        [
-            "compare",
-            "--ckpt_a",
-            str(checkpoints["selfsupervised"]),
-            "--ckpt_b",
-            str(checkpoints["simclr"]),
-            "--out",
-            str(out),
-            "--num_batches",
-            "1",
-        ]
-    )
+    compare(checkpoints["selfsupervised"], checkpoints["simclr"], out)
     spectra = json.loads((out / "cross_spectra.json").read_text())
     assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
     assert all(0 <= value < 1 for values in spectra.values() for value in values)

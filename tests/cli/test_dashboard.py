@@ -8,13 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.callbacks import EigenspectrumCallback
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.dashboard import eigenvalue_dynamics_workspace, save_workspace, stable_view_name
-from tests.helpers import tiny_data, tiny_spectrum_module
+from tests.helpers import quiet_trainer, tiny_data, tiny_spectrum_module
 
 pytest.importorskip("wandb_workspaces")
 
@@ -25,13 +24,10 @@ PAIRS = ["external", *(f"internal/L{i}" for i in range(1, 10))]
 def logged_keys(tmp_path_factory) -> list[str]:
     """Every metric key a short spectrum-CNN run writes (CSV logger: scalars)."""
     folder = tmp_path_factory.mktemp("dashboard_run")
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(folder, name="run"),
         callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=20)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
         limit_val_batches=0,
     )

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from lightning.pytorch import Trainer
 from torch import nn
 
 from hfmca_lightning.callbacks import KNNEvaluation
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.runs import load_run
 from hfmca_lightning.evaluation import extract_features
-from tests.helpers import FLOAT32_UNIT, REPO, tiny_overrides
+from tests.helpers import FLOAT32_UNIT, REPO, quiet_trainer, tiny_overrides
 
 SIMCLR_RESNET = {
     "init_args": {
@@ -129,11 +128,8 @@ def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_p
     table = (out / "knn.md").read_text()
     assert "| k | t = 0.07 | t = 0.1 |" in table and table.count("\n| 5 |") == 1
     module, datamodule = load_run(simclr_run)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         callbacks=[KNNEvaluation(k=20, temperature=0.1)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     callback_top1 = trainer.validate(module, datamodule, verbose=False)[0]["knn/top1"]
     # the same neighbours and votes: the same count of correct queries over 12 (the callback logs it as float32)

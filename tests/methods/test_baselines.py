@@ -12,6 +12,7 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
 from hfmca_lightning.models import SmallConvNet
+from tests.helpers import quiet_trainer
 
 SMALL_HEADS = {
     SimCLR: {"hidden_dim": 64, "output_dim": 32},
@@ -59,12 +60,8 @@ def test_baseline_trains_and_its_loss_decreases(method):
         view_grids=grids,
     )
     losses = Losses()
-    Trainer(
+    quiet_trainer(
         max_epochs=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[losses],
     ).fit(module, data)

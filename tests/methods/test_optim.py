@@ -14,7 +14,7 @@ from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.methods.optim import parameter_groups
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
-from tests.helpers import DEMO, tiny_overrides
+from tests.helpers import DEMO, quiet_trainer, tiny_overrides
 
 
 def small_module(**kwargs) -> HFMCAModule:
@@ -94,12 +94,8 @@ def test_warmup_then_cosine_follows_lightlys_schedule_step_by_step():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    trainer = Trainer(
+    trainer = quiet_trainer(
         max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[Record()],
     )

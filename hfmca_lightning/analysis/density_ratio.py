@@ -6,7 +6,8 @@ Starting from ``varrho = 1`` on the top map, each cost pair ``(Z_s, Z_{s+1})`` s
                   varrho_{s+1}(q) * rho_hat_{s,s+1}(Z_s(p), Z_{s+1}(q)),
 
 with ``rho_hat`` the Alg. 4 local density ratio. The sum over windows is a transposed convolution with a
-ones kernel, so nothing is unfolded. Padding positions (zero features, so ``rho_hat = 0``) are cropped.
+ones kernel, so nothing is unfolded. Padding positions are no window members (docs/conventions.md §3): the
+response is computed on the input map's positions only, and whatever falls on the padding ring is cropped.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
+from hfmca_lightning.analysis.rankme import rankme
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError
@@ -27,27 +28,33 @@ HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw
 class EigenspectrumCallback(FigureCallback):
     """The one owner of every spectrum quantity logged during training.
 
-    Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the global-batch statistics of each
-    cost pair that the module's ``training_step`` returned (``outputs["statistics"]``, keyed by cost name:
-    ``external``, ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` does), with that
-    cost's ``reg``, and logs, per pair ``<name>``:
+    Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the statistics of each cost pair that the
+    module's ``training_step`` returned (``outputs["statistics"]``, global-batch, keyed by pair: ``external``,
+    ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` and the baselines do), summed over the last
+    consecutive steps that together hold at least ``min_groups`` groups of that pair (default
+    ``groups_per_feature`` times its larger feature dimension): one batch of 64 images has 64 groups for 128-d
+    features, and the spectrum of so few groups shows dependence that is not there (independent 64-d features:
+    eigenvalues ~0.3 from 32 groups, ~0.01 from 6,400). A pair whose window is not full yet is not logged. The
+    window mixes the statistics of consecutive parameter values, as the adaptive filter of Alg. 3 does; with
+    ``beta > 0`` the spectra still come from the window's raw statistics, not the filter's estimates.
 
-    * ``spectrum/<name>/top1``, ``spectrum/<name>/top10_mean`` and ``spectrum/<name>/num_above_<threshold>``;
-    * ``eigenvalues/<name>/01`` .. ``/<top_k>`` — the eigenvalue series, one scalar per rank;
-    * to W&B loggers also ``spectrum/<name>/eigenvalues``, the whole spectrum as a ``wandb.Histogram`` over
-      [0, 1] (W&B draws its distribution over time without any panel set-up).
+    The largest eigenvalue of uncentred statistics belongs to the constant function (close to 1 for features whose
+    span holds the constants: sigmoid, ReLU), so it is reported apart. Logged per pair ``<name>``:
 
-    The statistics are those of one training batch (all ranks together): ``B`` groups (``B * L`` members)
-    for the external pair, ``B * L * H' * W'`` groups (output positions) for an internal one. With
-    ``accumulate_batches = N > 1`` they are summed over the last ``N`` training batches (the logged one and the
-    ``N - 1`` before it; fewer right after a start or resume): ``N`` times the samples, at the price of mixing
-    statistics of ``N`` consecutive parameter values (the adaptive filter of Alg. 3 makes the same trade).
-    Values go straight to the
-    loggers (once per scheduled step, at the step of that batch). At the end of every training
-    epoch it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
-    ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest eigenvalues) and
-    ``layer_spectra`` (one column of eigenvalue dots per pair, red line: mean of the 10 largest). Logging
-    and figures are rank 0's; the history is kept in checkpoints.
+    * ``spectrum/<name>/trivial``: the constant function's eigenvalue;
+    * ``spectrum/<name>/top1``, ``top10_mean`` and ``num_above_<threshold>`` of the other eigenvalues;
+    * ``spectrum/<name>/groups``: how many groups the window holds;
+    * ``eigenvalues/<name>/01`` .. ``/<top_k>``: the largest non-trivial eigenvalues, one series each;
+    * to W&B loggers also ``spectrum/<name>/eigenvalues``, the non-trivial spectrum as a ``wandb.Histogram`` over
+      [0, 1] (W&B draws its distribution over time without any panel set-up);
+    * ``rankme/backbone``: RankMe (:func:`~hfmca_lightning.analysis.rankme`) of the backbone features of the step's
+      batch, when ``training_step`` returns them (``outputs["features"]``).
+
+    Values go straight to the loggers, at the step of the window's last batch. At the end of every training epoch
+    it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
+    ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest non-trivial eigenvalues) and
+    ``layer_spectra`` (one column of eigenvalue dots per pair, red line: mean of the 10 largest). Logging and figures
+    are rank 0's; the history is kept in checkpoints.
     """
 
     def __init__(
@@ -56,30 +63,39 @@ class EigenspectrumCallback(FigureCallback):
         top_k: int = 20,
         threshold: float = 0.5,
         output_dir: str | None = None,
-        accumulate_batches: int = 1,
+        min_groups: int | None = None,
+        groups_per_feature: int = 100,
     ) -> None:
         super().__init__(output_dir)
         checks = (
             ("every_n_steps", every_n_steps, every_n_steps >= 1),
             ("top_k", top_k, top_k >= 1),
             ("threshold", threshold, 0 < threshold < 1),
-            ("accumulate_batches", accumulate_batches, accumulate_batches >= 1),
+            ("min_groups", min_groups, min_groups is None or min_groups >= 1),
+            ("groups_per_feature", groups_per_feature, groups_per_feature >= 1),
         )
         for name, value, valid in checks:
             if not valid:
                 raise ConfigurationError(
-                    "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1 and "
-                    f"accumulate_batches >= 1; got {name}={value}",
+                    "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1, min_groups >= 1 "
+                    f"(or null) and groups_per_feature >= 1; got {name}={value}",
                     parameter=name,
                 )
         self.every_n_steps = every_n_steps
-        self.accumulate_batches = accumulate_batches
-        self._recent: deque[dict[str, CorrelationStatistics]] = deque(maxlen=accumulate_batches)
+        self.min_groups = min_groups
+        self.groups_per_feature = groups_per_feature
+        self._open: dict[str, CorrelationStatistics] = {}  # per pair, the sum of the steps since the last log
+        self._chunks: dict[str, deque[CorrelationStatistics]] = {}  # per pair, the sums of the last logged intervals
         self.top_k = top_k
         self.threshold = threshold
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
         self.latest: dict[str, torch.Tensor] = {}
+        self.window_groups: dict[str, int] = {}
         self._last_logged_step = -1
+
+    def groups_needed(self, stats: CorrelationStatistics) -> int:
+        """The fewest groups a pair's window must hold: ``min_groups``, or ``groups_per_feature * max(K1, K2)``."""
+        return self.min_groups or self.groups_per_feature * max(stats.low_dim, stats.high_dim)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -88,24 +104,57 @@ class EigenspectrumCallback(FigureCallback):
         statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
         if not statistics or step == self._last_logged_step:
             return
-        self._recent.append(statistics)  # the last accumulate_batches batches' statistics
+        for name, stats in statistics.items():  # the open chunk: this step's statistics added to the steps since the last log
+            stats = stats.detach()
+            self._open[name] = stats if name not in self._open else self._open[name] + stats
         if (step - 1) % self.every_n_steps != 0:
             return
-        statistics = {name: reduce(operator.add, (recent[name] for recent in self._recent)) for name in statistics}
         self._last_logged_step = step
-        costs = pl_module.cost_modules()  # type: ignore[operator]  # an HFMCA module's method (checked in setup)
+        for name, stats in self._open.items():
+            self._chunks.setdefault(name, deque()).append(stats)
+        self._open = {}
+        costs = pl_module.cost_modules()  # type: ignore[operator]  # an HFMCA module's or a baseline's method
         metrics: dict[str, float] = {}
-        for name, stats in statistics.items():
+        for name in statistics:
+            window = self._full_window(name)
+            if window is None:
+                continue
+            stats, groups = window
             eigenvalues = decompose(stats, reg=costs[name].reg).eigenvalues.cpu()
-            self.latest[name] = eigenvalues
-            top = eigenvalues[: self.top_k].tolist()
+            nontrivial = eigenvalues[1:]
+            self.latest[name] = nontrivial
+            self.window_groups[name] = groups
+            top = nontrivial[: self.top_k].tolist()
             self.history.setdefault(name, []).append((step, top))
-            metrics[f"spectrum/{name}/top1"] = float(eigenvalues[0])
-            metrics[f"spectrum/{name}/top10_mean"] = float(eigenvalues[:10].mean())
-            metrics[f"spectrum/{name}/num_above_{self.threshold:g}"] = float((eigenvalues > self.threshold).sum())
+            metrics[f"spectrum/{name}/trivial"] = float(eigenvalues[0])
+            metrics[f"spectrum/{name}/groups"] = float(groups)
+            if len(nontrivial):
+                metrics[f"spectrum/{name}/top1"] = float(nontrivial[0])
+                metrics[f"spectrum/{name}/top10_mean"] = float(nontrivial[:10].mean())
+                metrics[f"spectrum/{name}/num_above_{self.threshold:g}"] = float((nontrivial > self.threshold).sum())
             metrics.update({f"eigenvalues/{name}/{rank:02d}": value for rank, value in enumerate(top, start=1)})
-        if trainer.is_global_zero:
+        features = outputs.get("features")
+        if isinstance(features, torch.Tensor) and features.dim() == 2 and min(features.shape) > 1:
+            metrics["rankme/backbone"] = float(rankme(features))
+        if trainer.is_global_zero and metrics:
             self._log(trainer, metrics, step - 1)
+
+    def _full_window(self, name: str) -> tuple[CorrelationStatistics, int] | None:
+        """The sum of the newest chunks of pair ``name`` (a chunk: the steps between two logs) that together hold at
+        least the groups it needs, and their number of groups (one host read of the counts); ``None`` while there are
+        too few. Older chunks are dropped, so the window costs a few ``K x K`` sums."""
+        chunks = self._chunks[name]
+        counts = torch.stack([stats.group_count for stats in chunks]).tolist()
+        needed = self.groups_needed(chunks[-1])
+        total, start = 0.0, len(chunks)
+        while start > 0 and total < needed:
+            start -= 1
+            total += counts[start]
+        for _ in range(start):
+            chunks.popleft()
+        if total < needed:
+            return None
+        return reduce(operator.add, chunks), int(total)
 
     def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
         """Straight to the loggers, once, at the step of the batch the statistics came from (``self.log``
@@ -119,6 +168,7 @@ class EigenspectrumCallback(FigureCallback):
                     np_histogram=np.histogram(values.numpy(), bins=HISTOGRAM_BINS, range=(0.0, 1.0))
                 )
                 for name, values in self.latest.items()
+                if f"spectrum/{name}/trivial" in metrics
             }
         for logger in trainer.loggers:
             logger.log_metrics({**metrics, **histograms} if isinstance(logger, WandbLogger) else metrics, step=step)
@@ -139,13 +189,38 @@ class EigenspectrumCallback(FigureCallback):
         self.publish(trainer, spectra, "layer_spectra", f"layer_spectra_epoch{epoch:03d}.png")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history}
+        """The history and the window's chunks (a few ``K x K`` sums per pair), so a resumed run logs what an
+        uninterrupted one would."""
+        return {
+            "history": self.history,
+            "open": {name: _as_tuple(stats) for name, stats in self._open.items()},
+            "chunks": {name: [_as_tuple(stats) for stats in chunks] for name, chunks in self._chunks.items()},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = {
             name: [(int(step), list(values)) for step, values in entries]
             for name, entries in state_dict["history"].items()
         }
+        self._open = {name: CorrelationStatistics(*tensors) for name, tensors in state_dict.get("open", {}).items()}
+        self._chunks = {
+            name: deque(CorrelationStatistics(*tensors) for tensors in chunks)
+            for name, chunks in state_dict.get("chunks", {}).items()
+        }
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Restored chunks go to the module's device (checkpoints may be loaded on the CPU)."""
+        device = pl_module.device
+        self._open = {name: _to(stats, device) for name, stats in self._open.items()}
+        self._chunks = {name: deque(_to(stats, device) for stats in chunks) for name, chunks in self._chunks.items()}
+
+
+def _as_tuple(stats: CorrelationStatistics) -> tuple[torch.Tensor, ...]:
+    return (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
+
+
+def _to(stats: CorrelationStatistics, device: torch.device) -> CorrelationStatistics:
+    return CorrelationStatistics(*(tensor.to(device) for tensor in _as_tuple(stats)))
 
 
 def _pad(values: list[float], length: int) -> list[float]:

@@ -47,7 +47,8 @@ class CorrelationStatistics:
             coverage for feature maps).
         high_outer_sum: ``(K2, K2)`` sum over groups of ``h h^T``.
         cross_sum: ``(K1, K2)`` sum over groups of ``(mean_l z_l) h^T``.
-        member_count: ``()`` number of members ``M * L`` (padding members included).
+        member_count: ``()`` ``M * L``: for feature maps ``L = kernel**2`` (the coverage weights make R1 the mean of
+            each window's member mean when a window covers fewer positions).
         group_count: ``()`` number of groups ``M``.
     """
 
@@ -147,17 +148,36 @@ def window_coverage(
     geometry: WindowGeometry,
     device: torch.device | None = None,
 ) -> Tensor:
-    """``(H, W)`` float64 map: how many output windows contain each input position.
+    """``(H, W)`` float64 map: the weight of each input position in R1, ``kernel**2 * sum_q 1 / |W_q|`` over the
+    output windows ``W_q`` that contain it.
 
-    Windows have the block's ``geometry``; positions outside ``[0, H) x [0, W)`` are padding and are
-    cropped away (they hold zeros, so they add nothing to R1 but count as members).
+    Windows have the block's ``geometry``; their members are the positions of the input map they cover
+    (``|W_q|`` of them: ``kernel**2`` inside, fewer where the window reaches over the border, whose padding
+    positions are no members; docs/conventions.md §3). With ``kernel**2`` members counted per group, R1 is then the
+    mean over groups of each window's own member mean of ``z z^T``. Without padding the weight is the number of
+    windows that contain the position.
     """
-    k, s, p = geometry.kernel, geometry.stride, geometry.padding
+    k = geometry.kernel
     height, width = input_size
-    windows = output_size[0] * output_size[1]
-    ones = torch.ones(1, k * k, windows, dtype=torch.float64, device=device)
-    padded = F.fold(ones, output_size=(height + 2 * p, width + 2 * p), kernel_size=k, stride=s)
-    return padded[0, 0, p : p + height, p : p + width]
+    rows = _real_members(height, geometry, device)
+    columns = _real_members(width, geometry, device)
+    if (rows.shape[0], columns.shape[0]) != tuple(output_size):
+        raise ValueError(
+            f"window geometry {geometry} maps a {tuple(input_size)} input to "
+            f"{(rows.shape[0], columns.shape[0])} positions, not {tuple(output_size)}"
+        )
+    inverse_sizes = 1.0 / (rows.sum(dim=1)[:, None] * columns.sum(dim=1)[None, :])  # (H', W'): 1 / |W_q|
+    return k * k * (rows.T @ inverse_sizes @ columns)
+
+
+def _real_members(size: int, geometry: WindowGeometry, device: torch.device | None) -> Tensor:
+    """``(out, size)`` float64 0/1 matrix: which input positions ``i`` output position ``o`` 's window covers
+    (``o * stride - padding <= i < o * stride - padding + kernel``); padding positions are none."""
+    k, s, p = geometry.kernel, geometry.stride, geometry.padding
+    out = (size + 2 * p - k) // s + 1
+    start = torch.arange(out, device=device)[:, None] * s - p
+    position = torch.arange(size, device=device)[None, :]
+    return ((position >= start) & (position < start + k)).to(torch.float64)
 
 
 StatisticsPrecision = Literal["fast", "float64"]
@@ -168,10 +188,11 @@ def feature_map_statistics(
 ) -> CorrelationStatistics:
     """Statistics between a block's input map and output map (internal cost, paper Alg. 2, docs/conventions.md §3).
 
-    Every output position ``q`` is a group whose members are the ``kernel**2`` input positions of its
-    window (padding positions are zero members). Equal to :func:`group_statistics` on the unfolded
-    windows, but computed without unfolding: window means by average pooling, R1 as a coverage-weighted
-    sum over input positions.
+    Every output position ``q`` is a group whose members are the input positions its window covers: the
+    ``kernel**2`` positions of the window, less those that lie in the padding (docs/conventions.md §3). Equal to
+    :func:`group_statistics` on the unfolded windows where no window reaches the padding, but computed without
+    unfolding: window means by average pooling over the covered positions, R1 as a :func:`window_coverage`-weighted
+    sum over input positions (each window's member mean, averaged over windows).
 
     ``precision="fast"`` (training): float32 arithmetic (TF32 off on CUDA), float64 sums. Window means are
     banded matrix products (:func:`_window_means`). Blocks whose outputs have at least as many positions per
@@ -181,7 +202,7 @@ def feature_map_statistics(
     small deep-layer maps of either layout are multiplied over all rows at once after subtracting their means
     (:class:`_CentredRowStatistics`). Each path is one autograd node with its own backward pass.
     ``"float64"``: every step in float64 with average pooling (analysis, and the reference the fast path is
-    tested against: costs agree to 1e-6 and gradients to 1e-5, relative).
+    tested against: costs agree to 1e-5 and gradients to 5e-5, relative, docs/conventions.md §3).
 
     Args:
         low_map: ``(B, K1, H, W)`` block input ``Z_s``.
@@ -239,9 +260,12 @@ def feature_map_statistics(
 def _float64_statistics(
     z_map: Tensor, h_map: Tensor, coverage: Tensor, geometry: WindowGeometry
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The three sums in float64 by the definitions, with average pooling and plain autograd (the reference)."""
-    p = geometry.padding
-    means = F.avg_pool2d(F.pad(z_map, (p, p, p, p)), geometry.kernel, geometry.stride).flatten(2)
+    """The three sums in float64 by the definitions, with sum pooling over the zero-padded map divided by each window's
+    number of covered positions, and plain autograd (the reference)."""
+    k, s, p = geometry.kernel, geometry.stride, geometry.padding
+    sums = F.avg_pool2d(F.pad(z_map, (p, p, p, p)), k, s, divisor_override=1)
+    covered = F.avg_pool2d(F.pad(torch.ones_like(z_map[:1, :1]), (p, p, p, p)), k, s, divisor_override=1)
+    means = (sums / covered).flatten(2)
     z, h = z_map.flatten(2), h_map.flatten(2)
 
     def summed(left: Tensor, right: Tensor) -> Tensor:
@@ -251,7 +275,7 @@ def _float64_statistics(
 
 
 def _window_means(z_map: Tensor, rows: Tensor, columns: Tensor, out: Tensor | None = None) -> Tensor:
-    """``(..., H', W')``: the mean of every window (zero padding counted), ``R_H Z R_W^T`` with the banded
+    """``(..., H', W')``: the mean of every window over the positions it covers, ``R_H Z R_W^T`` with the banded
     ``(H', H)`` / ``(W', W)`` matrices of :func:`_window_band`: the numbers of average pooling as matrix
     products (on CPUs several times faster than ``avg_pool2d``). Two products per image for large maps; for
     maps of at most 64 positions one product with the Kronecker matrix ``R_H (x) R_W`` over all images
@@ -316,13 +340,11 @@ def _window_constants(
 
 
 def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
-    """``(out, size)`` matrix with ``1 / kernel`` where output position ``o`` 's window covers input position
-    ``i`` (``o * stride - padding <= i < o * stride - padding + kernel``); padding positions are zero."""
-    k, s, p = geometry.kernel, geometry.stride, geometry.padding
-    out = (size + 2 * p - k) // s + 1
-    start = torch.arange(out, device=like.device)[:, None] * s - p
-    position = torch.arange(size, device=like.device)[None, :]
-    return ((position >= start) & (position < start + k)).to(like.dtype) / k
+    """``(out, size)`` matrix with ``1 / n_o`` where output position ``o`` 's window covers input position ``i``, ``n_o``
+    the number of input positions it covers (``kernel`` inside, fewer at a padded border), zero elsewhere: the
+    window means' row (or column) factor, since ``|W_q| = n_row * n_column``."""
+    members = _real_members(size, geometry, like.device)
+    return (members / members.sum(dim=1, keepdim=True)).to(like.dtype)
 
 
 def _per_image(h_map: Tensor) -> bool:

@@ -14,8 +14,9 @@ __all__ = ["NoiseChannels", "PaddingLayer"]
 class PaddingLayer(nn.ZeroPad2d):
     """Zero padding at the start of a block (paper appendix "Padding Layer").
 
-    The padded positions are part of the block's input ``Z_s`` for the internal cost (zero members of
-    the border windows); :func:`~hfmca_lightning.losses.window_geometry` reads it as ``(1, 1, padding)``.
+    The internal cost's windows are read through it (:func:`~hfmca_lightning.losses.window_geometry`: ``(1, 1,
+    padding)``); the padded positions are no members of them, only the input map's positions are
+    (docs/conventions.md §3).
     """
 
     def __init__(self, padding: int = 1) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import operator
+from functools import reduce
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,7 @@ def reference_eigenvalues(stats, reg):
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("analysis_callbacks")
     module = tiny_spectrum_module()
-    spectrum = EigenspectrumCallback(every_n_steps=1, top_k=5)
+    spectrum = EigenspectrumCallback(every_n_steps=1, top_k=5, min_groups=1)
     heatmaps = DensityRatioHeatmapCallback(num_images=3, layers=["L1", "L5"])
     trainer = quiet_trainer(
         max_epochs=1,
@@ -53,29 +55,22 @@ def trained(tmp_path_factory):
 
 
 class ReferenceSpectra(Callback):
-    """Before each training step, the spectra of the batch about to be trained on, computed independently:
-    the public ``eigenspectrum`` of the view / group features (external) and numpy's eigenvalues of
-    ``C^-1 P^T A^-1 P`` (every pair), from a separate no-grad forward with the same weights."""
+    """Before each training step, the statistics of the batch about to be trained on, computed independently by a
+    separate no-grad forward with the same weights, and the public ``eigenspectrum`` of its view / group features."""
 
     def __init__(self) -> None:
-        self.by_step: dict[int, dict[str, np.ndarray]] = {}
+        self.statistics: dict[int, dict] = {}
         self.external: dict[int, np.ndarray] = {}
-        self.relative_error: dict[int, dict[str, float]] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         views = batch[0]
         with torch.no_grad():
             collected = pl_module.collect(views)
             view_features, group_features = pl_module.encode_views(views)
-        costs = pl_module.cost_modules()
         step = trainer.global_step + 1  # the step number once this batch's optimiser step is done
-        self.by_step[step] = {
-            name: reference_eigenvalues(stats, costs[name].reg) for name, stats in collected.statistics.items()
-        }
-        self.external[step] = eigenspectrum(view_features, group_features, reg=costs["external"].reg).numpy()
-        self.relative_error[step] = {
-            name: eigenvalue_error(stats, costs[name].reg) for name, stats in collected.statistics.items()
-        }
+        self.statistics[step] = collected.statistics
+        reg = pl_module.cost_modules()["external"].reg
+        self.external[step] = eigenspectrum(view_features, group_features, reg=reg).numpy()
 
 
 def cost_module_attributes(module: HFMCAModule) -> dict[str, dict]:
@@ -86,7 +81,10 @@ def cost_module_attributes(module: HFMCAModule) -> dict[str, dict]:
     }
 
 
-def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_schedule(tmp_path):
+def test_logged_spectra_are_those_of_the_steps_since_the_last_log_once_per_schedule(tmp_path):
+    """With ``min_groups: 1`` the window is the steps since the last log: step 1 alone, then steps 2 and 3. Logged:
+    the eigenvalues after the first (the constant function's, logged as ``trivial``) of numpy's ``C^-1 P^T A^-1 P``
+    of the summed statistics, and the window's group count."""
     torch.manual_seed(0)
     module = tiny_spectrum_module(noise_channels=0)  # no noise: the reference forward sees the training features
     # float64 statistics: the training forward (with gradients) and the reference's (without) then differ by float64
@@ -94,7 +92,7 @@ def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_sched
     module.internal_costs.precision = "float64"
     attributes_before = cost_module_attributes(module)
     reference = ReferenceSpectra()
-    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
+    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5, min_groups=1)
     trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path, name="run"),
@@ -104,27 +102,33 @@ def test_logged_spectra_equal_the_eigenspectrum_of_the_same_batch_once_per_sched
     )
     trainer.fit(module, tiny_data())
     rows = list(csv.DictReader(open(Path(trainer.log_dir) / "metrics.csv")))
+    costs = module.cost_modules()
     names = {"external", *(f"internal/L{i}" for i in range(1, 10))}
+    windows = {1: (1,), 3: (2, 3)}
     for name in names:
         logged = [row for row in rows if row.get(f"eigenvalues/{name}/01")]
         assert [int(row["step"]) for row in logged] == [0, 2], f"{name}: logged once at steps 1 and 3 (batches 0 and 2)"
-        for row, step in zip(logged, (1, 3)):
-            expected = reference.by_step[step][name]
+        for row, step in zip(logged, windows):
+            stats = reduce(operator.add, (reference.statistics[s][name] for s in windows[step]))
+            expected = reference_eigenvalues(stats, costs[name].reg)
             got = [float(row[f"eigenvalues/{name}/{rank:02d}"]) for rank in range(1, 6)]
             # two float64 eigen-solvers (SVD of the whitened cross-correlation W; numpy's eigenvalues of
             # C^-1 P^T A^-1 P): W carries a relative error e = 4 n u (kappa(A) + kappa(C)) in each, so its singular
-            # values move by at most e ||W|| <= e (Weyl; ||W|| < 1) and sigma = s^2 by at most 3 e; the CSV prints
-            # float32 (2^-24 of values <= 1)
-            tolerance = 6 * reference.relative_error[step][name] + FLOAT32_UNIT
-            np.testing.assert_allclose(got, expected[:5], rtol=0, atol=tolerance)
-            assert float(row[f"spectrum/{name}/top1"]) == pytest.approx(expected[0], rel=0, abs=tolerance)
-            top10 = expected[:10].mean()
+            # values move by at most e ||W|| <= e (Weyl; ||W|| < 1) and sigma = s^2 by at most 3 e; the sum of two
+            # steps adds float64 rounding of the same order; the CSV prints float32 (2^-24 of values <= 1)
+            tolerance = 6 * eigenvalue_error(stats, costs[name].reg) + FLOAT32_UNIT
+            assert float(row[f"spectrum/{name}/trivial"]) == pytest.approx(expected[0], rel=0, abs=tolerance)
+            np.testing.assert_allclose(got, expected[1:6], rtol=0, atol=tolerance)
+            assert float(row[f"spectrum/{name}/top1"]) == pytest.approx(expected[1], rel=0, abs=tolerance)
+            top10 = expected[1:11].mean()
             assert float(row[f"spectrum/{name}/top10_mean"]) == pytest.approx(top10, rel=0, abs=tolerance)
-            assert float(row[f"spectrum/{name}/num_above_0.5"]) == float((expected > 0.5).sum())
+            assert float(row[f"spectrum/{name}/num_above_0.5"]) == float((expected[1:] > 0.5).sum())
+            assert float(row[f"spectrum/{name}/groups"]) == float(stats.group_count)
     for step in (1, 3):  # the public eigenspectrum and numpy's eigenvalues of the same features: two solvers
-        external = reference.external[step]
-        tolerance = 6 * reference.relative_error[step]["external"]
-        np.testing.assert_allclose(external, reference.by_step[step]["external"], rtol=0, atol=tolerance)
+        stats = reference.statistics[step]["external"]
+        tolerance = 6 * eigenvalue_error(stats, costs["external"].reg)
+        expected = reference_eigenvalues(stats, costs["external"].reg)
+        np.testing.assert_allclose(reference.external[step], expected, rtol=0, atol=tolerance)
     # Nothing per batch lives on the cost modules: their plain attributes are what the constructor set.
     assert cost_module_attributes(module) == attributes_before
 
@@ -135,13 +139,6 @@ def test_figures_are_written_under_the_run_directory(trained):
         p.name for p in (trainer.log_dir and __import__("pathlib").Path(trainer.log_dir) / "figures").glob("*.png")
     )
     assert figures == ["density_ratio_epoch000.png", "layer_spectra_epoch000.png", "learning_dynamics_epoch000.png"]
-
-
-def test_history_round_trips_through_the_callback_state(trained):
-    _, spectrum, _ = trained
-    restored = EigenspectrumCallback()
-    restored.load_state_dict(spectrum.state_dict())
-    assert restored.history == spectrum.history
 
 
 def test_heatmap_callback_rejects_unknown_layers():
@@ -263,36 +260,73 @@ def test_heatmaps_are_drawn_where_their_map_positions_lie_in_the_image():
     assert figure.axes[1].get_xlim() == (-0.5, 31.5)  # the view stays on the image
 
 
-def test_spectra_can_come_from_statistics_summed_over_the_last_batches():
+class RecordStatistics(Callback):
+    def __init__(self) -> None:
+        self.statistics: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.statistics.append(outputs["statistics"])
+
+
+def test_a_window_holds_the_newest_logged_intervals_that_reach_min_groups():
+    """Logs at steps 1, 3, 5, 7 (every 2); with min_groups = 19 (more than three batches of 6 groups), the window at step 5 holds the
+    intervals {4, 5} and {2, 3}, at step 7 {6, 7} and {4, 5}; nothing before the first full window (step 3:
+    {2, 3} and {1} hold 18 groups, one too few)."""
     from hfmca_lightning.analysis.spectral import decompose
 
-    class Record(Callback):
-        def __init__(self) -> None:
-            self.statistics: list[dict] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.statistics.append(outputs["statistics"])
-
-    record, spectrum = Record(), EigenspectrumCallback(every_n_steps=3, top_k=5, accumulate_batches=3)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3), num_views=4, batch_size=6, num_workers=0
+    )
+    record = RecordStatistics()
+    # external: 6 groups per batch, so more than three batches' worth
+    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5, min_groups=3 * 6 + 1)
     module = tiny_spectrum_module()
-    quiet_trainer(
-        max_epochs=1,
-        callbacks=[record, spectrum],
-        limit_val_batches=0,
-    ).fit(module, tiny_data())
-    assert len(record.statistics) == 4  # 24 images, batch 6; logged after batches 0 and 3
-    costs = module.cost_modules()
-    for name in ("external", "internal/L1", "internal/L9"):
-        (first_step, first), (last_step, last) = spectrum.history[name]
-        assert (first_step, last_step) == (1, 4)
-        alone = decompose(record.statistics[0][name], reg=costs[name].reg).eigenvalues[:5]
-        summed = record.statistics[1][name] + record.statistics[2][name] + record.statistics[3][name]
-        assert float(summed.group_count) == 3 * float(record.statistics[3][name].group_count)
-        # the same statistics decomposed by the same code (the sum: float64 additions of three batches, at most
-        # 2 gamma_3 relative, moving sigma by at most 3 times that relative error of W: see eigenvalue_error)
-        np.testing.assert_allclose(first, alone.tolist(), rtol=0, atol=0)  # one batch seen so far
-        expected = decompose(summed, reg=costs[name].reg).eigenvalues[:5].tolist()
-        np.testing.assert_allclose(last, expected, rtol=0, atol=6 * eigenvalue_error(summed, costs[name].reg))
+    quiet_trainer(max_epochs=1, callbacks=[record, spectrum], limit_val_batches=0).fit(module, data)
+    assert len(record.statistics) == 8
+    reg = module.cost_modules()["external"].reg
+    history = spectrum.history["external"]
+    assert [step for step, _ in history] == [5, 7]
+    for (step, logged), window in zip(history, ((2, 3, 4, 5), (4, 5, 6, 7))):
+        # steps 1..8 are batches 0..7: the step's own batch is the last of its window
+        summed = reduce(operator.add, (record.statistics[s - 1]["external"] for s in window))
+        assert float(summed.group_count) == 4 * 6
+        # the same statistics, added in the same order, decomposed by the same code
+        expected = decompose(summed, reg=reg).eigenvalues[1:6].tolist()
+        np.testing.assert_allclose(logged, expected, rtol=0, atol=0)
+    assert spectrum.window_groups["external"] == 24
+    # internal pairs hold hundreds of groups per batch: every interval fills a window of 18 alone
+    assert [step for step, _ in spectrum.history["internal/L1"]] == [1, 3, 5, 7]
+
+
+def test_the_window_round_trips_through_the_checkpoint_state():
+    record = RecordStatistics()
+    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
+    quiet_trainer(max_epochs=1, callbacks=[record, spectrum], limit_val_batches=0).fit(
+        tiny_spectrum_module(), tiny_data()
+    )
+    restored = EigenspectrumCallback(every_n_steps=2, top_k=5)
+    restored.load_state_dict(torch.load(_saved(spectrum.state_dict()), weights_only=True))
+    assert restored.history == spectrum.history
+    for name, chunks in spectrum._chunks.items():
+        assert [float(c.group_count) for c in restored._chunks[name]] == [float(c.group_count) for c in chunks]
+        for got, want in zip(restored._chunks[name], chunks):
+            torch.testing.assert_close(got.cross_sum, want.cross_sum, rtol=0, atol=0)
+    assert set(restored._open) == set(spectrum._open) != set()  # 4 batches: the last one is after the last log
+
+
+def _saved(state: dict):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("min_groups", 0), ("groups_per_feature", 0), ("every_n_steps", 0), ("threshold", 1.0)]
+)
+def test_bad_window_settings_are_one_clear_error(name, value):
     with pytest.raises(ConfigurationError) as error:
-        EigenspectrumCallback(accumulate_batches=0)
-    assert error.value.parameter == "accumulate_batches"
+        EigenspectrumCallback(**{name: value})
+    assert error.value.parameter == name

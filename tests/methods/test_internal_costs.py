@@ -21,12 +21,12 @@ from tests.helpers import (
 
 
 def window_mean_backbone() -> nn.Sequential:
-    """Blocks whose output is, by construction, the mean of their input window (padding counts as zero)."""
+    """Blocks whose output is, by construction, the mean of the input positions their window covers."""
     return nn.Sequential(
         OrderedDict(
             one_by_one=nn.AvgPool2d(1),
-            padded_3x3=nn.AvgPool2d(3, 1, 1, count_include_pad=True),
-            resnet_stride2=nn.AvgPool2d(7, 2, 3, count_include_pad=True),  # a stride-2 BasicBlock's window
+            padded_3x3=nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+            resnet_stride2=nn.AvgPool2d(7, 2, 3, count_include_pad=False),  # a stride-2 BasicBlock's window
             l9_pool=nn.AvgPool2d(4),
         )
     )
@@ -61,12 +61,12 @@ def test_window_mean_blocks_match_the_hand_computed_statistics():
     statistics = {pair.module_path: recording.statistics[pair.cost_name] for pair in internal.pairs}
     for name in names:
         geometry = geometries[name]
-        members, highs = reference_unfold_windows(
+        members, highs, real = reference_unfold_windows(
             captured[name]["low"], captured[name]["high"], geometry.kernel, geometry.stride, geometry.padding
         )
         # The block output really is its window mean...
-        torch.testing.assert_close(members.mean(dim=1), highs)
-        r1, r2, cross = reference_group_moments(members, highs)
+        torch.testing.assert_close(members.sum(dim=1) / real.sum(dim=1, keepdim=True), highs)
+        r1, r2, cross = reference_group_moments(members, highs, real)
         got = statistics[name].means()
         # float64 moments of non-negative terms (window means of rand maps) over at most 3 x 64 x 49 members, in two
         # orders: 2 gamma_n ~ 2e-12 relative
@@ -91,13 +91,15 @@ def test_resnet_stride2_block_statistics_match_unfolded_windows():
     seen = _capture_io(backbone.net.layer2[0])
     with internal.record() as recording:
         backbone(torch.rand(2, 3, 16, 16))
-    members, highs = reference_unfold_windows(seen["low"], seen["high"], 7, 2, 3)
+    members, highs, real = reference_unfold_windows(seen["low"], seen["high"], 7, 2, 3)
     # float64 moments of float32 maps summed over 2 x 8 x 8 groups of 49 members in two orders: 2 gamma_n of the
     # terms' magnitudes, which for these post-ReLU / BN maps are the moments of the absolute values
     n = members.shape[0] * members.shape[1]
-    magnitudes = reference_group_moments(members.abs(), highs.abs())
+    magnitudes = reference_group_moments(members.abs(), highs.abs(), real)
     for value, expected, magnitude in zip(
-        recording.statistics["internal/layer2.0"].detach().means(), reference_group_moments(members, highs), magnitudes
+        recording.statistics["internal/layer2.0"].detach().means(),
+        reference_group_moments(members, highs, real),
+        magnitudes,
     ):
         np.testing.assert_allclose(value.numpy(), expected, rtol=0, atol=2 * gamma(n, FLOAT64_UNIT) * magnitude.max())
 

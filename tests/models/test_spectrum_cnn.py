@@ -116,3 +116,44 @@ def test_internal_costs_follow_a_layout_taken_from_loaded_weights():
     assert configured.internal_costs.pairs[-1].geometry == WindowGeometry(4, 4, 0)  # L9 without the padding ring
     for name in expected:
         torch.testing.assert_close(got[name].low_outer_sum, expected[name].low_outer_sum)
+
+
+def test_no_internal_pair_is_bounded_by_its_padding_at_initialisation():
+    """Padding positions are no window members (docs/conventions.md §3). As zero members they bounded every
+    eigenvalue of a window with ``n`` of ``kernel**2`` members on the map by ``n / kernel**2``: L9 of the paper layout
+    (a 2x2 map padded to 4x4 under a 4x4 pool) at 0.25 from initialisation on. Here every pair's largest eigenvalue
+    (the near-constant function's, for sigmoid maps close to 1) is far above that bound, L9's included, and the
+    windows that reach the padding hold fewer members than ``kernel**2``."""
+    from hfmca_lightning.analysis import decompose
+    from hfmca_lightning.methods import InternalCosts
+
+    torch.manual_seed(0)
+    model = SpectrumCNN(channels=8, hidden_dim=16, noise_channels=2, layout="paper")
+    internal = InternalCosts(model.internal_layers, reg=1e-3, precision="float64")
+    internal.attach(model)
+    with torch.no_grad(), internal.record() as recording:
+        model(torch.rand(256, 3, 32, 32))
+    assert set(recording.statistics) == {f"internal/L{i}" for i in range(1, 10)}
+    for name, stats in recording.statistics.items():
+        largest = float(decompose(stats, reg=1e-3).eigenvalues[0])
+        assert largest > 0.9, f"{name}: largest eigenvalue {largest:.3f}"
+
+
+def test_a_padded_window_has_the_spectrum_of_the_same_members_without_padding():
+    """L9's pair (a 2x2 map, one 4x4 window over it padded by 1) and the unpadded 2x2 window over the same four
+    positions group the same members with the same outputs: equal statistics, so equal spectra (as zero members
+    the padded one's would all be a quarter of the other's)."""
+    from hfmca_lightning.analysis import decompose
+    from hfmca_lightning.losses import feature_map_statistics
+
+    torch.manual_seed(1)
+    low = torch.sigmoid(torch.randn(2000, 6, 2, 2, dtype=torch.float64))
+    window_mean = low.mean(dim=(2, 3), keepdim=True)  # (B, 6, 1, 1)
+    high = torch.sigmoid(torch.einsum("bkhw,kl->blhw", window_mean - 0.5, 4 * torch.randn(6, 5, dtype=torch.float64)))
+    padded = feature_map_statistics(low, high, WindowGeometry(4, 1, 1), precision="float64")
+    plain = feature_map_statistics(low, high, WindowGeometry(2, 1, 0), precision="float64")
+    padded_values = decompose(padded, reg=1e-3).eigenvalues
+    plain_values = decompose(plain, reg=1e-3).eigenvalues
+    # the same sums: float64 rounding of the coverage weights (16 / 4 against 1) and window means, ~4 n u relative
+    torch.testing.assert_close(padded_values, plain_values, rtol=0, atol=1e-12)
+    assert float(padded_values[0]) > 0.9  # as zero members: at most 4 / 16

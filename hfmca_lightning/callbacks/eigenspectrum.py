@@ -104,7 +104,10 @@ class EigenspectrumCallback(FigureCallback):
         statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
         if not statistics or step == self._last_logged_step:
             return
-        for name, stats in statistics.items():  # the open chunk: this step's statistics added to the steps since the last log
+        for (
+            name,
+            stats,
+        ) in statistics.items():  # the open chunk: this step's statistics added to the steps since the last log
             stats = stats.detach()
             self._open[name] = stats if name not in self._open else self._open[name] + stats
         if (step - 1) % self.every_n_steps != 0:

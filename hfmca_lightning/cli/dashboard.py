@@ -13,7 +13,8 @@ view instead of adding another. Its sections follow the keys that ``hfmca fit`` 
   paper's learning-dynamics figure, as lines);
 * **Spectrum distributions**: per pair, ``spectrum/<pair>/eigenvalues``, the whole spectrum as a W&B
   histogram over time;
-* **Spectrum summaries**: ``top1``, ``top10_mean`` and ``num_above_0.5`` of every pair;
+* **Spectrum summaries**: ``top1``, ``top10_mean`` and ``num_above_0.5`` of every pair's non-trivial eigenvalues,
+  the constant function's eigenvalue (``trivial``), the window's ``groups``, and RankMe (``rankme/*``);
 * **Figures**: the ``learning_dynamics``, ``layer_spectra`` and ``density_ratio`` images.
 """
 
@@ -91,8 +92,9 @@ def eigenvalue_dynamics_workspace(
                 reports.LinePlot(
                     title=f"{summary} per pair", metric_regex=rf"^spectrum/{ALL_PAIRS}/{re.escape(summary)}$"
                 )
-                for summary in ("top1", "top10_mean", "num_above_0.5")
-            ],
+                for summary in ("top1", "top10_mean", "num_above_0.5", "trivial", "groups")
+            ]
+            + [reports.LinePlot(title="RankMe (effective rank of the backbone features)", metric_regex=r"^rankme/.*$")],
         ),
         workspaces.Section(
             name="Figures", panels=[reports.MediaBrowser(title="Figures", media_keys=FIGURE_KEYS, num_columns=1)]

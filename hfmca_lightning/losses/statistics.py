@@ -340,8 +340,8 @@ def _window_constants(
 
 
 def _window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
-    """``(out, size)`` matrix with ``1 / n_o`` where output position ``o`` 's window covers input position ``i``, ``n_o``
-    the number of input positions it covers (``kernel`` inside, fewer at a padded border), zero elsewhere: the
+    """``(out, size)`` matrix with ``1 / n_o`` where output position ``o`` 's window covers input position ``i``,
+    ``n_o`` the number of input positions it covers (``kernel`` inside, fewer at a padded border), zero elsewhere: the
     window means' row (or column) factor, since ``|W_q| = n_row * n_column``."""
     members = _real_members(size, geometry, like.device)
     return (members / members.sum(dim=1, keepdim=True)).to(like.dtype)

@@ -86,7 +86,9 @@ def _conv_geometry(conv: nn.Conv2d) -> WindowGeometry:
         assert not isinstance(conv.padding, str)  # 'valid' and 'same', the only strings, are handled above
         padding = _square(conv.padding, "padding", conv)
     if conv.padding_mode != "zeros":
-        raise ValueError(f"internal-cost windows assume zero padding outside the map; {conv} pads with '{conv.padding_mode}'")
+        raise ValueError(
+            f"internal-cost windows assume zero padding outside the map; {conv} pads with '{conv.padding_mode}'"
+        )
     return WindowGeometry(kernel, stride, padding)
 
 

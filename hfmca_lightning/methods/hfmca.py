@@ -32,12 +32,12 @@ class Collected:
 
     ``statistics``: each pair's statistics of this process's batch. ``maps``: internal pairs' detached
     ``(input map (N, C, H, W), output map (N, C', H', W'))`` when asked. ``features``: the backbone output
-    ``(N, D)`` when the batch had no external pair (images, or groups without a head); else ``None``.
+    ``(N, D)`` of every image the backbone saw (``B * L`` views for groups).
     """
 
     statistics: dict[str, CorrelationStatistics]
     maps: dict[str, tuple[Tensor, Tensor]]
-    features: Tensor | None
+    features: Tensor
 
 
 @dataclass
@@ -303,6 +303,12 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
 
     def encode_views(self, views: Tensor) -> tuple[Tensor, Tensor]:
         """``(B, L, C, H, W)`` -> view features ``(B, L, K)`` and group features ``(B, K)``."""
+        _, view_features, group_features = self._encode_groups(views)
+        return view_features, group_features
+
+    def _encode_groups(self, views: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(B, L, C, H, W)`` -> backbone features ``(B * L, D)``, view features ``(B, L, K)``, group features
+        ``(B, K)``."""
         if views.dim() != 5 or self.external_head is None:
             raise ValueError(
                 f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}"
@@ -315,7 +321,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
                 [self._embed_for_training(views[:, view]) for view in range(num_views)], dim=1
             ).flatten(0, 1)
         view_features = self.projector(features).reshape(batch, num_views, -1)
-        return view_features, self.external_head(view_features)
+        return features, view_features, self.external_head(view_features)
 
     def collect(
         self, batch: Tensor, keep_maps: bool = False, precision: StatisticsPrecision | None = None
@@ -334,13 +340,13 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             if self.internal_costs is not None
             else nullcontext() as recording
         ):
-            if self.external_head is not None and batch.dim() == 5:
-                view_features, group_features = self.encode_views(batch)
-                features = None
+            grouped = self.external_head is not None and batch.dim() == 5
+            if grouped:
+                features, view_features, group_features = self._encode_groups(batch)
             else:
                 features = self.embed(batch.flatten(0, 1) if batch.dim() == 5 else batch)
         statistics: dict[str, CorrelationStatistics] = {}
-        if features is None:
+        if grouped:
             statistics["external"] = group_statistics(view_features, group_features)
         maps: dict[str, tuple[Tensor, Tensor]] = {}
         if self.internal_costs is not None:
@@ -410,13 +416,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             ) from None
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Any]:
-        """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics", "progress_bar"}``: the
-        global-batch statistics of every pair (detached) go on to ``on_train_batch_end`` hooks, where
-        :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into spectra, and the costs shown by
+        """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics", "features", "progress_bar"}``:
+        the global-batch statistics of every pair and this process's backbone features (detached) go on to
+        ``on_train_batch_end`` hooks, where :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into
+        spectra and RankMe, and the costs shown by
         :class:`~hfmca_lightning.callbacks.CostProgressBar`. No device value is read here: the step's checks wait
         for :meth:`on_before_optimizer_step`."""
         images, _ = batch
-        objective = self.objective(self.collect(images), check=False)
+        collected = self.collect(images)
+        objective = self.objective(collected, check=False)
         self._pending_checks.append(objective.checks)
         for name, cost in objective.costs.items():
             self.log(f"cost/{name}", cost)
@@ -426,6 +434,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         return {
             "loss": objective.total,
             "statistics": {name: stats.detach() for name, stats in objective.statistics.items()},
+            "features": collected.features.detach(),
             "progress_bar": {
                 shown: (objective.costs["external"] if "external" in objective.costs else objective.total).detach()
             },

@@ -269,9 +269,9 @@ class RecordStatistics(Callback):
 
 
 def test_a_window_holds_the_newest_logged_intervals_that_reach_min_groups():
-    """Logs at steps 1, 3, 5, 7 (every 2); with min_groups = 19 (more than three batches of 6 groups), the window at step 5 holds the
-    intervals {4, 5} and {2, 3}, at step 7 {6, 7} and {4, 5}; nothing before the first full window (step 3:
-    {2, 3} and {1} hold 18 groups, one too few)."""
+    """Logs at steps 1, 3, 5, 7 (every 2); with min_groups = 19 (more than three batches of 6 groups), the window at
+    step 5 holds the intervals {2, 3} and {4, 5}, at step 7 {4, 5} and {6, 7}; nothing before the first full window
+    (step 3: {1} and {2, 3} hold 18 groups, one too few)."""
     from hfmca_lightning.analysis.spectral import decompose
 
     data = MultiViewDataModule(
@@ -286,9 +286,10 @@ def test_a_window_holds_the_newest_logged_intervals_that_reach_min_groups():
     reg = module.cost_modules()["external"].reg
     history = spectrum.history["external"]
     assert [step for step, _ in history] == [5, 7]
-    for (step, logged), window in zip(history, ((2, 3, 4, 5), (4, 5, 6, 7))):
-        # steps 1..8 are batches 0..7: the step's own batch is the last of its window
-        summed = reduce(operator.add, (record.statistics[s - 1]["external"] for s in window))
+    for (_, logged), window in zip(history, (((2, 3), (4, 5)), ((4, 5), (6, 7)))):
+        # steps 1..8 are batches 0..7; each interval summed on its own, then the intervals
+        steps = [record.statistics[a - 1]["external"] + record.statistics[b - 1]["external"] for a, b in window]
+        summed = steps[0] + steps[1]
         assert float(summed.group_count) == 4 * 6
         # the same statistics, added in the same order, decomposed by the same code
         expected = decompose(summed, reg=reg).eigenvalues[1:6].tolist()

@@ -27,7 +27,7 @@ def logged_keys(tmp_path_factory) -> list[str]:
     trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(folder, name="run"),
-        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=20)],
+        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=20, min_groups=1)],
         log_every_n_steps=1,
         limit_val_batches=0,
     )
@@ -65,7 +65,7 @@ def test_every_logged_key_has_its_panel(logged_keys):
     for key in (k for k in logged_keys if k.startswith("cost/")):
         assert matches(panels(workspace, "Costs and kNN")[0], key), key
     summaries = panels(workspace, "Spectrum summaries")
-    for key in (k for k in logged_keys if k.startswith("spectrum/")):
+    for key in (k for k in logged_keys if k.startswith(("spectrum/", "rankme/"))):
         assert sum(matches(p, key) for p in summaries) == 1, key
     distributions = panels(workspace, "Spectrum distributions")
     for pair in PAIRS:  # the histograms (W&B only, so not in the CSV)

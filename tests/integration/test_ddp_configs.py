@@ -40,13 +40,16 @@ SMALL_HEAD = {"feature_dim": 8, "hidden_dim": 16, "noise_channels": 2}
 
 def shrunk(config: dict, folder: Path) -> dict:
     """Overrides that keep a config's classes and shrink its sizes: one epoch of 2 steps per process, every
-    periodic callback firing every step / epoch, tiny data on disk, 1 worker per process."""
+    periodic callback firing every step / epoch (spectra from any number of groups), tiny data on disk, 1 worker per
+    process."""
     trainer = config["trainer"]
     callbacks = trainer.get("callbacks", [])
     for callback in callbacks:
         for key in ("every_n_steps", "every_n_epochs", "every_n_train_steps"):
             if key in callback.get("init_args", {}):
                 callback["init_args"][key] = 1
+        if callback["class_path"].endswith("EigenspectrumCallback"):
+            callback["init_args"]["min_groups"] = 1  # two tiny batches: spectra from whatever they hold
     data = {"batch_size": 4, "eval_batch_size": 32, "num_workers": 1}
     source = config["data"]["init_args"]["source"]
     if source["class_path"].endswith("CIFAR"):

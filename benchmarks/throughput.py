@@ -55,7 +55,7 @@ def timed(step: Callable[[], object], repeats: int, device: torch.device) -> flo
 INTERNAL_LAYERS = {
     "resnet18": [f"net.layer{s}.{b}" for s in range(1, 5) for b in range(2)],
     "resnet50": [f"net.layer{s}.{b}" for s, blocks in zip(range(1, 5), (3, 4, 6, 3)) for b in range(blocks)],
-    "small": ["features.0", "features.4"],
+    "small": ["features.0", "features.1"],
 }
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import WandbLogger
 from hfmca_lightning.analysis.rankme import rankme
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.callbacks.figures import FigureCallback
+from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
@@ -65,6 +66,8 @@ class EigenspectrumCallback(FigureCallback):
         output_dir: str | None = None,
         min_groups: int | None = None,
         groups_per_feature: int = 100,
+        hooked_layers: list[str] | None = None,
+        hooked_reg: float = 1e-3,
     ) -> None:
         super().__init__(output_dir)
         checks = (
@@ -73,12 +76,13 @@ class EigenspectrumCallback(FigureCallback):
             ("threshold", threshold, 0 < threshold < 1),
             ("min_groups", min_groups, min_groups is None or min_groups >= 1),
             ("groups_per_feature", groups_per_feature, groups_per_feature >= 1),
+            ("hooked_reg", hooked_reg, hooked_reg > 0),
         )
         for name, value, valid in checks:
             if not valid:
                 raise ConfigurationError(
                     "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1, min_groups >= 1 "
-                    f"(or null) and groups_per_feature >= 1; got {name}={value}",
+                    f"(or null), groups_per_feature >= 1 and hooked_reg > 0; got {name}={value}",
                     parameter=name,
                 )
         self.every_n_steps = every_n_steps
@@ -92,6 +96,27 @@ class EigenspectrumCallback(FigureCallback):
         self.latest: dict[str, torch.Tensor] = {}
         self.window_groups: dict[str, int] = {}
         self._last_logged_step = -1
+        self.hooked_layers, self.hooked_reg = hooked_layers, hooked_reg
+        self._hooked: HookedSpectrumPairs | None = None
+        self._internal_steps: int | None = None  # hooked internal pairs: steps recorded before each log
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self._hooked is None and not callable(getattr(pl_module, "cost_modules", None)):
+            self._hooked = HookedSpectrumPairs(self.hooked_layers, self.hooked_reg)
+            self._hooked.attach(pl_module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._hooked is None:
+            return
+        step = trainer.global_step + 1  # the step this batch makes
+        until_log = (1 - step) % self.every_n_steps  # steps from this one to the next logged one
+        internal = self._internal_steps is None or until_log < self._internal_steps
+        self._hooked.start(internal=internal, features=until_log == 0)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._hooked is not None:
+            self._hooked.stop()
 
     def groups_needed(self, stats: CorrelationStatistics) -> int:
         """The fewest groups a pair's window must hold: ``min_groups``, or ``groups_per_feature * max(K1, K2)``."""
@@ -101,13 +126,15 @@ class EigenspectrumCallback(FigureCallback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
-        statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
+        if self._hooked is not None:
+            statistics, features = self._hooked.collect()
+            self._count_internal_steps(statistics)
+        else:
+            statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
+            features = outputs.get("features") if isinstance(outputs, dict) else None
         if not statistics or step == self._last_logged_step:
             return
-        for (
-            name,
-            stats,
-        ) in statistics.items():  # the open chunk: this step's statistics added to the steps since the last log
+        for name, stats in statistics.items():  # the open chunk: the steps since the last log
             stats = stats.detach()
             self._open[name] = stats if name not in self._open else self._open[name] + stats
         if (step - 1) % self.every_n_steps != 0:
@@ -116,14 +143,18 @@ class EigenspectrumCallback(FigureCallback):
         for name, stats in self._open.items():
             self._chunks.setdefault(name, deque()).append(stats)
         self._open = {}
-        costs = pl_module.cost_modules()  # type: ignore[operator]  # an HFMCA module's or a baseline's method
+        regs = (
+            self._hooked.regs(list(statistics))
+            if self._hooked is not None
+            else {name: cost.reg for name, cost in pl_module.cost_modules().items()}  # type: ignore[operator]
+        )
         metrics: dict[str, float] = {}
         for name in statistics:
             window = self._full_window(name)
             if window is None:
                 continue
             stats, groups = window
-            eigenvalues = decompose(stats, reg=costs[name].reg).eigenvalues.cpu()
+            eigenvalues = decompose(stats, reg=regs[name]).eigenvalues.cpu()
             nontrivial = eigenvalues[1:]
             self.latest[name] = nontrivial
             self.window_groups[name] = groups
@@ -136,11 +167,21 @@ class EigenspectrumCallback(FigureCallback):
                 metrics[f"spectrum/{name}/top10_mean"] = float(nontrivial[:10].mean())
                 metrics[f"spectrum/{name}/num_above_{self.threshold:g}"] = float((nontrivial > self.threshold).sum())
             metrics.update({f"eigenvalues/{name}/{rank:02d}": value for rank, value in enumerate(top, start=1)})
-        features = outputs.get("features")
         if isinstance(features, torch.Tensor) and features.dim() == 2 and min(features.shape) > 1:
             metrics["rankme/backbone"] = float(rankme(features))
         if trainer.is_global_zero and metrics:
             self._log(trainer, metrics, step - 1)
+
+    def _count_internal_steps(self, statistics: dict[str, CorrelationStatistics]) -> None:
+        """From the first recorded step: how many steps of the hooked internal pairs fill their windows (one host
+        read, once)."""
+        internal = {name: stats for name, stats in statistics.items() if name.startswith("internal/")}
+        if self._internal_steps is not None or not internal:
+            return
+        counts = torch.stack([stats.group_count for stats in internal.values()]).tolist()
+        self._internal_steps = max(
+            -(-self.groups_needed(stats) // max(1, int(count))) for stats, count in zip(internal.values(), counts)
+        )
 
     def _full_window(self, name: str) -> tuple[CorrelationStatistics, int] | None:
         """The sum of the newest chunks of pair ``name`` (a chunk: the steps between two logs) that together hold at

@@ -18,6 +18,7 @@ from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationErro
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import HFMCACost, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
+from hfmca_lightning.methods.compatibility import check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
@@ -284,6 +285,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
+        check_image_size(self.backbone, datamodule)
         num_views = getattr(datamodule, "num_views", None)
         if self.external_head is not None and num_views is not None and num_views != self.external_head.num_views:
             grid = self.external_head.grid

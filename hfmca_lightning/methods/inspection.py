@@ -27,6 +27,7 @@ __all__ = [
     "layer_basis_maps",
     "layer_pairs",
     "residual_blocks",
+    "analysis_layers",
     "spectra",
 ]
 
@@ -38,6 +39,13 @@ def residual_blocks(backbone: nn.Module) -> list[str]:
     """Module names of the backbone's residual blocks (torchvision and timm ResNets' ``BasicBlock`` /
     ``Bottleneck``), in forward order: the layers analysed by default for models trained without internal costs."""
     return [name for name, module in backbone.named_modules() if type(module).__name__ in RESIDUAL_BLOCK_TYPES]
+
+
+def analysis_layers(backbone: nn.Module) -> list[str]:
+    """The backbone modules analysed by default: the stages a backbone names itself (``internal_layers``: the spectrum
+    CNN's ``blocks.L1`` .. ``blocks.L9``, ``SmallConvNet``'s ``features.0`` ..), else its residual blocks."""
+    named = getattr(backbone, "internal_layers", None)
+    return list(named) if named else residual_blocks(backbone)
 
 
 def default_figure_layers(log_names: list[str]) -> list[str]:

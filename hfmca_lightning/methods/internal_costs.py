@@ -28,10 +28,12 @@ def internal_cost_name(log_name: str) -> str:
 
 def _log_names(layers: list[str]) -> list[str]:
     """Module paths without a first component that they all share: ``blocks.L3`` -> ``L3``, ``net.layer2.0`` ->
-    ``layer2.0``."""
+    ``layer2.0``; kept whole where that would leave a bare index (``features.0``)."""
     first = {layer.split(".", 1)[0] for layer in layers}
     if len(first) == 1 and all("." in layer for layer in layers):
-        return [layer.split(".", 1)[1] for layer in layers]
+        rest = [layer.split(".", 1)[1] for layer in layers]
+        if not any(name.isdigit() for name in rest):  # features.0 stays features.0, not 0
+            return rest
     return list(layers)
 
 
@@ -57,10 +59,12 @@ class InternalPair:
 @dataclass
 class Recording:
     """What the hooks saw during one :meth:`InternalCosts.record` block, by cost name (``internal/L3``):
-    the statistics of every pair and, when asked, its detached ``(input map, output map)``."""
+    the statistics of every pair and, when asked, its detached ``(input map, output map)``. ``detached``:
+    statistics of the detached maps (analysis of a training step: no graph kept for them)."""
 
     keep_maps: bool = False
     precision: StatisticsPrecision = "fast"
+    detached: bool = False
     statistics: dict[str, CorrelationStatistics] = field(default_factory=dict)
     maps: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
@@ -162,6 +166,8 @@ class InternalCosts(nn.Module):
             # Re-derived on every pass (microseconds): a block's window may change after attach, e.g. SpectrumCNN
             # taking the layout of loaded weights.
             pair.geometry = window_geometry(module)
+            if recording.detached:
+                low, output = low.detach(), output.detach()
             stats = feature_map_statistics(low, output, pair.geometry, recording.precision)
         except ValueError as error:
             raise ConfigurationError(f"internal cost layer {pair.module_path!r}: {error}") from error
@@ -177,10 +183,13 @@ class InternalCosts(nn.Module):
             recording.maps[pair.cost_name] = maps
 
     @contextmanager
-    def record(self, keep_maps: bool = False, precision: StatisticsPrecision | None = None) -> Iterator[Recording]:
+    def record(
+        self, keep_maps: bool = False, precision: StatisticsPrecision | None = None, detached: bool = False
+    ) -> Iterator[Recording]:
         """Collect the statistics (and, with ``keep_maps``, the detached maps) of the forward passes inside
-        this block into the yielded :class:`Recording`, in ``precision`` (default: the configured one)."""
-        recording = Recording(keep_maps, precision or self.precision)
+        this block into the yielded :class:`Recording`, in ``precision`` (default: the configured one); with
+        ``detached``, statistics without gradients."""
+        recording = Recording(keep_maps, precision or self.precision, detached)
         self._recording = recording
         try:
             yield recording

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 import torchvision
@@ -129,28 +130,60 @@ class TimmBackbone(nn.Module):
 class SmallConvNet(nn.Module):
     """A small, fast CNN for CPU runs and tests: ``num_stages`` x (3x3 conv, BN, ReLU, 2x2 max-pool).
 
+    Each stage is one module, ``features.0`` .. ``features.<num_stages - 1>`` (:attr:`internal_layers`), whose window
+    geometry is ``(4, 2, 1)``: the stages are what ``hfmca analyze`` and the spectrum callback look inside by default.
+    Weights saved with one flat ``features`` sequence (``features.4.weight``) load into the stages.
     Output: ``(N, feature_dim)`` after global average pooling, ``feature_dim = width * 2**(num_stages-1)``.
     """
+
+    LAYERS_PER_STAGE = 4
 
     def __init__(self, width: int = 32, num_stages: int = 3) -> None:
         super().__init__()
         for name, value in (("width", width), ("num_stages", num_stages)):
             if value < 1:
                 raise ConfigurationError(f"SmallConvNet needs {name} >= 1; got {value}", parameter=name)
-        layers: list[nn.Module] = []
+        stages: list[nn.Module] = []
         in_channels = 3
         for stage in range(num_stages):
             out_channels = width * 2**stage
-            layers += [
-                nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
-                nn.BatchNorm2d(out_channels),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-            ]
+            stages.append(
+                nn.Sequential(
+                    nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(out_channels),
+                    nn.ReLU(inplace=True),
+                    nn.MaxPool2d(2),
+                )
+            )
             in_channels = out_channels
-        self.features = nn.Sequential(*layers)
+        self.features = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = in_channels
+
+    @property
+    def internal_layers(self) -> list[str]:
+        """Module names of the stages: ``features.0`` .. ``features.<num_stages - 1>``."""
+        return [f"features.{index}" for index in range(len(self.features))]
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # One flat sequence of layers (features.<4 s + j>.<name>) -> stage s, layer j.
+        flat = re.compile(re.escape(prefix) + r"features\.(\d+)\.([^.]+)$")
+        for key in [key for key in state_dict if flat.match(key)]:
+            index, name = flat.match(key).groups()  # type: ignore[union-attr]  # matched just above
+            stage, layer = divmod(int(index), self.LAYERS_PER_STAGE)
+            state_dict[f"{prefix}features.{stage}.{layer}.{name}"] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def forward(self, images: Tensor) -> Tensor:
         return self.pool(self.features(images)).flatten(1)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
 from tests.helpers import REPO, fit, interrupted_fit, logged, write_image_folder
@@ -20,6 +21,9 @@ def test_every_config_parses_and_instantiates(config: Path, tmp_path, monkeypatc
     cli = HFMCACLI(args=["--config", str(config)], run=False)
     assert cli.model is not None and cli.datamodule is not None
     assert (cli.trainer.max_epochs or 0) > 0 or cli.trainer.max_steps > 0, "every config must bound its run"
+    # every run can be read without W&B: a CSV logger writes metrics.csv under the run's folder
+    (csv_logger,) = [logger for logger in cli.trainer.loggers if isinstance(logger, CSVLogger)]
+    assert Path(csv_logger.log_dir).resolve().is_relative_to(tmp_path / "runs")
 
 
 def test_fit_on_cifar_pickles(tmp_path, cifar10_on_disk):

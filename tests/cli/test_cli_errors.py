@@ -289,3 +289,33 @@ def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_go
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 4
     assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
+
+
+@pytest.mark.integration  # a subprocess
+def test_a_source_of_another_image_size_than_the_spectrum_cnn_is_one_line_naming_image_size(tmp_path):
+    """configs/spectrum_selfsupervised.yaml with an ImageFolderSource left at its default 224 px: the 32-px spectrum
+    CNN would grow its maps with the images (it ran out of memory); instead one line before training."""
+    write_image_folder(tmp_path / "images", per_class=11)  # 33 images: one batch of 32
+    overrides = write_overrides(
+        tmp_path,
+        "image_folder.yaml",
+        {
+            "trainer": {"max_steps": 2},
+            "data": {
+                "init_args": {
+                    "source": {
+                        "class_path": "hfmca_lightning.data.ImageFolderSource",
+                        "init_args": {"root": str(tmp_path / "images")},
+                    },
+                    "num_workers": 0,
+                }
+            },
+        },
+    )
+    config = Path(__file__).parents[2] / "configs" / "spectrum_selfsupervised.yaml"
+    result = run_hfmca(tmp_path, "fit", "--config", str(config), "--config", str(overrides))
+    assert result.returncode == 2, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert len(errors) == 1 and "image_size" in errors[0] and "224" in errors[0], result.stdout[-3000:]
+    assert "Traceback" not in result.stdout
+    assert not (tmp_path / "runs" / "spectrum_selfsupervised" / "checkpoints").exists(), "training started"

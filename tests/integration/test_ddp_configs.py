@@ -114,9 +114,17 @@ def test_shipped_config_runs_under_ddp_with_two_processes(name, tmp_path):
     }
     for folder in checkpoint_folders:
         assert (tmp_path / folder / "last.ckpt").is_file(), f"no last.ckpt in {folder}"
+    (metrics,) = (tmp_path / "runs").rglob("metrics.csv")  # the CSV logger beside W&B, rank 0's
+    rows = metrics.read_text().splitlines()
+    assert "knn/top1" in rows[0].split(",") and len(rows) > 1, rows[:3]
     kinds = {callback["class_path"].rsplit(".", 1)[-1] for callback in config["trainer"]["callbacks"]}
     figures = figure_files(tmp_path / "runs")
-    if "EigenspectrumCallback" in kinds:
+    if "EigenspectrumCallback" in kinds:  # HFMCA's pairs, or a baseline's hooked ones, under the same keys
         assert {"learning_dynamics", "layer_spectra"} <= figures, figures
+        header = rows[0].split(",")
+        assert "spectrum/external/top10_mean" in header and "rankme/backbone" in header, header
+        assert any(key.startswith("spectrum/internal/") for key in header) == (
+            "internal" in name or "baselines" in name
+        )
     if "DensityRatioHeatmapCallback" in kinds:
         assert "density_ratio" in figures, figures

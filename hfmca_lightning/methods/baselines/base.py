@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods.compatibility import check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 
@@ -48,7 +49,9 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         return int(dim)
 
     def setup(self, stage: str) -> None:
-        num_views = getattr(getattr(self.trainer, "datamodule", None), "num_views", None)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        check_image_size(self.backbone, datamodule)
+        num_views = getattr(datamodule, "num_views", None)
         if num_views is not None and num_views < self.min_views:
             raise ConfigurationError(
                 f"{type(self).__name__} needs at least {self.min_views} views per image; data.num_views is {num_views}"

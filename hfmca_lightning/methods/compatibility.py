@@ -1,0 +1,28 @@
+"""Start-up checks that a backbone fits the data it is given, before any batch is drawn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["check_image_size"]
+
+
+def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
+    """A backbone built for one image size (an ``image_size`` attribute, as :class:`~hfmca_lightning.models.SpectrumCNN`
+    has) and a data source of another are one clear error: otherwise the maps grow with the images (a 224-px source
+    through the 32-px spectrum CNN ran out of memory) or the geometry no longer ends in one position."""
+    expected = getattr(backbone, "image_size", None)
+    source = getattr(datamodule, "source", None)
+    given = getattr(source, "image_size", None)
+    if not isinstance(expected, int) or not isinstance(given, int) or expected == given:
+        return
+    raise ConfigurationError(
+        f"the data source {type(source).__name__} gives {given}-px images, but the backbone "
+        f"{type(backbone).__name__} is built for image_size={expected}: set the source's image_size to {expected} "
+        f"(data.init_args.source.init_args.image_size) or build the backbone for {given} px",
+        parameter="image_size",
+    )

@@ -19,6 +19,7 @@ from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics
+from hfmca_lightning.methods.inspection import paper_order
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
 
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
@@ -224,12 +225,16 @@ class EigenspectrumCallback(FigureCallback):
         ranks = max(len(values) for entries in self.history.values() for _, values in entries)
         history = {
             name: ([step for step, _ in entries], np.array([_pad(values, ranks) for _, values in entries]))
-            for name, entries in self.history.items()
+            for name, entries in ((name, self.history[name]) for name in paper_order(self.history))
         }
         self.publish(
             trainer, learning_dynamics_figure(history), "learning_dynamics", f"learning_dynamics_epoch{epoch:03d}.png"
         )
-        spectra = layer_spectra_figure(self.latest, title=f"Spectrum per layer pair, step {trainer.global_step}")
+        groups = min(self.window_groups.values(), default=0)
+        spectra = layer_spectra_figure(
+            {name: self.latest[name] for name in paper_order(self.latest)},
+            title=f"Spectrum per layer pair, step {trainer.global_step} (windows of >= {groups} groups)",
+        )
         self.publish(trainer, spectra, "layer_spectra", f"layer_spectra_epoch{epoch:03d}.png")
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -26,17 +28,19 @@ from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.features import batch_norm_age, batch_statistics_mode, evaluation_mode
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
+    BatchNormStatistics,
+    analysis_layers,
     collect_statistics,
     default_figure_layers,
     heatmap_placements,
     layer_pairs,
-    residual_blocks,
-    spectra,
+    paper_order,
 )
-from hfmca_lightning.methods.internal_costs import InternalCosts
+from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
 from hfmca_lightning.visualization import (
     basis_functions_figure,
     heatmap_overlay_figure,
@@ -47,19 +51,72 @@ from hfmca_lightning.visualization import (
 __all__ = ["load_run", "analysis_module", "analyze", "compare", "run_analysis_command"]
 
 
-def _training_batches(datamodule: MultiViewDataModule, count: int) -> Iterator[Tensor]:
-    for index, (batch, _) in enumerate(datamodule.train_dataloader()):
-        if index >= count:
-            return
-        yield batch
+YOUNG_BATCH_NORM = 100  # batches: below this, running statistics still carry their start (0.9^100 < 1e-4 at momentum
+# 0.1) and lag the weights of a fast-moving start of training; the issue measured 0.175 against 0.673 after 21 steps
+BatchNormChoice = Literal["auto", "running", "batch"]
 
 
-def _write_index(out: Path, title: str, figures: list[tuple[str, str]], table: dict[str, list[float]]) -> Path:
+def choose_batch_norm(modules: list[LightningModule], choice: BatchNormChoice) -> tuple[BatchNormStatistics, str]:
+    """Which BatchNorm statistics analysis uses, and a warning when ``auto`` picked the batches' own: the running
+    statistics of a module that has tracked fewer than :data:`YOUNG_BATCH_NORM` batches describe the weights of
+    earlier steps, not these, and spectra computed with them can be far from the training-time ones."""
+    if choice not in ("auto", "running", "batch"):
+        raise ConfigurationError(f"--batch_norm must be auto, running or batch; got {choice!r}")
+    if choice != "auto":
+        return choice, ""
+    ages = [age for age in (batch_norm_age(module) for module in modules) if age is not None]
+    if not ages or min(ages) >= YOUNG_BATCH_NORM:
+        return "running", ""
+    return "batch", (
+        f"BatchNorm running statistics have seen only {min(ages)} batches: using each batch's own statistics, as "
+        "training does (--batch_norm running to use the running ones)"
+    )
+
+
+def _enough_batches(
+    batches: Iterator[Tensor], collect: Any, num_batches: int | None, groups_per_feature: int
+) -> dict[str, CorrelationStatistics]:
+    """Statistics summed over ``batches``: ``num_batches`` of them, or (``None``) until every pair holds
+    ``groups_per_feature`` groups per feature (as the training-time spectra; fewer show dependence that is not there)
+    or the batches run out."""
+    statistics: dict[str, CorrelationStatistics] = {}
+    for index, batch in enumerate(batches):
+        if num_batches is not None and index >= num_batches:
+            break
+        for name, stats in collect(batch).items():
+            statistics[name] = statistics[name] + stats if name in statistics else stats
+        if num_batches is None and all(
+            float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
+            for stats in statistics.values()
+        ):
+            break
+    if not statistics:
+        raise ConfigurationError("no batches to analyse: the data split is empty")
+    return statistics
+
+
+def spectrum_summary(statistics: dict[str, CorrelationStatistics], regs: dict[str, float]) -> dict[str, dict]:
+    """Per pair (paper order): its ``groups``, the constant function's eigenvalue (``trivial``, the largest) and the
+    other ``eigenvalues``, largest first."""
+    summary = {}
+    for name in paper_order(statistics):
+        values = decompose(statistics[name], reg=regs[name]).eigenvalues.tolist()
+        summary[name] = {
+            "groups": int(float(statistics[name].group_count)),
+            "trivial": values[0],
+            "eigenvalues": values[1:],
+        }
+    return summary
+
+
+def _write_index(out: Path, title: str, notes: list[str], figures: list[tuple[str, str]], summary: dict) -> Path:
     rows = "".join(
-        f"<tr><td>{html.escape(name)}</td><td>{values[0]:.3f}</td>"
-        f"<td>{sum(values[:10]) / max(1, len(values[:10])):.3f}</td>"
-        f"<td>{sum(v > 0.5 for v in values)}</td><td>{len(values)}</td></tr>"
-        for name, values in table.items()
+        f"<tr><td>{html.escape(name)}</td><td>{pair['groups']}</td><td>{pair['trivial']:.3f}</td>"
+        f"<td>{(pair['eigenvalues'] or [float('nan')])[0]:.3f}</td>"
+        f"<td>{sum(pair['eigenvalues'][:10]) / max(1, len(pair['eigenvalues'][:10])):.3f}</td>"
+        f"<td>{sum(v < 0.1 for v in pair['eigenvalues'])}</td><td>{sum(v > 0.5 for v in pair['eigenvalues'])}</td>"
+        f"<td>{len(pair['eigenvalues'])}</td></tr>"
+        for name, pair in summary.items()
     )
     body = "".join(
         f"<figure><img src='{html.escape(file)}'><figcaption>{html.escape(caption)}</figcaption></figure>"
@@ -70,8 +127,10 @@ def _write_index(out: Path, title: str, figures: list[tuple[str, str]], table: d
         "body{font-family:sans-serif;margin:2em;max-width:1400px} img{max-width:100%;border:1px solid #ddd}"
         "table{border-collapse:collapse} td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}"
         "figure{margin:2em 0}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1><table><tr><th>pair</th><th>top eigenvalue</th><th>mean of top 10</th>"
-        f"<th>eigenvalues &gt; 0.5</th><th>eigenvalues</th></tr>{rows}</table>{body}</body></html>"
+        f"<h1>{html.escape(title)}</h1>{''.join(f'<p>{html.escape(note)}</p>' for note in notes)}"
+        "<table><tr><th>pair</th><th>groups</th><th>trivial (constant function)</th><th>top eigenvalue</th>"
+        "<th>mean of top 10</th><th>&lt; 0.1</th><th>&gt; 0.5</th><th>eigenvalues</th></tr>"
+        f"{rows}</table>{body}</body></html>"
     )
     path = out / "index.html"
     path.write_text(page)
@@ -79,55 +138,81 @@ def _write_index(out: Path, title: str, figures: list[tuple[str, str]], table: d
 
 
 def analysis_module(module: LightningModule, internal_layers: list[str] | None = None) -> HFMCAModule:
-    """The HFMCA view of any trained module: an :class:`HFMCAModule` itself, or (for the baselines, or when
-    ``internal_layers`` names backbone modules) a wrapper of its backbone with float64 internal costs on
-    ``internal_layers`` (default: every residual block), so that any model's layer spectra, heatmaps and
-    basis functions come from the same maths (the paper's spectra across supervision types)."""
-    if isinstance(module, HFMCAModule) and internal_layers is None:
+    """The HFMCA view of any trained module with float64 internal statistics on the backbone: an
+    :class:`HFMCAModule` with internal costs as it is; else (an HFMCA-SS(*) run, a baseline, or ``internal_layers``
+    given) a module on the same backbone (and, for an HFMCA run, the same projector, head and external cost) with
+    internal pairs on ``internal_layers`` (default :func:`~hfmca_lightning.methods.inspection.analysis_layers`: the
+    backbone's named stages or its residual blocks), so that any model's layer spectra, heatmaps and basis functions
+    come from the same maths (the paper's spectra across supervision types)."""
+    if isinstance(module, HFMCAModule) and module.internal_costs is not None and internal_layers is None:
         return module
     backbone = backbone_of(module)
-    layers = internal_layers or residual_blocks(backbone)
+    layers = internal_layers or analysis_layers(backbone)
     if not layers:
         raise ConfigurationError(
-            f"{type(backbone).__name__} has no residual blocks to analyse; name its blocks with --internal_layers "
-            "(module names of the backbone, e.g. net.layer1.0)"
+            f"{type(backbone).__name__} names no stages (internal_layers) and has no residual blocks to analyse; name "
+            "its blocks with --internal_layers (module names of the backbone, e.g. net.layer1.0)"
         )
-    return HFMCAModule(backbone, internal_costs=InternalCosts(layers, precision="float64")).eval()
+    external = (
+        {"projector": module.projector, "external_head": module.external_head, "external_cost": module.external_cost}
+        if isinstance(module, HFMCAModule) and module.external_head is not None
+        else {}
+    )
+    return HFMCAModule(backbone, internal_costs=InternalCosts(layers, precision="float64"), **external).eval()
 
 
 def analyze(
     ckpt_path: str | Path,
     out: str | Path,
     config_path: str | Path | None = None,
-    num_batches: int = 4,
+    num_batches: int | None = None,
     num_images: int = 8,
     layers: list[str] | None = None,
     internal_layers: list[str] | None = None,
     image_class: int | None = None,
     first_image: int = 0,
+    batch_norm: BatchNormChoice = "auto",
+    groups_per_feature: int = 100,
 ) -> Path:
-    """Spectra (PNG + JSON) over ``num_batches`` training batches, density-ratio heatmaps and basis functions
-    of ``num_images`` test images at ``layers`` (default: the three lowest internal layers), ``index.html``.
+    """Spectra (PNG + JSON) from training batches (``num_batches``, or as many as give every pair
+    ``groups_per_feature`` groups per feature), density-ratio heatmaps and basis functions of ``num_images`` test
+    images at ``layers`` (default: the three lowest internal layers), ``index.html``. BatchNorm: ``batch_norm``
+    (:func:`choose_batch_norm`; the choice is printed on the page).
 
-    Any checkpoint of the package: baselines (and HFMCA runs given ``internal_layers``) are analysed through
-    :func:`analysis_module`."""
+    Any checkpoint of the package: baselines, HFMCA runs without internal costs (and any run given
+    ``internal_layers``) are analysed through :func:`analysis_module`."""
     run_module, datamodule = load_run(ckpt_path, config_path)
     module = analysis_module(run_module, internal_layers)
+    norm, warning = choose_batch_norm([module], batch_norm)
+    if warning:
+        print(f"hfmca: warning: {warning}", file=sys.stderr)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    statistics = collect_statistics(module, _training_batches(datamodule, num_batches))
-    eigenvalues = {name: values.tolist() for name, values in spectra(module, statistics).items()}
-    (out / "spectra.json").write_text(json.dumps(eigenvalues, indent=1))
+    statistics = _enough_batches(
+        _training_batches(datamodule),
+        lambda batch: collect_statistics(module, [batch], batch_norm=norm),
+        num_batches,
+        groups_per_feature,
+    )
+    summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
+    (out / "spectra.json").write_text(json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
     save_figure(
-        layer_spectra_figure(eigenvalues, title=f"Spectrum per layer pair ({Path(ckpt_path).name})"),
+        layer_spectra_figure(
+            {name: pair["eigenvalues"] for name, pair in summary.items()},
+            title=f"Spectrum per layer pair ({Path(ckpt_path).name})",
+        ),
         out / "spectra.png",
     )
     figures = [
-        ("spectra.png", "Eigenvalues of every cost pair; red: mean of the 10 largest (spectra.json has the numbers).")
+        (
+            "spectra.png",
+            "Eigenvalues of every pair after the constant function's; red: mean of the 10 largest "
+            "(spectra.json has the numbers).",
+        )
     ]
     if module.internal_costs is not None:
         images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
-        pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics)}
+        pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
         heatmaps = telescoping_response(list(pairs.values()))
         chosen = layers or default_figure_layers(list(heatmaps))
         unknown = set(chosen) - set(heatmaps)
@@ -152,7 +237,21 @@ def analyze(
                 basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"), out / file
             )
             figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
-    return _write_index(out, f"HFMCA analysis of {ckpt_path}", figures, eigenvalues)
+    notes = [_batch_norm_note(norm), *([warning] if warning else [])]
+    return _write_index(out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
+
+
+def _batch_norm_note(norm: BatchNormStatistics) -> str:
+    return (
+        "BatchNorm: running statistics (eval mode)."
+        if norm == "running"
+        else "BatchNorm: each batch's own statistics, as in training (running statistics untouched)."
+    )
+
+
+def _training_batches(datamodule: MultiViewDataModule) -> Iterator[Tensor]:
+    for batch, _ in datamodule.train_dataloader():
+        yield batch
 
 
 def _positions(feature_map: Tensor) -> Tensor:
@@ -163,43 +262,61 @@ def _positions(feature_map: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _module_outputs(module: LightningModule, images: Tensor, names: list[str]) -> dict[str, Tensor]:
-    """Output of every named backbone module on ``images`` (eval mode), plus the features as ``backbone``."""
+def _module_outputs(
+    module: LightningModule, images: Tensor, layers: dict[str, str], norm: BatchNormStatistics
+) -> dict[str, Tensor]:
+    """Output of every backbone module in ``layers`` (``{module name: pair name}``) on ``images``, keyed by pair name,
+    plus the features as ``backbone``; or, for ``(B, L, C, H, W)`` groups, the external head's output as
+    ``external``."""
     backbone = backbone_of(module)
     outputs: dict[str, Tensor] = {}
-    handles = [
-        backbone.get_submodule(name).register_forward_hook(
-            lambda _m, _a, output, name=name: outputs.__setitem__(name, output.detach())
-        )
-        for name in names
-    ]
-    try:
-        outputs["backbone"] = module(images).detach()
-    finally:
-        for handle in handles:
-            handle.remove()
+    mode = evaluation_mode if norm == "running" else batch_statistics_mode
+    with mode(module):
+        if images.dim() == 5:
+            assert isinstance(module, HFMCAModule)
+            return {"external": module.encode_views(images)[1].detach()}
+        handles = [
+            backbone.get_submodule(name).register_forward_hook(
+                lambda _m, _a, output, pair=pair: outputs.__setitem__(pair, output.detach())
+            )
+            for name, pair in layers.items()
+        ]
+        try:
+            outputs["backbone"] = module(images).detach()
+        finally:
+            for handle in handles:
+                handle.remove()
     return outputs
 
 
 def comparable_layers(module: LightningModule) -> list[str]:
-    """Backbone module names compared by default: the internal-cost layers of an HFMCA run, else its residual blocks."""
+    """Backbone module names compared by default: the internal-cost layers of an HFMCA run, else
+    :func:`~hfmca_lightning.methods.inspection.analysis_layers`."""
     if isinstance(module, HFMCAModule) and module.internal_costs is not None:
         return module.internal_costs.layers
-    return residual_blocks(backbone_of(module))
+    return analysis_layers(backbone_of(module))
+
+
+def _has_head(module: LightningModule) -> bool:
+    return isinstance(module, HFMCAModule) and module.external_head is not None
 
 
 def compare(
     ckpt_a: str | Path,
     ckpt_b: str | Path,
     out: str | Path,
-    num_batches: int = 4,
+    num_batches: int | None = None,
     reg: float = 1e-3,
     layers: list[str] | None = None,
+    batch_norm: BatchNormChoice = "auto",
+    groups_per_feature: int = 100,
 ) -> Path:
-    """Eigenvalues between the normalised features of two models at each common backbone layer (by module
-    name) and at their outputs (``backbone``), on the same images (the test split of model A's data): values
-    near 1 = parallel eigenfunctions, near 0 = orthogonal. Any two checkpoints of the package (HFMCA vs
-    SimCLR, supervised vs self-supervised, ...)."""
+    """Eigenvalues between the features of two models at each common backbone layer (by module name; pairs named as
+    in training, ``internal/<layer>``), at their outputs (``backbone``, left out where it is the last layer's output)
+    and, for two HFMCA runs with heads, between their heads' outputs (``external``, the paper's LF) on the same groups:
+    values near 1 = parallel eigenfunctions, near 0 = orthogonal (paper Fig. 5). Layers see the test split of model
+    A's data, heads its training groups; ``num_batches`` of each, or as many as give every pair
+    ``groups_per_feature`` groups per feature. Any two checkpoints of the package."""
     model_a, data_a = load_run(ckpt_a)
     model_b, _ = load_run(ckpt_b)
     names_b = set(dict(backbone_of(model_b).named_modules()))
@@ -208,31 +325,46 @@ def compare(
     missing = [name for name in layers if name not in names_b or name not in dict(backbone_of(model_a).named_modules())]
     if missing:
         raise ConfigurationError(f"--layers {missing} are not modules of both backbones")
-    statistics: dict[str, CorrelationStatistics] = {}
+    pair_names = dict(zip(layers, (internal_cost_name(log) for log in log_names(layers))))
+    norm, warning = choose_batch_norm([model_a, model_b], batch_norm)
+    if warning:
+        print(f"hfmca: warning: {warning}", file=sys.stderr)
     loaders = data_a.val_dataloader()
     if not loaders:
         raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
-    for index, (images, _) in enumerate(loaders[QUERIES]):
-        if index >= num_batches:
-            break
-        outputs_a, outputs_b = _module_outputs(model_a, images, layers), _module_outputs(model_b, images, layers)
-        for name in [*layers, "backbone"]:
-            if outputs_a[name].shape[2:] != outputs_b[name].shape[2:]:
-                continue
-            pair = group_statistics(_positions(outputs_a[name]).double()[:, None], _positions(outputs_b[name]).double())
-            statistics[name] = statistics[name] + pair if name in statistics else pair
-    if not statistics:
-        raise ConfigurationError("the two models have no layer in common (same backbone module names and map sizes)")
-    eigenvalues = {name: decompose(stats, reg=reg).eigenvalues.tolist() for name, stats in statistics.items()}
+
+    def cross(images: Tensor) -> dict[str, CorrelationStatistics]:
+        outputs_a = _module_outputs(model_a, images, pair_names, norm)
+        outputs_b = _module_outputs(model_b, images, pair_names, norm)
+        last = pair_names[layers[-1]] if layers else None
+        if last is not None and torch.equal(outputs_a[last].flatten(1), outputs_a["backbone"]):
+            del outputs_a["backbone"]  # the backbone's output is its last compared layer's
+        return {
+            name: group_statistics(_positions(value).double()[:, None], _positions(outputs_b[name]).double())
+            for name, value in outputs_a.items()
+            if value.shape[1:] == outputs_b[name].shape[1:] and value.dim() == outputs_b[name].dim()
+        }
+
+    statistics = _enough_batches((images for images, _ in loaders[QUERIES]), cross, num_batches, groups_per_feature)
+    if _has_head(model_a) and _has_head(model_b):
+        groups = (batch for batch in _training_batches(data_a) if batch.dim() == 5)
+        if model_a.external_head.num_views == model_b.external_head.num_views:  # type: ignore[union-attr]
+            statistics.update(_enough_batches(groups, cross, num_batches, groups_per_feature))
+    summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cross_spectra.json").write_text(json.dumps(eigenvalues, indent=1))
+    (out / "cross_spectra.json").write_text(json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
     title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
-    save_figure(layer_spectra_figure(eigenvalues, title=title), out / "cross_spectra.png")
-    caption = (
-        "Eigenvalues between the normalised features of the two models at each layer (1: same subspace, 0: orthogonal)."
+    save_figure(
+        layer_spectra_figure({name: pair["eigenvalues"] for name, pair in summary.items()}, title=title),
+        out / "cross_spectra.png",
     )
-    return _write_index(out, title, [("cross_spectra.png", caption)], eigenvalues)
+    caption = (
+        "Eigenvalues between the features of the two models at each layer after the constant function's "
+        "(1: same subspace, 0: orthogonal)."
+    )
+    notes = [_batch_norm_note(norm), *([warning] if warning else [])]
+    return _write_index(out, title, notes, [("cross_spectra.png", caption)], summary)
 
 
 def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:
@@ -247,7 +379,12 @@ def run_analysis_command(argv: list[str]) -> None:
     one.add_argument("--ckpt_path", required=True)
     one.add_argument("--out", required=True, help="output folder (index.html, PNG, JSON)")
     one.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
-    one.add_argument("--num_batches", type=int, default=4, help="training batches for the statistics")
+    one.add_argument(
+        "--num_batches",
+        type=int,
+        default=None,
+        help="training batches for the statistics (default: enough for --groups_per_feature groups per feature)",
+    )
     one.add_argument("--num_images", type=int, default=8, help="test images for heatmaps")
     one.add_argument("--layers", nargs="*", default=None, help="internal layers to draw (log names such as L2 L4 L6)")
     one.add_argument("--image_class", type=int, default=None, help="draw only test images of this class")
@@ -257,19 +394,35 @@ def run_analysis_command(argv: list[str]) -> None:
         nargs="*",
         default=None,
         help="backbone modules to analyse (e.g. net.layer1.0); default: an HFMCA run's internal-cost layers, "
-        "a baseline's residual blocks",
+        "else the backbone's named stages or residual blocks",
     )
     two = commands.add_parser("compare", help="cross-model eigenvalues per layer of two checkpoints")
     two.add_argument("--ckpt_a", required=True)
     two.add_argument("--ckpt_b", required=True)
     two.add_argument("--out", required=True)
-    two.add_argument("--num_batches", type=int, default=4, help="test batches of model A's data")
+    two.add_argument(
+        "--num_batches",
+        type=int,
+        default=None,
+        help="test batches of model A's data (default: enough for --groups_per_feature groups per feature)",
+    )
     two.add_argument(
         "--layers",
         nargs="*",
         default=None,
         help="backbone module names (default: A's internal-cost layers or residual blocks)",
     )
+    for command in (one, two):
+        command.add_argument(
+            "--batch_norm",
+            choices=("auto", "running", "batch"),
+            default="auto",
+            help="BatchNorm statistics: running (eval mode), batch (each batch's own, as in training); auto: batch "
+            f"while the running ones have seen fewer than {YOUNG_BATCH_NORM} batches, with a warning",
+        )
+        command.add_argument(
+            "--groups_per_feature", type=int, default=100, help="groups per feature the statistics need at least"
+        )
     args = parser.parse_args(argv)
     if args.command == "analyze":
         index = analyze(
@@ -282,7 +435,17 @@ def run_analysis_command(argv: list[str]) -> None:
             args.internal_layers,
             args.image_class,
             args.first_image,
+            args.batch_norm,
+            args.groups_per_feature,
         )
     else:
-        index = compare(args.ckpt_a, args.ckpt_b, args.out, args.num_batches, layers=args.layers)
+        index = compare(
+            args.ckpt_a,
+            args.ckpt_b,
+            args.out,
+            args.num_batches,
+            layers=args.layers,
+            batch_norm=args.batch_norm,
+            groups_per_feature=args.groups_per_feature,
+        )
     print(f"wrote {index}")

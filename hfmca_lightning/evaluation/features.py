@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["evaluation_mode", "extract_features"]
+__all__ = ["batch_norm_age", "batch_statistics_mode", "evaluation_mode", "extract_features"]
 
 
 @contextmanager
@@ -22,6 +22,37 @@ def evaluation_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for submodule, training in modes.items():
             submodule.training = training
+
+
+@contextmanager
+def batch_statistics_mode(module: nn.Module) -> Iterator[None]:
+    """Eval mode, except that BatchNorm normalises with each batch's own statistics, as in training, and leaves its
+    running statistics as they are (momentum 0 while inside); on exit every submodule gets back its mode, momentum
+    and batch count."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    with evaluation_mode(module):
+        for norm in norms:
+            norm.train()
+            norm.momentum = 0.0
+        try:
+            yield
+        finally:
+            for norm, (momentum, tracked) in zip(norms, saved):
+                norm.momentum = momentum
+                if tracked is not None and norm.num_batches_tracked is not None:
+                    norm.num_batches_tracked.copy_(tracked)
+
+
+def batch_norm_age(module: nn.Module) -> int | None:
+    """The fewest batches any BatchNorm layer of ``module`` has tracked (its running statistics' age), or ``None``
+    without BatchNorm."""
+    counts = [
+        int(m.num_batches_tracked)
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_batches_tracked is not None
+    ]
+    return min(counts) if counts else None
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -14,12 +15,13 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.density_ratio import LayerPair, basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation.features import evaluation_mode
+from hfmca_lightning.evaluation.features import batch_statistics_mode, evaluation_mode
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.losses.window_geometry import WindowGeometry, input_geometry
 from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
 __all__ = [
+    "BatchNormStatistics",
     "collect_for_analysis",
     "collect_statistics",
     "default_figure_layers",
@@ -28,6 +30,7 @@ __all__ = [
     "layer_pairs",
     "residual_blocks",
     "analysis_layers",
+    "paper_order",
     "spectra",
 ]
 
@@ -48,27 +51,43 @@ def analysis_layers(backbone: nn.Module) -> list[str]:
     return list(named) if named else residual_blocks(backbone)
 
 
+def paper_order(names: Iterable[str]) -> list[str]:
+    """Pair names in the paper's order (Fig. 4: L1 .. L9, then LF): internal pairs as given, ``external`` last."""
+    names = list(names)
+    return [name for name in names if name != "external"] + [name for name in names if name == "external"]
+
+
 def default_figure_layers(log_names: list[str]) -> list[str]:
     """The layers drawn when none are chosen: the three lowest (the paper's figures show L2, L4, L6)."""
     return log_names[:3]
 
 
+BatchNormStatistics = Literal["running", "batch"]
+
+
 @torch.no_grad()
-def collect_for_analysis(module: HFMCAModule, batch: Tensor, keep_maps: bool = False) -> Collected:
+def collect_for_analysis(
+    module: HFMCAModule, batch: Tensor, keep_maps: bool = False, batch_norm: BatchNormStatistics = "running"
+) -> Collected:
     """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device, with
-    float64 statistics."""
-    with evaluation_mode(module):
+    float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
+    running ones untouched)."""
+    mode = evaluation_mode if batch_norm == "running" else batch_statistics_mode
+    with mode(module):
         return module.collect(batch.to(module.device), keep_maps=keep_maps, precision="float64")
 
 
-def collect_statistics(module: HFMCAModule, batches: Iterable[Tensor]) -> dict[str, CorrelationStatistics]:
-    """Statistics of every cost pair (``external``, ``internal/<layer>``) summed over ``batches``, in eval mode.
+def collect_statistics(
+    module: HFMCAModule, batches: Iterable[Tensor], batch_norm: BatchNormStatistics = "running"
+) -> dict[str, CorrelationStatistics]:
+    """Statistics of every cost pair (``external``, ``internal/<layer>``) summed over ``batches``, in eval mode
+    (BatchNorm as ``batch_norm`` says).
 
     Each batch is ``(B, L, C, H, W)`` groups (needed for the external cost) or ``(B, C, H, W)`` images.
     """
     store: dict[str, CorrelationStatistics] = {}
     for batch in batches:
-        for name, stats in collect_for_analysis(module, batch).statistics.items():
+        for name, stats in collect_for_analysis(module, batch, batch_norm=batch_norm).statistics.items():
             store[name] = store[name] + stats if name in store else stats
     return store
 
@@ -80,7 +99,10 @@ def spectra(module: HFMCAModule, statistics: dict[str, CorrelationStatistics]) -
 
 
 def layer_pairs(
-    module: HFMCAModule, images: Tensor, statistics: dict[str, CorrelationStatistics] | None = None
+    module: HFMCAModule,
+    images: Tensor,
+    statistics: dict[str, CorrelationStatistics] | None = None,
+    batch_norm: BatchNormStatistics = "running",
 ) -> list[LayerPair]:
     """The internal pairs of ``images (N, C, H, W)`` in backbone order, each with its Alg. 4 decomposition
     (from ``statistics`` when given, else from the statistics of these images), named by log name (``L3``)."""
@@ -88,7 +110,7 @@ def layer_pairs(
         raise ConfigurationError(
             "density-ratio heatmaps and basis functions need internal costs (InternalCosts) on the backbone"
         )
-    collected = collect_for_analysis(module, images, keep_maps=True)
+    collected = collect_for_analysis(module, images, keep_maps=True, batch_norm=batch_norm)
     pairs = []
     for pair in module.internal_costs.pairs:
         stats = (statistics or {}).get(pair.cost_name, collected.statistics[pair.cost_name])

@@ -17,7 +17,7 @@ from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, feature_map_statistics
 from hfmca_lightning.losses.window_geometry import WindowGeometry, window_geometry
 
-__all__ = ["InternalCosts", "InternalPair", "Recording", "internal_cost_name"]
+__all__ = ["InternalCosts", "InternalPair", "Recording", "internal_cost_name", "log_names"]
 
 
 def internal_cost_name(log_name: str) -> str:
@@ -26,7 +26,7 @@ def internal_cost_name(log_name: str) -> str:
     return f"internal/{log_name}"
 
 
-def _log_names(layers: list[str]) -> list[str]:
+def log_names(layers: list[str]) -> list[str]:
     """Module paths without a first component that they all share: ``blocks.L3`` -> ``L3``, ``net.layer2.0`` ->
     ``layer2.0``; kept whole where that would leave a bare index (``features.0``)."""
     first = {layer.split(".", 1)[0] for layer in layers}
@@ -106,11 +106,11 @@ class InternalCosts(nn.Module):
             raise ConfigurationError(f"precision must be 'fast' or 'float64'; got {precision!r}", parameter="precision")
         self.weight = weight
         self.precision = precision
-        log_names = _log_names(list(layers))
+        names = log_names(list(layers))
         # ModuleDict keys cannot hold dots; they name the cost buffers in checkpoints.
-        costs = [HFMCACost(reg, beta, sync_dist, name=internal_cost_name(log)) for log in log_names]
+        costs = [HFMCACost(reg, beta, sync_dist, name=internal_cost_name(log)) for log in names]
         self.costs = nn.ModuleDict({path.replace(".", "/"): cost for path, cost in zip(layers, costs)})
-        self.pairs = [InternalPair(path, log, cost) for path, log, cost in zip(layers, log_names, costs)]
+        self.pairs = [InternalPair(path, log, cost) for path, log, cost in zip(layers, names, costs)]
         self._recording: Recording | None = None
         self._handles: list[Any] = []
 

@@ -90,24 +90,27 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
         "spectra.json",
         "spectra.png",
     ]
-    spectra = json.loads((out / "spectra.json").read_text())
-    assert list(spectra) == ["external", *(f"internal/L{i}" for i in range(1, 10))]
-    # The JSON holds the eigenspectrum of the statistics of the same batches.
+    report = json.loads((out / "spectra.json").read_text())
+    spectra = report["pairs"]
+    assert list(spectra) == [*(f"internal/L{i}" for i in range(1, 10)), "external"]  # the paper's order, LF last
+    # three steps: young BatchNorm running statistics, so each batch's own were used, as in training
+    assert report["batch_norm"] == "batch"
+    # The JSON holds the eigenspectrum of the statistics of the same batches, the constant function's apart.
     module, datamodule = load_run(checkpoints["selfsupervised"])
     batches = [batch for batch, _ in list(datamodule.train_dataloader())[:2]]
-    stats = collect_statistics(module, batches)
+    stats = collect_statistics(module, batches, batch_norm="batch")
     reg = module.cost_modules()["internal/L4"].reg
     expected = decompose(stats["internal/L4"], reg=reg).eigenvalues
     # the same float64 statistics and decomposition, the batches added in another order: twice the one-computation
     # bound on the eigenvalues (3 e each; see eigenvalue_error)
+    bound = 6 * eigenvalue_error(stats["internal/L4"], reg)
+    assert spectra["internal/L4"]["trivial"] == pytest.approx(float(expected[0]), rel=0, abs=bound)
     torch.testing.assert_close(
-        torch.tensor(spectra["internal/L4"], dtype=torch.float64),
-        expected,
-        rtol=0,
-        atol=6 * eigenvalue_error(stats["internal/L4"], reg),
+        torch.tensor(spectra["internal/L4"]["eigenvalues"], dtype=torch.float64), expected[1:], rtol=0, atol=bound
     )
+    assert spectra["internal/L4"]["groups"] == int(stats["internal/L4"].group_count)
     page = (out / "index.html").read_text()
-    for name in ("spectra.png", "density_ratio.png", "basis_L1.png", "internal/L9"):
+    for name in ("spectra.png", "density_ratio.png", "basis_L1.png", "internal/L9", "BatchNorm: each batch"):
         assert name in page
 
 
@@ -163,17 +166,33 @@ def compare(ckpt_a: Path, ckpt_b: Path, out: Path) -> None:
 def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
     out = tmp_path / "compare"
     compare(checkpoints["selfsupervised"], checkpoints["unsupervised"], out)
-    spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
-    assert all(0 <= value < 1 for values in spectra.values() for value in values)
+    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    # the training names; no backbone column, which would repeat L9's output; no LF: the unsupervised run has no head
+    assert list(spectra) == [f"internal/L{i}" for i in range(1, 10)]
+    assert all(0 <= value < 1 for pair in spectra.values() for value in pair["eigenvalues"])
     assert (out / "cross_spectra.png").stat().st_size > 10_000
 
 
-def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path):
+def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path, monkeypatch):
+    """With the noise channels' draws the same in both passes (a fixed seed per draw), the two passes see the same
+    features, whose eigenvalues are ``(s / (s + reg))^2`` for the eigenvalues ``s`` of their second moments: at
+    ``reg = 1e-8`` all above 0.95, at every layer."""
+    from hfmca_lightning.cli.analyze import compare as compare_runs
+    from hfmca_lightning.models.layers import NoiseChannels
+
+    real_forward = NoiseChannels.forward
+
+    def seeded(self, x):
+        with torch.random.fork_rng():
+            torch.manual_seed(x.shape[-1])
+            return real_forward(self, x)
+
+    monkeypatch.setattr(NoiseChannels, "forward", seeded)
     out = tmp_path / "self"
-    compare(checkpoints["unsupervised"], checkpoints["unsupervised"], out)
-    spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert spectra["blocks.L1"][0] > 0.95  # noise channels make the two passes differ slightly
+    compare_runs(checkpoints["unsupervised"], checkpoints["unsupervised"], out, num_batches=1, reg=1e-8)
+    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    for name, pair in spectra.items():
+        assert min(pair["eigenvalues"]) > 0.95, name
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
@@ -186,9 +205,9 @@ def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):
     """A baseline's checkpoint compares with an HFMCA one at the same backbone modules (by name)."""
     out = tmp_path / "hfmca_vs_simclr"
     compare(checkpoints["selfsupervised"], checkpoints["simclr"], out)
-    spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert set(spectra) == {*(f"blocks.L{i}" for i in range(1, 10)), "backbone"}
-    assert all(0 <= value < 1 for values in spectra.values() for value in values)
+    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    assert list(spectra) == [f"internal/L{i}" for i in range(1, 10)]
+    assert all(0 <= value < 1 for pair in spectra.values() for value in pair["eigenvalues"])
     assert "SimCLR" in (out / "index.html").read_text()
 
 
@@ -210,10 +229,12 @@ def test_compare_equals_the_eigenvalues_of_the_two_models_features(checkpoints, 
             "1",
             "--layers",
             "blocks.L2",
+            "--batch_norm",
+            "running",
         ]
     )
-    spectra = json.loads((out / "cross_spectra.json").read_text())
-    assert set(spectra) == {"blocks.L2", "backbone"}
+    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    assert list(spectra) == ["internal/L2", "backbone"]
     model_a, data = load_run(checkpoints["selfsupervised"])
     model_b, _ = load_run(checkpoints["simclr"])
     images, _ = next(iter(data.val_dataloader()[1]))
@@ -221,7 +242,10 @@ def test_compare_equals_the_eigenvalues_of_the_two_models_features(checkpoints, 
         stats = group_statistics(model_a(images).double()[:, None], model_b(images).double())
     expected = decompose(stats, reg=1e-3).eigenvalues
     bound = 6 * eigenvalue_error(stats, 1e-3)  # the command's float64 computation and this one (see eigenvalue_error)
-    torch.testing.assert_close(torch.tensor(spectra["backbone"], dtype=torch.float64), expected, rtol=0, atol=bound)
+    assert spectra["backbone"]["trivial"] == pytest.approx(float(expected[0]), rel=0, abs=bound)
+    torch.testing.assert_close(
+        torch.tensor(spectra["backbone"]["eigenvalues"], dtype=torch.float64), expected[1:], rtol=0, atol=bound
+    )
 
 
 def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
@@ -245,9 +269,9 @@ def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
             "L2",
         ]
     )
-    spectra = json.loads((out / "spectra.json").read_text())
+    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
     assert list(spectra) == ["internal/L2", "internal/L4", "internal/L6"]
-    assert all(0 <= value <= 1 for values in spectra.values() for value in values)
+    assert all(0 <= value <= 1 for pair in spectra.values() for value in pair["eigenvalues"])
     assert (out / "density_ratio.png").exists() and (out / "basis_L2.png").exists()
 
 
@@ -258,3 +282,114 @@ def test_residual_blocks_are_found_by_default():
     assert residual_blocks(CIFARResNet18()) == [
         f"net.layer{stage}.{block}" for stage in range(1, 5) for block in range(2)
     ]
+
+
+def test_analyze_of_the_demo_looks_inside_its_conv_stages(tmp_path, capsys):
+    """The demo's SmallConvNet trains without internal costs; ``analyze`` still reports every stage's spectrum (float64
+    statistics of ``features.0`` .. ``features.2``), the external pair's, heatmaps and basis functions."""
+    import copy
+
+    from tests.helpers import DEMO, DEMO_TINY_MODEL
+
+    model = copy.deepcopy(DEMO_TINY_MODEL)
+    model["init_args"]["backbone"]["init_args"]["num_stages"] = 3
+    model["init_args"]["projector"]["init_args"]["input_dim"] = 32
+    main(
+        [
+            "fit",
+            "--config",
+            str(DEMO),
+            "--config",
+            str(tiny_overrides(tmp_path, model=model)),
+            "--trainer.limit_train_batches",
+            "2",
+        ]
+    )
+    out = tmp_path / "analysis"
+    main(
+        ["analyze", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(out), "--num_images", "2"]
+    )
+    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    assert list(spectra) == ["internal/features.0", "internal/features.1", "internal/features.2", "external"]
+    # min(K_in, K_out) eigenvalues, less the constant function's: RGB -> 8 -> 16 -> 32 channels; 16-d views and head
+    counts = {"internal/features.0": 2, "internal/features.1": 7, "internal/features.2": 15, "external": 15}
+    assert {name: len(pair["eigenvalues"]) for name, pair in spectra.items()} == counts
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert figures == [
+        "basis_features.0.png",
+        "basis_features.1.png",
+        "basis_features.2.png",
+        "density_ratio.png",
+        "spectra.png",
+    ]
+    assert "BatchNorm running statistics have seen only 2 batches" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # a short training run
+def test_analyze_reports_the_training_time_spectra_of_the_step(tmp_path, capsys):
+    """After a few steps (young BatchNorm running statistics), ``analyze`` of the last checkpoint reports every
+    internal pair's mean of the top 10 within 0.05 of the spectra the training logged at that step, and says that it
+    used the batches' own BatchNorm statistics; with the running ones (eval mode) the spectra are far off."""
+    import csv
+
+    model = copy_of_tiny_spectrum()
+    callbacks = [
+        {"class_path": "hfmca_lightning.callbacks.EigenspectrumCallback", "init_args": {"every_n_steps": 1}},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True},
+        },
+    ]
+    overrides = tiny_overrides(
+        tmp_path,
+        model=model,
+        **{
+            "data.init_args.batch_size": 4,
+            "data.init_args.source.init_args.train_per_class": 20,  # 20 steps: L9 (36 groups a step) needs 17
+            "trainer.limit_val_batches": 0,
+            "trainer.log_every_n_steps": 1,
+            "trainer.callbacks": callbacks,
+        },
+    )
+    main(["fit", "--config", str(REPO / "configs" / "spectrum_selfsupervised.yaml"), "--config", str(overrides)])
+    (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+    rows = list(csv.DictReader(open(metrics)))
+    last_step = max(int(row["step"]) for row in rows if row.get("spectrum/internal/L1/top10_mean"))
+    logged = {
+        name: float(row[f"spectrum/{name}/top10_mean"])
+        for row in rows
+        if int(row["step"]) == last_step
+        for name in (f"internal/L{i}" for i in range(1, 10))
+        if row.get(f"spectrum/{name}/top10_mean")
+    }
+    assert len(logged) == 9
+    reports = {}
+    for norm in ("auto", "running"):
+        out = tmp_path / norm
+        main(
+            [
+                "analyze",
+                "--ckpt_path",
+                str(tmp_path / "checkpoints" / "last.ckpt"),
+                "--out",
+                str(out),
+                "--batch_norm",
+                norm,
+                "--num_images",
+                "2",
+            ]
+        )
+        pairs = json.loads((out / "spectra.json").read_text())["pairs"]
+        reports[norm] = {
+            name: sum(pairs[name]["eigenvalues"][:10]) / len(pairs[name]["eigenvalues"][:10]) for name in logged
+        }
+    assert "using each batch's own statistics" in capsys.readouterr().err
+    for name, value in logged.items():
+        assert abs(reports["auto"][name] - value) <= 0.05, (name, reports["auto"][name], value)
+    assert max(abs(reports["running"][name] - value) for name, value in logged.items()) > 0.05
+
+
+def copy_of_tiny_spectrum() -> dict:
+    import copy
+
+    return copy.deepcopy(TINY_SPECTRUM)

@@ -2,10 +2,16 @@
 greyscale) and strength in [0, 1], the others at their SimCLR defaults, train HFMCA-SS(*) and report kNN
 top-1 and the final external cost (mean over the last epoch; lower = more dependence between views).
 
-    python benchmarks/augmentation_sweep.py --data cifar10 --epochs 200 --out results/table2.md          # GPU
+    python benchmarks/augmentation_sweep.py --data cifar10 --out results/table2.md                        # GPU
         # -> results/table2.md and results/table2_external_cost.png (the learning curves beside Table 2)
     python benchmarks/augmentation_sweep.py --data synthetic --backbone small --epochs 1 --head-dim 32 \\
         --knobs crop --strengths 0 1 --limit-train-batches 3 --hfmca-views 4                             # CPU
+
+Epochs: the paper does not state them for Table 2. Its best accuracies there (~71 % kNN top-1 on CIFAR10 at
+the default strengths) lie below Table 1's 20-epoch HFMCA-SS(*) value (81.8 %) and far below its 200-epoch one
+(89.3 %), so the sweep was shorter than 20 epochs; the default here is 10 epochs (``--epochs`` changes it), which
+also keeps the 15 runs of a full sweep within a GPU-day. Models, data and optimiser are the harness's: each
+method as its shipped config builds it (``benchmarks/common.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--knobs", nargs="+", default=list(KNOBS), choices=list(KNOBS))
     parser.add_argument("--strengths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    parser.add_argument("--epochs", type=int, default=200)
+    parser.add_argument("--epochs", type=int, default=10, help="per run (the paper does not say; see the docstring)")
     parser.add_argument(
         "--figure", default=None, help="learning curves PNG (default: beside --out as <name>_external_cost.png)"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
@@ -18,7 +19,7 @@ from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
-from hfmca_lightning.methods.inspection import residual_blocks
+from hfmca_lightning.methods.inspection import analysis_layers
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, ViewProjector
 
 
@@ -58,39 +59,75 @@ def views_of(method: str, hfmca_views: int) -> int:
     return hfmca_views if method.startswith("hfmca") else 4 if method == "fastsiam" else 2
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED_CONFIGS = {
+    "hfmca": "cifar10_ss.yaml",
+    "hfmca_internal": "cifar10_ss_internal.yaml",
+    **{name: f"baselines/{name}_cifar10.yaml" for name in DISPLAY if not name.startswith("hfmca")},
+}
+
+
+def shipped_model_arguments(method: str) -> dict[str, Any]:
+    """The model's ``init_args`` in the method's shipped CIFAR10 config (its heads, temperatures and costs: the
+    paper's Table 1 settings, one source of truth), without the backbone and the optimiser."""
+    config = yaml.safe_load((CONFIGS / SHIPPED_CONFIGS[method]).read_text())
+    return {
+        key: value
+        for key, value in config["model"]["init_args"].items()
+        if key not in ("backbone", "optimizer", "lr_scheduler")
+    }
+
+
 def internal_layers_of(net: nn.Module) -> list[str]:
     """Where HFMCA-SS puts its internal costs: every residual block (ResNet-18: the 8 BasicBlocks, as
-    ``configs/cifar10_ss_internal.yaml``), or every conv of the small CPU backbone."""
-    blocks = residual_blocks(net)
-    return blocks or [name for name, module in net.named_modules() if isinstance(module, nn.Conv2d)]
+    ``configs/cifar10_ss_internal.yaml``), or the small CPU backbone's stages."""
+    return analysis_layers(net)
 
 
 def build_method(
     method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any
 ) -> LightningModule:
-    """The method with the Table 1 optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine). ``head_dim``
-    shrinks every head (hidden and output width) for quick CPU runs; ``hfmca_options`` go to HFMCAModule
-    (channels_last, compile_backbone, ...)."""
+    """The method as its shipped config builds it (:func:`shipped_model_arguments`), on ``backbone``, with the Table 1
+    optimiser (SGD 0.06, momentum 0.9, wd 5e-4, cosine). ``head_dim`` shrinks every head (hidden and output width)
+    for quick CPU runs; ``hfmca_options`` go to HFMCAModule (channels_last, compile_backbone, ...)."""
     net = CIFARResNet18() if backbone == "resnet18" else SmallConvNet(width=16, num_stages=3)
+    shipped = shipped_model_arguments(method)
     if method.startswith("hfmca"):
-        k = head_dim or 128
+        projector = shipped["projector"]["init_args"]
+        head = shipped["external_head"]["init_args"]
+        k = head_dim or projector["output_dim"]
         if method == "hfmca_internal":
-            hfmca_options.setdefault("internal_costs", InternalCosts(internal_layers_of(net), reg=0.1, sync_dist=True))
+            internal = shipped["internal_costs"]["init_args"]
+            hfmca_options.setdefault(
+                "internal_costs",
+                InternalCosts(
+                    internal_layers_of(net), reg=internal["reg"], weight=internal.get("weight", 1.0), sync_dist=True
+                ),
+            )
         return HFMCAModule(
             net,
-            ViewProjector(net.feature_dim, k, head_dim or 512),
-            GridExternalHead(k, *GRIDS[hfmca_views], hidden_dim=head_dim or 200),
-            HFMCACost(reg=0.1, sync_dist=True),
+            ViewProjector(net.feature_dim, k, head_dim or projector["hidden_dim"]),
+            GridExternalHead(
+                k,
+                *GRIDS[hfmca_views],
+                hidden_dim=head_dim or head["hidden_dim"],
+                noise_channels=head.get("noise_channels", 0),
+            ),
+            HFMCACost(**shipped["external_cost"]["init_args"]),
             **hfmca_options,
         )
-    dims: dict[str, Any] = {"hidden_dim": head_dim, "output_dim": head_dim} if head_dim else {}
-    if head_dim and method in ("simsiam", "fastsiam"):
-        dims["prediction_dim"] = max(8, head_dim // 2)
-    if head_dim and method == "moco":
-        dims["memory_bank_size"] = 256
+    arguments: dict[str, Any] = {
+        key: tuple(value) if isinstance(value, list) else value for key, value in shipped.items()
+    }
+    if head_dim:
+        arguments.update(hidden_dim=head_dim, output_dim=head_dim)
+        if method in ("simsiam", "fastsiam"):
+            arguments["prediction_dim"] = max(8, head_dim // 2)
+        if method == "moco":
+            arguments["memory_bank_size"] = 256
     if method == "vicregl":  # local features: the last 4x4 map; lightly's (20, 4) matches are for 7x7 maps
-        dims.update(num_matches=(6, 2), local_layer=None if backbone == "resnet18" else "features")
-    return baselines()[method](net, **dims)
+        arguments["local_layer"] = None if backbone == "resnet18" else "features"
+    return baselines()[method](net, **arguments)
 
 
 def build_data(

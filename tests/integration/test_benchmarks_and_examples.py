@@ -348,3 +348,31 @@ def test_internal_cost_breakdown_reads_the_channels_last_statistics(monkeypatch,
     assert "; channels-last" in out.splitlines()[0]
     for part in ("statistics forward, input (3, 32, 32)", "statistics backward", "cost factorisations"):
         assert part in out, part
+
+
+def test_the_harness_builds_each_method_as_its_shipped_config(monkeypatch):
+    """One source of truth: the harness's SimSiam and FastSiam have the 2048 / 2048 / 512 heads of the paper's Table 1
+    and configs/baselines/*, not the classes' defaults; every method's settings are its config's."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from common import DISPLAY, build_method, shipped_model_arguments
+
+    for method in ("simsiam", "fastsiam"):
+        module = build_method(method, "resnet18")
+        widths = [
+            layer.out_features for layer in module.projection_head.modules() if isinstance(layer, torch.nn.Linear)
+        ]
+        assert widths[-1] == 2048 and set(widths) == {2048}, (method, widths)
+        predictor = [
+            layer.out_features for layer in module.prediction_head.modules() if isinstance(layer, torch.nn.Linear)
+        ]
+        assert predictor == [512, 2048], (method, predictor)
+    for method in DISPLAY:
+        shipped = shipped_model_arguments(method)
+        module = build_method(method, "small")
+        if method.startswith("hfmca"):
+            assert module.external_cost.reg == shipped["external_cost"]["init_args"]["reg"]
+            noise = [m.num_channels for m in module.external_head.modules() if type(m).__name__ == "NoiseChannels"]
+            assert noise == [shipped["external_head"]["init_args"]["noise_channels"]]
+        else:  # every shipped setting reached the module's saved hyper-parameters
+            for key, value in shipped.items():
+                assert module.hparams[key] == (tuple(value) if isinstance(value, list) else value), (method, key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -23,6 +24,7 @@ from hfmca_lightning.losses.window_geometry import WindowGeometry  # noqa: E402
 __all__ = [
     "learning_dynamics_figure",
     "layer_spectra_figure",
+    "layer_spectra_panels",
     "heatmap_overlay_figure",
     "basis_functions_figure",
     "external_cost_curves_figure",
@@ -78,12 +80,39 @@ def learning_dynamics_figure(
 
 
 def layer_spectra_figure(
-    spectra: Mapping[str, torch.Tensor | np.ndarray], title: str = "Spectrum per layer", top_mean: int = 10
+    spectra: Mapping[str, torch.Tensor | np.ndarray | Sequence[float]],
+    title: str = "Spectrum per layer",
+    top_mean: int = 10,
 ) -> Figure:
     """One column of eigenvalue dots per layer (darker = higher rank), with the mean of the ``top_mean``
-    largest eigenvalues as a red dotted line (paper Fig. "Spectrum across layers")."""
+    largest eigenvalues as a red dotted line (paper Fig. 4, "Spectrum across layers")."""
+    figure, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(spectra) + 2), 4.2), constrained_layout=True)
+    _draw_layer_spectra(ax, spectra, title, top_mean)
+    return figure
+
+
+def layer_spectra_panels(
+    panels: Mapping[str, Mapping[str, torch.Tensor | np.ndarray | Sequence[float]]],
+    title: str = "",
+    top_mean: int = 10,
+) -> Figure:
+    """:func:`layer_spectra_figure` side by side, one panel per ``{panel title: spectra}`` (the paper's Fig. 4 for
+    three scenarios, Fig. 5 for three pairs of them)."""
+    width = max(4.0, 0.9 * max((len(spectra) for spectra in panels.values()), default=1) + 2)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(width * len(panels), 4.2), squeeze=False, constrained_layout=True, sharey=True
+    )
+    for ax, (name, spectra) in zip(axes.flat, panels.items()):
+        _draw_layer_spectra(ax, spectra, name, top_mean)
+    if title:
+        figure.suptitle(title)
+    return figure
+
+
+def _draw_layer_spectra(
+    ax: Any, spectra: Mapping[str, torch.Tensor | np.ndarray | Sequence[float]], title: str, top_mean: int
+) -> None:
     names = list(spectra)
-    figure, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(names) + 2), 4.2), constrained_layout=True)
     colour = plt.get_cmap("Blues")
     means = []
     for column, name in enumerate(names):
@@ -101,7 +130,6 @@ def layer_spectra_figure(
     ax.legend(loc="lower left", fontsize=8)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    return figure
 
 
 def heatmap_overlay_figure(

@@ -337,7 +337,11 @@ def compare(
         outputs_a = _module_outputs(model_a, images, pair_names, norm)
         outputs_b = _module_outputs(model_b, images, pair_names, norm)
         last = pair_names[layers[-1]] if layers else None
-        if last is not None and torch.equal(outputs_a[last].flatten(1), outputs_a["backbone"]):
+        if (
+            "backbone" in outputs_a
+            and last in outputs_a
+            and torch.equal(outputs_a[last].flatten(1), outputs_a["backbone"])
+        ):
             del outputs_a["backbone"]  # the backbone's output is its last compared layer's
         return {
             name: group_statistics(_positions(value).double()[:, None], _positions(outputs_b[name]).double())

@@ -376,3 +376,61 @@ def test_the_harness_builds_each_method_as_its_shipped_config(monkeypatch):
         else:  # every shipped setting reached the module's saved hyper-parameters
             for key, value in shipped.items():
                 assert module.hparams[key] == (tuple(value) if isinstance(value, list) else value), (method, key)
+
+
+def test_spectrum_study_writes_the_papers_figures_and_a_table_of_its_spectra(monkeypatch, tmp_path):
+    """The §5 study, tiny: three scenarios trained, Fig. 4 / Fig. 5 / learning dynamics drawn, and every number of
+    the table recomputed from the spectra it was built from (each scenario's ``analysis/spectra.json``)."""
+    import json
+
+    import numpy as np
+
+    out = tmp_path / "study"
+    table = run_script(
+        "benchmarks/spectrum_study.py",
+        [
+            "--data",
+            "synthetic",
+            "--iterations",
+            "4",
+            "--channels",
+            "8",
+            "--hidden-dim",
+            "16",
+            "--noise-channels",
+            "2",
+            "--batch-size",
+            "4",
+            "--workers",
+            "0",
+            "--csv-only",
+            "--analysis-batches",
+            "2",
+            "--out",
+            str(out),
+        ],
+        monkeypatch,
+    )
+    figures = {path.name for path in out.glob("*.png")}
+    assert figures == {
+        "cross_layer_spectra.png",
+        "cross_scenario_spectra.png",
+        *(f"learning_dynamics_{s}.png" for s in ("unsupervised", "supervised", "selfsupervised")),
+    }
+    assert (out / "table.md").read_text() == table
+    scenarios = ("unsupervised", "supervised", "selfsupervised")
+    rows = table_rows(table, after=table.splitlines()[0])
+    assert rows[0][1:] == [f"{s}: {column}" for s in scenarios for column in ("< 0.1", "> 0.5", "top-10 mean")]
+    spectra = {s: json.loads((out / s / "analysis" / "spectra.json").read_text())["pairs"] for s in scenarios}
+    assert [row[0] for row in rows[1:]] == [*(f"internal/L{i}" for i in range(1, 10)), "external"]
+    for row in rows[1:]:
+        for index, scenario in enumerate(scenarios):
+            cells = row[1 + 3 * index : 4 + 3 * index]
+            if row[0] not in spectra[scenario]:  # the unsupervised scenario has no LF
+                assert cells == ["", "", ""] and row[0] == "external" and scenario == "unsupervised"
+                continue
+            values = np.array(spectra[scenario][row[0]]["eigenvalues"])
+            assert cells == [str((values < 0.1).sum()), str((values > 0.5).sum()), f"{values[:10].mean():.3f}"]
+    for first, second in (("supervised", "unsupervised"), ("supervised", "selfsupervised")):
+        crossed = json.loads((out / f"compare_{first}_{second}" / "cross_spectra.json").read_text())["pairs"]
+        assert ("external" in crossed) == (second == "selfsupervised")  # LF only between two runs with heads

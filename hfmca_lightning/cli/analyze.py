@@ -109,6 +109,14 @@ def spectrum_summary(statistics: dict[str, CorrelationStatistics], regs: dict[st
     return summary
 
 
+# After loading, the page records how many of its figures a browser could decode (data-figures-loaded on <body>):
+# a headless browser's DOM dump then tells whether every figure loads.
+FIGURES_LOADED_SCRIPT = (
+    "<script>window.addEventListener('load',()=>{document.body.dataset.figuresLoaded="
+    "[...document.images].filter(i=>i.complete&&i.naturalWidth>0).length;});</script>"
+)
+
+
 def _write_index(out: Path, title: str, notes: list[str], figures: list[tuple[str, str]], summary: dict) -> Path:
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{pair['groups']}</td><td>{pair['trivial']:.3f}</td>"
@@ -130,7 +138,7 @@ def _write_index(out: Path, title: str, notes: list[str], figures: list[tuple[st
         f"<h1>{html.escape(title)}</h1>{''.join(f'<p>{html.escape(note)}</p>' for note in notes)}"
         "<table><tr><th>pair</th><th>groups</th><th>trivial (constant function)</th><th>top eigenvalue</th>"
         "<th>mean of top 10</th><th>&lt; 0.1</th><th>&gt; 0.5</th><th>eigenvalues</th></tr>"
-        f"{rows}</table>{body}</body></html>"
+        f"{rows}</table>{body}{FIGURES_LOADED_SCRIPT}</body></html>"
     )
     path = out / "index.html"
     path.write_text(page)

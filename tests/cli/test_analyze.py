@@ -323,6 +323,40 @@ def test_analyze_of_the_demo_looks_inside_its_conv_stages(tmp_path, capsys):
         "spectra.png",
     ]
     assert "BatchNorm running statistics have seen only 2 batches" in capsys.readouterr().err
+    assert_every_figure_loads_in_a_browser(out / "index.html", expected=len(figures))
+
+
+def assert_every_figure_loads_in_a_browser(page: Path, expected: int) -> None:
+    """Chromium, headless (where installed, e.g. Debian's ``chromium``), loads the report and counts the figures it
+    could decode (the page's own ``data-figures-loaded``); elsewhere only the page's references are checked."""
+    import re
+    import shutil
+    import subprocess
+
+    sources = re.findall(r"<img src='([^']+)'>", page.read_text())
+    assert len(sources) == expected and all((page.parent / source).is_file() for source in sources)
+    browser = next(
+        (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+    )
+    if browser is None:
+        return
+    dom = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--allow-file-access-from-files",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f'data-figures-loaded="{expected}"' in dom, dom[-2000:]
 
 
 @pytest.mark.integration  # a short training run

@@ -57,6 +57,21 @@ class EigenspectrumCallback(FigureCallback):
     ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest non-trivial eigenvalues) and
     ``layer_spectra`` (one column of eigenvalue dots per pair, red line: mean of the 10 largest). Logging and figures
     are rank 0's; the history is kept in checkpoints.
+
+    A module without cost pairs (a baseline: no ``cost_modules``) is hooked instead
+    (:class:`~hfmca_lightning.callbacks.spectrum_hooks.HookedSpectrumPairs`): float64 statistics of its backbone's
+    ``hooked_layers`` (default: its named stages or residual blocks), recorded on the steps before each log that
+    their windows need, and the pair of its projections of views 0 and 1, all at ``hooked_reg``; the keys are those
+    of an HFMCA run.
+
+    Args:
+        every_n_steps: log every this many optimiser steps (from the first).
+        top_k: eigenvalue series logged per pair.
+        threshold: the ``num_above_<threshold>`` count.
+        output_dir: where figures go (default ``<run dir>/figures``).
+        min_groups: the fewest groups a window holds (default ``groups_per_feature * max(K1, K2)`` per pair).
+        groups_per_feature: see ``min_groups``.
+        hooked_layers / hooked_reg: for modules without cost pairs, as above.
     """
 
     def __init__(
@@ -242,6 +257,7 @@ class EigenspectrumCallback(FigureCallback):
         uninterrupted one would."""
         return {
             "history": self.history,
+            "internal_steps": self._internal_steps,
             "open": {name: _as_tuple(stats) for name, stats in self._open.items()},
             "chunks": {name: [_as_tuple(stats) for stats in chunks] for name, chunks in self._chunks.items()},
         }
@@ -251,6 +267,7 @@ class EigenspectrumCallback(FigureCallback):
             name: [(int(step), list(values)) for step, values in entries]
             for name, entries in state_dict["history"].items()
         }
+        self._internal_steps = state_dict.get("internal_steps")
         self._open = {name: CorrelationStatistics(*tensors) for name, tensors in state_dict.get("open", {}).items()}
         self._chunks = {
             name: deque(CorrelationStatistics(*tensors) for tensors in chunks)

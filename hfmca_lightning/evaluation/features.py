@@ -8,7 +8,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["batch_norm_age", "batch_statistics_mode", "evaluation_mode", "extract_features"]
+__all__ = [
+    "batch_norm_age",
+    "batch_statistics_mode",
+    "evaluation_mode",
+    "extract_features",
+    "frozen_batch_norm_statistics",
+]
 
 
 @contextmanager
@@ -25,23 +31,32 @@ def evaluation_mode(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def frozen_batch_norm_statistics(module: nn.Module) -> Iterator[None]:
+    """BatchNorm layers that track running statistics leave them as they are while inside (momentum 0), whatever
+    their mode; on exit each gets back its momentum and batch count."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, (momentum, tracked) in zip(norms, saved):
+            norm.momentum = momentum
+            if tracked is not None and norm.num_batches_tracked is not None:
+                norm.num_batches_tracked.copy_(tracked)
+
+
+@contextmanager
 def batch_statistics_mode(module: nn.Module) -> Iterator[None]:
     """Eval mode, except that BatchNorm normalises with each batch's own statistics, as in training, and leaves its
-    running statistics as they are (momentum 0 while inside); on exit every submodule gets back its mode, momentum
-    and batch count."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
-    with evaluation_mode(module):
-        for norm in norms:
-            norm.train()
-            norm.momentum = 0.0
-        try:
-            yield
-        finally:
-            for norm, (momentum, tracked) in zip(norms, saved):
-                norm.momentum = momentum
-                if tracked is not None and norm.num_batches_tracked is not None:
-                    norm.num_batches_tracked.copy_(tracked)
+    running statistics as they are (:func:`frozen_batch_norm_statistics`); on exit every submodule gets back its
+    mode."""
+    with evaluation_mode(module), frozen_batch_norm_statistics(module):
+        for norm in module.modules():
+            if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+                norm.train()
+        yield
 
 
 def batch_norm_age(module: nn.Module) -> int | None:

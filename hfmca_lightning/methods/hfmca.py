@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -14,6 +13,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.features import frozen_batch_norm_statistics
 from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError, merge_checks
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import HFMCACost, cost_values
@@ -101,22 +101,7 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
 def _recompute_without_bn_updates(module: nn.Module) -> tuple[Any, Any]:
     """Contexts of ``torch.utils.checkpoint``: the first forward as usual; the recomputation in the backward
     pass with BatchNorm momentum 0, so running statistics are updated once per step, not twice."""
-    return nullcontext(), _frozen_batchnorm_statistics(module)
-
-
-@contextmanager
-def _frozen_batchnorm_statistics(module: nn.Module) -> Iterator[None]:
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None) for m in norms]
-    for m in norms:
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        for m, (momentum, tracked) in zip(norms, saved):
-            m.momentum = momentum
-            if tracked is not None:
-                m.num_batches_tracked.copy_(tracked)
+    return nullcontext(), frozen_batch_norm_statistics(module)
 
 
 class HFMCAModule(KNNFeatureSteps, LightningModule):

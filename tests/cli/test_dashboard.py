@@ -126,3 +126,30 @@ def test_dry_run_prints_the_view_without_saving(capsys):
     view = json.loads(capsys.readouterr().out)
     assert view["title"] == "HFMCA eigenvalue dynamics"
     assert [section["name"] for section in view["sections"]][1] == "Eigenvalue dynamics"
+
+
+def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
+    """A SimCLR run logs its hooked spectra and RankMe under the HFMCA keys: every one of them has its panel in the
+    view that shows HFMCA runs (one view for both)."""
+    from hfmca_lightning.methods.baselines import SimCLR
+    from hfmca_lightning.models import SmallConvNet
+
+    trainer = quiet_trainer(
+        max_steps=2,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=5, min_groups=1)],
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
+    trainer.fit(SimCLR(SmallConvNet(width=4, num_stages=2), hidden_dim=8, output_dim=4), tiny_data())
+    keys = next(csv.reader(open(Path(trainer.log_dir) / "metrics.csv")))
+    pairs = {"external", "internal/features.0", "internal/features.1"}
+    workspace = eigenvalue_dynamics_workspace("team", "hfmca")
+    summaries, (dynamics,) = panels(workspace, "Spectrum summaries"), panels(workspace, "Eigenvalue dynamics")
+    assert {key.split("/", 1)[1].rsplit("/", 1)[0] for key in keys if key.startswith("spectrum/")} == pairs
+    assert "rankme/backbone" in keys
+    for key in keys:
+        if key.startswith(("spectrum/", "rankme/")):
+            assert sum(matches(p, key) for p in summaries) == 1, key
+        if key.startswith("eigenvalues/"):
+            assert matches(dynamics, key), key

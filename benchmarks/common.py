@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import nn
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
 from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
@@ -78,12 +77,6 @@ def shipped_model_arguments(method: str) -> dict[str, Any]:
     }
 
 
-def internal_layers_of(net: nn.Module) -> list[str]:
-    """Where HFMCA-SS puts its internal costs: every residual block (ResNet-18: the 8 BasicBlocks, as
-    ``configs/cifar10_ss_internal.yaml``), or the small CPU backbone's stages."""
-    return analysis_layers(net)
-
-
 def build_method(
     method: str, backbone: str, hfmca_views: int = 9, head_dim: int | None = None, **hfmca_options: Any
 ) -> LightningModule:
@@ -98,10 +91,11 @@ def build_method(
         k = head_dim or projector["output_dim"]
         if method == "hfmca_internal":
             internal = shipped["internal_costs"]["init_args"]
+            # on every residual block (ResNet-18: the config's 8 BasicBlocks), or the small CPU backbone's stages
             hfmca_options.setdefault(
                 "internal_costs",
                 InternalCosts(
-                    internal_layers_of(net), reg=internal["reg"], weight=internal.get("weight", 1.0), sync_dist=True
+                    analysis_layers(net), reg=internal["reg"], weight=internal.get("weight", 1.0), sync_dist=True
                 ),
             )
         return HFMCAModule(

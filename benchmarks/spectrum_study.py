@@ -31,7 +31,6 @@ shrink the network and batch for CPU runs only.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> str:
         )
     table = (
         f"Spectrum study on {args.data}, {args.iterations} iterations per scenario\n\n"
-        + spectrum_table(copy.deepcopy(summaries))
+        + spectrum_table(summaries)
         + "\n"
     )
     (out / "table.md").write_text(table)

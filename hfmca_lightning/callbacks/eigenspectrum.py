@@ -160,7 +160,7 @@ class EigenspectrumCallback(FigureCallback):
             self._chunks.setdefault(name, deque()).append(stats)
         self._open = {}
         regs = (
-            self._hooked.regs(list(statistics))
+            dict.fromkeys(statistics, self.hooked_reg)
             if self._hooked is not None
             else {name: cost.reg for name, cost in pl_module.cost_modules().items()}  # type: ignore[operator]
         )

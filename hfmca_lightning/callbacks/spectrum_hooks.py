@@ -62,9 +62,6 @@ class HookedSpectrumPairs:
         if isinstance(head, nn.Module):
             head.register_forward_hook(self._projection)
 
-    def regs(self, names: list[str]) -> dict[str, float]:
-        return dict.fromkeys(names, self.reg)
-
     def start(self, internal: bool, features: bool) -> None:
         """Begin a training step: record the internal pairs if ``internal``, keep the backbone outputs if
         ``features``."""

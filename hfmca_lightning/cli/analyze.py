@@ -28,12 +28,13 @@ from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation.features import batch_norm_age, batch_statistics_mode, evaluation_mode
+from hfmca_lightning.evaluation.features import batch_norm_age
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
     BatchNormStatistics,
     analysis_layers,
+    analysis_mode,
     collect_statistics,
     default_figure_layers,
     heatmap_placements,
@@ -52,7 +53,8 @@ __all__ = ["load_run", "analysis_module", "analyze", "compare", "run_analysis_co
 
 
 YOUNG_BATCH_NORM = 100  # batches: below this, running statistics still carry their start (0.9^100 < 1e-4 at momentum
-# 0.1) and lag the weights of a fast-moving start of training; the issue measured 0.175 against 0.673 after 21 steps
+# 0.1) and lag the weights of a fast-moving start of training (21 steps into a spectrum run: an L4 top-10 mean of
+# 0.175 with them against 0.673 in training)
 BatchNormChoice = Literal["auto", "running", "batch"]
 
 
@@ -71,6 +73,19 @@ def choose_batch_norm(modules: list[LightningModule], choice: BatchNormChoice) -
         f"BatchNorm running statistics have seen only {min(ages)} batches: using each batch's own statistics, as "
         "training does (--batch_norm running to use the running ones)"
     )
+
+
+def _batch_norm_for(modules: list[LightningModule], choice: BatchNormChoice) -> tuple[BatchNormStatistics, list[str]]:
+    """:func:`choose_batch_norm`, its warning printed, and the report's notes on it."""
+    norm, warning = choose_batch_norm(modules, choice)
+    if warning:
+        print(f"hfmca: warning: {warning}", file=sys.stderr)
+    note = (
+        "BatchNorm: running statistics (eval mode)."
+        if norm == "running"
+        else "BatchNorm: each batch's own statistics, as in training (running statistics untouched)."
+    )
+    return norm, [note, *([warning] if warning else [])]
 
 
 def _enough_batches(
@@ -191,9 +206,7 @@ def analyze(
     ``internal_layers``) are analysed through :func:`analysis_module`."""
     run_module, datamodule = load_run(ckpt_path, config_path)
     module = analysis_module(run_module, internal_layers)
-    norm, warning = choose_batch_norm([module], batch_norm)
-    if warning:
-        print(f"hfmca: warning: {warning}", file=sys.stderr)
+    norm, notes = _batch_norm_for([module], batch_norm)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     statistics = _enough_batches(
@@ -245,16 +258,7 @@ def analyze(
                 basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"), out / file
             )
             figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
-    notes = [_batch_norm_note(norm), *([warning] if warning else [])]
     return _write_index(out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
-
-
-def _batch_norm_note(norm: BatchNormStatistics) -> str:
-    return (
-        "BatchNorm: running statistics (eval mode)."
-        if norm == "running"
-        else "BatchNorm: each batch's own statistics, as in training (running statistics untouched)."
-    )
 
 
 def _training_batches(datamodule: MultiViewDataModule) -> Iterator[Tensor]:
@@ -278,8 +282,7 @@ def _module_outputs(
     ``external``."""
     backbone = backbone_of(module)
     outputs: dict[str, Tensor] = {}
-    mode = evaluation_mode if norm == "running" else batch_statistics_mode
-    with mode(module):
+    with analysis_mode(module, norm):
         if images.dim() == 5:
             assert isinstance(module, HFMCAModule)
             return {"external": module.encode_views(images)[1].detach()}
@@ -334,9 +337,7 @@ def compare(
     if missing:
         raise ConfigurationError(f"--layers {missing} are not modules of both backbones")
     pair_names = dict(zip(layers, (internal_cost_name(log) for log in log_names(layers))))
-    norm, warning = choose_batch_norm([model_a, model_b], batch_norm)
-    if warning:
-        print(f"hfmca: warning: {warning}", file=sys.stderr)
+    norm, notes = _batch_norm_for([model_a, model_b], batch_norm)
     loaders = data_a.val_dataloader()
     if not loaders:
         raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
@@ -375,7 +376,6 @@ def compare(
         "Eigenvalues between the features of the two models at each layer after the constant function's "
         "(1: same subspace, 0: orthogonal)."
     )
-    notes = [_batch_norm_note(norm), *([warning] if warning else [])]
     return _write_index(out, title, notes, [("cross_spectra.png", caption)], summary)
 
 

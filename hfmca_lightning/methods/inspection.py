@@ -7,6 +7,7 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import torch
@@ -22,6 +23,7 @@ from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
 __all__ = [
     "BatchNormStatistics",
+    "analysis_mode",
     "collect_for_analysis",
     "collect_statistics",
     "default_figure_layers",
@@ -65,6 +67,11 @@ def default_figure_layers(log_names: list[str]) -> list[str]:
 BatchNormStatistics = Literal["running", "batch"]
 
 
+def analysis_mode(module: nn.Module, batch_norm: BatchNormStatistics) -> AbstractContextManager[None]:
+    """Eval mode, BatchNorm with its ``running`` statistics or each ``batch``'s own (the running ones untouched)."""
+    return evaluation_mode(module) if batch_norm == "running" else batch_statistics_mode(module)
+
+
 @torch.no_grad()
 def collect_for_analysis(
     module: HFMCAModule, batch: Tensor, keep_maps: bool = False, batch_norm: BatchNormStatistics = "running"
@@ -72,8 +79,7 @@ def collect_for_analysis(
     """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device, with
     float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
     running ones untouched)."""
-    mode = evaluation_mode if batch_norm == "running" else batch_statistics_mode
-    with mode(module):
+    with analysis_mode(module, batch_norm):
         return module.collect(batch.to(module.device), keep_maps=keep_maps, precision="float64")
 
 

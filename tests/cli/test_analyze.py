@@ -158,9 +158,11 @@ def test_loaded_run_has_the_checkpoint_weights(checkpoints):
     assert not module.training
 
 
-def compare(ckpt_a: Path, ckpt_b: Path, out: Path) -> None:
-    """``hfmca compare`` of two checkpoints over one batch."""
-    main(["compare", "--ckpt_a", str(ckpt_a), "--ckpt_b", str(ckpt_b), "--out", str(out), "--num_batches", "1"])
+def compare(ckpt_a: Path, ckpt_b: Path, out: Path, *options: str) -> None:
+    """``hfmca compare`` of two checkpoints over one batch, with further command-line ``options``."""
+    main(
+        ["compare", "--ckpt_a", str(ckpt_a), "--ckpt_b", str(ckpt_b), "--out", str(out), "--num_batches", "1", *options]
+    )
 
 
 def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
@@ -216,22 +218,8 @@ def test_compare_equals_the_eigenvalues_of_the_two_models_features(checkpoints, 
     from hfmca_lightning.losses.statistics import group_statistics
 
     out = tmp_path / "check"
-    main(
-        [
-            "compare",
-            "--ckpt_a",
-            str(checkpoints["selfsupervised"]),
-            "--ckpt_b",
-            str(checkpoints["simclr"]),
-            "--out",
-            str(out),
-            "--num_batches",
-            "1",
-            "--layers",
-            "blocks.L2",
-            "--batch_norm",
-            "running",
-        ]
+    compare(
+        checkpoints["selfsupervised"], checkpoints["simclr"], out, "--layers", "blocks.L2", "--batch_norm", "running"
     )
     spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
     assert list(spectra) == ["internal/L2", "backbone"]

@@ -11,6 +11,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 
+from hfmca_lightning.diagnostics import host_buffer
+
 __all__ = ["AsyncHostValues", "CostProgressBar"]
 
 
@@ -30,10 +32,10 @@ class AsyncHostValues:
             return
         names = list(values)
         stacked = torch.stack([values[name].detach().reshape(()).to(torch.float64) for name in names])
-        if stacked.device.type != "cuda":
-            self._pending.append((names, stacked, None))
+        if stacked.device.type != "cuda":  # on the host already
+            self._pending.append((names, host_buffer(stacked), None))
             return
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host = host_buffer(torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True))
         host.copy_(stacked, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(stacked.device))

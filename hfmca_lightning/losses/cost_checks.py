@@ -8,39 +8,73 @@ module: just before the optimizer step, after an all-reduce under DDP so that ev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["CostChecks", "CostFactorisationError", "MATRICES", "merge_checks"]
+__all__ = [
+    "CHECK_COLUMNS",
+    "CheckedMatrix",
+    "CostChecks",
+    "CostFactorisationError",
+    "MATRICES",
+    "NONFINITE",
+    "check_state",
+    "merge_checks",
+]
 
 
 class CostFactorisationError(RuntimeError):
     """A matrix of an HFMCA cost is not positive definite, so its log-determinant does not exist."""
 
 
-# The matrices of one cost whose factorisation can fail, in the order their failures are reported: a failed A
-# makes the Schur complement S meaningless, and S <= C, so a failed C fails S too. The smoothed ones (adaptive
-# filter, paper Alg. 3) come after the exact ones.
+@dataclass(frozen=True)
+class CheckedMatrix:
+    """A matrix of one cost whose factorisation can fail: its ``column`` in the checks, what it is (for messages)
+    and which of the cost's dimensions (``low``: K1, ``high``: K2) it has."""
+
+    column: str
+    description: str
+    dimension: Literal["low", "high"]
+
+
+# In the order their failures are reported: a failed A makes the Schur complement S meaningless, and S <= C, so a
+# failed C fails S too. The smoothed ones (adaptive filter, paper Alg. 3) come after the exact ones.
 MATRICES = (
-    "low-level matrix A = R1 + reg I",
-    "high-level matrix C = R2 + reg I",
-    "Schur complement C - P^T A^-1 P of the joint matrix J = [[A, P], [P^T, C]]",
-    "smoothed low-level matrix A_hat = R1 + reg I",
-    "smoothed high-level matrix C_hat = R2 + reg I",
-    "Schur complement C - P^T A^-1 P of the smoothed joint matrix J_hat = [[A, P], [P^T, C]]",
+    CheckedMatrix("low", "low-level matrix A = R1 + reg I", "low"),
+    CheckedMatrix("high", "high-level matrix C = R2 + reg I", "high"),
+    CheckedMatrix("schur", "Schur complement C - P^T A^-1 P of the joint matrix J = [[A, P], [P^T, C]]", "high"),
+    CheckedMatrix("smoothed_low", "smoothed low-level matrix A_hat = R1 + reg I", "low"),
+    CheckedMatrix("smoothed_high", "smoothed high-level matrix C_hat = R2 + reg I", "high"),
+    CheckedMatrix(
+        "smoothed_schur",
+        "Schur complement C - P^T A^-1 P of the smoothed joint matrix J_hat = [[A, P], [P^T, C]]",
+        "high",
+    ),
 )
-NONFINITE = len(MATRICES)  # the column of ``state`` that flags statistics holding NaN or Inf
+NONFINITE = "nonfinite"  # 1 where the cost's statistics hold NaN or Inf
+CHECK_COLUMNS = (*(matrix.column for matrix in MATRICES), NONFINITE)
+"""The columns of :attr:`CostChecks.state`, by name: each matrix's failed Cholesky column (0: it did not fail), then
+the non-finite flag."""
+
+
+def check_state(columns: Mapping[str, Tensor]) -> Tensor:
+    """``(N, len(CHECK_COLUMNS))`` int64 checks of ``N`` costs from their columns by name (each ``(N,)``)."""
+    if set(columns) != set(CHECK_COLUMNS):
+        raise ValueError(f"need the check columns {CHECK_COLUMNS}; got {sorted(columns)}")
+    return torch.stack([columns[name] for name in CHECK_COLUMNS], dim=1).to(torch.int64)
 
 
 @dataclass(frozen=True)
 class CostChecks:
     """Checks of ``len(names)`` costs on the device.
 
-    ``state`` is ``(N, 7)`` int64: for each cost and each matrix of :data:`MATRICES` the column at which its
-    Cholesky factorisation failed (0: it did not), then 1 if the cost's statistics hold NaN or Inf. ``total``
+    ``state`` is ``(N, 7)`` int64 with the columns :data:`CHECK_COLUMNS`: for each cost and each matrix of
+    :data:`MATRICES` the column at which its Cholesky factorisation failed (0: it did not), then 1 if the cost's
+    statistics hold NaN or Inf (:func:`check_state` builds it by column name). ``total``
     is ``()`` int64, 1 if the total the costs were added into is not finite (``None``: no total checked).
     ``sizes`` are each cost's ``(K1, K2)``, ``regs`` its regulariser (for the messages).
     """
@@ -69,21 +103,25 @@ class CostChecks:
         packed = self.packed()
         if reduce is not None:
             packed = reduce(packed)
-        if not bool(packed.any()):
-            return
-        raise self.error(packed)
+        values = packed.tolist()  # the one host read
+        if any(values):
+            raise self.error(values)
 
-    def error(self, packed: Tensor) -> CostFactorisationError:
-        """The error for checks ``packed`` as :meth:`packed` lays them out (at least one failed)."""
-        values = packed.tolist()
-        width = NONFINITE + 1
+    def error(self, packed: Tensor | Sequence[int]) -> CostFactorisationError:
+        """The error for checks ``packed`` as :meth:`packed` lays them out (at least one failed), a tensor or its
+        values."""
+        values = packed.tolist() if isinstance(packed, Tensor) else list(packed)
+        width = len(CHECK_COLUMNS)
         for position, name in enumerate(self.names):
-            row = values[position * width : (position + 1) * width]
-            for matrix, column in enumerate(row[:NONFINITE]):
-                if column:
+            row = dict(zip(CHECK_COLUMNS, values[position * width : (position + 1) * width]))
+            for matrix in MATRICES:
+                if row[matrix.column]:
                     return _factorisation_error(
-                        name, matrix, column, self.sizes[position], self.regs[position], finite=not row[NONFINITE]
+                        name, matrix, row[matrix.column], self.sizes[position], self.regs[position],
+                        finite=not row[NONFINITE],
                     )
+            if row[NONFINITE]:  # a device whose factorisation reports success on NaN input (CUDA)
+                return CostFactorisationError(f"HFMCA cost '{name}': its statistics hold NaN or Inf; {_NONFINITE_HINT}")
         return CostFactorisationError("the total cost is not finite (features or weights hold NaN or Inf)")
 
 
@@ -98,18 +136,18 @@ def merge_checks(checks: Sequence[CostChecks]) -> CostChecks:
     return CostChecks(state, first.names, first.sizes, first.regs, total)
 
 
+_NONFINITE_HINT = (
+    "the features contain NaN or Inf values; check the learning rate and the input data, "
+    "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
+)
+
+
 def _factorisation_error(
-    name: str, matrix: int, column: int, sizes: tuple[int, int], reg: float, *, finite: bool
+    name: str, matrix: CheckedMatrix, column: int, sizes: tuple[int, int], reg: float, *, finite: bool
 ) -> CostFactorisationError:
-    size = sizes[0] if matrix % 3 == 0 else sizes[1]
-    if finite:
-        hint = f"increase `reg` (now {reg}) or check that the features are not exploding"
-    else:
-        hint = (
-            "the features contain NaN or Inf values; check the learning rate and the input data, "
-            "and keep the feature maps in float32 or bf16 (not float16) under mixed precision"
-        )
+    size = sizes[0] if matrix.dimension == "low" else sizes[1]
+    hint = f"increase `reg` (now {reg}) or check that the features are not exploding" if finite else _NONFINITE_HINT
     return CostFactorisationError(
-        f"HFMCA cost '{name}': the {MATRICES[matrix]} ({size}x{size}) is not positive definite, so its "
+        f"HFMCA cost '{name}': the {matrix.description} ({size}x{size}) is not positive definite, so its "
         f"log-determinant is undefined (Cholesky failed at column {column}); {hint}"
     )

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.cholesky import cholesky_by_size, identity_where, inverse_from_factor
-from hfmca_lightning.losses.cost_checks import NONFINITE, CostChecks, CostFactorisationError
+from hfmca_lightning.losses.cost_checks import NONFINITE, CostChecks, CostFactorisationError, check_state
 from hfmca_lightning.losses.distributed import all_reduce_statistics
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 
@@ -32,6 +33,9 @@ __all__ = [
     "hfmca_cost",
     "hfmca_costs",
     "cost_values",
+    "CostValues",
+    "FilterUpdate",
+    "apply_filter_updates",
     "cost_from_statistics",
     "HFMCACost",
     "CostFactorisationError",
@@ -157,7 +161,8 @@ def hfmca_costs(
     for stats, cost in zip(statistics, costs):
         if cost.filtering():
             cost.prepare_filter(stats)
-    values, state = cost_values(statistics, costs)
+    values, state, filters = cost_values(statistics, costs)
+    apply_filter_updates(costs, filters)
     checks = CostChecks(
         state,
         tuple(cost.name for cost in costs),
@@ -180,10 +185,30 @@ class _Group:
     candidate_ema: Tensor | None = None
 
 
-def cost_values(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]) -> tuple[list[Tensor], Tensor]:
-    """The tensor work of :func:`hfmca_costs`: ``(values, state)`` with ``state`` the ``(N, 7)`` checks of
-    :class:`CostChecks`. Static shapes, no host reads and no data-dependent Python (it compiles with
-    ``torch.compile(fullgraph=True)``); filters must have been sized (:meth:`HFMCACost.prepare_filter`)."""
+class FilterUpdate(NamedTuple):
+    """A filtered cost's adaptive-filter update (paper Alg. 3 lines 4-6): the EMA with this step's ``J`` taken in,
+    ``candidate (K, K)``, and whether it is ``accepted`` (0-dim bool: the step's statistics were finite and its
+    matrices factored). :func:`apply_filter_updates` writes it into the cost's buffers."""
+
+    candidate: Tensor
+    accepted: Tensor
+
+
+class CostValues(NamedTuple):
+    """The result of :func:`cost_values`: each cost's ``values`` (0-dim float64), their ``(N, 7)`` checks ``state``
+    (columns :data:`~hfmca_lightning.losses.cost_checks.CHECK_COLUMNS`) and each cost's ``filters`` update (None
+    for costs not filtering this step)."""
+
+    values: list[Tensor]
+    state: Tensor
+    filters: list[FilterUpdate | None]
+
+
+def cost_values(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFMCACost]) -> CostValues:
+    """The tensor work of :func:`hfmca_costs`. Static shapes, no host reads, no data-dependent Python and no writes
+    to the costs' buffers (it compiles with ``torch.compile(fullgraph=True)`` and CUDA graphs): the adaptive
+    filters' updates are returned, for :func:`apply_filter_updates`. Filters must have been sized
+    (:meth:`HFMCACost.prepare_filter`)."""
     device = statistics[0].low_outer_sum.device
     with torch.autocast(device_type=device.type, enabled=False), torch.profiler.record_function("hfmca_costs"):
         keys: dict[tuple[int, int, float, float], list[int]] = {}
@@ -197,15 +222,28 @@ def cost_values(statistics: Sequence[CorrelationStatistics], costs: Sequence[HFM
         factors = iter(cholesky_by_size([matrix for group in groups for matrix in group.matrices]))
         values: list[Tensor | None] = [None] * len(costs)
         states: list[Tensor | None] = [None] * len(costs)
+        filters: list[FilterUpdate | None] = [None] * len(costs)
         for group in groups:
-            group_values, group_state = _group_costs(
-                group, [next(factors) for _ in group.matrices], [costs[p] for p in group.positions]
-            )
+            group_values, group_state, accepted = _group_costs(group, [next(factors) for _ in group.matrices])
             for row, position in enumerate(group.positions):
                 values[position], states[position] = group_values[row], group_state[row]
-        return [value for value in values if value is not None], torch.stack(
-            [state for state in states if state is not None]
+                if group.candidate_ema is not None:
+                    filters[position] = FilterUpdate(group.candidate_ema[row], accepted[row])
+        return CostValues(
+            [value for value in values if value is not None],
+            torch.stack([state for state in states if state is not None]),
+            filters,
         )
+
+
+def apply_filter_updates(costs: Sequence[HFMCACost], filters: Sequence[FilterUpdate | None]) -> None:
+    """Write each filtered cost's accepted update into its buffers (on the device: a rejected one leaves them as
+    they were). Copies the candidates at once, so they may be outputs of a CUDA graph that the next replay
+    overwrites."""
+    for cost, update in zip(costs, filters):
+        if update is not None:
+            cost.joint_ema.copy_(torch.where(update.accepted, update.candidate, cost.joint_ema))
+            cost.num_updates.add_(update.accepted.to(cost.num_updates.dtype))
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:
@@ -251,38 +289,36 @@ def _failures(joint_info: Tensor, high_info: Tensor, k1: int) -> tuple[Tensor, T
     )
 
 
-def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: list[HFMCACost]) -> tuple[Tensor, Tensor]:
-    """Values ``(n,)`` and checks ``(n, 7)`` of a group's costs from the factors of its matrices."""
+def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Values ``(n,)``, checks ``(n, 7)`` and, for the filter, whether each cost's step is accepted ``(n,)`` bool
+    (finite statistics whose exact matrices factored: CUDA's ``cholesky_ex`` reports success for NaN input, so the
+    factorisation's info alone would let NaN into the EMA), from the factors of the group's matrices."""
     k1 = group.k1
     (joint_factor, joint_info), (high_factor, high_info) = factors[:2]
     exact = 2.0 * (
         torch.log(torch.diagonal(joint_factor[:, k1:, k1:], dim1=-2, dim2=-1)).sum(-1)
         - torch.log(torch.diagonal(high_factor, dim1=-2, dim2=-1)).sum(-1)
     )
-    columns = list(_failures(joint_info, high_info, k1))
-    failed = (joint_info > 0) | (high_info > 0)
-    if (
-        group.candidate_ema is not None
-    ):  # filtered: gradient at the smoothed matrices; the EMA takes this J if J was fine
-        (joint_factor, joint_hat_info), (high_factor, high_hat_info) = factors[2:]
-        columns += _failures(joint_hat_info, high_hat_info, k1)
-        for row, cost in enumerate(costs):
-            cost.joint_ema.copy_(torch.where(failed[row], cost.joint_ema, group.candidate_ema[row]))
-            cost.num_updates.add_((~failed[row]).to(cost.num_updates.dtype))
-        failed = failed | (joint_hat_info > 0) | (high_hat_info > 0)
-    else:
-        columns += [torch.zeros_like(joint_info)] * 3
     low, high, cross = group.sums
     finite = (
         torch.isfinite(low).flatten(1).all(1)
         & torch.isfinite(high).flatten(1).all(1)
         & torch.isfinite(cross).flatten(1).all(1)
     )
-    columns.append((~finite).to(joint_info.dtype))
-    state = torch.stack(columns, dim=1).to(torch.int64)
-    assert state.shape[1] == NONFINITE + 1
+    columns = dict(zip(("low", "high", "schur"), _failures(joint_info, high_info, k1)))
+    failed = (joint_info > 0) | (high_info > 0)
+    accepted = ~failed & finite
+    if group.candidate_ema is not None:  # filtered: the gradient at the smoothed matrices
+        (joint_factor, joint_hat_info), (high_factor, high_hat_info) = factors[2:]
+        smoothed = _failures(joint_hat_info, high_hat_info, k1)
+        columns.update(zip(("smoothed_low", "smoothed_high", "smoothed_schur"), smoothed))
+        failed = failed | (joint_hat_info > 0) | (high_hat_info > 0)
+    else:
+        columns.update(dict.fromkeys(("smoothed_low", "smoothed_high", "smoothed_schur"), torch.zeros_like(joint_info)))
+    columns[NONFINITE] = (~finite).to(joint_info.dtype)
+    state = check_state(columns)
     if not (torch.is_grad_enabled() and any(total.requires_grad for total in group.sums)):
-        return exact, state
+        return exact, state, accepted
     gradients = _gradients(identity_where(failed, joint_factor), identity_where(failed, high_factor), k1)
     members, groups = group.counts
     low, high, cross = (
@@ -290,7 +326,7 @@ def _group_costs(group: _Group, factors: list[tuple[Tensor, Tensor]], costs: lis
         for gradient, total, count in zip(gradients, group.sums, (members, groups, groups))
     )
     surrogate = low + high + cross
-    return exact + (surrogate - surrogate.detach()), state
+    return exact + (surrogate - surrogate.detach()), state, accepted
 
 
 def _gradients(joint_factor: Tensor, high_factor: Tensor, k1: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -16,7 +16,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.features import frozen_batch_norm_statistics
 from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError, merge_checks
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
-from hfmca_lightning.losses.hfmca_cost import HFMCACost, cost_values
+from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.compatibility import check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
@@ -24,7 +24,14 @@ from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
-__all__ = ["Collected", "HFMCAModule", "Objective", "check_checkpoint_architecture", "objective_values"]
+__all__ = [
+    "Collected",
+    "HFMCAModule",
+    "Objective",
+    "ObjectiveValues",
+    "check_checkpoint_architecture",
+    "objective_values",
+]
 
 
 @dataclass
@@ -53,22 +60,33 @@ class Objective:
     checks: CostChecks
 
 
+class ObjectiveValues(NamedTuple):
+    """The result of :func:`objective_values`: each cost's value, the ``total``, the ``(N, 7)`` checks ``state`` of
+    :class:`CostChecks`, ``total_failed`` (``()`` int64, 1 if the total is not finite) and the adaptive filters'
+    updates (:class:`~hfmca_lightning.losses.hfmca_cost.FilterUpdate`, None for unfiltered costs)."""
+
+    values: list[Tensor]
+    total: Tensor
+    state: Tensor
+    total_failed: Tensor
+    filters: list[FilterUpdate | None]
+
+
 def objective_values(
     statistics: list[CorrelationStatistics], costs: list[HFMCACost], has_external: bool, internal_weight: float
-) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+) -> ObjectiveValues:
     """The cost path of a training step, statistics -> costs -> total (paper §4: ``external + lambda * sum
-    internal``): ``(values, total, state, total_failed)`` with each cost's value, the total, the ``(N, 7)``
-    checks of :class:`CostChecks` and ``()`` 1 if the total is not finite. ``costs[0]`` is the external cost
-    when ``has_external``. Static shapes and no host reads: what ``HFMCAModule(compile_costs=True)`` compiles
-    (``torch.compile(fullgraph=True)``; CUDA graphs on GPUs)."""
-    values, state = cost_values(statistics, costs)
+    internal``). ``costs[0]`` is the external cost when ``has_external``. Static shapes, no host reads and no writes
+    to buffers: what ``HFMCAModule(compile_costs=True)`` compiles (``torch.compile(fullgraph=True)``; CUDA graphs on
+    GPUs)."""
+    values, state, filters = cost_values(statistics, costs)
     total = torch.zeros((), dtype=torch.float64, device=values[0].device)
     if has_external:
         total = total + values[0]
     internal = values[1:] if has_external else values
     if internal:
         total = total + internal_weight * torch.stack(internal).sum()
-    return values, total, state, (~torch.isfinite(total)).to(torch.int64)
+    return ObjectiveValues(values, total, state, (~torch.isfinite(total)).to(torch.int64), filters)
 
 
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
@@ -366,9 +384,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             if cost.filtering():
                 cost.prepare_filter(stats)
         weight = self.internal_costs.weight if self.internal_costs is not None else 0.0
-        values, total, state, total_failed = self._cost_path_function(statistics[0].low_outer_sum.device)(
+        device = statistics[0].low_outer_sum.device
+        values, total, state, total_failed, filters = self._cost_path_function(device)(
             statistics, costs, names[0] == "external", weight
         )
+        if self.compile_costs and device.type == "cuda":
+            # Outputs of the CUDA graph, which its next replay (the next micro-batch) overwrites: the checks wait for
+            # the optimizer step, so they are copied out (the filters' candidates are copied just below).
+            state, total_failed = state.clone(), total_failed.clone()
+        apply_filter_updates(costs, filters)
         checks = CostChecks(
             state,
             tuple(names),

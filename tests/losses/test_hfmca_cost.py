@@ -408,3 +408,29 @@ def test_a_failed_step_leaves_the_filter_state_as_it_was():
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
     with pytest.raises(CostFactorisationError, match="low-level matrix A"):
         checks.raise_if_failed()
+
+
+def test_nan_statistics_stay_out_of_the_filter_when_the_factorisation_reports_success(monkeypatch):
+    """CUDA's ``cholesky_ex`` returns ``info = 0`` for NaN input (a known PyTorch behaviour; LAPACK on the CPU reports
+    a failure). Emulated here: the filter's EMA still takes nothing from a step whose statistics are not finite, and
+    the checks name NaN."""
+    from hfmca_lightning.losses import cholesky
+
+    factor = cholesky.torch.linalg.cholesky_ex
+
+    def cuda_like(matrices):
+        factors, info = factor(matrices)
+        return factors, torch.where(torch.isnan(matrices).flatten(1).any(1), torch.zeros_like(info), info)
+
+    monkeypatch.setattr(cholesky.torch.linalg, "cholesky_ex", cuda_like)
+    cost = HFMCACost(beta=0.5).train()
+    cost.forward_statistics(_good_statistics())
+    ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
+    broken = dataclasses.replace(
+        _good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True)
+    )
+    (value,), checks = hfmca_costs([broken], [cost])
+    assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
+    assert bool(torch.isfinite(cost.joint_ema).all())
+    with pytest.raises(CostFactorisationError, match=r"HFMCA cost 'hfmca': its statistics hold NaN or Inf"):
+        checks.raise_if_failed()

@@ -11,7 +11,7 @@ import torch
 
 from hfmca_lightning.diagnostics import OperationCounts
 from hfmca_lightning.losses import CorrelationStatistics
-from hfmca_lightning.losses.hfmca_cost import cost_values
+from hfmca_lightning.losses.hfmca_cost import apply_filter_updates, cost_values
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.hfmca import objective_values
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, ViewProjector
@@ -101,12 +101,14 @@ def test_costs_taken_together_equal_costs_taken_one_at_a_time(step_statistics, b
             if together:
                 for stats, cost in zip(statistics, costs):
                     cost.prepare_filter(stats) if cost.filtering() else None
-                values, state = cost_values(statistics, costs)
+                values, state, filters = cost_values(statistics, costs)
+                apply_filter_updates(costs, filters)
             else:
                 values, state = [], []
                 for stats, cost in zip(statistics, costs):
                     cost.prepare_filter(stats) if cost.filtering() else None
-                    (value,), row = cost_values([stats], [cost])
+                    (value,), row, filters = cost_values([stats], [cost])
+                    apply_filter_updates([cost], filters)
                     values.append(value)
                     state.append(row)
                 state = torch.cat(state)
@@ -139,7 +141,7 @@ def test_the_cost_path_compiles_as_one_graph(step_statistics):
     results = []
     for function in (objective_values, compiled):
         statistics = leaves(step_statistics)
-        values, total, state, total_failed = function(statistics, costs, True, 1.0)
+        values, total, state, total_failed, _ = function(statistics, costs, True, 1.0)
         results.append(
             (torch.stack(values).detach(), total.detach(), state, total_failed, sum_gradients(statistics, total))
         )

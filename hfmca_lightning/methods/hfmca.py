@@ -19,6 +19,7 @@ from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statis
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.compatibility import check_image_size
+from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
@@ -168,8 +169,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             CUDA graph instead of a few hundred small launches per step). The statistics stay eager.
 
     A training step reads no device value on the host: the checks of every factorisation and of the total's
-    finiteness stay on the device and are read once, just before the optimizer step (all-reduced under DDP, so
-    every rank stops together), where a failure still keeps the update from happening. The costs go to the
+    finiteness stay on the device (max-reduced over processes under DDP), where a failure makes the optimizer skip
+    the step's update; they reach the host by an asynchronous copy and are read once the next step is queued, or
+    before a checkpoint is written, so a failed step still ends the run with one line (every process at the same
+    step) and no checkpoint holds it (:mod:`~hfmca_lightning.methods.deferred_checks`). The costs go to the
     logger every ``log_every_n_steps`` and to the progress bar asynchronously
     (:class:`~hfmca_lightning.callbacks.CostProgressBar`).
     """
@@ -261,7 +264,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         )
         self.compile_costs = compile_costs
         self._cost_path: Any = None  # objective_values, compiled on first use with compile_costs
-        self._pending_checks: list[CostChecks] = []  # a training step's checks, read before the optimizer step
+        self._pending_checks: list[CostChecks] = []  # the checks of the micro-batches of the step being taken
+        self._deferred_checks = DeferredChecks()  # the checks of steps taken, on their way to the host
+        self._skip_failed_update = SkipUpdateIfFailed()
 
     def embed(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of ``(N, C, H, W)`` images (through the compiled forward if enabled)."""
@@ -416,23 +421,35 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous step's graph outputs are done with
         return self._cost_path
 
-    def _raise_if_failed(self, checks: CostChecks, reduce: Any = None) -> None:
+    def _raise_if_failed(self, checks: CostChecks) -> None:
         try:
-            checks.raise_if_failed(reduce)
+            checks.raise_if_failed()
         except CostFactorisationError as error:
-            raise CostFactorisationError(
-                f"training stopped at step {self.global_step} (epoch {self.current_epoch}): {error}. "
-                "Checkpoints written before this step are intact: resume from one with a lower learning rate "
-                "or a larger `reg`."
-            ) from None
+            raise self._stopped(self.global_step, self.current_epoch, error) from None
+
+    @staticmethod
+    def _stopped(step: int, epoch: int, error: CostFactorisationError) -> CostFactorisationError:
+        return CostFactorisationError(
+            f"training stopped at step {step} (epoch {epoch}): {error}. "
+            "Checkpoints written before this step are intact: resume from one with a lower learning rate "
+            "or a larger `reg`."
+        )
+
+    def raise_if_a_step_failed(self) -> None:
+        """Read the checks of the optimizer steps taken since the last read (waiting for their asynchronous copies,
+        not for the device's queue) and raise the :class:`CostFactorisationError` of the first that failed. Called
+        once the next step is queued, and before a checkpoint is written, validation starts or training ends."""
+        failure = self._deferred_checks.first_failure()
+        if failure is not None:
+            raise self._stopped(failure.step, failure.epoch, failure.error) from None
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Any]:
         """Logs ``cost/total`` and each ``cost/<name>``; returns ``{"loss", "statistics", "features", "progress_bar"}``:
         the global-batch statistics of every pair and this process's backbone features (detached) go on to
         ``on_train_batch_end`` hooks, where :class:`~hfmca_lightning.callbacks.EigenspectrumCallback` turns them into
         spectra and RankMe, and the costs shown by
-        :class:`~hfmca_lightning.callbacks.CostProgressBar`. No device value is read here: the step's checks wait
-        for :meth:`on_before_optimizer_step`."""
+        :class:`~hfmca_lightning.callbacks.CostProgressBar`. No device value is read here: the step's checks guard
+        its update in :meth:`on_before_optimizer_step`."""
         images, _ = batch
         collected = self.collect(images)
         objective = self.objective(collected, check=False)
@@ -452,12 +469,33 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         }
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Read the checks of the steps being applied (one host read, after a max over all ranks), and stop the
-        run before the update if a factorisation failed or the total is not finite on any rank."""
+        """Read the previous step's checks (this step's work is queued by now), then guard this step's update: its
+        checks, merged over micro-batches and max-reduced over processes on the device, make the optimizer leave the
+        weights as they are if anything failed on any process (:class:`SkipUpdateIfFailed`), and travel to the host
+        for the next read (:meth:`raise_if_a_step_failed`). No device value is read on the host."""
+        self.raise_if_a_step_failed()
         if not self._pending_checks:
             return
         checks, self._pending_checks = merge_checks(self._pending_checks), []
-        self._raise_if_failed(checks, all_reduce_max)
+        packed = all_reduce_max(checks.packed())
+        self._deferred_checks.push(checks, packed, self.global_step, self.current_epoch)
+        scaler = getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+        self._skip_failed_update.arm(optimizer, packed.any(), in_kernel=scaler is None)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().optimizer_step(*args, **kwargs)
+        finally:
+            self._skip_failed_update.finish()
+
+    def on_validation_start(self) -> None:
+        self.raise_if_a_step_failed()
+
+    def on_train_end(self) -> None:
+        self.raise_if_a_step_failed()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.raise_if_a_step_failed()  # never a checkpoint of a failed step
 
     def cost_modules(self) -> dict[str, HFMCACost]:
         """Every cost of the model by cost name: ``external`` and ``internal/<layer>``."""

@@ -1,0 +1,135 @@
+"""A training step that fails its checks is skipped on the device and reported a step later, so that no training step
+waits for the device (docs/conventions.md §1, failures).
+
+Reading a step's checks before its optimizer step would drain the GPU's queue once per step. Instead the update
+is made conditional on the device (:class:`SkipUpdateIfFailed`), the checks travel to the host by an asynchronous
+copy (:class:`DeferredChecks`), and they are read once the next step has been queued, or before anything is saved or
+evaluated: a failed step then still ends the run with its one-line error, and no checkpoint is written after it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from hfmca_lightning.diagnostics import host_buffer
+from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError
+
+__all__ = ["DeferredChecks", "FailedStep", "SkipUpdateIfFailed"]
+
+
+@dataclass
+class FailedStep:
+    """The first failed step among those read: its optimizer step and epoch and the error its checks give."""
+
+    step: int
+    epoch: int
+    error: CostFactorisationError
+
+
+@dataclass
+class _Pending:
+    step: int
+    epoch: int
+    checks: CostChecks
+    host: Tensor
+    event: Any
+
+
+class DeferredChecks:
+    """Checks of optimizer steps on their way to the host: :meth:`push` starts an asynchronous copy of a step's
+    packed checks (``non_blocking`` into pinned memory, with a CUDA event; on other devices the values are on the
+    host already), :meth:`first_failure` waits for the copies pushed so far (the events, not the device's queue)
+    and decodes them."""
+
+    def __init__(self) -> None:
+        self._pending: deque[_Pending] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, checks: CostChecks, packed: Tensor, step: int, epoch: int) -> None:
+        """Start bringing ``packed`` (``checks.packed()``, possibly reduced over processes) to the host."""
+        if packed.device.type == "cuda":
+            host = host_buffer(torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True))
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(packed.device))
+        else:
+            host, event = host_buffer(packed), None
+        self._pending.append(_Pending(step, epoch, checks, host, event))
+
+    def first_failure(self) -> FailedStep | None:
+        """Read every pushed step's checks (waiting for their copies only) and forget them; the first failed step, or
+        None."""
+        failure = None
+        while self._pending:
+            pending = self._pending.popleft()
+            if pending.event is not None:
+                pending.event.synchronize()
+            values = pending.host.tolist()
+            if failure is None and any(values):
+                failure = FailedStep(pending.step, pending.epoch, pending.checks.error(values))
+        return failure
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+class SkipUpdateIfFailed:
+    """Makes an optimizer step leave the parameters and the optimizer's state as they were where a device flag says
+    the step failed, without reading the flag on the host.
+
+    :meth:`arm` (after the backward pass, before the update) and :meth:`finish` (after ``optimizer.step``) bracket the
+    update. torch's fused optimizers (``fused=True``: SGD, Adam, AdamW, Adagrad) skip it in their own kernel, from the
+    ``found_inf`` tensor mixed precision's gradient scaler uses; any other optimizer's parameters and state tensors
+    are copied before the update and copied back where the flag is set (one copy of the model and its state per
+    step). What such an optimizer keeps on the host (Adam's step count without ``capturable``) and the state its first
+    step creates are not restored: a failed step ends the run a step later, before anything is saved.
+    """
+
+    def __init__(self) -> None:
+        self._optimizer: Optimizer | None = None
+        self._failed: Tensor | None = None
+        self._saved: list[tuple[Tensor, Tensor]] = []
+
+    @staticmethod
+    def skips_in_kernel(optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` is a torch fused optimizer, which skips its update on a ``found_inf`` tensor."""
+        return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+            group.get("fused", False) for group in optimizer.param_groups
+        )
+
+    def arm(self, optimizer: Optimizer, failed: Tensor, in_kernel: bool = True) -> None:
+        """Guard the next ``optimizer.step()`` by ``failed`` (0-dim bool, on the parameters' device). ``in_kernel``:
+        use the fused optimizers' ``found_inf`` (off where something else sets it, such as a gradient scaler)."""
+        self.finish()
+        self._optimizer, self._failed = optimizer, failed
+        if in_kernel and self.skips_in_kernel(optimizer):
+            optimizer.found_inf = failed.to(torch.float32)  # type: ignore[attr-defined]
+            return
+        tensors = [
+            tensor
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+            if parameter.grad is not None
+            for tensor in (parameter, *optimizer.state.get(parameter, {}).values())
+            if isinstance(tensor, Tensor) and tensor.device == failed.device and tensor.is_floating_point()
+        ]
+        self._saved = list(zip(tensors, torch._foreach_mul(tensors, 1.0))) if tensors else []
+
+    def finish(self) -> None:
+        """After the guarded step: restore what a failed step changed; disarm."""
+        optimizer, failed = self._optimizer, self._failed
+        if optimizer is not None and hasattr(optimizer, "found_inf"):
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        if failed is not None and self._saved:
+            with torch.no_grad():
+                for tensor, saved in self._saved:
+                    tensor.copy_(torch.where(failed, saved, tensor))
+        self._optimizer, self._failed, self._saved = None, None, []

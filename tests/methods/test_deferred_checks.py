@@ -1,0 +1,133 @@
+"""A failed step is skipped on the device and reported one step later, with no host read in any step."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightly.utils.lars import LARS
+from torch import nn
+
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.diagnostics import HostReads
+from hfmca_lightning.losses.cost_checks import CHECK_COLUMNS, CostChecks, CostFactorisationError
+from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
+from tests.helpers import bn_free_module, quiet_trainer
+
+OPTIMIZERS = {
+    "fused SGD": partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
+    "SGD": partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "fused Adam": partial(torch.optim.Adam, lr=0.01, fused=True),
+    "Adam": partial(torch.optim.Adam, lr=0.01),
+    "LARS": partial(LARS, lr=0.1, momentum=0.9),
+}
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, guard: SkipUpdateIfFailed, failed: bool | None) -> None:
+    optimizer.zero_grad()
+    model(torch.ones(3, 4)).square().sum().backward()
+    if failed is not None:
+        guard.arm(optimizer, torch.tensor(failed))
+    optimizer.step()
+    guard.finish()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + [
+        value.clone()
+        for parameter in model.parameters()
+        for value in optimizer.state[parameter].values()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0
+    ]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_failed_step_leaves_weights_and_optimizer_state_as_they_were(name):
+    """After a good step (so the optimizer has state), a guarded step with the flag set changes no parameter and no
+    state tensor; one with the flag clear updates exactly as an unguarded step does."""
+    results = {}
+    for failed in (None, True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        optimizer = OPTIMIZERS[name](model.parameters())
+        guard = SkipUpdateIfFailed()
+        _step(model, optimizer, guard, None)
+        before = _state(model, optimizer)
+        _step(model, optimizer, guard, failed)
+        results[failed] = (before, _state(model, optimizer))
+        assert not hasattr(optimizer, "found_inf")
+    before, after_failed = results[True]
+    assert all(torch.equal(a, b) for a, b in zip(before, after_failed))
+    assert all(torch.equal(a, b) for a, b in zip(results[None][1], results[False][1]))
+    assert not all(torch.equal(a, b) for a, b in zip(before, results[None][1]))
+    assert SkipUpdateIfFailed.skips_in_kernel(OPTIMIZERS[name]([nn.Parameter(torch.ones(1))])) == name.startswith("fused")
+
+
+def test_a_guarded_step_with_nan_gradients_keeps_finite_weights():
+    """NaN gradients (what NaN statistics give) and a failed flag: the weights stay those of the last good step."""
+    for name in ("fused SGD", "SGD"):
+        model = nn.Linear(4, 2)
+        optimizer = OPTIMIZERS[name](model.parameters())
+        guard = SkipUpdateIfFailed()
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.full((3, 4), float("nan"))).sum().backward()
+        guard.arm(optimizer, torch.tensor(True))
+        optimizer.step()
+        guard.finish()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _checks(failed_column: int | None) -> CostChecks:
+    state = torch.zeros(1, len(CHECK_COLUMNS), dtype=torch.int64)
+    if failed_column is not None:
+        state[0, failed_column] = 3
+    return CostChecks(state, ("external",), ((4, 4),), (0.1,), torch.zeros((), dtype=torch.int64))
+
+
+def test_deferred_checks_report_the_first_failed_step_and_forget_what_they_read():
+    deferred = DeferredChecks()
+    for step, column in enumerate((None, 0, 1, None)):
+        checks = _checks(column)
+        deferred.push(checks, checks.packed(), step, epoch=0)
+    with HostReads() as recorder:
+        failure = deferred.first_failure()
+    assert recorder.reads == []  # the values are host buffers: nothing waits for a device
+    assert failure is not None and failure.step == 1 and "low-level matrix A" in str(failure.error)
+    assert len(deferred) == 0 and deferred.first_failure() is None
+
+
+class PoisonBatchAt(Callback):
+    """NaN images in the batch of step ``step``; records the weights after every step and which steps ran."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.weights, self.steps_started = step, [], []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self.steps_started.append(trainer.global_step)
+        if trainer.global_step == self.step:
+            batch[0].fill_(float("nan"))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.weights.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused SGD", "SGD"])
+def test_a_failed_step_is_skipped_and_stops_the_run_one_step_later(fused):
+    """Step 3's images are NaN: its update is skipped on the device (the weights after it are those after step 2),
+    step 4 is queued, and its optimizer step raises the one-line error naming step 3."""
+    module = bn_free_module(internal=True)
+    module.optimizer_factory = partial(torch.optim.SGD, lr=0.5, fused=fused)
+    source = SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=2, image_size=16)
+    data = MultiViewDataModule(source, num_views=4, batch_size=4, num_workers=0)
+    poison = PoisonBatchAt(step=3)
+    trainer = quiet_trainer(max_steps=8, limit_val_batches=0, callbacks=[poison], accelerator="cpu")
+    with pytest.raises(CostFactorisationError, match=r"^training stopped at step 3 \(epoch 0\): HFMCA cost") as error:
+        trainer.fit(module, data)
+    assert "NaN or Inf" in str(error.value)
+    assert poison.steps_started == [0, 1, 2, 3, 4]
+    after_step_2, after_step_3 = poison.weights[2], poison.weights[3]
+    assert all(torch.equal(a, b) for a, b in zip(after_step_2, after_step_3))
+    assert all(bool(torch.isfinite(weight).all()) for weight in after_step_3)
+    assert not all(torch.equal(a, b) for a, b in zip(poison.weights[1], after_step_2))  # good steps do update

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +31,8 @@ __all__ = [
     "group_statistics",
     "feature_map_statistics",
     "StatisticsPrecision",
+    "STATISTICS_PRECISIONS",
+    "WindowPooling",
     "window_coverage",
     "regularised_blocks",
     "marginal_blocks",
@@ -180,11 +182,123 @@ def _real_members(size: int, geometry: WindowGeometry, device: torch.device | No
     return ((position >= start) & (position < start + k)).to(torch.float64)
 
 
-StatisticsPrecision = Literal["fast", "float64"]
+StatisticsPrecision = Literal["fast", "tf32x3", "float64"]
+STATISTICS_PRECISIONS = ("fast", "tf32x3", "float64")
+WindowPooling = Literal["banded", "avg_pool"]
+
+
+@dataclass(frozen=True, eq=False)
+class _Windows:
+    """How a block's float32 arithmetic runs: its window means (:meth:`means`, the adjoint :meth:`means_adjoint`, the
+    same on the rows of channels-last maps) and its matrix products (:meth:`mm`, :meth:`add_mm_`). A constant of one
+    statistics call, kept by its autograd node for the backward pass.
+
+    ``pooling``: ``banded`` (products with the band matrices ``rows (H', H)`` and ``columns (W', W)`` of
+    :func:`_window_band`; on CPUs several times faster than pooling) or ``avg_pool`` (``avg_pool2d`` over the covered
+    positions and its backward: no arithmetic on the zeros of the bands, the faster on GPUs). ``split``: every float32
+    product as three TF32 tensor-core products of split factors, ``x = hi + lo`` with ``hi`` rounded to TF32,
+    ``x y = hi_x hi_y + hi_x lo_y + lo_x hi_y`` (float32 accumulation): each product within ``5 * 2^-22`` of its
+    factors' magnitudes, against ``2^-24`` exact and ``2^-10`` for a single TF32 product (docs/conventions.md §3).
+    Without ``split``, float32 products are exact (TF32 off).
+    """
+
+    geometry: WindowGeometry
+    rows: Tensor
+    columns: Tensor
+    pooling: WindowPooling
+    split: bool = False
+
+    def products(self, device: torch.device) -> AbstractContextManager[None]:
+        return _float32_products(device, tf32=self.split)
+
+    def mm(self, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+        """``torch.matmul(a, b)`` (into ``out``)."""
+        if not self.split:
+            return torch.matmul(a, b, out=out)
+        (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+        result = torch.matmul(a_hi, b_hi, out=out)
+        return self._add(self._add(result, a_hi, b_lo), a_lo, b_hi)
+
+    def add_mm_(self, accumulator: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        """``accumulator += a @ b`` in place (2-D, or 3-D batches of equal size)."""
+        if not self.split:
+            return self._add(accumulator, a, b)
+        (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+        return self._add(self._add(self._add(accumulator, a_hi, b_hi), a_hi, b_lo), a_lo, b_hi)
+
+    @staticmethod
+    def _add(accumulator: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        if accumulator.dim() == 3 and a.dim() == 3 and b.dim() == 3:
+            return accumulator.baddbmm_(a, b)
+        if accumulator.dim() == 2 and a.dim() == 2 and b.dim() == 2:
+            return accumulator.addmm_(a, b)
+        if accumulator.dim() == 1 and a.dim() == 2 and b.dim() == 1:
+            return accumulator.addmv_(a, b)
+        return accumulator.add_(torch.matmul(a, b))
+
+    def means(self, z_map: Tensor, out: Tensor | None = None) -> Tensor:
+        """``(..., H', W')`` window means of ``(..., H, W)`` maps (4-D for ``avg_pool``)."""
+        if self.pooling == "banded":
+            return _window_means(z_map, self.rows, self.columns, self, out)
+        k, s, p = self.geometry.kernel, self.geometry.stride, self.geometry.padding
+        pooled = F.avg_pool2d(z_map, k, s, p, count_include_pad=False)
+        return pooled if out is None else out.copy_(pooled)
+
+    def means_adjoint(self, d_means: Tensor, input_size: tuple[int, int], out: Tensor | None = None) -> Tensor:
+        """The adjoint of :meth:`means`: ``(..., H', W')`` -> ``(..., H, W)``."""
+        if self.pooling == "banded":
+            return _window_means(d_means, self.rows.T, self.columns.T, self, out)
+        k, s, p = self.geometry.kernel, self.geometry.stride, self.geometry.padding
+        shape = (*d_means.shape[:-2], *input_size)
+        like = torch.empty(shape, dtype=d_means.dtype, device=d_means.device).contiguous(
+            memory_format=torch.channels_last if _channels_last(d_means) else torch.contiguous_format
+        )
+        adjoint = torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [p, p], False, False, None)
+        return adjoint if out is None else out.copy_(adjoint)
+
+    def pooled_rows(
+        self, rows_: Tensor, images: int, size: tuple[int, int], out: Tensor | None = None, adjoint: bool = False
+    ) -> Tensor:
+        """:meth:`means` (or, with ``adjoint``, :meth:`means_adjoint`) of channels-last maps given as
+        ``(images * H * W, K)`` rows: ``(images * H' * W', K)`` (``size`` is ``(H, W)`` of the rows given)."""
+        if self.pooling == "banded":
+            rows, columns = (self.rows.T, self.columns.T) if adjoint else (self.rows, self.columns)
+            return _pooled_rows(rows_, rows, columns, images, size, self, out)
+        channels = rows_.shape[1]
+        maps = rows_.view(images, *size, channels).permute(0, 3, 1, 2)  # channels-last (B, K, H, W), no copy
+        if adjoint:
+            pooled = self.means_adjoint(maps, (self.rows.shape[1], self.columns.shape[1]))
+        else:
+            pooled = self.means(maps)
+        flat = pooled.permute(0, 2, 3, 1).reshape(-1, channels)
+        return flat if out is None else out.copy_(flat)
+
+
+def _split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hi, lo)`` with ``hi`` = ``x`` (float32) rounded to TF32's 10-bit mantissa (to nearest, ties to even) and
+    ``lo = x - hi`` (exact: at most 13 significant bits); a TF32 product then rounds ``lo`` by at most ``2^-21 |x|``."""
+    bits = x.view(torch.int32)
+    hi = ((bits + 0x0FFF + ((bits >> 13) & 1)) & -0x2000).view(torch.float32)
+    return hi, x - hi
+
+
+def _tensor_cores(device: torch.device) -> bool:
+    """Whether float32 products on ``device`` may run on TF32 tensor cores (CUDA; the split needs them to pay)."""
+    return device.type == "cuda"
+
+
+def _pooling_for(device: torch.device, geometry: WindowGeometry) -> WindowPooling:
+    """``avg_pool`` on GPUs (where ``avg_pool2d`` takes the padding as given), ``banded`` on CPUs."""
+    fits = 2 * geometry.padding <= geometry.kernel
+    return "avg_pool" if device.type == "cuda" and fits else "banded"
 
 
 def feature_map_statistics(
-    low_map: Tensor, high_map: Tensor, geometry: WindowGeometry, precision: StatisticsPrecision = "fast"
+    low_map: Tensor,
+    high_map: Tensor,
+    geometry: WindowGeometry,
+    precision: StatisticsPrecision = "fast",
+    window_pooling: WindowPooling | None = None,
 ) -> CorrelationStatistics:
     """Statistics between a block's input map and output map (internal cost, paper Alg. 2, docs/conventions.md §3).
 
@@ -194,8 +308,11 @@ def feature_map_statistics(
     unfolding: window means by average pooling over the covered positions, R1 as a :func:`window_coverage`-weighted
     sum over input positions (each window's member mean, averaged over windows).
 
-    ``precision="fast"`` (training): float32 arithmetic (TF32 off on CUDA), float64 sums. Window means are
-    banded matrix products (:func:`_window_means`). Blocks whose outputs have at least as many positions per
+    ``precision="fast"`` (training): float32 arithmetic (TF32 off on CUDA), float64 sums. ``"tf32x3"``: the same, with
+    each float32 product as three TF32 products of split factors on CUDA's tensor cores (exact float32 elsewhere),
+    within the fast path's stated tolerance (docs/conventions.md §3; a single TF32 product is not).
+    Window means are banded matrix products on CPUs and ``avg_pool2d`` on GPUs (``window_pooling`` overrides: equal
+    up to float32 rounding, tested). Blocks whose outputs have at least as many positions per
     image as channels (the costly early layers) are multiplied one image at a time in their own ``(B, K, H*W)``
     layout, in chunks on CPUs, and the per-image products summed in float64 (:class:`_PerImageStatistics`),
     or, for channels-last maps, on their ``(B*H*W, K)`` rows as they lie (:class:`_ChannelsLastStatistics`);
@@ -208,7 +325,8 @@ def feature_map_statistics(
         low_map: ``(B, K1, H, W)`` block input ``Z_s``.
         high_map: ``(B, K2, H', W')`` block output ``Z_{s+1}``.
         geometry: the block's window ``(kernel, stride, padding)``.
-        precision: ``fast`` or ``float64``.
+        precision: ``fast``, ``tf32x3`` or ``float64``.
+        window_pooling: ``banded`` or ``avg_pool``; default by the maps' device.
     """
     if low_map.dim() != 4 or high_map.dim() != 4:
         raise ValueError(
@@ -232,8 +350,10 @@ def feature_map_statistics(
             f"positions, but the block output is {tuple(high_map.shape[-2:])}: the geometry does not "
             "describe this block (pass the right geometry or check the hooked modules)"
         )
-    if precision not in ("fast", "float64"):
-        raise ValueError(f"precision must be 'fast' or 'float64'; got {precision!r}")
+    if precision not in STATISTICS_PRECISIONS:
+        raise ValueError(f"precision must be one of {STATISTICS_PRECISIONS}; got {precision!r}")
+    if window_pooling not in (None, "banded", "avg_pool"):
+        raise ValueError(f"window_pooling must be 'banded', 'avg_pool' or None; got {window_pooling!r}")
     coverage, coverage32, rows, columns = _window_constants(
         tuple(low_map.shape[-2:]), tuple(high_map.shape[-2:]), geometry, low_map.device
     )
@@ -252,8 +372,15 @@ def feature_map_statistics(
             statistics, h_map = _ChannelsLastStatistics, h_map.contiguous(memory_format=torch.channels_last)
         else:
             statistics, z_map, h_map = _PerImageStatistics, z_map.contiguous(), h_map.contiguous()
-        with _exact_float32_products(z_map.device):  # the forward passes; each backward pass sets it itself
-            low_sum, high_sum, cross_sum = statistics.apply(z_map, h_map, coverage32, rows, columns)
+        windows = _Windows(
+            geometry,
+            rows,
+            columns,
+            window_pooling or _pooling_for(z_map.device, geometry),
+            split=precision == "tf32x3" and _tensor_cores(z_map.device),
+        )
+        with windows.products(z_map.device):  # the forward passes; each backward pass sets it itself
+            low_sum, high_sum, cross_sum = statistics.apply(z_map, h_map, coverage32, windows)
         return CorrelationStatistics(low_sum, high_sum, cross_sum, *counts)
 
 
@@ -274,50 +401,53 @@ def _float64_statistics(
     return summed(z * coverage.flatten(), z), summed(h, h), summed(means, h)
 
 
-def _window_means(z_map: Tensor, rows: Tensor, columns: Tensor, out: Tensor | None = None) -> Tensor:
+def _window_means(
+    z_map: Tensor, rows: Tensor, columns: Tensor, windows: _Windows, out: Tensor | None = None
+) -> Tensor:
     """``(..., H', W')``: the mean of every window over the positions it covers, ``R_H Z R_W^T`` with the banded
     ``(H', H)`` / ``(W', W)`` matrices of :func:`_window_band`: the numbers of average pooling as matrix
     products (on CPUs several times faster than ``avg_pool2d``). Two products per image for large maps; for
     maps of at most 64 positions one product with the Kronecker matrix ``R_H (x) R_W`` over all images
     (instead of thousands of tiny ones)."""
     if max(rows.shape) * max(columns.shape) <= 64:
-        pooled = torch.matmul(z_map.flatten(-2), torch.kron(rows, columns).T)
+        pooled = windows.mm(z_map.flatten(-2), torch.kron(rows, columns).T)
         pooled = pooled.view(*z_map.shape[:-2], rows.shape[0], columns.shape[0])
         return pooled if out is None else out.copy_(pooled)
-    return torch.matmul(torch.matmul(rows, z_map), columns.T, out=out)
-
-
-def _window_means_adjoint(d_means: Tensor, rows: Tensor, columns: Tensor, out: Tensor | None = None) -> Tensor:
-    """The adjoint of :func:`_window_means`, ``R_H^T D R_W``: ``(..., H', W')`` -> ``(..., H, W)``."""
-    return _window_means(d_means, rows.T, columns.T, out)
+    return windows.mm(windows.mm(rows, z_map), columns.T, out=out)
 
 
 def _pooled_rows(
-    rows_: Tensor, rows: Tensor, columns: Tensor, images: int, size: tuple[int, int], out: Tensor | None = None
+    rows_: Tensor,
+    rows: Tensor,
+    columns: Tensor,
+    images: int,
+    size: tuple[int, int],
+    windows: _Windows,
+    out: Tensor | None = None,
 ) -> Tensor:
     """:func:`_window_means` of channels-last maps given as ``(images * H * W, K)`` rows: ``(images * H' * W', K)``,
     one product along the height with ``(W * K)``-long rows, one along the width with ``K``-long rows."""
     (height, width), channels = size, rows_.shape[1]
-    along_height = torch.matmul(rows, rows_.view(images, height, width * channels))  # (images, H', W * K)
+    along_height = windows.mm(rows, rows_.view(images, height, width * channels))  # (images, H', W * K)
     along_height = along_height.view(images * rows.shape[0], width, channels)
     if out is not None:
         out = out.view(images * rows.shape[0], columns.shape[0], channels)
-    return torch.matmul(columns, along_height, out=out).view(-1, channels)
+    return windows.mm(columns, along_height, out=out).view(-1, channels)
 
 
-def _row_block_product(left: Tensor, right: Tensor, image_rows: int) -> Tensor:
+def _row_block_product(left: Tensor, right: Tensor, image_rows: int, windows: _Windows) -> Tensor:
     """``left^T right`` (float64) of ``(R, K)`` rows of whole images (``image_rows`` each): a float32 product per
     block of whole images of about 1,024 rows (the per-image products' precision), summed in float64."""
     block = image_rows * max(1, 1024 // image_rows)
     whole = left.shape[0] // block * block
     total = left.new_zeros(left.shape[1], right.shape[1], dtype=torch.float64)
     if whole:
-        blocks = torch.bmm(
+        blocks = windows.mm(
             left[:whole].view(-1, block, left.shape[1]).transpose(1, 2), right[:whole].view(-1, block, right.shape[1])
         )
         total += blocks.sum(dim=0, dtype=torch.float64)
     if whole < left.shape[0]:
-        total += (left[whole:].T @ right[whole:]).to(torch.float64)
+        total += windows.mm(left[whole:].T, right[whole:]).to(torch.float64)
     return total
 
 
@@ -376,17 +506,17 @@ def _weighted(rows_: Tensor, coverage: Tensor, out: Tensor | None = None) -> Ten
     return product.view(rows_.shape)
 
 
-def _symmetric_product(left: Tensor, right: Tensor) -> Tensor:
+def _symmetric_product(left: Tensor, right: Tensor, windows: _Windows) -> Tensor:
     """``left @ right^T`` (float64, summed over a leading batch dimension if any) for a symmetric result
     (``left = right diag(w)``), made exactly symmetric, as one product (products of half the rows save a quarter
     of the arithmetic but run slower at these shapes)."""
-    product = torch.matmul(left, right.transpose(-1, -2))
+    product = windows.mm(left, right.transpose(-1, -2))
     product = product.sum(dim=0, dtype=torch.float64) if product.dim() == 3 else product.to(torch.float64)
     return (product + product.T) / 2
 
 
 def _per_image_products(
-    z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
+    z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows
 ) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, Tensor, Tensor]:
     """The three sums as one float32 product per image in the maps' own ``(B, K, N)`` layout, summed in float64
     over chunks of images (:func:`_image_chunks`); the window means ``(B, K1, H', W')`` shifted by ``mu``,
@@ -401,13 +531,13 @@ def _per_image_products(
     shift, high_sum = None, z_map.new_zeros(high_dim, dtype=torch.float64)
     for chunk in _image_chunks(batch, z_map):
         z, h = z_map[chunk].flatten(2), h_map[chunk].flatten(2)
-        chunk_means = _window_means(z_map[chunk], rows, columns, out=means[chunk]).flatten(2)
+        chunk_means = windows.means(z_map[chunk], out=means[chunk]).flatten(2)
         shift = chunk_means[0].mean(dim=1) if shift is None else shift
         chunk_means.sub_(shift[:, None])
         _weighted(z, coverage, out=weighted[chunk])
-        sums[0] += _symmetric_product(weighted[chunk], z)
-        sums[1] += _symmetric_product(h, h)
-        sums[2] += torch.bmm(chunk_means, h.transpose(1, 2)).sum(dim=0, dtype=torch.float64)
+        sums[0] += _symmetric_product(weighted[chunk], z, windows)
+        sums[1] += _symmetric_product(h, h, windows)
+        sums[2] += windows.mm(chunk_means, h.transpose(1, 2)).sum(dim=0, dtype=torch.float64)
         high_sum += h.sum(dim=2).to(torch.float64).sum(dim=0)
     assert shift is not None
     return (sums[0], sums[1], _shifted_cross(sums[2], shift, high_sum)), means, shift, weighted
@@ -477,33 +607,33 @@ class _PerImageStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        sums, means, shift, weighted = _per_image_products(z_map, h_map, coverage, rows, columns)
-        ctx.save_for_backward(weighted, h_map, rows, columns, means, shift)
-        ctx.low_shape = z_map.shape
+    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
+        sums, means, shift, weighted = _per_image_products(z_map, h_map, coverage, windows)
+        ctx.save_for_backward(weighted, h_map, means, shift)
+        ctx.low_shape, ctx.windows = z_map.shape, windows
         return sums
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        weighted, h_map, rows, columns, means, shift = ctx.saved_tensors
+        weighted, h_map, means, shift = ctx.saved_tensors
+        windows: _Windows = ctx.windows
         (batch, k1), k2 = ctx.low_shape[:2], h_map.shape[1]
         low, high, cross = _gradient_matrices(grads, (k1, k2), weighted)
         grad_z = weighted.new_empty(ctx.low_shape) if ctx.needs_input_grad[0] else None
         grad_h = torch.empty_like(h_map) if ctx.needs_input_grad[1] else None
-        with _exact_float32_products(weighted.device):
+        with windows.products(weighted.device):
             for chunk in _image_chunks(batch, weighted):
                 h, size = h_map[chunk].flatten(2), h_map[chunk].shape[0]
                 if grad_z is not None:
-                    d_means = torch.matmul(cross, h).view(size, k1, *h_map.shape[-2:])
-                    _window_means_adjoint(d_means, rows, columns, out=grad_z[chunk])
-                    grad_z[chunk].flatten(2).baddbmm_(low.expand(size, k1, k1), weighted[chunk])
+                    d_means = windows.mm(cross, h).view(size, k1, *h_map.shape[-2:])
+                    windows.means_adjoint(d_means, ctx.low_shape[-2:], out=grad_z[chunk])
+                    windows.add_mm_(grad_z[chunk].flatten(2), low.expand(size, k1, k1), weighted[chunk])
                 if grad_h is not None:
-                    shift_term = (cross.T @ shift)[None, :, None].expand(size, k2, h.shape[2])
-                    torch.baddbmm(shift_term, high.expand(size, k2, k2), h, out=grad_h[chunk].flatten(2))
-                    grad_h[chunk].flatten(2).baddbmm_(cross.T.expand(size, k2, k1), means[chunk].flatten(2))
-        return grad_z, grad_h, None, None, None
+                    shift_term = windows.mm(cross.T, shift)[None, :, None].expand(size, k2, h.shape[2])
+                    gradient = grad_h[chunk].flatten(2).copy_(shift_term)
+                    windows.add_mm_(gradient, high.expand(size, k2, k2), h)
+                    windows.add_mm_(gradient, cross.T.expand(size, k2, k1), means[chunk].flatten(2))
+        return grad_z, grad_h, None, None
 
 
 class _CentredRowStatistics(torch.autograd.Function):
@@ -527,30 +657,28 @@ class _CentredRowStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1), height, width = z_map.shape[:2], *z_map.shape[-2:]
         z_rows, z_mean = _centred_rows(z_map)
         h_rows, h_mean = _centred_rows(h_map)
         # Window means from the shifted rows in their (K1, B, H, W) layout, M = pool(C) + mu pool(1), then
         # shifted by their own means.
-        pooled_ones = _window_means(z_map.new_ones(1, 1, height, width), rows, columns).flatten()
-        m_rows = _window_means(z_rows.view(k1, batch, height, width), rows, columns).view(k1, batch, -1)
+        pooled_ones = windows.means(z_map.new_ones(1, 1, height, width)).flatten()
+        m_rows = windows.means(z_rows.view(k1, batch, height, width)).view(k1, batch, -1)
         m_rows.add_(z_mean.to(z_rows.dtype)[:, None, None] * (pooled_ones - pooled_ones.mean()))
         pooled_mean = m_rows.mean(dim=(1, 2))
         m_rows.sub_(pooled_mean[:, None, None])
         m_mean = pooled_mean.to(torch.float64) + z_mean * pooled_ones.to(torch.float64).mean()
         weighted = _weighted(z_rows, coverage)
-        low = _symmetric_product(weighted.flatten(1), z_rows.flatten(1))
-        high = _symmetric_product(h_rows.flatten(1), h_rows.flatten(1))
-        cross = (m_rows.flatten(1) @ h_rows.flatten(1).T).to(torch.float64)
+        low = _symmetric_product(weighted.flatten(1), z_rows.flatten(1), windows)
+        high = _symmetric_product(h_rows.flatten(1), h_rows.flatten(1), windows)
+        cross = windows.mm(m_rows.flatten(1), h_rows.flatten(1).T).to(torch.float64)
         # Sums of shifted rows are small: float32 sums lose nothing that matters (a float64 sum would first
         # copy the rows to float64).
         weighted_sum, h_sum, m_sum = (rows_.sum(dim=(1, 2)).to(torch.float64) for rows_ in (weighted, h_rows, m_rows))
         coverage_total, groups = batch * coverage.sum(dtype=torch.float64), float(h_rows.shape[1] * h_rows.shape[2])
-        ctx.save_for_backward(weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage, rows, columns)
-        ctx.shapes = (z_map.shape, h_map.shape)
+        ctx.save_for_backward(weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage)
+        ctx.shapes, ctx.windows = (z_map.shape, h_map.shape), windows
         ctx.layouts = tuple(
             torch.channels_last if _channels_last(x) else torch.contiguous_format for x in (z_map, h_map)
         )
@@ -562,26 +690,28 @@ class _CentredRowStatistics(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage, rows, columns = ctx.saved_tensors
+        weighted, h_rows, m_rows, z_mean, h_mean, m_mean, coverage = ctx.saved_tensors
+        windows: _Windows = ctx.windows
         z_shape, h_shape = ctx.shapes
         z_layout, h_layout = ctx.layouts
         (k1, batch), k2 = weighted.shape[:2], h_rows.shape[0]
         low, high, cross = _gradient_matrices(grads, (k1, k2), weighted)
         z_mean, h_mean, m_mean = z_mean.to(weighted.dtype), h_mean.to(weighted.dtype), m_mean.to(weighted.dtype)
         grad_z = grad_h = None
-        with _exact_float32_products(weighted.device):
+        with windows.products(weighted.device):
             if ctx.needs_input_grad[0]:
                 # R^T (G3 (D + nu 1^T)) + G1 (C diag(w) + mu w^T), in the (K1, B, N) rows
-                d_means = (cross @ h_rows.flatten(1)).add_((cross @ h_mean)[:, None]).view(k1, batch, *h_shape[-2:])
-                rows_grad = _window_means_adjoint(d_means, rows, columns).view(k1, batch, -1)
-                rows_grad.flatten(1).addmm_(low, weighted.flatten(1))
-                rows_grad.add_((low @ z_mean)[:, None, None] * coverage)
+                d_means = windows.mm(cross, h_rows.flatten(1)).add_(windows.mm(cross, h_mean)[:, None])
+                d_means = d_means.view(k1, batch, *h_shape[-2:])
+                rows_grad = windows.means_adjoint(d_means, z_shape[-2:]).view(k1, batch, -1)
+                windows.add_mm_(rows_grad.flatten(1), low, weighted.flatten(1))
+                rows_grad.add_(windows.mm(low, z_mean)[:, None, None] * coverage)
                 grad_z = _maps_from_rows(rows_grad, z_shape, z_layout)
             if ctx.needs_input_grad[1]:
-                rows_grad = (high @ h_rows.flatten(1)).addmm_(cross.T, m_rows.flatten(1))
-                rows_grad.add_((high @ h_mean + cross.T @ m_mean)[:, None])
+                rows_grad = windows.add_mm_(windows.mm(high, h_rows.flatten(1)), cross.T, m_rows.flatten(1))
+                rows_grad.add_((windows.mm(high, h_mean) + windows.mm(cross.T, m_mean))[:, None])
                 grad_h = _maps_from_rows(rows_grad, h_shape, h_layout)
-        return grad_z, grad_h, None, None, None
+        return grad_z, grad_h, None, None
 
 
 def _maps_from_rows(rows_: Tensor, shape: torch.Size, layout: torch.memory_format) -> Tensor:
@@ -605,9 +735,7 @@ class _ChannelsLastStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, rows: Tensor, columns: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1, height, width), (k2, out_height, out_width) = z_map.shape, h_map.shape[1:]
         positions, out_positions = height * width, out_height * out_width
         z = z_map.permute(0, 2, 3, 1).reshape(batch * positions, k1)  # views of channels-last maps
@@ -621,7 +749,7 @@ class _ChannelsLastStatistics(torch.autograd.Function):
                 slice(chunk.start * out_positions, chunk.stop * out_positions),
             )
             images = chunk.stop - chunk.start
-            chunk_means = _pooled_rows(z[inputs], rows, columns, images, (height, width), out=means[outputs])
+            chunk_means = windows.pooled_rows(z[inputs], images, (height, width), out=means[outputs])
             shift = chunk_means[:out_positions].mean(dim=0) if shift is None else shift
             chunk_means.sub_(shift)
             torch.mul(
@@ -629,46 +757,47 @@ class _ChannelsLastStatistics(torch.autograd.Function):
                 coverage[:, None],
                 out=weighted[inputs].view(images, positions, k1),
             )
-            sums[0] += _row_block_product(weighted[inputs], z[inputs], positions)
-            sums[1] += _row_block_product(h[outputs], h[outputs], out_positions)
-            sums[2] += _row_block_product(chunk_means, h[outputs], out_positions)
+            sums[0] += _row_block_product(weighted[inputs], z[inputs], positions, windows)
+            sums[1] += _row_block_product(h[outputs], h[outputs], out_positions, windows)
+            sums[2] += _row_block_product(chunk_means, h[outputs], out_positions, windows)
             high_sum += h[outputs].view(images, out_positions, k2).sum(dim=1).to(torch.float64).sum(dim=0)
         assert shift is not None
-        ctx.save_for_backward(weighted, h, means, shift, rows, columns)
-        ctx.shapes = (z_map.shape, h_map.shape)
+        ctx.save_for_backward(weighted, h, means, shift)
+        ctx.shapes, ctx.windows = (z_map.shape, h_map.shape), windows
         return sums[0], sums[1], _shifted_cross(sums[2], shift, high_sum)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        weighted, h, means, shift, rows, columns = ctx.saved_tensors
+        weighted, h, means, shift = ctx.saved_tensors
+        windows: _Windows = ctx.windows
         (batch, k1, height, width), (_, k2, out_height, out_width) = ctx.shapes
         positions, out_positions = height * width, out_height * out_width
         low, high, cross = _gradient_matrices(grads, (k1, k2), weighted)
         grad_z = torch.empty_like(weighted) if ctx.needs_input_grad[0] else None
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[1] else None
-        with _exact_float32_products(weighted.device):
+        with windows.products(weighted.device):
             for chunk in _image_chunks(batch, weighted.view(batch, -1)):
                 inputs, outputs = (
                     slice(chunk.start * positions, chunk.stop * positions),
                     slice(chunk.start * out_positions, chunk.stop * out_positions),
                 )
                 if grad_z is not None:  # the adjoint pooling of H G3^T, then the low term added in place
-                    _pooled_rows(
-                        h[outputs] @ cross.T,
-                        rows.T,
-                        columns.T,
+                    windows.pooled_rows(
+                        windows.mm(h[outputs], cross.T),
                         chunk.stop - chunk.start,
                         (out_height, out_width),
                         out=grad_z[inputs],
+                        adjoint=True,
                     )
-                    grad_z[inputs].addmm_(weighted[inputs], low)
+                    windows.add_mm_(grad_z[inputs], weighted[inputs], low)
                 if grad_h is not None:
-                    torch.mm(h[outputs], high, out=grad_h[outputs]).addmm_(means[outputs], cross).add_(shift @ cross)
+                    gradient = windows.mm(h[outputs], high, out=grad_h[outputs])
+                    windows.add_mm_(gradient, means[outputs], cross).add_(windows.mm(shift, cross))
         as_maps = [
             None if grad is None else grad.view(batch, size[2], size[3], size[1]).permute(0, 3, 1, 2)
             for grad, size in ((grad_z, ctx.shapes[0]), (grad_h, ctx.shapes[1]))
         ]
-        return as_maps[0], as_maps[1], None, None, None
+        return as_maps[0], as_maps[1], None, None
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -678,15 +807,16 @@ def _channels_last(x: Tensor) -> bool:
 
 
 @contextmanager
-def _exact_float32_products(device: torch.device) -> Iterator[None]:
-    """Full float32 matrix products on CUDA (no TF32), whatever ``torch.set_float32_matmul_precision`` says, for
-    work on ``device``. Decided by the device, not by ``torch.cuda.is_available()``, which on a machine with a CUDA
-    build of torch and no GPU asks the driver again at every call."""
+def _float32_products(device: torch.device, tf32: bool = False) -> Iterator[None]:
+    """Float32 matrix products on CUDA exact (no TF32) or, with ``tf32``, on the tensor cores, whatever
+    ``torch.set_float32_matmul_precision`` says, for work on ``device``. Decided by the device, not by
+    ``torch.cuda.is_available()``, which on a machine with a CUDA build of torch and no GPU asks the driver again at
+    every call."""
     if device.type != "cuda":
         yield
         return
     saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         yield
     finally:

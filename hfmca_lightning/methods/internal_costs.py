@@ -14,7 +14,12 @@ from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
-from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, feature_map_statistics
+from hfmca_lightning.losses.statistics import (
+    STATISTICS_PRECISIONS,
+    CorrelationStatistics,
+    StatisticsPrecision,
+    feature_map_statistics,
+)
 from hfmca_lightning.losses.window_geometry import WindowGeometry, window_geometry
 
 __all__ = ["InternalCosts", "InternalPair", "Recording", "internal_cost_name", "log_names"]
@@ -85,7 +90,9 @@ class InternalCosts(nn.Module):
         weight: lambda of the paper's objective ``external + weight * sum(internal)``.
         reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
         precision: of the statistics in training, ``fast`` (float32 products summed in float64, see
-            ``feature_map_statistics``) or ``float64``. Analysis uses ``float64``.
+            ``feature_map_statistics``), ``tf32x3`` (the same products on CUDA's tensor cores, as three TF32 products
+            of split factors, within the same stated tolerance; exact float32 elsewhere) or ``float64``. Analysis
+            uses ``float64``.
     """
 
     def __init__(
@@ -102,8 +109,10 @@ class InternalCosts(nn.Module):
             raise ConfigurationError("internal costs need at least one layer name", parameter="layers")
         if len(set(layers)) != len(layers):
             raise ConfigurationError(f"internal cost layers must be distinct; got {layers}", parameter="layers")
-        if precision not in ("fast", "float64"):
-            raise ConfigurationError(f"precision must be 'fast' or 'float64'; got {precision!r}", parameter="precision")
+        if precision not in STATISTICS_PRECISIONS:
+            raise ConfigurationError(
+                f"precision must be one of {', '.join(STATISTICS_PRECISIONS)}; got {precision!r}", parameter="precision"
+            )
         self.weight = weight
         self.precision = precision
         names = log_names(list(layers))

@@ -287,7 +287,7 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     """Deep maps are multiplied over thousands of positions at once: with a large common mean (post-ReLU
     features) a plain float32 sum loses digits that the dependence needs; shifting by the means first and
     adding the mean terms in float64 keeps every sum within float32 rounding of the centred moments."""
-    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _float64_statistics, _window_band
+    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _float64_statistics, _window_band, _Windows
 
     torch.manual_seed(0)
     geometry = WindowGeometry(3, 1, 1)
@@ -295,7 +295,8 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     h = 50.0 + 0.5 * z[:, :32] + torch.randn(512, 32, 4, 4)
     coverage = window_coverage((4, 4), (4, 4), geometry)
     rows = _window_band(4, geometry, z)
-    shifted = _CentredRowStatistics.apply(z, h, coverage.float().flatten(), rows, rows)
+    windows = _Windows(geometry, rows, rows, "banded")
+    shifted = _CentredRowStatistics.apply(z, h, coverage.float().flatten(), windows)
     exact = _float64_statistics(z.double(), h.double(), coverage, geometry)
     plain = _float64_statistics(z, h, coverage.float(), geometry)  # the same sums in float32
 
@@ -327,19 +328,22 @@ def test_centred_float32_products_keep_the_precision_a_plain_float32_product_los
     assert errors[2] < lost[2] / 2, (errors, lost)
 
 
+@pytest.mark.parametrize("pooling", ["banded", "avg_pool"])
 @pytest.mark.parametrize("path", ["per image", "centred rows", "channels last"])
 @pytest.mark.parametrize("geometry", [WindowGeometry(3, 1, 1), WindowGeometry(3, 2, 1), WindowGeometry(5, 2, 2)])
-def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
+def test_map_statistics_have_the_gradients_of_their_forward(geometry, path, pooling):
     """The fast path writes its own backward pass (one accumulating product per map, from the kept window
     means or shifted rows): numerical gradients of all three sums agree with it in float64, for the per-image
     products (early layers), the centred products over all rows (deep layers) and the products on the rows
-    of channels-last maps."""
+    of channels-last maps, with window means from banded products (CPUs) and from ``avg_pool2d`` and its
+    backward (GPUs)."""
     from hfmca_lightning.losses.statistics import (
         _CentredRowStatistics,
         _ChannelsLastStatistics,
         _per_image,
         _PerImageStatistics,
         _window_band,
+        _Windows,
     )
 
     torch.manual_seed(0)
@@ -350,7 +354,7 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     high = torch.rand(2, channels[1], *size, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
     assert _per_image(high) == (path != "centred rows")
     coverage = window_coverage((6, 6), size, geometry).flatten()
-    rows, columns = _window_band(6, geometry, low), _window_band(6, geometry, low)
+    windows = _Windows(geometry, _window_band(6, geometry, low), _window_band(6, geometry, low), pooling)
     statistics = {
         "per image": _PerImageStatistics,
         "centred rows": _CentredRowStatistics,
@@ -358,11 +362,11 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path):
     }[path]
     # gradcheck over the 3,000 inputs of the deep case is slow: one random direction per output there
     assert torch.autograd.gradcheck(
-        lambda z, h: statistics.apply(z, h, coverage, rows, columns), (low, high), fast_mode=path == "centred rows"
+        lambda z, h: statistics.apply(z, h, coverage, windows), (low, high), fast_mode=path == "centred rows"
     )
     # and its forward is the reference statistics
     stats = CorrelationStatistics(
-        *statistics.apply(low, high, coverage, rows, columns), torch.tensor(1.0), torch.tensor(1.0)
+        *statistics.apply(low, high, coverage, windows), torch.tensor(1.0), torch.tensor(1.0)
     )
     reference = feature_map_statistics(low, high, geometry, precision="float64")
     for got, expected in zip(
@@ -387,10 +391,11 @@ def test_cached_window_constants_first_made_under_inference_mode_serve_training(
     assert low.grad is not None and bool(low.grad.abs().sum() > 0)
 
 
-def test_exact_float32_products_turn_tf32_off_on_cuda_only(monkeypatch):
-    """TF32 is switched off (and restored) for CUDA work; work on other devices never asks the CUDA driver
-    (``torch.cuda.is_available()`` retries the driver on each call on a GPU-less machine, ~1 ms in a step)."""
-    from hfmca_lightning.losses.statistics import _exact_float32_products
+def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
+    """TF32 is switched off (``fast``) or on (``tf32``), and restored, for CUDA work; work on other devices never asks
+    the CUDA driver (``torch.cuda.is_available()`` retries the driver on each call on a GPU-less machine, ~1 ms in a
+    step)."""
+    from hfmca_lightning.losses.statistics import _float32_products
 
     def no_driver_calls() -> bool:
         raise AssertionError("the CPU path asked the CUDA driver")
@@ -398,16 +403,62 @@ def test_exact_float32_products_turn_tf32_off_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", no_driver_calls)
     z_map = torch.rand(3, 4, 6, 6, requires_grad=True)
     h_map = torch.rand(3, 5, 6, 6, requires_grad=True)
-    stats = feature_map_statistics(z_map, h_map, WindowGeometry(3, 1, 1))
-    sum(s.sum() for s in (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)).backward()
+    for precision in ("fast", "tf32x3"):
+        stats = feature_map_statistics(z_map, h_map, WindowGeometry(3, 1, 1), precision=precision)
+        sum(s.sum() for s in (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)).backward()
 
     saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        with _exact_float32_products(torch.device("cpu")):
-            assert torch.backends.cuda.matmul.allow_tf32
-        with _exact_float32_products(torch.device("cuda")):
-            assert not torch.backends.cuda.matmul.allow_tf32
-        assert torch.backends.cuda.matmul.allow_tf32
+        for before in (True, False):
+            torch.backends.cuda.matmul.allow_tf32 = before
+            with _float32_products(torch.device("cpu"), tf32=not before):
+                assert torch.backends.cuda.matmul.allow_tf32 == before
+            with _float32_products(torch.device("cuda")):
+                assert not torch.backends.cuda.matmul.allow_tf32
+            with _float32_products(torch.device("cuda"), tf32=True):
+                assert torch.backends.cuda.matmul.allow_tf32
+            assert torch.backends.cuda.matmul.allow_tf32 == before
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize(
+    ("k1", "k2", "size", "geometry"),
+    [(16, 16, 32, WindowGeometry(5, 1, 2)), (16, 32, 16, WindowGeometry(7, 2, 3)), (64, 128, 4, WindowGeometry(3, 1, 1))],
+    ids=["per-image block", "stride-2 block", "deep block (centred rows)"],
+)
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain", "channels-last"])
+def test_window_means_by_avg_pool_equal_the_banded_products(k1, k2, size, geometry, layout):
+    """GPUs take window means by ``avg_pool2d`` (and its backward for the adjoint), CPUs by banded products: the sums
+    and the maps' gradients of both agree in float32 on every path.
+
+    Tolerance: only the window means differ (a sum of at most ``kernel**2`` members then a division, against
+    products with ``1 / n`` weights): ``gamma_{k^2 + 1}`` of the means' magnitudes each; the products that follow
+    are the same float32 operations on inputs that differ by that, plus their own rounding in either order,
+    ``2 gamma_n`` (n <= 1,100 rows per block): in all ``(2 gamma_{k^2+1} + 2 gamma_n)`` of the terms' magnitudes,
+    which the sums of magnitudes below bound."""
+    low, high = (
+        x.detach().contiguous(memory_format=layout).requires_grad_()
+        for x in realistic_pair(6, k1, k2, size, geometry, seed=size)
+    )
+    results = {}
+    for pooling in ("banded", "avg_pool"):
+        stats = feature_map_statistics(low, high, geometry, window_pooling=pooling)
+        sums = (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)
+        torch.manual_seed(1)
+        weights = [torch.randn_like(total) for total in sums]  # a fixed direction for the gradients
+        objective = sum((w * total).sum() for w, total in zip(weights, sums))
+        results[pooling] = ([total.detach() for total in sums], torch.autograd.grad(objective, (low, high)))
+    absolute = [x.detach().abs().double().requires_grad_() for x in (low, high)]
+    magnitudes = feature_map_statistics(*absolute, geometry, precision="float64")
+    magnitude_sums = (magnitudes.low_outer_sum, magnitudes.high_outer_sum, magnitudes.cross_sum)
+    epsilon = 2 * gamma(geometry.kernel**2 + 1, FLOAT32_UNIT) + 2 * gamma(1_100, FLOAT32_UNIT)
+    for banded, pooled, magnitude in zip(results["banded"][0], results["avg_pool"][0], magnitude_sums):
+        assert bool(((banded - pooled).abs() <= epsilon * magnitude).all())
+    # Gradients: the backward pass's products are linear in the weights with the maps as coefficients, so the same
+    # pass on the magnitudes (float64) bounds each element's terms; the adjoint pooling adds its own gamma_{k^2+1}.
+    gradient_magnitudes = torch.autograd.grad(
+        sum((w.abs().double() * total).sum() for w, total in zip(weights, magnitude_sums)), absolute
+    )
+    for banded, pooled, magnitude in zip(results["banded"][1], results["avg_pool"][1], gradient_magnitudes):
+        assert bool(((banded - pooled).abs() <= 2 * epsilon * magnitude).all())

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hfmca_lightning.cli import main
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, ResidentViews, SyntheticShapes
 from hfmca_lightning.data.synthetic import generate_shapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses import CorrelationStatistics, HFMCACost
@@ -479,10 +479,17 @@ def bn_free_module(internal: bool = False) -> HFMCAModule:
     )
 
 
-def ddp_data(batch_size: int, images_on_device: bool = False) -> MultiViewDataModule:
+def ddp_data(batch_size: int, resident: bool = False) -> MultiViewDataModule:
+    """The DDP tests' data: 24 images of 16 px, 4 views, no workers; ``resident``: the training split kept on the
+    device (``ResidentViews``)."""
     source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
     return MultiViewDataModule(
-        source, num_views=4, batch_size=batch_size, eval_batch_size=4, num_workers=0, images_on_device=images_on_device
+        source,
+        num_views=4,
+        batch_size=batch_size,
+        eval_batch_size=4,
+        num_workers=0,
+        views=ResidentViews() if resident else None,
     )
 
 

@@ -16,6 +16,7 @@ import html
 import json
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,16 +96,21 @@ def _enough_batches(
     ``groups_per_feature`` groups per feature (as the training-time spectra; fewer show dependence that is not there)
     or the batches run out."""
     statistics: dict[str, CorrelationStatistics] = {}
-    for index, batch in enumerate(batches):
-        if num_batches is not None and index >= num_batches:
-            break
-        for name, stats in collect(batch).items():
-            statistics[name] = statistics[name] + stats if name in statistics else stats
-        if num_batches is None and all(
-            float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
-            for stats in statistics.values()
-        ):
-            break
+    try:
+        for index, batch in enumerate(batches):
+            if num_batches is not None and index >= num_batches:
+                break
+            for name, stats in collect(batch).items():
+                statistics[name] = statistics[name] + stats if name in statistics else stats
+            if num_batches is None and all(
+                float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
+                for stats in statistics.values()
+            ):
+                break
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:  # a generator: its loader's workers are shut down now, not at exit
+            close()
     if not statistics:
         raise ConfigurationError("no batches to analyse: the data split is empty")
     return statistics
@@ -210,7 +216,7 @@ def analyze(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     statistics = _enough_batches(
-        _training_batches(datamodule),
+        _training_batches(datamodule, module.device),
         lambda batch: collect_statistics(module, [batch], batch_norm=norm),
         num_batches,
         groups_per_feature,
@@ -261,9 +267,12 @@ def analyze(
     return _write_index(out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
 
 
-def _training_batches(datamodule: MultiViewDataModule) -> Iterator[Tensor]:
-    for batch, _ in datamodule.train_dataloader():
-        yield batch
+def _training_batches(datamodule: MultiViewDataModule, device: torch.device) -> Iterator[Tensor | list[Tensor]]:
+    """The run's training groups, drawn by its own view pipeline (whatever it is), on ``device``: ``(B, L, C, H, W)``
+    or, for views of several sizes, a list of such groups."""
+    with closing(datamodule.view_batches(device)) as batches:
+        for batch in batches:
+            yield batch.groups[0] if len(batch.groups) == 1 else batch.groups
 
 
 def _positions(feature_map: Tensor) -> Tensor:
@@ -360,7 +369,9 @@ def compare(
 
     statistics = _enough_batches((images for images, _ in loaders[QUERIES]), cross, num_batches, groups_per_feature)
     if _has_head(model_a) and _has_head(model_b):
-        groups = (batch for batch in _training_batches(data_a) if batch.dim() == 5)
+        groups = (
+            batch for batch in _training_batches(data_a, model_a.device) if isinstance(batch, list) or batch.dim() == 5
+        )
         if model_a.external_head.num_views == model_b.external_head.num_views:  # type: ignore[union-attr]
             statistics.update(_enough_batches(groups, cross, num_batches, groups_per_feature))
     summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg))

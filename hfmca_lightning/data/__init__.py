@@ -1,5 +1,6 @@
 """Data: image sources, SimCLR view transforms, multi-view datasets and the DataModule."""
 
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS, ViewBatch, format_batch
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.data.datasets import (
     EvalDataset,
@@ -21,8 +22,27 @@ from hfmca_lightning.data.sources import (
     UnlabelledFolderSource,
 )
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform, view_transforms
+from hfmca_lightning.data.views import (
+    BatchedViews,
+    KorniaViews,
+    MultiCrop,
+    ResidentViews,
+    TorchvisionViews,
+    TransformViews,
+    ViewPipeline,
+)
 
 __all__ = [
+    "BATCH_FORMATS",
+    "BatchedViews",
+    "KorniaViews",
+    "MultiCrop",
+    "ResidentViews",
+    "TorchvisionViews",
+    "TransformViews",
+    "ViewBatch",
+    "ViewPipeline",
+    "format_batch",
     "BANK",
     "QUERIES",
     "CIFAR",

@@ -17,9 +17,9 @@ views at once, whatever their number:
   ``SOLARIZE_THRESHOLD``, normalisation; blur and solarisation with the probabilities of each view's kind.
 
 Random numbers come from each sample's seed through a counter-based hash
-(:meth:`BatchedViewAugmentation.views_from_seeds`: the CPU workers' collate function and the training set kept on the
-device), or from torch's generator of the images' device (seeded per batch: ``augment_on_device``), so views stay a
-function of the seed. Nothing in it reads a device value on the host or copies a Python constant to the device. Pixels
+(:meth:`BatchedViewAugmentation.views_from_seeds`: :class:`~hfmca_lightning.data.BatchedViews` in the CPU workers or on
+the device, and :class:`~hfmca_lightning.data.ResidentViews`), or from torch's generator of the images' device (seeded
+per batch), so views stay a function of the seed. Nothing in it reads a device value on the host or copies a Python constant to the device. Pixels
 stay float32 throughout: the CPU torchvision path works on uint8 and its blends truncate after every jitter step,
 which leaves its views about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's images; the only
 difference seen in pixel statistics).
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from hfmca_lightning.data.counter_random import CounterUniforms, TorchUniforms
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
-__all__ = ["BatchViews", "BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
+__all__ = ["BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
 
 Uniforms = CounterUniforms | TorchUniforms
 
@@ -287,23 +287,6 @@ def _check_images(images: Tensor) -> None:
     if images.dtype != torch.uint8 or images.dim() != 4:
         raise ValueError(
             f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
-        )
-
-
-class BatchViews:
-    """Collate function of ``worker_augmentation: batched``: samples ``(image (C, H, W) uint8, target, seed)`` ->
-    ``(views (B, L, C, S, S), targets (B,))``, by :meth:`BatchedViewAugmentation.views_from_seeds`: each image's
-    parameters come from its own seed (so a sample's views do not depend on its batch, its rank or the number of
-    workers, and equal those the training set kept on the device gives it), the pixels of the whole batch at once."""
-
-    def __init__(self, augmentation: BatchedViewAugmentation, num_views: int) -> None:
-        self.augmentation, self.num_views = augmentation, num_views
-
-    def __call__(self, samples: list[tuple[Tensor, int, int]]) -> tuple[Tensor, Tensor]:
-        images = torch.stack([image for image, _, _ in samples])
-        seeds = torch.tensor([seed for _, _, seed in samples], dtype=torch.int64)
-        return self.augmentation.views_from_seeds(images, seeds, self.num_views), torch.tensor(
-            [target for _, target, _ in samples]
         )
 
 

@@ -89,7 +89,7 @@ class CounterUniforms:
 
 class TorchUniforms:
     """Uniforms from torch's generator of ``device``, drawn by ``torch.rand`` and ``Tensor.uniform_`` (the views
-    seeded per batch on the device, ``augment_on_device``)."""
+    seeded per batch)."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device

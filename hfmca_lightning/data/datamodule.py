@@ -11,29 +11,16 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, BatchViews
-from hfmca_lightning.data.datasets import (
-    EvalDataset,
-    MultiViewDataset,
-    SameClassDataset,
-    SeededImageDataset,
-    SeededRandomSampler,
-    SingleViewDataset,
-)
-from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS, BatchFormat, ViewBatch, format_batch
+from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
-from hfmca_lightning.data.stored_images import SeededIndices, StoredImages
-from hfmca_lightning.data.transforms import (
-    ViewAugmentation,
-    eval_transform,
-    finetune_transform,
-    resize_transform,
-    view_transforms,
-)
+from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform
+from hfmca_lightning.data.views import ResidentViews, TorchvisionViews, ViewPipeline, ViewSetup
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.seeding import step_seed
 
@@ -65,6 +52,25 @@ def _stop_workers_at_exit() -> None:
 atexit.register(_stop_workers_at_exit)
 
 
+def _keep(batch: Any) -> Any:
+    """The collate function of loaders whose dataset yields whole batches."""
+    return batch
+
+
+class _TrainingBatches:
+    """The training loader's collate function: the pipeline's batch, laid out in ``batch_format`` (None: as the
+    pipeline gives it, for device pipelines, which draw after the transfer; ``raw``: the :class:`ViewBatch`)."""
+
+    def __init__(self, views: ViewPipeline, batch_format: BatchFormat | None, mode: str, raw: bool = False) -> None:
+        self.views, self.batch_format, self.single, self.raw = views, batch_format, mode == "single", raw
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self.views.collate(samples)
+        if self.raw or self.batch_format is None:
+            return batch
+        return format_batch(batch, self.batch_format, self.single)
+
+
 @dataclass(frozen=True)
 class TrainingPosition:
     """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``."""
@@ -90,12 +96,16 @@ def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
 class MultiViewDataModule(LightningDataModule):
     """Multi-view batches for HFMCA and any other SSL method.
 
-    * ``train_dataloader``: ``(views (B, L, C, H, W), target)``. ``mode='views'``: L SimCLR views of each
-      image; ``mode='same_class'``: L different images of the same class (each through the same view
-      transform; set the strengths to 0 for plain images). ``mode='single'`` (``num_views: 1``): batches of
-      single augmented images ``(image (B, C, H, W), target)``, e.g. for internal costs alone.
+    * ``train_dataloader``: ``mode='views'``: ``L`` views of each image, drawn by the ``views`` pipeline (module
+      :mod:`hfmca_lightning.data.views`: torchvision, kornia or batched, in CPU workers or on the device, the
+      training set kept on the device, multi-crop, or any transform such as lightly's); ``mode='same_class'``: ``L``
+      different images of the same class (each through the same view transform; set the strengths to 0 for plain
+      images); ``mode='single'`` (``num_views: 1``): one augmented image per sample, e.g. for internal costs alone.
+      Laid out as ``batch_format`` says (:mod:`hfmca_lightning.data.batch_formats`): ``stacked``
+      ``(views (B, L, C, H, W), targets)`` (this project's modules), ``lightly``
+      ``([view_0 (B, C, H, W), ...], targets, names)`` or ``solo`` ``(indexes, [view_0, ...], targets)``.
     * ``val_dataloader``: loaders ``BANK`` (0) and ``QUERIES`` (1) of ``(image (B, C, H, W), target)``
-      without augmentation: the train split (kNN bank) and the test split (kNN queries).
+      without augmentation: the train split (kNN bank) and the test split (kNN queries), in every batch format.
     * ``test_dataloader``: the same pair (kNN needs the bank to classify queries).
 
     Augmentation is drawn per sample from a seed given by the sampler, so runs do not depend on the
@@ -104,10 +114,10 @@ class MultiViewDataModule(LightningDataModule):
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``SyntheticShapes``).
         mode: ``views``, ``same_class`` or ``single``.
-        num_views: L, members per group.
+        num_views: L, members per group (for multi-crop: all crops).
         batch_size: groups (source images) per training batch.
         eval_batch_size: images per evaluation batch.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (at most the CPU cores this process may use).
         persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         seed: seeds shuffling and augmentation.
         crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR CIFAR default.
@@ -115,35 +125,14 @@ class MultiViewDataModule(LightningDataModule):
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of the jitter of ``color_strength``.
         blur / solarize: probability of a Gaussian blur / a solarisation; a list gives one per view kind,
             cycled over the ``L`` views (BYOL: ``blur: [1.0, 0.1]``, ``solarize: [0.0, 0.2]``).
-        augment_on_device: ``mode: views`` only. The loader yields resized uint8 images and the views
-            are drawn on the accelerator after the batch is transferred (``device_pipeline``, same
-            distributions, per-view parameters); frees the CPU workers. Its random numbers
-            are seeded from ``(seed, batch index, rank)``, so runs and resumes are reproducible.
-        worker_augmentation: how CPU workers draw the views of mode ``views``: ``torchvision`` (one pipeline
-            call per view), ``kornia`` (all ``L`` views of an image in one call of :class:`DeviceViewAugmentation`)
-            or ``batched`` (each image's parameters from its seed, then the pixels of the whole batch at once
-            by :class:`BatchedViewAugmentation`, in the worker's collate function; like ``augment_on_device``,
-            from the image resized and centre-cropped to ``image_size``, which changes nothing for CIFAR).
-            Same distributions and per-sample seeds in all three. On CIFAR-sized images ``batched`` draws several
-            times the views per CPU core of the others; ImageNet-sized views with blur are faster with
-            ``torchvision`` (PIL's blur).
-        device_pipeline: what draws the views with ``augment_on_device``: ``batched``
-            (:class:`BatchedViewAugmentation`, the default: a fixed number of whole-batch operations, no
-            host-device waits) or ``kornia``.
-        images_on_device: mode ``views`` only. The training split is kept on the accelerator as one uint8 tensor
-            (for data sets that fit: a clear error if it would take more than half of the free device memory);
-            a training batch is then its samples' indices and seeds, and the views are drawn on the device by
-            :class:`BatchedViewAugmentation` from each sample's seed, with the same views as ``worker_augmentation:
-            batched`` gives, without data-loader workers (``num_workers`` then serves the evaluation loaders).
-            Order, seeds, exact resume and DDP sharding are those of the other paths.
-        view_grids: ``g > 0`` (mode ``views``, CPU ``torchvision`` augmentation): training batches become
-            ``(views, target, grids (B, L, g, g, 2))``, the source-image positions of a ``g x g`` grid over each
-            view (:class:`ViewWithGrid`) — what VICRegL matches local features by. 0: plain ``(views, target)``.
+        views: the view pipeline (default :class:`~hfmca_lightning.data.views.TorchvisionViews`); each says in
+            one line what it cannot serve.
+        batch_format: ``stacked``, ``lightly`` or ``solo``.
 
     Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
     the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
     first epoch at the next unseen sample, with the same order and augmentation seeds as an uninterrupted
-    run, for any ``num_workers``, with persistent workers or not, on any number of devices.
+    run, for any ``num_workers``, with persistent workers or not, on any number of devices, on every pipeline.
     """
 
     def __init__(
@@ -163,11 +152,8 @@ class MultiViewDataModule(LightningDataModule):
         color_jitter: list[float] | None = None,
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
-        augment_on_device: bool = False,
-        worker_augmentation: Literal["torchvision", "kornia", "batched"] = "torchvision",
-        device_pipeline: Literal["batched", "kornia"] = "batched",
-        view_grids: int = 0,
-        images_on_device: bool = False,
+        views: ViewPipeline | None = None,
+        batch_format: BatchFormat = "stacked",
     ) -> None:
         super().__init__()
         if mode not in ("views", "same_class", "single"):
@@ -184,6 +170,11 @@ class MultiViewDataModule(LightningDataModule):
         ):
             if value < least:
                 raise ConfigurationError(f"{name} must be >= {least}; got {value}", parameter=name)
+        if batch_format not in BATCH_FORMATS:
+            raise ConfigurationError(
+                f"batch_format must be one of {', '.join(BATCH_FORMATS)}; got {batch_format!r}",
+                parameter="batch_format",
+            )
         self.source = source
         self.mode = mode
         self.num_views = num_views
@@ -192,50 +183,7 @@ class MultiViewDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.persistent_workers = persistent_workers
         self.seed = seed
-        if augment_on_device and mode != "views":
-            raise ConfigurationError(
-                f"augment_on_device supports mode 'views' only; got mode {mode!r}", parameter="augment_on_device"
-            )
-        self.augment_on_device = augment_on_device
-        if worker_augmentation not in ("torchvision", "kornia", "batched"):
-            raise ConfigurationError(
-                f"worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got {worker_augmentation!r}",
-                parameter="worker_augmentation",
-            )
-        if worker_augmentation != "torchvision" and (mode != "views" or augment_on_device):
-            raise ConfigurationError(
-                f"worker_augmentation {worker_augmentation!r} draws the views of mode 'views' in the CPU workers; it "
-                "does not apply with "
-                f"mode {mode!r} or augment_on_device: true",
-                parameter="worker_augmentation",
-            )
-        if device_pipeline not in ("batched", "kornia"):
-            raise ConfigurationError(
-                f"device_pipeline must be 'batched' or 'kornia'; got {device_pipeline!r}", parameter="device_pipeline"
-            )
-        self.worker_augmentation = worker_augmentation
-        if images_on_device and (mode != "views" or augment_on_device or worker_augmentation == "kornia"):
-            raise ConfigurationError(
-                "images_on_device draws the views of mode 'views' on the device with the batched pipeline; it does "
-                "not apply with "
-                f"mode {mode!r}, augment_on_device: {augment_on_device} or worker_augmentation: "
-                f"{worker_augmentation!r}",
-                parameter="images_on_device",
-            )
-        self.images_on_device = images_on_device
-        if view_grids < 0 or (
-            view_grids > 0
-            and (mode != "views" or augment_on_device or images_on_device or worker_augmentation != "torchvision")
-        ):
-            raise ConfigurationError(
-                "view_grids (the side of the grid of crop positions VICRegL matches local features with) must be >= "
-                "0 and "
-                f"needs mode 'views' with the CPU torchvision augmentation; got view_grids={view_grids}, "
-                f"mode={mode!r}, "
-                f"augment_on_device={augment_on_device}, worker_augmentation={worker_augmentation!r}",
-                parameter="view_grids",
-            )
-        self.view_grids = view_grids
+        self.batch_format: BatchFormat = batch_format
         spec = ViewAugmentation.from_strengths(
             source.image_size,
             crop_strength,
@@ -247,27 +195,15 @@ class MultiViewDataModule(LightningDataModule):
             solarize,
         )
         self.augmentation = spec
-        self.train_transforms = view_transforms(spec, source.mean, source.std, grid_size=view_grids)
-        pipelines = {"batched": BatchedViewAugmentation, "kornia": DeviceViewAugmentation}
-        self.device_augmentation = (
-            pipelines[device_pipeline](spec, source.mean, source.std) if augment_on_device else None
-        )
-        self.sample_views = (
-            SampleViews(DeviceViewAugmentation(spec, source.mean, source.std))
-            if worker_augmentation == "kornia"
-            else None
-        )
-        self.batch_views = (
-            BatchViews(BatchedViewAugmentation(spec, source.mean, source.std), num_views)
-            if worker_augmentation == "batched" and not images_on_device
-            else None
-        )
-        self.view_augmentation = BatchedViewAugmentation(spec, source.mean, source.std) if images_on_device else None
-        self._stored: StoredImages | None = None
+        knobs = (crop_strength, color_strength, gray_strength, color_jitter)
+        custom = any(knob is not None for knob in knobs) or not horizontal_flip or bool(blur) or bool(solarize)
+        self.views: ViewPipeline = views if views is not None else TorchvisionViews()
+        self.views.bind(ViewSetup(spec, source.mean, source.std, num_views, mode, seed, custom))
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
         self._resume_position: TrainingPosition | None = None
+        self._checked_views = False
 
     @property
     def num_classes(self) -> int:
@@ -289,10 +225,9 @@ class MultiViewDataModule(LightningDataModule):
                 raise ConfigurationError(
                     "mode 'same_class' groups images by class, but the training images have no labels", parameter="mode"
                 )
-        if self.images_on_device and self._stored is None:
-            self._stored = StoredImages.from_split(self._train_split, self.source.image_size)
-        if self._stored is not None and self.trainer is not None:  # errors (device memory) before training starts
-            self._stored = self._stored.to(self.trainer.strategy.root_device)
+        if isinstance(self.views, ResidentViews):  # errors (device memory) before training starts
+            device = self.trainer.strategy.root_device if self.trainer is not None else None
+            self.views.store(self._train_split, device)
         processes = self.trainer.world_size if self.trainer is not None else 1
         if len(self._train_split) // processes < self.batch_size:
             shared = f" shared by {processes} processes" if processes > 1 else ""
@@ -301,26 +236,30 @@ class MultiViewDataModule(LightningDataModule):
                 f"{shared}): not even one batch per epoch. Lower data.init_args.batch_size",
                 parameter="batch_size",
             )
+        if not self._checked_views:
+            self._check_view_count()
+            self._checked_views = True
 
-    def train_dataset(self) -> MultiViewDataset | SameClassDataset | SingleViewDataset | SeededIndices:
-        self.setup()
-        if self.images_on_device:
-            return SeededIndices(len(self._train_split))
-        if self.augment_on_device:
-            return SingleViewDataset(self._train_split, resize_transform(self.source.image_size), 1)
-        if self.batch_views is not None:
-            return SeededImageDataset(self._train_split, resize_transform(self.source.image_size))
-        if self.sample_views is not None:
-            return MultiViewDataset(
-                self._train_split, self.train_transforms, self.num_views, all_views=self.sample_views
+    def _check_view_count(self) -> None:
+        """A pipeline whose number of views is only known from its output (a user transform): count them on the
+        first sample, before training."""
+        assert self._train_split is not None
+        count = self.views.counted_views(self._train_split, self.seed)
+        if count is not None and count != self.num_views:
+            raise ConfigurationError(
+                f"{type(self.views).__name__} makes {count} views per image; set data num_views: {count} (got "
+                f"{self.num_views})",
+                parameter="num_views",
             )
-        dataset_class = {"views": MultiViewDataset, "same_class": SameClassDataset, "single": SingleViewDataset}[
-            self.mode
-        ]
-        return dataset_class(self._train_split, self.train_transforms, self.num_views)
+
+    def train_dataset(self) -> torch.utils.data.Dataset:
+        """The dataset the training loader's workers read (keys ``(index, seed)``): the pipeline's per-sample work."""
+        self.setup()
+        assert self._train_split is not None
+        return self.views.dataset(self._train_split)
 
     def _loader(
-        self, dataset: torch.utils.data.Dataset, batch_size: int, workers: int | None = None, **kwargs: object
+        self, dataset: torch.utils.data.Dataset, batch_size: int | None, workers: int | None = None, **kwargs: object
     ) -> DataLoader:
         workers = self.num_workers if workers is None else workers
         return DataLoader(
@@ -334,7 +273,9 @@ class MultiViewDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Per-process batches of ``batch_size`` groups; under DDP the global batch is ``world_size * batch_size``."""
+        """Per-process batches of ``batch_size`` groups; under DDP the global batch is ``world_size * batch_size``.
+        Worker pipelines yield batches in ``batch_format``; device pipelines yield what they draw from, turned into
+        views after the transfer (:meth:`on_after_batch_transfer`)."""
         dataset = self.train_dataset()
         trainer = self.trainer
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
@@ -342,10 +283,12 @@ class MultiViewDataModule(LightningDataModule):
         if self._resume_position is not None:
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
             self._resume_position = None
-        workers = 0 if self.images_on_device else None  # a batch is its indices and seeds: nothing for workers to do
-        return self._loader(
-            dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=self.batch_views
-        )
+        workers = None if self.views.uses_workers else 0  # no worker work: `num_workers` serves evaluation only
+        if isinstance(self.views, ResidentViews):
+            chunks = self.views.sampler(sampler, self.batch_size)
+            return self._loader(dataset, None, workers, sampler=chunks, collate_fn=_keep)
+        collate = _TrainingBatches(self.views, None if self.views.draws_on_device else self.batch_format, self.mode)
+        return self._loader(dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=collate)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""
@@ -360,36 +303,43 @@ class MultiViewDataModule(LightningDataModule):
             self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on_device``: turn a training batch of uint8 images into views, on the device; with
-        ``images_on_device``, a batch of indices and seeds (:meth:`draw_views`)."""
+        """Device pipelines: a transferred training batch (images, or the training set's indices and seeds) ->
+        its views, on the device, in ``batch_format``."""
         trainer = self.trainer
-        if self.images_on_device and trainer is not None and trainer.training:
-            return self.draw_views(batch)
-        if self.device_augmentation is None or trainer is None or not trainer.training:
+        if not self.views.draws_on_device or trainer is None or not trainer.training:
             return batch
-        images, targets = batch
-        self.device_augmentation.to(images.device)
-        devices = [images.device] if images.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=images.device.type):
-            # Lightning counts the batch after this hook: the index is the previous batch's, one per batch.
-            torch.manual_seed(step_seed(self.seed, trainer.fit_loop.total_batch_idx, trainer.global_rank, stream=1))
-            views = self.device_augmentation(images, self.num_views)
-        return views, targets
+        # Lightning counts the batch after this hook: the index is the previous batch's, one per batch.
+        seed = step_seed(self.seed, trainer.fit_loop.total_batch_idx, trainer.global_rank, stream=1)
+        return format_batch(self.views.draw(batch, seed), self.batch_format, self.mode == "single")
 
-    def draw_views(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``images_on_device``: a training batch ``(indices (B,), seeds (B,))`` on a device ->
-        ``(views (B, L, C, S, S), targets (B,))`` drawn there from the stored images, each sample's views from its seed
-        alone. Nothing is read on the host."""
-        if self.view_augmentation is None:
-            raise RuntimeError("draw_views needs images_on_device: true")
-        indices, seeds = batch
-        self.setup()
-        assert self._stored is not None
-        if self._stored.device != indices.device:
-            self._stored = self._stored.to(indices.device)
-        self.view_augmentation.to(indices.device)
-        views = self.view_augmentation.views_from_seeds(self._stored.images[indices], seeds, self.num_views)
-        return views, self._stored.targets[indices]
+    def view_batches(self, device: torch.device, limit: int | None = None) -> Iterator[ViewBatch]:
+        """Training batches as :class:`~hfmca_lightning.data.batch_formats.ViewBatch` on ``device``, drawn by the
+        configured pipeline whatever it is (analysis of a trained model: ``hfmca analyze``), ``limit`` of them at
+        most. The loader's workers are shut down when the iteration ends or is abandoned."""
+        dataset = self.train_dataset()
+        sampler = SeededRandomSampler(len(dataset), self.seed)
+        if isinstance(self.views, ResidentViews):
+            chunks = self.views.sampler(sampler, self.batch_size)
+            loader = self._loader(dataset, None, 0, sampler=chunks, collate_fn=_keep)
+        else:
+            collate = _TrainingBatches(self.views, None, self.mode, raw=True)
+            workers = None if self.views.uses_workers else 0
+            loader = self._loader(
+                dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=collate
+            )
+        iterator = iter(loader)
+        try:
+            for number, batch in enumerate(iterator):
+                if limit is not None and number >= limit:
+                    break
+                batch = move_data_to_device(batch, device)
+                if self.views.draws_on_device:
+                    batch = self.views.draw(batch, step_seed(self.seed, number, 0, stream=1))
+                yield batch
+        finally:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def val_dataloader(self) -> list[DataLoader]:
         """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the source's labelled evaluation

@@ -136,8 +136,7 @@ class MultiViewDataset(Dataset):
 
 class SeededImageDataset(Dataset):
     """One image and the seed of its views: ``key -> (transform(image), target, sample_seed)``; the views are
-    drawn for the whole batch by the collate function (``worker_augmentation: batched``,
-    :class:`~hfmca_lightning.data.batched_augment.BatchViews`)."""
+    drawn for the whole batch by the collate function (:class:`~hfmca_lightning.data.BatchedViews`)."""
 
     def __init__(self, images: LabelledImages, transform: Callable) -> None:
         self.images, self.transform = images, transform

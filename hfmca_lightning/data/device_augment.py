@@ -1,6 +1,6 @@
-"""SimCLR views drawn from uint8 batches by kornia, with per-sample random parameters (``device_pipeline:
-kornia``, ``worker_augmentation: kornia``; the default pipeline is :mod:`hfmca_lightning.data.batched_augment`,
-which draws the same distributions in fewer, whole-batch operations: kornia's cost at CIFAR size is dispatch).
+"""SimCLR views drawn from uint8 batches by kornia, with per-sample random parameters (:class:`~hfmca_lightning.data.
+KorniaViews`; :mod:`hfmca_lightning.data.batched_augment` draws the same distributions in fewer, whole-batch
+operations: kornia's cost at CIFAR size is dispatch).
 
 The data loader only decodes and resizes; after the batch reaches the device, each of the ``B * L`` views
 draws its own crop, flip, colour jitter and greyscale parameters (kornia samples per sample by default,
@@ -35,7 +35,7 @@ class DeviceViewAugmentation(nn.Module):
             import kornia.augmentation as K  # only this pipeline needs kornia (an optional extra)
         except ImportError:
             raise ConfigurationError(
-                "the kornia view pipeline (worker_augmentation: kornia, device_pipeline: kornia) needs kornia: "
+                "the kornia view pipeline (KorniaViews) needs kornia: "
                 "pip install 'hfmca_lightning[kornia]', or use the batched pipeline (the default)"
             ) from None
 
@@ -81,7 +81,7 @@ class DeviceViewAugmentation(nn.Module):
 
 class SampleViews:
     """All ``L`` views of one image in one batched call of :class:`DeviceViewAugmentation`, on the CPU in a
-    data-loader worker (``worker_augmentation: kornia``): ``image (C, H, W)`` uint8 tensor or PIL image ->
+    data-loader worker (``KorniaViews(on="workers")``): ``image (C, H, W)`` uint8 tensor or PIL image ->
     ``(L, C, S, S)``. The distributions of the per-view torchvision pipeline; about 2x its speed on CIFAR-sized
     images (one vectorised colour jitter for all views instead of one small call per view). Random numbers
     come from torch's generator, so views stay a function of the sample seed."""

@@ -1,4 +1,4 @@
-"""The training split kept in the accelerator's memory (``MultiViewDataModule(images_on_device=True)``).
+"""The training split kept in the accelerator's memory (:class:`~hfmca_lightning.data.ResidentViews`).
 
 For data sets that fit (CIFAR's 50,000 images are 150 MB as uint8), the images travel to the device once; each
 training batch is then only its samples' indices and seeds (1 KB for 64 images, copied asynchronously from pinned
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
 
 from hfmca_lightning.data.sources import ArrayImages, LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["SeededIndices", "StoredImages"]
+__all__ = ["StoredImages"]
 
 # The most of the device's free memory the stored images may take (the rest is the model's).
 DEVICE_MEMORY_SHARE = 0.5
@@ -61,29 +60,12 @@ class StoredImages:
             free, _ = torch.cuda.mem_get_info(device)
             if self.images.numel() > DEVICE_MEMORY_SHARE * free:
                 raise ConfigurationError(
-                    f"images_on_device: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, "
-                    "more than half of "
-                    f"the {free / 2**30:.1f} GiB free on {device}; set images_on_device: false to draw the views in "
-                    "CPU workers",
-                    parameter="images_on_device",
+                    f"ResidentViews: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, "
+                    f"more than half of the {free / 2**30:.1f} GiB free on {device}; draw the views in CPU workers "
+                    "instead (views: BatchedViews)",
+                    parameter="views",
                 )
         return StoredImages(self.images.to(device), self.targets.to(device))
 
     def __len__(self) -> int:
         return self.images.shape[0]
-
-
-class SeededIndices(Dataset):
-    """The training samples of ``images_on_device``: ``(index, sample_seed) -> (index, sample_seed)``; the loader
-    collates a batch into ``(indices (B,), seeds (B,))`` int64, and the views are drawn after the transfer."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
-        if isinstance(key, int):
-            raise ValueError("SeededIndices needs (index, seed) keys, as SeededRandomSampler yields")
-        return int(key[0]), int(key[1])

@@ -117,7 +117,11 @@ class CostChecks:
             for matrix in MATRICES:
                 if row[matrix.column]:
                     return _factorisation_error(
-                        name, matrix, row[matrix.column], self.sizes[position], self.regs[position],
+                        name,
+                        matrix,
+                        row[matrix.column],
+                        self.sizes[position],
+                        self.regs[position],
                         finite=not row[NONFINITE],
                     )
             if row[NONFINITE]:  # a device whose factorisation reports success on NaN input (CUDA)

@@ -401,9 +401,7 @@ def _float64_statistics(
     return summed(z * coverage.flatten(), z), summed(h, h), summed(means, h)
 
 
-def _window_means(
-    z_map: Tensor, rows: Tensor, columns: Tensor, windows: _Windows, out: Tensor | None = None
-) -> Tensor:
+def _window_means(z_map: Tensor, rows: Tensor, columns: Tensor, windows: _Windows, out: Tensor | None = None) -> Tensor:
     """``(..., H', W')``: the mean of every window over the positions it covers, ``R_H Z R_W^T`` with the banded
     ``(H', H)`` / ``(W', W)`` matrices of :func:`_window_band`: the numbers of average pooling as matrix
     products (on CPUs several times faster than ``avg_pool2d``). Two products per image for large maps; for
@@ -607,7 +605,9 @@ class _PerImageStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows
+    ) -> tuple[Tensor, Tensor, Tensor]:
         sums, means, shift, weighted = _per_image_products(z_map, h_map, coverage, windows)
         ctx.save_for_backward(weighted, h_map, means, shift)
         ctx.low_shape, ctx.windows = z_map.shape, windows
@@ -657,7 +657,9 @@ class _CentredRowStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows
+    ) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1), height, width = z_map.shape[:2], *z_map.shape[-2:]
         z_rows, z_mean = _centred_rows(z_map)
         h_rows, h_mean = _centred_rows(h_map)
@@ -735,7 +737,9 @@ class _ChannelsLastStatistics(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, windows: _Windows
+    ) -> tuple[Tensor, Tensor, Tensor]:
         (batch, k1, height, width), (k2, out_height, out_width) = z_map.shape, h_map.shape[1:]
         positions, out_positions = height * width, out_height * out_width
         z = z_map.permute(0, 2, 3, 1).reshape(batch * positions, k1)  # views of channels-last maps

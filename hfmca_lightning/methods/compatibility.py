@@ -8,7 +8,7 @@ from torch import nn
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["check_image_size"]
+__all__ = ["check_batch_format", "check_image_size"]
 
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
@@ -26,3 +26,15 @@ def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
         f"(data.init_args.source.init_args.image_size) or build the backbone for {given} px",
         parameter="image_size",
     )
+
+
+def check_batch_format(module: object, datamodule: Any) -> None:
+    """This project's modules take ``stacked`` batches; a data module set to another layout (for code written for
+    lightly or solo-learn) is one clear error before training."""
+    batch_format = getattr(datamodule, "batch_format", "stacked")
+    if batch_format != "stacked":
+        raise ConfigurationError(
+            f"{type(module).__name__} takes stacked batches (views, targets), but the data's batch_format is "
+            f"{batch_format!r} (for modules written for lightly or solo-learn): set data batch_format: stacked",
+            parameter="batch_format",
+        )

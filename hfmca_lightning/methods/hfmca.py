@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +19,7 @@ from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationErro
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
-from hfmca_lightning.methods.compatibility import check_image_size
+from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
 from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
@@ -294,6 +295,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         check_image_size(self.backbone, datamodule)
+        check_batch_format(self, datamodule)
         num_views = getattr(datamodule, "num_views", None)
         if self.external_head is not None and num_views is not None and num_views != self.external_head.num_views:
             grid = self.external_head.grid
@@ -311,35 +313,47 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         """Backbone features ``(N, D)`` of un-augmented images (what kNN evaluates)."""
         return self.embed(images)
 
-    def encode_views(self, views: Tensor) -> tuple[Tensor, Tensor]:
-        """``(B, L, C, H, W)`` -> view features ``(B, L, K)`` and group features ``(B, K)``."""
+    def encode_views(self, views: Tensor | Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``(B, L, C, H, W)`` views (or groups of them of different sizes) -> view features ``(B, L, K)`` and group
+        features ``(B, K)``."""
         _, view_features, group_features = self._encode_groups(views)
         return view_features, group_features
 
-    def _encode_groups(self, views: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(B, L, C, H, W)`` -> backbone features ``(B * L, D)``, view features ``(B, L, K)``, group features
-        ``(B, K)``."""
-        if views.dim() != 5 or self.external_head is None:
+    def _encode_groups(self, views: Tensor | Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(B, L, C, H, W)`` views, or a list of groups ``(B, n_g, C, H_g, W_g)`` of different sizes (multi-crop:
+        each group through the backbone on its own, the features of all ``L`` views together) -> backbone features
+        ``(B * L, D)`` (view-major within each image), view features ``(B, L, K)``, group features ``(B, K)``."""
+        groups = list(views) if isinstance(views, (list, tuple)) else [views]
+        if self.external_head is None or any(group.dim() != 5 for group in groups):
+            shapes = [tuple(group.shape) for group in groups]
             raise ValueError(
-                f"encode_views needs an external head and views of shape (B, L, C, H, W); got {tuple(views.shape)}"
+                f"encode_views needs an external head and views of shape (B, L, C, H, W) (or a list of such groups); "
+                f"got {shapes}"
             )
-        batch, num_views = views.shape[:2]
+        batch = groups[0].shape[0]
+        per_group = [self._embed_group(group).view(batch, group.shape[1], -1) for group in groups]
+        features = torch.cat(per_group, dim=1) if len(per_group) > 1 else per_group[0]
+        num_views = features.shape[1]
+        view_features = self.projector(features.flatten(0, 1)).reshape(batch, num_views, -1)
+        return features.flatten(0, 1), view_features, self.external_head(view_features)
+
+    def _embed_group(self, views: Tensor) -> Tensor:
+        """``(B, n, C, H, W)`` -> backbone features ``(B * n, D)``, as ``views_through_backbone`` says."""
         if self.views_through_backbone == "concat":
-            features = self._embed_for_training(views.flatten(0, 1))
-        else:
-            features = torch.stack(
-                [self._embed_for_training(views[:, view]) for view in range(num_views)], dim=1
-            ).flatten(0, 1)
-        view_features = self.projector(features).reshape(batch, num_views, -1)
-        return features, view_features, self.external_head(view_features)
+            return self._embed_for_training(views.flatten(0, 1))
+        return torch.stack([self._embed_for_training(views[:, view]) for view in range(views.shape[1])], dim=1).flatten(
+            0, 1
+        )
 
     def collect(
-        self, batch: Tensor, keep_maps: bool = False, precision: StatisticsPrecision | None = None
+        self, batch: Tensor | Sequence[Tensor], keep_maps: bool = False, precision: StatisticsPrecision | None = None
     ) -> Collected:
         """The one forward pass of the module: the statistics of every cost pair of ``batch``.
 
         ``batch`` is ``(B, L, C, H, W)`` groups (the external pair needs them; the backbone sees ``B * L``
-        images) or ``(B, C, H, W)`` images (internal pairs only). Statistics are this process's, not yet
+        images), a list of such groups of different view sizes (multi-crop: the external cost groups all of an
+        image's views, and each hooked block's statistics add up over the groups' passes) or ``(B, C, H, W)``
+        images (internal pairs only). Statistics are this process's, not yet
         synchronised across ranks, keyed by cost name (``external``, ``internal/L3``); with ``keep_maps`` the
         internal pairs' detached ``(input map, output map)`` come too. ``precision`` overrides the internal
         costs' statistics precision (analysis uses ``float64``). Training, the callbacks, inspection and
@@ -350,11 +364,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             if self.internal_costs is not None
             else nullcontext() as recording
         ):
-            grouped = self.external_head is not None and batch.dim() == 5
+            groups = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+            grouped = self.external_head is not None and groups[0].dim() == 5
             if grouped:
-                features, view_features, group_features = self._encode_groups(batch)
+                features, view_features, group_features = self._encode_groups(groups)
             else:
-                features = self.embed(batch.flatten(0, 1) if batch.dim() == 5 else batch)
+                features = torch.cat(
+                    [self.embed(group.flatten(0, 1) if group.dim() == 5 else group) for group in groups]
+                )
         statistics: dict[str, CorrelationStatistics] = {}
         if grouped:
             statistics["external"] = group_statistics(view_features, group_features)

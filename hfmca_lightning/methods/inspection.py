@@ -6,7 +6,7 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal
 
@@ -74,22 +74,29 @@ def analysis_mode(module: nn.Module, batch_norm: BatchNormStatistics) -> Abstrac
 
 @torch.no_grad()
 def collect_for_analysis(
-    module: HFMCAModule, batch: Tensor, keep_maps: bool = False, batch_norm: BatchNormStatistics = "running"
+    module: HFMCAModule,
+    batch: Tensor | Sequence[Tensor],
+    keep_maps: bool = False,
+    batch_norm: BatchNormStatistics = "running",
 ) -> Collected:
-    """:meth:`HFMCAModule.collect` of ``batch`` in eval mode, without gradients, on the module's device, with
-    float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
-    running ones untouched)."""
+    """:meth:`HFMCAModule.collect` of ``batch`` (or groups of views of different sizes) in eval mode, without
+    gradients, on the module's device, with float64 statistics; BatchNorm with its ``running`` statistics or each
+    ``batch``'s own (as in training, the running ones untouched)."""
+    on_device = (
+        [group.to(module.device) for group in batch] if isinstance(batch, (list, tuple)) else batch.to(module.device)
+    )
     with analysis_mode(module, batch_norm):
-        return module.collect(batch.to(module.device), keep_maps=keep_maps, precision="float64")
+        return module.collect(on_device, keep_maps=keep_maps, precision="float64")
 
 
 def collect_statistics(
-    module: HFMCAModule, batches: Iterable[Tensor], batch_norm: BatchNormStatistics = "running"
+    module: HFMCAModule, batches: Iterable[Tensor | Sequence[Tensor]], batch_norm: BatchNormStatistics = "running"
 ) -> dict[str, CorrelationStatistics]:
     """Statistics of every cost pair (``external``, ``internal/<layer>``) summed over ``batches``, in eval mode
     (BatchNorm as ``batch_norm`` says).
 
-    Each batch is ``(B, L, C, H, W)`` groups (needed for the external cost) or ``(B, C, H, W)`` images.
+    Each batch is ``(B, L, C, H, W)`` groups (needed for the external cost; a list of them for views of different
+    sizes) or ``(B, C, H, W)`` images.
     """
     store: dict[str, CorrelationStatistics] = {}
     for batch in batches:

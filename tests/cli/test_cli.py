@@ -81,7 +81,15 @@ def test_bf16_mixed_precision_keeps_the_cost_in_float64(tmp_path):
 
 
 def test_fit_with_augmentation_on_the_device(tmp_path):
-    fit(tmp_path, "--data.init_args.augment_on_device", "true", "--trainer.log_every_n_steps", "1")
+    fit(
+        tmp_path,
+        "--data.init_args.views",
+        "hfmca_lightning.data.BatchedViews",
+        "--data.init_args.views.on",
+        "device",
+        "--trainer.log_every_n_steps",
+        "1",
+    )
     costs = logged(tmp_path, "cost/external")
     assert len(costs) == 4 and all(c < 0 for c in costs)
 

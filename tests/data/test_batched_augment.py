@@ -8,7 +8,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torchvision.transforms import RandomResizedCrop
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, batched_augment, view_transform
+from hfmca_lightning.data import SyntheticShapes, batched_augment, view_transform
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, jitter_views, sample_crop_boxes
 from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, ViewAugmentation
 from tests.helpers import ks_critical, proportion_tolerance
@@ -210,63 +210,6 @@ def test_bad_input_is_one_clear_error():
     augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(8), MEAN, STD)
     with pytest.raises(ValueError, match=r"uint8 \(B, C, H, W\)"):
         augmentation(torch.rand(2, 3, 8, 8), num_views=2)
-
-
-def test_data_module_draws_views_with_it_on_the_device_and_in_workers():
-    """``device_pipeline: batched`` (the default) after the transfer, seeded per batch; ``worker_augmentation:
-    batched`` in the workers' collate function: each image's parameters from its sample seed, so its views equal
-    a call for that image alone with its seed and do not depend on the batch or the number of workers."""
-    source = SyntheticShapes(num_classes=3, train_per_class=4)
-    on_device = MultiViewDataModule(source, num_views=3, batch_size=4, num_workers=0, augment_on_device=True)
-    assert isinstance(on_device.device_augmentation, BatchedViewAugmentation)
-    workers = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=0, worker_augmentation="batched")
-    workers.setup()
-    loader = workers.train_dataloader()
-    keys = list(loader.sampler)[:4]
-    views, targets = next(iter(loader))
-    assert (
-        views.shape == (4, 5, 3, 32, 32)
-        and views.dtype == torch.float32
-        and targets.tolist() == [workers._train_split[i][1] for i, _ in keys]
-    )
-    augmentation = workers.batch_views.augmentation
-    for row, (index, seed) in enumerate(keys):
-        alone = augmentation.views_from_seeds(workers._train_split[index][0][None], torch.tensor([seed]), 5)[0]
-        torch.testing.assert_close(views[row], alone, rtol=0, atol=1e-6)
-    parallel = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=2, worker_augmentation="batched")
-    torch.testing.assert_close(next(iter(parallel.train_dataloader()))[0], views, rtol=0, atol=0)
-    # the same samples in another batch composition: the same views
-    pairs = MultiViewDataModule(source, num_views=5, batch_size=2, num_workers=0, worker_augmentation="batched")
-    first, second = list(pairs.train_dataloader())[:2]
-    torch.testing.assert_close(torch.cat([first[0], second[0]]), views, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (
-            {"worker_augmentation": "batched", "augment_on_device": True},
-            "worker_augmentation 'batched' draws the views of mode 'views'",
-        ),
-        (
-            {"worker_augmentation": "batched", "mode": "same_class"},
-            "worker_augmentation 'batched' draws the views of mode 'views'",
-        ),
-        (
-            {"worker_augmentation": "fast"},
-            "worker_augmentation must be 'torchvision', 'batched' or 'kornia'; got 'fast'",
-        ),
-        (
-            {"augment_on_device": True, "device_pipeline": "dali"},
-            "device_pipeline must be 'batched' or 'kornia'; got 'dali'",
-        ),
-    ],
-)
-def test_pipeline_options_are_checked_before_anything_runs(options, message):
-    from hfmca_lightning.errors import ConfigurationError
-
-    with pytest.raises(ConfigurationError, match=message):
-        MultiViewDataModule(SyntheticShapes(), **options)
 
 
 def test_views_drawn_from_seeds_have_the_distribution_of_the_generators_views():

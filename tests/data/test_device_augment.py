@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchvision.transforms import RandomResizedCrop
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, view_transform
+from hfmca_lightning.data import KorniaViews, MultiViewDataModule, SyntheticShapes, view_transform
 from hfmca_lightning.data.device_augment import DeviceViewAugmentation
 from hfmca_lightning.data.transforms import ViewAugmentation
 from hfmca_lightning.errors import ConfigurationError
@@ -84,70 +84,10 @@ def test_device_and_cpu_views_have_the_same_pixel_statistics():
     torch.testing.assert_close(gpu_like.std(dim=(0, 2, 3)), cpu.std(dim=(0, 2, 3)), atol=0.05, rtol=0)
 
 
-def test_datamodule_turns_uint8_batches_into_views_after_transfer():
-    datamodule = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=4),
-        num_views=3,
-        batch_size=4,
-        num_workers=0,
-        augment_on_device=True,
-    )
-    datamodule.setup()
-    images, targets = next(iter(datamodule.train_dataloader()))
-    assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
-
-    class Loop:
-        total_batch_idx = 7
-
-    class Training:
-        training, global_rank, fit_loop = True, 0, Loop()
-
-    datamodule.trainer = Training()  # type: ignore[assignment]
-    views, same_targets = datamodule.on_after_batch_transfer((images, targets), 0)
-    assert views.shape == (4, 3, 3, 32, 32) and views.dtype == torch.float32 and same_targets is targets
-    # The draws are a function of (seed, batch index, rank), not of the global generator: resumable.
-    torch.manual_seed(123)
-    assert torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
-    Loop.total_batch_idx = 8
-    assert not torch.equal(datamodule.on_after_batch_transfer((images, targets), 0)[0], views)
-
-
-def test_device_augmentation_needs_view_mode():
-    with pytest.raises(ConfigurationError, match="augment_on_device supports mode 'views' only"):
-        MultiViewDataModule(SyntheticShapes(), mode="same_class", augment_on_device=True)
-
-
-def test_cpu_workers_can_draw_all_views_of_an_image_in_one_batched_call():
-    """worker_augmentation 'kornia': the device pipeline, per sample, in the workers; views are a function of
-    the sample seed (as the per-view path), whatever the number of workers."""
-    source = SyntheticShapes(num_classes=3, train_per_class=4)
-    datamodule = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=0, worker_augmentation="kornia")
-    datamodule.setup()
-    dataset = datamodule.train_dataset()
-    views, target = dataset[(2, 77)]
-    assert views.shape == (5, 3, 32, 32) and views.dtype == torch.float32
-    assert torch.equal(dataset[(2, 77)][0], views) and not torch.equal(dataset[(2, 78)][0], views)
-    torch.manual_seed(77)
-    image = datamodule._train_split[2][0]
-    expected = datamodule.sample_views.augmentation(image[None], 5)[0]
-    torch.testing.assert_close(views, expected, rtol=0, atol=0)
-    serial = next(iter(datamodule.train_dataloader()))[0]
-    with_workers = MultiViewDataModule(source, num_views=5, batch_size=4, num_workers=2, worker_augmentation="kornia")
-    torch.testing.assert_close(next(iter(with_workers.train_dataloader()))[0], serial, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("options", [{"mode": "same_class"}, {"augment_on_device": True}])
-def test_kornia_worker_augmentation_is_for_views_drawn_in_workers(options):
-    with pytest.raises(ConfigurationError, match="worker_augmentation 'kornia'"):
-        MultiViewDataModule(SyntheticShapes(), worker_augmentation="kornia", **options)
-
-
 def test_the_kornia_pipeline_without_kornia_is_one_clear_error(monkeypatch):
     """kornia is an optional extra: choosing its pipeline without it installed says so before anything runs."""
     import builtins
     import sys
-
-    from hfmca_lightning.errors import ConfigurationError
 
     real_import = builtins.__import__
 
@@ -160,4 +100,4 @@ def test_the_kornia_pipeline_without_kornia_is_one_clear_error(monkeypatch):
     for module in [name for name in sys.modules if name.split(".")[0] == "kornia"]:
         monkeypatch.delitem(sys.modules, module)
     with pytest.raises(ConfigurationError, match=r"needs kornia: pip install 'hfmca_lightning\[kornia\]'"):
-        MultiViewDataModule(SyntheticShapes(), worker_augmentation="kornia")
+        MultiViewDataModule(SyntheticShapes(), views=KorniaViews())

@@ -9,6 +9,7 @@ from hfmca_lightning.data import (
     SameClassDataset,
     SeededRandomSampler,
     SyntheticShapes,
+    TorchvisionViews,
     view_transform,
 )
 from hfmca_lightning.data.transforms import RandomGaussianBlur, ViewAugmentation, eval_transform, view_transforms
@@ -276,13 +277,13 @@ def test_view_grids_come_with_the_views_in_training_batches():
         num_views=3,
         batch_size=4,
         num_workers=0,
-        view_grids=2,
+        views=TorchvisionViews(grids=2),
     )
     views, targets, grids = next(iter(data.train_dataloader()))
     assert views.shape == (4, 3, 3, 16, 16) and targets.shape == (4,) and grids.shape == (4, 3, 2, 2, 2)
     assert float(grids.min()) >= 0 and float(grids.max()) <= 16
-    with pytest.raises(ConfigurationError) as error:
+    with pytest.raises(ConfigurationError, match=r"TorchvisionViews\(grids=4\) records crop positions") as error:
         MultiViewDataModule(
-            SyntheticShapes(num_classes=2, train_per_class=4), num_views=2, augment_on_device=True, view_grids=4
+            SyntheticShapes(num_classes=2, train_per_class=4), mode="same_class", num_views=2, views=TorchvisionViews(4)
         )
-    assert error.value.parameter == "view_grids"
+    assert error.value.parameter == "views"

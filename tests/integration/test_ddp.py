@@ -48,21 +48,21 @@ class CountCollectives(Callback):
 
 
 @pytest.mark.parametrize(
-    ("internal", "images_on_device"),
+    ("internal", "resident"),
     [(False, False), (True, False), (False, True)],
     ids=["external", "external+internal", "images-on-device"],
 )
-def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, images_on_device, tmp_path):
+def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, resident, tmp_path):
     """With the training split kept on the device (the CPU here) the processes' shards and the views drawn from
     their seeds are those of one process with the doubled batch too."""
     single = bn_free_module(internal)
     ddp_trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(
-        single, ddp_data(2 * PER_RANK_BATCH, images_on_device)
+        single, ddp_data(2 * PER_RANK_BATCH, resident)
     )
     distributed = bn_free_module(internal)
     counting = CountCollectives(str(tmp_path))
     ddp_trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[counting]).fit(
-        distributed, ddp_data(PER_RANK_BATCH, images_on_device)
+        distributed, ddp_data(PER_RANK_BATCH, resident)
     )
     for rank in range(
         2

@@ -67,9 +67,10 @@ def demo_overrides(folder: Path) -> Path:
 def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "batched-workers") -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
-    workers not persistent; views from the shipped data path (``batched-workers``: ``worker_augmentation: batched``
-    in 2 workers), drawn after the transfer (``on-device``: ``augment_on_device``, seeded per batch), or from the
-    training split kept on the device (``images-on-device``, the device being the CPU here)."""
+    workers not persistent; views from the shipped data path (``batched-workers``: ``BatchedViews`` in 2 workers),
+    drawn after the transfer by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch), or from the
+    training split kept on the device in chunks of 3 batches (``images-on-device``: ``ResidentViews``, the device
+    being the CPU here)."""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -92,9 +93,9 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
         "persistent_workers": False,
     }
     if data_path == "on-device":
-        data.update(augment_on_device=True, worker_augmentation="torchvision")
+        data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews", "init_args": {"on": "device"}}
     elif data_path == "images-on-device":
-        data.update(images_on_device=True)
+        data["views"] = {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 3}}
     overrides = {
         "trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks},
         "model": {"init_args": model},

@@ -365,9 +365,7 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path, pool
         lambda z, h: statistics.apply(z, h, coverage, windows), (low, high), fast_mode=path == "centred rows"
     )
     # and its forward is the reference statistics
-    stats = CorrelationStatistics(
-        *statistics.apply(low, high, coverage, windows), torch.tensor(1.0), torch.tensor(1.0)
-    )
+    stats = CorrelationStatistics(*statistics.apply(low, high, coverage, windows), torch.tensor(1.0), torch.tensor(1.0))
     reference = feature_map_statistics(low, high, geometry, precision="float64")
     for got, expected in zip(
         (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum),
@@ -424,7 +422,11 @@ def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
 
 @pytest.mark.parametrize(
     ("k1", "k2", "size", "geometry"),
-    [(16, 16, 32, WindowGeometry(5, 1, 2)), (16, 32, 16, WindowGeometry(7, 2, 3)), (64, 128, 4, WindowGeometry(3, 1, 1))],
+    [
+        (16, 16, 32, WindowGeometry(5, 1, 2)),
+        (16, 32, 16, WindowGeometry(7, 2, 3)),
+        (64, 128, 4, WindowGeometry(3, 1, 1)),
+    ],
     ids=["per-image block", "stride-2 block", "deep block (centred rows)"],
 )
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["plain", "channels-last"])

@@ -66,7 +66,9 @@ def test_split_factors_add_up_exactly_and_round_once():
 
 @BLOCKS
 @LAYOUTS
-def test_split_tf32_sums_and_their_backward_pass_stay_within_the_proven_bound(k1, k2, size, geometry, layout, tensor_cores):
+def test_split_tf32_sums_and_their_backward_pass_stay_within_the_proven_bound(
+    k1, k2, size, geometry, layout, tensor_cores
+):
     """Elementwise, each sum and each element of the backward pass in a fixed direction, against float64."""
     low, high = _maps(k1, k2, size, geometry, layout)
     exact = statistics_sums(feature_map_statistics(low, high, geometry, precision="float64"))
@@ -99,7 +101,9 @@ def _relative_errors(result, exact) -> tuple[float, list[float]]:
 
 @BLOCKS
 @LAYOUTS
-def test_split_tf32_costs_and_gradients_meet_the_fast_paths_stated_tolerance(k1, k2, size, geometry, layout, tensor_cores):
+def test_split_tf32_costs_and_gradients_meet_the_fast_paths_stated_tolerance(
+    k1, k2, size, geometry, layout, tensor_cores
+):
     """The training setting (reg 0.1, ResNet-shaped post-ReLU maps): the stated guarantee of the fast path (cost 1e-5,
     gradients 5e-5, relative to float64) holds with the products on tensor cores; the elementwise bound above is what
     the arithmetic proves, this is the guarantee the cost needs (propagated through the inverses, the worst case is

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, TorchvisionViews
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
 from hfmca_lightning.models import SmallConvNet
@@ -57,7 +57,7 @@ def test_baseline_trains_and_its_loss_decreases(method):
         num_views=views,
         batch_size=16,
         num_workers=0,
-        view_grids=grids,
+        views=TorchvisionViews(grids=grids),
     )
     losses = Losses()
     quiet_trainer(
@@ -103,7 +103,7 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
         num_views=2,
         batch_size=8,
         num_workers=0,
-        view_grids=4,
+        views=TorchvisionViews(grids=4),
     )
     views, targets, grids = next(iter(data.train_dataloader()))
     loss = module.training_step((views, targets, grids), 0)["loss"]
@@ -124,9 +124,9 @@ def test_vicregl_without_view_grids_fails_before_training():
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=4, num_workers=0
     )
-    with pytest.raises(ConfigurationError, match="view_grids") as error:
+    with pytest.raises(ConfigurationError, match=r"TorchvisionViews, init_args: \{grids: G\}") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
-    assert error.value.parameter == "view_grids"
+    assert error.value.parameter == "views"
     with pytest.raises(ConfigurationError, match="no residual blocks"):
         VICRegL(SmallConvNet(width=4, num_stages=2))
     too_many = VICRegL(SmallConvNet(width=4, num_stages=2), **{**SMALL_HEADS[VICRegL], "num_matches": (20, 4)})
@@ -135,7 +135,7 @@ def test_vicregl_without_view_grids_fails_before_training():
         num_views=2,
         batch_size=4,
         num_workers=0,
-        view_grids=4,
+        views=TorchvisionViews(grids=4),
     )
     with pytest.raises(ConfigurationError, match="more matches than the 4x4 local map") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(too_many, data)

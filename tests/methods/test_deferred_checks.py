@@ -6,8 +6,8 @@ from functools import partial
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 from lightly.utils.lars import LARS
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
@@ -62,7 +62,9 @@ def test_a_failed_step_leaves_weights_and_optimizer_state_as_they_were(name):
     assert all(torch.equal(a, b) for a, b in zip(before, after_failed))
     assert all(torch.equal(a, b) for a, b in zip(results[None][1], results[False][1]))
     assert not all(torch.equal(a, b) for a, b in zip(before, results[None][1]))
-    assert SkipUpdateIfFailed.skips_in_kernel(OPTIMIZERS[name]([nn.Parameter(torch.ones(1))])) == name.startswith("fused")
+    assert SkipUpdateIfFailed.skips_in_kernel(OPTIMIZERS[name]([nn.Parameter(torch.ones(1))])) == name.startswith(
+        "fused"
+    )
 
 
 def test_a_guarded_step_with_nan_gradients_keeps_finite_weights():

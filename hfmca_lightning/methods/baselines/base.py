@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.compatibility import check_image_size
+from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 
@@ -51,6 +51,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         check_image_size(self.backbone, datamodule)
+        check_batch_format(self, datamodule)
         num_views = getattr(datamodule, "num_views", None)
         if num_views is not None and num_views < self.min_views:
             raise ConfigurationError(
@@ -67,9 +68,13 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         """Logs ``train/loss``; returns it as ``loss`` and for :class:`~hfmca_lightning.callbacks.CostProgressBar`
         (on the bar without a host read per step)."""
         views, _ = batch
-        if views.dim() != 5:
+        if isinstance(views, (list, tuple)):  # groups of different sizes (multi-crop), global crops first
+            view_list = [view for group in views for view in group.unbind(dim=1)]
+        elif views.dim() == 5:
+            view_list = list(views.unbind(dim=1))
+        else:
             raise ValueError(f"{type(self).__name__} expects views of shape (B, L, C, H, W); got {tuple(views.shape)}")
-        loss = self.views_loss(list(views.unbind(dim=1)))
+        loss = self.views_loss(view_list)
         self.log("train/loss", loss)
         return {"loss": loss, "progress_bar": {"train/loss": loss.detach()}}
 

@@ -57,8 +57,8 @@ class VICRegL(SSLBaseline):
     Global features: the backbone output through the 3-layer BN projection MLP (as :class:`VICReg`). Local
     features: the output map ``(B, C, g, g)`` of ``local_layer`` (default: the last residual block), each
     position through lightly's ``VicRegLLocalProjectionHead``. Positions come from the data: the DataModule
-    must give ``view_grids: g`` (batches ``(views, target, grids)``). All ``L`` views are global views at the
-    data's image size (lightly's example also feeds smaller local crops; the DataModule draws one size).
+    must draw views with grids (``views: TorchvisionViews(grids=g)``: batches ``(views, target, grids)``). All
+    ``L`` views are global views at the data's image size (lightly's example also feeds smaller local crops).
 
     Args:
         backbone: any backbone with ``feature_dim``.
@@ -119,13 +119,14 @@ class VICRegL(SSLBaseline):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        grids = getattr(getattr(self.trainer, "datamodule", None), "view_grids", None)
+        views = getattr(getattr(self.trainer, "datamodule", None), "views", None)
+        grids = getattr(views, "grids", 0) if views is not None else None
         if stage == "fit" and grids is not None and grids < 1:
             raise ConfigurationError(
-                "VICRegL matches local features by their positions in the image: set data.init_args.view_grids to "
-                "the side "
-                f"of the output map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)",
-                parameter="view_grids",
+                "VICRegL matches local features by their positions in the image: set data.init_args.views to "
+                "{class_path: hfmca_lightning.data.TorchvisionViews, init_args: {grids: G}}, G the side of the output "
+                f"map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)",
+                parameter="views",
             )
         if stage == "fit" and grids and max(self.criterion.num_matches) > grids**2:
             raise ConfigurationError(
@@ -146,7 +147,8 @@ class VICRegL(SSLBaseline):
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]  # batches carry crop grids
         if len(batch) != 3:
             raise ConfigurationError(
-                "VICRegL needs batches (views, target, grids): set data.init_args.view_grids", parameter="view_grids"
+                "VICRegL needs batches (views, target, grids): set data.init_args.views to TorchvisionViews with grids",
+                parameter="views",
             )
         views, _, grids = batch
         features = [self.embed_views(view) for view in views.unbind(dim=1)]
@@ -154,8 +156,8 @@ class VICRegL(SSLBaseline):
             raise ConfigurationError(
                 f"the local feature map of {self.local_layer} is {tuple(features[0][1].shape[1:3])} but the data's "
                 "grids are "
-                f"{tuple(grids.shape[2:4])}: set data.init_args.view_grids to {features[0][1].shape[1]}",
-                parameter="view_grids",
+                f"{tuple(grids.shape[2:4])}: set the grids of data.init_args.views to {features[0][1].shape[1]}",
+                parameter="views",
             )
         loss = self.criterion(global_view_features=features, global_view_grids=list(grids.unbind(dim=1)))
         self.log("train/loss", loss)

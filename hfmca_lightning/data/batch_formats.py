@@ -1,0 +1,83 @@
+"""Training batches in the layouts other SSL code expects (docs/baselines.md, "Batch formats").
+
+Every view pipeline produces a :class:`ViewBatch`: the views of ``B`` samples in groups of equal size (one group for
+same-size views; global crops first, then local crops, for multi-crop), with the samples' targets and dataset indices.
+:func:`format_batch` lays it out as
+
+* ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``, with several view sizes
+  ``([group (B, n_g, C, H_g, W_g), ...], targets)``, with view grids ``(views, targets, grids (B, L, g, g, 2))``;
+  mode ``single``: ``(images (B, C, H, W), targets)``;
+* ``lightly`` (lightly's examples and ``LightlyDataset``): ``([view_0 (B, C, H, W), ..., view_{L-1}], targets,
+  names)``, names the samples' indices as strings; view grids follow the views in the list (lightly's VICRegL);
+* ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``, large crops first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["BATCH_FORMATS", "BatchFormat", "ViewBatch", "format_batch"]
+
+BatchFormat = Literal["stacked", "lightly", "solo"]
+BATCH_FORMATS = ("stacked", "lightly", "solo")
+
+
+@dataclass
+class ViewBatch:
+    """The views of ``B`` samples before they are laid out.
+
+    Attributes:
+        groups: ``(B, n_g, C, H_g, W_g)`` per group of equal-size views, global crops first.
+        targets: ``(B,)`` int64 class indices (``UNLABELLED`` for images without a class).
+        indices: ``(B,)`` int64 indices of the samples in the training split.
+        names: the samples' names (their indices as strings), made on the host before any transfer.
+        grids: ``(B, L, g, g, 2)`` source positions of a grid over each view (VICRegL), or None.
+    """
+
+    groups: list[Tensor]
+    targets: Tensor
+    indices: Tensor
+    names: list[str] = field(default_factory=list)
+    grids: Tensor | None = None
+
+    @property
+    def num_views(self) -> int:
+        return sum(group.shape[1] for group in self.groups)
+
+    def views(self) -> list[Tensor]:
+        """Every view batch ``(B, C, H, W)`` in order, global crops first."""
+        return [group[:, view] for group in self.groups for view in range(group.shape[1])]
+
+
+def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> tuple[Any, ...]:
+    """``batch`` laid out as ``batch_format`` (module docstring); ``single``: mode ``single``'s one view per sample."""
+    if batch_format == "stacked":
+        if single:
+            return batch.groups[0][:, 0], batch.targets
+        views: Tensor | list[Tensor] = batch.groups[0] if len(batch.groups) == 1 else list(batch.groups)
+        return (views, batch.targets) if batch.grids is None else (views, batch.targets, batch.grids)
+    views_list = batch.views()
+    if batch_format == "lightly":
+        if batch.grids is not None:
+            views_list += list(batch.grids.unbind(dim=1))
+        return views_list, batch.targets, list(batch.names)
+    if batch_format == "solo":
+        return batch.indices, views_list, batch.targets
+    raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
+
+
+def stack_samples(samples: list[tuple[list[Tensor], int, int]], grids: list[Tensor] | None = None) -> ViewBatch:
+    """A :class:`ViewBatch` from per-sample ``(groups [(n_g, C, H_g, W_g), ...], target, index)``."""
+    groups = [torch.stack([sample[0][group] for sample in samples]) for group in range(len(samples[0][0]))]
+    indices = torch.tensor([index for _, _, index in samples], dtype=torch.int64)
+    return ViewBatch(
+        groups,
+        torch.tensor([target for _, target, _ in samples], dtype=torch.int64),
+        indices,
+        [str(index) for _, _, index in samples],
+        None if grids is None else torch.stack(grids),
+    )

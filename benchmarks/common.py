@@ -15,7 +15,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
-from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes, TorchvisionViews
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.inspection import analysis_layers
@@ -139,7 +139,12 @@ def build_data(
     else:
         source = CIFAR(name=dataset, root=root, download=True)
     return MultiViewDataModule(
-        source, num_views=views, batch_size=batch_size, num_workers=workers, view_grids=view_grids, **strengths
+        source,
+        num_views=views,
+        batch_size=batch_size,
+        num_workers=workers,
+        views=TorchvisionViews(grids=view_grids) if view_grids else None,
+        **strengths,
     )
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hfmca_lightning.cli import main
-from hfmca_lightning.data import MultiViewDataModule, ResidentViews, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, ViewPipeline
 from hfmca_lightning.data.synthetic import generate_shapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses import CorrelationStatistics, HFMCACost
@@ -479,9 +479,8 @@ def bn_free_module(internal: bool = False) -> HFMCAModule:
     )
 
 
-def ddp_data(batch_size: int, resident: bool = False) -> MultiViewDataModule:
-    """The DDP tests' data: 24 images of 16 px, 4 views, no workers; ``resident``: the training split kept on the
-    device (``ResidentViews``)."""
+def ddp_data(batch_size: int, views: ViewPipeline | None = None) -> MultiViewDataModule:
+    """The DDP tests' data: 24 images of 16 px, 4 views by ``views`` (default: torchvision's), no workers."""
     source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
     return MultiViewDataModule(
         source,
@@ -489,7 +488,7 @@ def ddp_data(batch_size: int, resident: bool = False) -> MultiViewDataModule:
         batch_size=batch_size,
         eval_batch_size=4,
         num_workers=0,
-        views=ResidentViews() if resident else None,
+        views=views,
     )
 
 

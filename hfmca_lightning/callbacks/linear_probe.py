@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hfmca_lightning.callbacks.gather import gather_in_dataset_order
+from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError
@@ -115,9 +116,8 @@ class LinearProbe(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        images, targets = batch[0], batch[1]  # (views, target[, grids])
-        if images.dim() == 5:
-            images = images[:, 0]
+        batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
+        images, targets = first_views(batch, batch_format)
         distributed = trainer.world_size > 1
         if images.shape[0] < 2 and not distributed:
             return  # BN needs two rows

@@ -1,6 +1,6 @@
 """Data: image sources, SimCLR view transforms, multi-view datasets and the DataModule."""
 
-from hfmca_lightning.data.batch_formats import BATCH_FORMATS, ViewBatch, format_batch
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS, ViewBatch, first_views, format_batch
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.data.datasets import (
     EvalDataset,
@@ -42,6 +42,7 @@ __all__ = [
     "TransformViews",
     "ViewBatch",
     "ViewPipeline",
+    "first_views",
     "format_batch",
     "BANK",
     "QUERIES",

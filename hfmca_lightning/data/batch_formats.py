@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["BATCH_FORMATS", "BatchFormat", "ViewBatch", "format_batch"]
+__all__ = ["BATCH_FORMATS", "BatchFormat", "ViewBatch", "first_views", "format_batch"]
 
 BatchFormat = Literal["stacked", "lightly", "solo"]
 BATCH_FORMATS = ("stacked", "lightly", "solo")
@@ -81,3 +81,15 @@ def stack_samples(samples: list[tuple[list[Tensor], int, int]], grids: list[Tens
         [str(index) for _, _, index in samples],
         None if grids is None else torch.stack(grids),
     )
+
+
+def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
+    """``(images (B, C, H, W), targets (B,))``: the first view of each sample of a training batch in any format (what
+    callbacks that look at one view per image take, such as the online linear probe)."""
+    if batch_format == "solo":
+        _, views, targets = batch
+    else:
+        views, targets = batch[0], batch[1]
+    if isinstance(views, (list, tuple)):
+        views = views[0]
+    return (views[:, 0] if views.dim() == 5 else views), targets

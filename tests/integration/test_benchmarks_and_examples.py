@@ -183,6 +183,15 @@ def test_datamodule_example_runs(monkeypatch):
     assert 0.0 <= accuracy <= 1.0
 
 
+def test_the_lightly_and_solo_learn_convention_examples_train(monkeypatch):
+    """examples/lightly_convention.py (MMCR on lightly's MMCRTransform, DINO on MultiCrop, batch_format lightly) and
+    examples/solo_convention.py (batch_format solo) train from the DataModule to finite losses and a kNN result."""
+    losses = run_script("examples/lightly_convention.py", ["--epochs", "1", "--steps", "2"], monkeypatch)
+    assert set(losses) == {"MMCR", "DINO"} and all(torch.isfinite(torch.tensor(loss)) for loss in losses.values())
+    loss = run_script("examples/solo_convention.py", ["--epochs", "1", "--steps", "2"], monkeypatch)
+    assert torch.isfinite(torch.tensor(loss))
+
+
 def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(
         sys, "argv", ["benchmarks/data_pipeline.py", "--root", str(tmp_path), "--files", "3000", "--jpegs", "3"]

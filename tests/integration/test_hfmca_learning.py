@@ -40,3 +40,39 @@ def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeyp
     assert trained > 0.25  # chance is 0.1
     # The shipped LinearProbe learns on the same run's detached features, well above chance too (0.53-0.63).
     assert linear > 0.4, linear
+
+
+def test_hfmca_on_multi_crop_views_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
+    """The demo with 2 global crops of 32 px and 2 local crops of 16 px (MultiCrop) instead of 4 same-size views: the
+    external cost groups each image's four views of two sizes, and the backbone learns."""
+    monkeypatch.chdir(tmp_path)
+    cli = HFMCACLI(
+        args=[
+            "--config",
+            str(DEMO),
+            "--trainer.max_epochs",
+            "4",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger",
+            "false",
+            "--data.init_args.source.init_args.train_per_class",
+            "100",
+            "--data.init_args.source.init_args.test_per_class",
+            "30",
+            "--data.init_args.views",
+            "hfmca_lightning.data.MultiCrop",
+            "--data.init_args.views.global_crops",
+            "2",
+            "--data.init_args.views.local_crops",
+            "2",
+        ],
+        run=False,
+    )
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    assert [tuple(group.shape[1:]) for group in batch[0]] == [(2, 3, 32, 32), (2, 3, 16, 16)]
+    initial = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]["knn/top1"]
+    cli.trainer.fit(cli.model, cli.datamodule)
+    trained = float(cli.trainer.callback_metrics["knn/top1"])
+    print(f"multi-crop kNN top-1: random init {initial:.3f} -> trained {trained:.3f}")
+    assert trained > initial + 0.1, (initial, trained)

@@ -70,7 +70,8 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     workers not persistent; views from the shipped data path (``batched-workers``: ``BatchedViews`` in 2 workers),
     drawn after the transfer by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch), or from the
     training split kept on the device in chunks of 3 batches (``images-on-device``: ``ResidentViews``, the device
-    being the CPU here)."""
+    being the CPU here), as 2 global and 7 local crops (``multi-crop``) or by lightly's ``MMCRTransform``
+    (``user-transform``)."""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -96,6 +97,11 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
         data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews", "init_args": {"on": "device"}}
     elif data_path == "images-on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 3}}
+    elif data_path == "multi-crop":  # 9 views for the 3x3 head: 2 global crops, 7 local ones of 16 px
+        data["views"] = {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"local_crops": 7}}
+    elif data_path == "user-transform":  # lightly's MMCRTransform, seeded from each sample's seed
+        transform = {"class_path": "lightly.transforms.MMCRTransform", "init_args": {"k": 9, "input_size": 32}}
+        data["views"] = {"class_path": "hfmca_lightning.data.TransformViews", "init_args": {"transform": transform}}
     overrides = {
         "trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks},
         "model": {"init_args": model},
@@ -168,7 +174,9 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
-@pytest.mark.parametrize("data_path", ["batched-workers", "on-device", "images-on-device"])
+@pytest.mark.parametrize(
+    "data_path", ["batched-workers", "on-device", "images-on-device", "multi-crop", "user-transform"]
+)
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
     steps_per_epoch, every = 12, 5
     folder = tmp_path / "straight"

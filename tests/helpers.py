@@ -535,6 +535,21 @@ class PoisonWeightsAtStep(Callback):
                 next(pl_module.backbone.parameters()).fill_(float("nan"))
 
 
+class PoisonBatchAt(Callback):
+    """NaN images in the batch of step ``step``; records the weights after every step and which steps ran."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.weights, self.steps_started = step, [], []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self.steps_started.append(trainer.global_step)
+        if trainer.global_step == self.step:
+            batch[0].fill_(float("nan"))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.weights.append([p.detach().clone() for p in pl_module.parameters()])
+
+
 COUNTED_STEPS = range(2, 5)  # after the first steps' one-off work (caches, lazy buffers)
 
 

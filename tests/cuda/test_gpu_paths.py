@@ -74,8 +74,7 @@ def test_compiled_costs_in_cuda_graphs_equal_eager_ones_over_accumulated_micro_b
 def test_nan_statistics_stop_the_run_in_one_line_and_leave_the_filters_finite():
     from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
     from hfmca_lightning.losses.cost_checks import CostFactorisationError
-    from tests.helpers import quiet_trainer
-    from tests.methods.test_deferred_checks import PoisonBatchAt
+    from tests.helpers import PoisonBatchAt, quiet_trainer
 
     module = small_module(beta=0.5)
     module.optimizer_factory = partial(torch.optim.SGD, lr=0.05, fused=True)
@@ -126,15 +125,30 @@ def test_split_tf32_statistics_meet_the_fast_paths_tolerance_on_tensor_cores():
             assert float((got.double() - want.double()).norm() / want.double().norm()) <= FAST_GRADIENT_TOLERANCE
 
 
-def test_a_training_step_of_the_shipped_internal_config_makes_no_host_synchronisation(tmp_path, monkeypatch):
-    """configs/cifar10_ss_internal.yaml (ResNet-18, 9 costs, tf32x3 statistics, fused SGD) shrunk in data only, its
-    views drawn on the GPU from the training set kept there, bf16: steps 2-4 run under
+def instantiate(node):
+    """``class_path`` / ``init_args`` of a config, built without jsonargparse (which GPU machines may lack)."""
+    import importlib
+
+    if isinstance(node, dict) and "class_path" in node:
+        module, _, name = node["class_path"].rpartition(".")
+        arguments = {key: instantiate(value) for key, value in (node.get("init_args") or {}).items()}
+        return getattr(importlib.import_module(module), name)(**arguments)
+    if isinstance(node, list):
+        return [instantiate(item) for item in node]
+    if isinstance(node, dict):
+        return {key: instantiate(value) for key, value in node.items()}
+    return node
+
+
+def test_a_training_step_of_the_shipped_internal_config_makes_no_host_synchronisation(tmp_path):
+    """configs/cifar10_ss_internal.yaml's model (ResNet-18, 9 costs, tf32x3 statistics) and optimizer (fused SGD) on
+    small data whose views are drawn on the GPU from the training set kept there, bf16: steps 2-4 run under
     ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call."""
     import yaml
     from lightning.pytorch import Callback
 
-    from hfmca_lightning.cli.trainer_cli import HFMCACLI
-    from tests.helpers import REPO
+    from hfmca_lightning.data import MultiViewDataModule, ResidentViews, SyntheticShapes
+    from tests.helpers import REPO, quiet_trainer
 
     class NoSyncSteps(Callback):
         def __init__(self) -> None:
@@ -149,37 +163,30 @@ def test_a_training_step_of_the_shipped_internal_config_makes_no_host_synchronis
                 torch.cuda.set_sync_debug_mode("default")
                 self.checked += 1
 
-    monkeypatch.chdir(tmp_path)
-    overrides = {
-        "trainer": {
-            "max_steps": 6,
-            "precision": "bf16-mixed",
-            "limit_val_batches": 0,
-            "num_sanity_val_steps": 0,
-            "log_every_n_steps": 50,
-            "logger": False,
-            "enable_progress_bar": False,
-        },
-        "data": {
-            "init_args": {
-                "source": {
-                    "class_path": "hfmca_lightning.data.SyntheticShapes",
-                    "init_args": {"train_per_class": 40, "test_per_class": 2},
-                },
-                "batch_size": 32,
-                "views": {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 2}},
-            }
-        },
-    }
-    path = tmp_path / "overrides.yaml"
-    path.write_text(yaml.safe_dump(overrides))
-    cli = HFMCACLI(
-        args=["--config", str(REPO / "configs" / "cifar10_ss_internal.yaml"), "--config", str(path)], run=False
+    config = yaml.safe_load((REPO / "configs" / "cifar10_ss_internal.yaml").read_text())["model"]["init_args"]
+    optimizer = config.pop("optimizer")
+    module = instantiate({"class_path": "hfmca_lightning.methods.HFMCAModule", "init_args": config})
+    assert optimizer["class_path"] == "torch.optim.SGD" and optimizer["init_args"]["fused"]
+    module.optimizer_factory = partial(torch.optim.SGD, **optimizer["init_args"])
+    data = MultiViewDataModule(
+        SyntheticShapes(train_per_class=40, test_per_class=2),
+        num_views=9,
+        batch_size=32,
+        num_workers=0,
+        views=ResidentViews(batches_per_call=2),
     )
     checker = NoSyncSteps()
-    cli.trainer.callbacks.append(checker)
+    trainer = quiet_trainer(
+        max_steps=6,
+        precision="bf16-mixed",
+        limit_val_batches=0,
+        log_every_n_steps=50,
+        callbacks=[checker],
+        accelerator="gpu",
+        devices=1,
+    )
     try:
-        cli.trainer.fit(cli.model, cli.datamodule)
+        trainer.fit(module, data)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert checker.checked == 3

@@ -7,14 +7,13 @@ from functools import partial
 import pytest
 import torch
 from lightly.utils.lars import LARS
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses.cost_checks import CHECK_COLUMNS, CostChecks, CostFactorisationError
 from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
-from tests.helpers import bn_free_module, quiet_trainer
+from tests.helpers import PoisonBatchAt, bn_free_module, quiet_trainer
 
 OPTIMIZERS = {
     "fused SGD": partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
@@ -98,21 +97,6 @@ def test_deferred_checks_report_the_first_failed_step_and_forget_what_they_read(
     assert recorder.reads == []  # the values are host buffers: nothing waits for a device
     assert failure is not None and failure.step == 1 and "low-level matrix A" in str(failure.error)
     assert len(deferred) == 0 and deferred.first_failure() is None
-
-
-class PoisonBatchAt(Callback):
-    """NaN images in the batch of step ``step``; records the weights after every step and which steps ran."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.weights, self.steps_started = step, [], []
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self.steps_started.append(trainer.global_step)
-        if trainer.global_step == self.step:
-            batch[0].fill_(float("nan"))
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.weights.append([p.detach().clone() for p in pl_module.parameters()])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused SGD", "SGD"])

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import operator
-from collections import deque
-from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -14,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from hfmca_lightning.analysis.rankme import rankme
-from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.analysis.spectrum_window import SpectrumWindow
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
 from hfmca_lightning.errors import ConfigurationError
@@ -33,10 +30,10 @@ class EigenspectrumCallback(FigureCallback):
     Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the statistics of each cost pair that the
     module's ``training_step`` returned (``outputs["statistics"]``, global-batch, keyed by pair: ``external``,
     ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` and the baselines do), summed over the last
-    consecutive steps that together hold at least ``min_groups`` groups of that pair (default
-    ``groups_per_feature`` times its larger feature dimension): one batch of 64 images has 64 groups for 128-d
-    features, and the spectrum of so few groups shows dependence that is not there (independent 64-d features:
-    eigenvalues ~0.3 from 32 groups, ~0.01 from 6,400). A pair whose window is not full yet is not logged. The
+    consecutive steps (every micro-batch of each, with gradient accumulation) that together hold at least
+    ``min_groups`` groups of that pair (default ``groups_per_feature`` times its larger feature dimension:
+    :class:`~hfmca_lightning.analysis.spectrum_window.SpectrumWindow`). A pair whose window is not full yet is not
+    logged. The
     window mixes the statistics of consecutive parameter values, as the adaptive filter of Alg. 3 does; with
     ``beta > 0`` the spectra still come from the window's raw statistics, not the filter's estimates.
 
@@ -56,7 +53,8 @@ class EigenspectrumCallback(FigureCallback):
     it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
     ``learning_dynamics`` (one heatmap per pair, x: step, y: the ``top_k`` largest non-trivial eigenvalues) and
     ``layer_spectra`` (one column of eigenvalue dots per pair, red line: mean of the 10 largest). Logging and figures
-    are rank 0's; the history is kept in checkpoints.
+    are rank 0's; the history and the whole window are kept in checkpoints, under a key of the callback's settings
+    (several instances keep their own).
 
     A module without cost pairs (a baseline: no ``cost_modules``) is hooked instead
     (:class:`~hfmca_lightning.callbacks.spectrum_hooks.HookedSpectrumPairs`): float64 statistics of its backbone's
@@ -104,17 +102,35 @@ class EigenspectrumCallback(FigureCallback):
         self.every_n_steps = every_n_steps
         self.min_groups = min_groups
         self.groups_per_feature = groups_per_feature
-        self._open: dict[str, CorrelationStatistics] = {}  # per pair, the sum of the steps since the last log
-        self._chunks: dict[str, deque[CorrelationStatistics]] = {}  # per pair, the sums of the last logged intervals
+        self.window = SpectrumWindow(min_groups, groups_per_feature)
         self.top_k = top_k
         self.threshold = threshold
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
-        self.latest: dict[str, torch.Tensor] = {}
-        self.window_groups: dict[str, int] = {}
-        self._last_logged_step = -1
+        self._steps_seen = 0  # optimiser steps taken when the last batch ended (micro-batches share a step)
         self.hooked_layers, self.hooked_reg = hooked_layers, hooked_reg
         self._hooked: HookedSpectrumPairs | None = None
         self._internal_steps: int | None = None  # hooked internal pairs: steps recorded before each log
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps,
+            top_k=self.top_k,
+            min_groups=self.min_groups,
+            groups_per_feature=self.groups_per_feature,
+            hooked_layers=self.hooked_layers,
+            hooked_reg=self.hooked_reg,
+        )
+
+    @property
+    def latest(self) -> dict[str, torch.Tensor]:
+        """Per pair, the non-trivial eigenvalues of the last logged spectrum."""
+        return self.window.latest
+
+    @property
+    def window_groups(self) -> dict[str, int]:
+        """Per pair, the groups the last logged spectrum came from."""
+        return self.window.groups
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -134,31 +150,25 @@ class EigenspectrumCallback(FigureCallback):
         if self._hooked is not None:
             self._hooked.stop()
 
-    def groups_needed(self, stats: CorrelationStatistics) -> int:
-        """The fewest groups a pair's window must hold: ``min_groups``, or ``groups_per_feature * max(K1, K2)``."""
-        return self.min_groups or self.groups_per_feature * max(stats.low_dim, stats.high_dim)
-
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
+        stepped, self._steps_seen = step > self._steps_seen, step  # the last micro-batch of an optimiser step
         if self._hooked is not None:
             statistics, features = self._hooked.collect()
             self._count_internal_steps(statistics)
         else:
             statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
             features = outputs.get("features") if isinstance(outputs, dict) else None
-        if not statistics or step == self._last_logged_step:
+        if statistics:
+            self.window.add(statistics)  # every batch and micro-batch
+        if not statistics or not stepped or (step - 1) % self.every_n_steps != 0:
             return
-        for name, stats in statistics.items():  # the open chunk: the steps since the last log
-            stats = stats.detach()
-            self._open[name] = stats if name not in self._open else self._open[name] + stats
-        if (step - 1) % self.every_n_steps != 0:
-            return
-        self._last_logged_step = step
-        for name, stats in self._open.items():
-            self._chunks.setdefault(name, deque()).append(stats)
-        self._open = {}
+        raise_if_a_step_failed = getattr(pl_module, "raise_if_a_step_failed", None)
+        if callable(raise_if_a_step_failed):  # a failed step ends the run in one line, not in a decomposition
+            raise_if_a_step_failed()
+        self.window.close()
         regs = (
             dict.fromkeys(statistics, self.hooked_reg)
             if self._hooked is not None
@@ -166,18 +176,14 @@ class EigenspectrumCallback(FigureCallback):
         )
         metrics: dict[str, float] = {}
         for name in statistics:
-            window = self._full_window(name)
-            if window is None:
+            eigenvalues = self.window.spectrum(name, regs[name])
+            if eigenvalues is None:
                 continue
-            stats, groups = window
-            eigenvalues = decompose(stats, reg=regs[name]).eigenvalues.cpu()
             nontrivial = eigenvalues[1:]
-            self.latest[name] = nontrivial
-            self.window_groups[name] = groups
             top = nontrivial[: self.top_k].tolist()
             self.history.setdefault(name, []).append((step, top))
             metrics[f"spectrum/{name}/trivial"] = float(eigenvalues[0])
-            metrics[f"spectrum/{name}/groups"] = float(groups)
+            metrics[f"spectrum/{name}/groups"] = float(self.window.groups[name])
             if len(nontrivial):
                 metrics[f"spectrum/{name}/top1"] = float(nontrivial[0])
                 metrics[f"spectrum/{name}/top10_mean"] = float(nontrivial[:10].mean())
@@ -196,25 +202,9 @@ class EigenspectrumCallback(FigureCallback):
             return
         counts = torch.stack([stats.group_count for stats in internal.values()]).tolist()
         self._internal_steps = max(
-            -(-self.groups_needed(stats) // max(1, int(count))) for stats, count in zip(internal.values(), counts)
+            -(-self.window.groups_needed(stats) // max(1, int(count)))
+            for stats, count in zip(internal.values(), counts)
         )
-
-    def _full_window(self, name: str) -> tuple[CorrelationStatistics, int] | None:
-        """The sum of the newest chunks of pair ``name`` (a chunk: the steps between two logs) that together hold at
-        least the groups it needs, and their number of groups (one host read of the counts); ``None`` while there are
-        too few. Older chunks are dropped, so the window costs a few ``K x K`` sums."""
-        chunks = self._chunks[name]
-        counts = torch.stack([stats.group_count for stats in chunks]).tolist()
-        needed = self.groups_needed(chunks[-1])
-        total, start = 0.0, len(chunks)
-        while start > 0 and total < needed:
-            start -= 1
-            total += counts[start]
-        for _ in range(start):
-            chunks.popleft()
-        if total < needed:
-            return None
-        return reduce(operator.add, chunks), int(total)
 
     def _log(self, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
         """Straight to the loggers, once, at the step of the batch the statistics came from (``self.log``
@@ -253,13 +243,13 @@ class EigenspectrumCallback(FigureCallback):
         self.publish(trainer, spectra, "layer_spectra", f"layer_spectra_epoch{epoch:03d}.png")
 
     def state_dict(self) -> dict[str, Any]:
-        """The history and the window's chunks (a few ``K x K`` sums per pair), so a resumed run logs what an
-        uninterrupted one would."""
+        """The history, the optimiser steps seen and the whole window (a few ``K x K`` sums per pair, the last spectra),
+        so a resumed run logs and draws what an uninterrupted one would."""
         return {
             "history": self.history,
             "internal_steps": self._internal_steps,
-            "open": {name: _as_tuple(stats) for name, stats in self._open.items()},
-            "chunks": {name: [_as_tuple(stats) for stats in chunks] for name, chunks in self._chunks.items()},
+            "steps_seen": self._steps_seen,
+            "window": self.window.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -268,25 +258,13 @@ class EigenspectrumCallback(FigureCallback):
             for name, entries in state_dict["history"].items()
         }
         self._internal_steps = state_dict.get("internal_steps")
-        self._open = {name: CorrelationStatistics(*tensors) for name, tensors in state_dict.get("open", {}).items()}
-        self._chunks = {
-            name: deque(CorrelationStatistics(*tensors) for tensors in chunks)
-            for name, chunks in state_dict.get("chunks", {}).items()
-        }
+        self._steps_seen = int(state_dict.get("steps_seen", 0))
+        self.window.load_state_dict(state_dict.get("window", {}))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Restored chunks go to the module's device (checkpoints may be loaded on the CPU)."""
-        device = pl_module.device
-        self._open = {name: _to(stats, device) for name, stats in self._open.items()}
-        self._chunks = {name: deque(_to(stats, device) for stats in chunks) for name, chunks in self._chunks.items()}
-
-
-def _as_tuple(stats: CorrelationStatistics) -> tuple[torch.Tensor, ...]:
-    return (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
-
-
-def _to(stats: CorrelationStatistics, device: torch.device) -> CorrelationStatistics:
-    return CorrelationStatistics(*(tensor.to(device) for tensor in _as_tuple(stats)))
+        """Restored sums go to the module's device (checkpoints may be loaded on the CPU)."""
+        self.window.to(pl_module.device)
+        self._steps_seen = max(self._steps_seen, trainer.global_step)
 
 
 def _pad(values: list[float], length: int) -> list[float]:

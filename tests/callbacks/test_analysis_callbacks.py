@@ -308,11 +308,73 @@ def test_the_window_round_trips_through_the_checkpoint_state():
     restored = EigenspectrumCallback(every_n_steps=2, top_k=5)
     restored.load_state_dict(torch.load(_saved(spectrum.state_dict()), weights_only=True))
     assert restored.history == spectrum.history
-    for name, chunks in spectrum._chunks.items():
-        assert [float(c.group_count) for c in restored._chunks[name]] == [float(c.group_count) for c in chunks]
-        for got, want in zip(restored._chunks[name], chunks):
-            torch.testing.assert_close(got.cross_sum, want.cross_sum, rtol=0, atol=0)
-    assert set(restored._open) == set(spectrum._open) != set()  # 4 batches: the last one is after the last log
+    assert_same_window(restored, spectrum)
+    assert set(restored.window.open) == set(spectrum.window.open) != set()  # 4 batches: the last is after the last log
+    assert (
+        restored.latest.keys() == spectrum.latest.keys() != set() and restored.window_groups == spectrum.window_groups
+    )
+
+
+def assert_same_window(got: EigenspectrumCallback, expected: EigenspectrumCallback, rtol: float = 0.0) -> None:
+    """The same chunks and open sums (group counts and sums), the same last spectra and their group counts."""
+    for which in ("chunks", "open"):
+        mine, theirs = getattr(got.window, which), getattr(expected.window, which)
+        assert set(mine) == set(theirs), which
+        for name in theirs:
+            pairs = zip(mine[name], theirs[name]) if which == "chunks" else [(mine[name], theirs[name])]
+            if which == "chunks":
+                assert len(mine[name]) == len(theirs[name])
+            for a, b in pairs:
+                assert float(a.group_count) == float(b.group_count)
+                torch.testing.assert_close(a.cross_sum, b.cross_sum, rtol=rtol, atol=0)
+                torch.testing.assert_close(a.low_outer_sum, b.low_outer_sum, rtol=rtol, atol=0)
+    assert got.window_groups == expected.window_groups
+    assert set(got.latest) == set(expected.latest)
+    for name, values in expected.latest.items():
+        torch.testing.assert_close(got.latest[name], values, rtol=rtol, atol=1e-12)
+
+
+def test_with_gradient_accumulation_windows_hold_every_micro_batch():
+    """accumulate_grad_batches 2, a log every step: each logged window holds both micro-batches of its step (12
+    groups of the external pair: two batches of 6), the first as every later one."""
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3), num_views=4, batch_size=6, num_workers=0
+    )
+    spectrum = EigenspectrumCallback(every_n_steps=1, top_k=3, min_groups=1)
+
+    class Groups(Callback):
+        def __init__(self) -> None:
+            self.logged: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx % 2 == 1:  # the micro-batch that completes an optimiser step, after the spectrum's hook
+                self.logged.append(spectrum.window_groups["external"])
+
+    groups = Groups()
+    trainer = quiet_trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[spectrum, groups], limit_val_batches=0)
+    trainer.fit(tiny_spectrum_module(), data)
+    assert trainer.global_step == 4 and len(spectrum.history["external"]) == 4
+    assert groups.logged == [12, 12, 12, 12]
+
+
+def test_two_spectrum_callbacks_keep_their_own_state_in_checkpoints(tmp_path):
+    def callbacks() -> tuple[EigenspectrumCallback, EigenspectrumCallback]:
+        return (
+            EigenspectrumCallback(every_n_steps=1, top_k=3, min_groups=1),
+            EigenspectrumCallback(every_n_steps=3, top_k=3, min_groups=1),
+        )
+
+    fast, slow = callbacks()
+    assert fast.state_key != slow.state_key
+    trainer = quiet_trainer(max_epochs=1, callbacks=[fast, slow], limit_val_batches=0)
+    trainer.fit(tiny_spectrum_module(), tiny_data())
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    saved = torch.load(tmp_path / "run.ckpt", weights_only=False)["callbacks"]
+    restored_fast, restored_slow = callbacks()
+    restored_fast.load_state_dict(saved[restored_fast.state_key])
+    restored_slow.load_state_dict(saved[restored_slow.state_key])
+    assert restored_fast.history == fast.history and restored_slow.history == slow.history
+    assert len(fast.history["external"]) != len(slow.history["external"])
 
 
 def _saved(state: dict):
@@ -331,3 +393,37 @@ def test_bad_window_settings_are_one_clear_error(name, value):
     with pytest.raises(ConfigurationError) as error:
         EigenspectrumCallback(**{name: value})
     assert error.value.parameter == name
+
+
+def test_a_resumed_run_has_the_spectrum_state_of_an_uninterrupted_one(tmp_path):
+    """The shrunk demo with a spectrum callback, 2 epochs straight, or 1 epoch, its checkpoint, and the second from
+    it: the final checkpoints hold the same history, window (chunks and open interval), last spectra and group
+    counts."""
+    from tests.helpers import fit, interrupted_fit
+
+    settings = {"every_n_steps": 2, "top_k": 3, "min_groups": 20}
+    callbacks = [
+        {"class_path": "hfmca_lightning.callbacks.KNNEvaluation", "init_args": {"k": 20}},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": "checkpoints", "save_last": True},
+        },
+        {"class_path": "hfmca_lightning.callbacks.EigenspectrumCallback", "init_args": settings},
+    ]
+    states = []
+    for folder, interrupted in ((tmp_path / "straight", False), (tmp_path / "resumed", True)):
+        callbacks[1]["init_args"]["dirpath"] = str(folder / "checkpoints")
+        extra = {"trainer.callbacks": callbacks}
+        if interrupted:
+            interrupted_fit(folder, 1, "--trainer.max_epochs", "2", **extra)
+            fit(folder, "--trainer.max_epochs", "2", "--ckpt_path", "last", **extra)
+        else:
+            fit(folder, "--trainer.max_epochs", "2", **extra)
+        restored = EigenspectrumCallback(**settings)
+        saved = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]
+        restored.load_state_dict(saved[restored.state_key])
+        states.append(restored)
+    straight, resumed = states
+    assert resumed.history == straight.history and len(straight.history["external"]) == 3  # steps 3, 5, 7
+    assert straight.latest and straight.window_groups
+    assert_same_window(resumed, straight)

@@ -1,0 +1,133 @@
+"""The statistics that training-time spectra are taken from: a window of consecutive steps holding enough groups
+(docs/conventions.md §4).
+
+One batch of 64 images holds 64 groups for 128-d features, and the spectrum of so few groups shows dependence that
+is not there (independent 64-d features: eigenvalues ~0.3 from 32 groups, ~0.01 from 6,400). A
+:class:`SpectrumWindow` sums each cost pair's statistics over the batches (and micro-batches) added since the last
+:meth:`~SpectrumWindow.close`, keeps the sums of the last closed intervals, and gives the newest intervals that
+together hold at least the groups a pair needs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Mapping
+from functools import reduce
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.losses.statistics import CorrelationStatistics
+
+__all__ = ["SpectrumWindow"]
+
+
+class SpectrumWindow:
+    """Per cost pair, the statistics of the newest consecutive intervals holding at least ``groups_needed`` groups,
+    and the spectra taken from them.
+
+    Args:
+        min_groups: the fewest groups a window holds; default ``groups_per_feature * max(K1, K2)`` per pair.
+        groups_per_feature: see ``min_groups``.
+
+    Example::
+
+        window = SpectrumWindow(groups_per_feature=100)
+        for step_statistics in steps:          # {"external": CorrelationStatistics, ...}, each micro-batch's
+            window.add(step_statistics)
+            if logged_step:
+                window.close()
+                eigenvalues = window.spectrum("external", reg=0.1)  # None until the window holds enough groups
+    """
+
+    def __init__(self, min_groups: int | None = None, groups_per_feature: int = 100) -> None:
+        if min_groups is not None and min_groups < 1:
+            raise ValueError(f"min_groups must be >= 1 or None; got {min_groups}")
+        if groups_per_feature < 1:
+            raise ValueError(f"groups_per_feature must be >= 1; got {groups_per_feature}")
+        self.min_groups, self.groups_per_feature = min_groups, groups_per_feature
+        self.open: dict[str, CorrelationStatistics] = {}  # per pair, the sum since the last close
+        self.chunks: dict[str, deque[CorrelationStatistics]] = {}  # per pair, the sums of the last closed intervals
+        self.latest: dict[str, Tensor] = {}  # per pair, the non-trivial eigenvalues of the last spectrum
+        self.groups: dict[str, int] = {}  # per pair, the groups the last spectrum came from
+
+    def groups_needed(self, stats: CorrelationStatistics) -> int:
+        """The fewest groups a pair's window must hold: ``min_groups``, or ``groups_per_feature * max(K1, K2)``."""
+        return self.min_groups or self.groups_per_feature * max(stats.low_dim, stats.high_dim)
+
+    def add(self, statistics: Mapping[str, CorrelationStatistics]) -> None:
+        """Add one batch's (or micro-batch's) statistics of every pair to the open interval (detached)."""
+        for name, stats in statistics.items():
+            stats = stats.detach()
+            self.open[name] = stats if name not in self.open else self.open[name] + stats
+
+    def close(self) -> None:
+        """End the open interval: its sums become each pair's newest chunk."""
+        for name, stats in self.open.items():
+            self.chunks.setdefault(name, deque()).append(stats)
+        self.open = {}
+
+    def full(self, name: str) -> tuple[CorrelationStatistics, int] | None:
+        """The sum of pair ``name``'s newest chunks that together hold the groups it needs, and their number of groups
+        (one host read of the counts); ``None`` while there are too few. Older chunks are dropped."""
+        chunks = self.chunks.get(name)
+        if not chunks:
+            return None
+        counts = torch.stack([stats.group_count for stats in chunks]).tolist()
+        needed = self.groups_needed(chunks[-1])
+        total, start = 0.0, len(chunks)
+        while start > 0 and total < needed:
+            start -= 1
+            total += counts[start]
+        for _ in range(start):
+            chunks.popleft()
+        if total < needed:
+            return None
+        return reduce(operator.add, chunks), int(total)
+
+    def spectrum(self, name: str, reg: float) -> Tensor | None:
+        """Alg. 4's eigenvalues ``(K,)`` (CPU, descending; the first the constant function's) of pair ``name``'s full
+        window at ``reg``, or None while it is not full; its non-trivial ones and group count are kept in
+        :attr:`latest` and :attr:`groups`."""
+        window = self.full(name)
+        if window is None:
+            return None
+        stats, groups = window
+        eigenvalues = decompose(stats, reg=reg).eigenvalues.cpu()
+        self.latest[name], self.groups[name] = eigenvalues[1:], groups
+        return eigenvalues
+
+    def to(self, device: torch.device) -> SpectrumWindow:
+        """The sums on ``device`` (a checkpoint may be loaded on the CPU)."""
+        self.open = {name: _to(stats, device) for name, stats in self.open.items()}
+        self.chunks = {name: deque(_to(stats, device) for stats in chunks) for name, chunks in self.chunks.items()}
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the window holds (a few ``K x K`` sums per pair, the last spectra and their group counts)."""
+        return {
+            "open": {name: _as_tuple(stats) for name, stats in self.open.items()},
+            "chunks": {name: [_as_tuple(stats) for stats in chunks] for name, chunks in self.chunks.items()},
+            "latest": {name: values.clone() for name, values in self.latest.items()},
+            "groups": dict(self.groups),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.open = {name: CorrelationStatistics(*tensors) for name, tensors in state.get("open", {}).items()}
+        self.chunks = {
+            name: deque(CorrelationStatistics(*tensors) for tensors in chunks)
+            for name, chunks in state.get("chunks", {}).items()
+        }
+        self.latest = {name: values.clone() for name, values in state.get("latest", {}).items()}
+        self.groups = {name: int(count) for name, count in state.get("groups", {}).items()}
+
+
+def _as_tuple(stats: CorrelationStatistics) -> tuple[Tensor, ...]:
+    return (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
+
+
+def _to(stats: CorrelationStatistics, device: torch.device) -> CorrelationStatistics:
+    return CorrelationStatistics(*(tensor.to(device) for tensor in _as_tuple(stats)))

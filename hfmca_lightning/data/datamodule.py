@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -13,7 +14,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from hfmca_lightning.data.batch_formats import BATCH_FORMATS, BatchFormat, ViewBatch, format_batch
@@ -50,6 +51,14 @@ def _stop_workers_at_exit() -> None:
 
 
 atexit.register(_stop_workers_at_exit)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform says, else all of them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _keep(batch: Any) -> Any:
@@ -117,7 +126,8 @@ class MultiViewDataModule(LightningDataModule):
         num_views: L, members per group (for multi-crop: all crops).
         batch_size: groups (source images) per training batch.
         eval_batch_size: images per evaluation batch.
-        num_workers: DataLoader worker processes (at most the CPU cores this process may use).
+        num_workers: DataLoader worker processes; more than the CPU cores this process may use are capped to them
+            (with a line saying so).
         persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         seed: seeds shuffling and augmentation.
         crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR CIFAR default.
@@ -204,6 +214,7 @@ class MultiViewDataModule(LightningDataModule):
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
         self._resume_position: TrainingPosition | None = None
         self._checked_views = False
+        self._capped_workers = False
 
     @property
     def num_classes(self) -> int:
@@ -262,6 +273,12 @@ class MultiViewDataModule(LightningDataModule):
         self, dataset: torch.utils.data.Dataset, batch_size: int | None, workers: int | None = None, **kwargs: object
     ) -> DataLoader:
         workers = self.num_workers if workers is None else workers
+        cores = available_cores()
+        if workers > cores:
+            if not self._capped_workers:
+                rank_zero_info(f"num_workers={workers}, but this process may use {cores} CPU cores: {cores} workers")
+                self._capped_workers = True
+            workers = cores
         return DataLoader(
             dataset,
             batch_size=batch_size,

@@ -118,6 +118,21 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
         )
 
 
+class _HookGuardedCompile:
+    """``torch.compile(module)`` whose guards include the module's hooks. TorchDynamo by default does not guard on
+    module hooks: a graph compiled for one backbone without hooks is reused for another instance of the same class
+    that has the internal costs' hooks, which then never run. The setting is TorchDynamo's
+    ``skip_nnmodule_hook_guards``, applied around this module's calls only (compilation happens inside them), so no
+    other compile in the process is affected; guarding on hooks costs a few checks per call."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.compiled = torch.compile(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            return self.compiled(*args, **kwargs)
+
+
 def _recompute_without_bn_updates(module: nn.Module) -> tuple[Any, Any]:
     """Contexts of ``torch.utils.checkpoint``: the first forward as usual; the recomputation in the backward
     pass with BatchNorm momentum 0, so running statistics are updated once per step, not twice."""
@@ -153,7 +168,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         channels_last: run the backbone in channels-last memory format (faster convolutions on GPUs).
         compile_backbone: wrap the backbone's forward in ``torch.compile`` (weights and checkpoints are
             unchanged). With internal costs the backbone graph breaks at each hooked block, whose statistics
-            run eagerly; the process's TorchDynamo then guards on module hooks.
+            run eagerly; its compiled graphs guard on module hooks (other compiles in the process are unaffected).
         checkpoint_backbone: activation checkpointing of the backbone in training: its activations are
             recomputed in the backward pass instead of kept (about a third more compute, a fraction of
             the memory). BatchNorm running statistics are updated once, as without it. Not with internal
@@ -254,14 +269,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         self.channels_last = channels_last
         if channels_last:
             self.backbone.to(memory_format=torch.channels_last)
-        if compile_backbone:
-            # TorchDynamo by default does not guard on module hooks: a graph compiled for one backbone without
-            # hooks is reused for another instance of the same class that has the internal costs' hooks, which
-            # then never run. Guarding on hooks costs a few checks per call.
-            torch._dynamo.config.skip_nnmodule_hook_guards = False
         # Not registered as a submodule, so state_dict keys stay those of the plain backbone.
         object.__setattr__(
-            self, "_backbone_forward", torch.compile(self.backbone) if compile_backbone else self.backbone
+            self, "_backbone_forward", _HookGuardedCompile(self.backbone) if compile_backbone else self.backbone
         )
         self.compile_costs = compile_costs
         self._cost_path: Any = None  # objective_values, compiled on first use with compile_costs

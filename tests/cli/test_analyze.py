@@ -415,3 +415,36 @@ def copy_of_tiny_spectrum() -> dict:
     import copy
 
     return copy.deepcopy(TINY_SPECTRUM)
+
+
+@pytest.mark.parametrize(
+    "views",
+    [
+        {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 2}},
+        {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"global_crops": 2, "local_crops": 2}},
+    ],
+    ids=["training set on the device", "multi-crop"],
+)
+def test_analyze_draws_its_groups_through_the_runs_own_view_pipeline(tmp_path, views):
+    """A run trained with the training set kept on the device (its loader yields indices and seeds) or on multi-crop
+    views (groups of two sizes): ``analyze`` draws the training groups as training did and reports every pair."""
+    main(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / "demo.yaml"),
+            "--config",
+            str(tiny_overrides(tmp_path, **{"data.init_args.views": views})),
+            "--trainer.limit_train_batches",
+            "2",
+        ]
+    )
+    out = tmp_path / "analysis"
+    main(
+        ["analyze", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(out), "--num_images", "2"]
+    )
+    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    assert "external" in spectra and len(spectra) >= 2
+    assert all(
+        pair["eigenvalues"] and all(0 <= value <= 1 for value in pair["eigenvalues"]) for pair in spectra.values()
+    )

@@ -287,3 +287,22 @@ def test_view_grids_come_with_the_views_in_training_batches():
             SyntheticShapes(num_classes=2, train_per_class=4), mode="same_class", num_views=2, views=TorchvisionViews(4)
         )
     assert error.value.parameter == "views"
+
+
+def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
+    from hfmca_lightning.data import datamodule as datamodule_module
+
+    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
+    )
+    with caplog.at_level("INFO"):
+        assert data.train_dataloader().num_workers == 3
+        assert [loader.num_workers for loader in data.val_dataloader()] == [3, 3]
+    assert (
+        sum("num_workers=8, but this process may use 3 CPU cores" in record.message for record in caplog.records) == 1
+    )
+    few = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=2
+    )
+    assert few.train_dataloader().num_workers == 2

@@ -83,8 +83,10 @@ def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_com
     code between instances and, by default, ignores hooks: the internal costs then never ran). Costs and
     gradients equal the eager module's."""
     views = torch.rand(2, 4, 3, 8, 8)
+    default = torch._dynamo.config.skip_nnmodule_hook_guards
     hookless = _bn_free_module(compile_backbone=True)
     hookless.collect(views)  # compiles Sequential.forward without hooks
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == default  # scoped to the module's compiled calls
     results = []
     for compile_backbone in (False, True):
         module = _bn_free_module(internal_costs=InternalCosts(["0"]), compile_backbone=compile_backbone)
@@ -94,6 +96,7 @@ def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_com
             ({name: float(cost) for name, cost in objective.costs.items()}, module.backbone[0].weight.grad.clone())
         )
     (eager_costs, eager_grad), (compiled_costs, compiled_grad) = results
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == default
     assert list(compiled_costs) == ["external", "internal/0"]
     # the compiled convolution sums its 27 terms in another order (2 gamma_27 ~ 3e-6 of the features); the costs of
     # these well-conditioned 4-d features (reg 0.1) move by a few times that, their gradients (sums over the

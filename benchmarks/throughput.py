@@ -5,24 +5,26 @@
     python benchmarks/throughput.py --device cuda --backbone resnet50 --image-size 224 --batch-size 32 --precision bf16
     python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
 
-Prints views/s for: the data path (CPU workers running the torchvision pipeline per view, or kornia per
-image, vs uint8 loading plus kornia augmentation on the device), the training step (backbone
-forward/backward alone vs HFMCA external cost with the views as one batch or one backbone call per view,
-with activation checkpointing, with checkpointing in chunks, vs external + internal costs on every block)
-and the kNN evaluation pass; ratios are to the first row of each section, and on CUDA each step row's
-memory. The step rows are built first and timed in interleaved rounds (medians; benchmarks/step_timing.py),
-so that a machine whose speed drifts during the run moves all rows alike. Uses the embedded SyntheticShapes data
-(no download).
+Prints views/s for: the data path (every view pipeline of ``hfmca_lightning.data.views``: torchvision per view,
+kornia per image and batched per batch in CPU workers, kornia and batched on the device after the transfer of uint8
+images, and the training set kept on the device; the kornia rows are skipped without kornia), the training step
+(backbone forward/backward alone vs HFMCA external cost with the views as one batch or one backbone call per view,
+with activation checkpointing, with checkpointing in chunks, vs external + internal costs on every block) and the
+kNN pass; ratios are to the first row of each section, and on CUDA each step row's memory. The step rows are built
+first and timed in interleaved rounds (medians; benchmarks/step_timing.py), so that a machine whose speed drifts
+during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -32,16 +34,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import (
+    BatchedViews,
+    KorniaViews,
+    MultiViewDataModule,
+    ResidentViews,
+    SyntheticShapes,
+    TorchvisionViews,
+    ViewBatch,
+    ViewPipeline,
+)
 from hfmca_lightning.evaluation import knn_predict
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
+from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
 from hfmca_lightning.models import CIFARResNet18, GridExternalHead, SmallConvNet, TorchvisionBackbone, ViewProjector
 
 
-def timed(step: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Seconds per call of ``step`` (one warm-up call, then the mean of ``repeats``)."""
-    step()
+def timed(step: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
+    """Seconds per call of ``step`` (``warmup`` calls, then the mean of ``repeats``)."""
+    for _ in range(warmup):
+        step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -59,9 +72,17 @@ INTERNAL_LAYERS = {
 }
 
 
-def build(backbone_name: str, views: int, internal: bool, view_mode: str = "concat", **options: object) -> HFMCAModule:
-    """An HFMCA-SS(*) module (optionally with internal costs on every block); ``options`` go to HFMCAModule
-    (checkpoint_backbone, backbone_chunk_size, channels_last, compile_backbone)."""
+def build(
+    backbone_name: str,
+    views: int,
+    internal: bool,
+    view_mode: str = "concat",
+    precision: str = "tf32x3",
+    **options: object,
+) -> HFMCAModule:
+    """An HFMCA-SS(*) module as configs/cifar10_ss.yaml builds it (optionally with internal costs on every block, their
+    statistics in ``precision``: ``tf32x3`` as configs/cifar10_ss_internal.yaml); ``options`` go to HFMCAModule
+    (checkpoint_backbone, backbone_chunk_size, channels_last, compile_backbone, compile_costs)."""
     backbones = {"resnet18": CIFARResNet18, "resnet50": lambda: TorchvisionBackbone("resnet50"), "small": SmallConvNet}
     backbone = backbones[backbone_name]()
     grid = {4: (2, 2), 9: (3, 3), 16: (4, 4)}[views]
@@ -70,7 +91,7 @@ def build(backbone_name: str, views: int, internal: bool, view_mode: str = "conc
         projector=ViewProjector(backbone.feature_dim, 128, 512),
         external_head=GridExternalHead(128, *grid, hidden_dim=200),
         external_cost=HFMCACost(reg=0.1),
-        internal_costs=InternalCosts(INTERNAL_LAYERS[backbone_name]) if internal else None,
+        internal_costs=InternalCosts(INTERNAL_LAYERS[backbone_name], precision=precision) if internal else None,  # type: ignore[arg-type]
         views_through_backbone=view_mode,
         **options,  # type: ignore[arg-type]
     )
@@ -78,71 +99,166 @@ def build(backbone_name: str, views: int, internal: bool, view_mode: str = "conc
 
 def training_step(
     module: HFMCAModule,
-    views: torch.Tensor,
+    views: torch.Tensor | Callable[[], torch.Tensor],
     cost: bool,
     autocast: AbstractContextManager,
-    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    update: bool = False,
 ) -> Callable[[], None]:
-    """One forward/backward of ``module`` on ``views``: the backbone alone (``cost=False``: a plain loss on its
-    features) or the HFMCA objective with its checks read after the backward pass, as a training step reads them
-    before the optimizer step; ``augment`` first turns a uint8 batch into views on the device."""
+    """One training step of ``module`` on ``views`` ``(B, L, C, H, W)``, or on the views a callable draws inside the
+    step (before the forward pass, outside autocast, as Lightning's ``on_after_batch_transfer``): the backbone alone
+    (``cost=False``: a plain loss on its features) or the HFMCA objective; forward (in ``autocast``) and backward,
+    and with ``update`` the optimizer update of configs/cifar10_ss.yaml (fused SGD, momentum 0.9, weight decay 5e-4;
+    lr 1e-3, as the update's size does not change its time), guarded on the device by the step's checks.
+
+    As ``HFMCAModule``'s training step, the step reads no device value on the host: its checks reach the host by an
+    asynchronous copy and are read at the next step (a failed step raises there)."""
+    optimizer = (
+        torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9, weight_decay=5e-4, fused=True) if update else None
+    )
+    guard, deferred = SkipUpdateIfFailed(), DeferredChecks()
+    count = [0]
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
+        batch = views() if callable(views) else views
         objective = None
         with autocast:
-            batch = augment(views) if augment is not None else views
             if not cost:
                 loss = module.embed(batch.flatten(0, 1)).float().square().mean()
             else:
                 objective = module.objective(module.collect(batch), check=False)
                 loss = objective.total
         loss.backward()
+        failure = deferred.first_failure()  # the previous step's checks, copied by now
+        if failure is not None:
+            raise failure.error
         if objective is not None:
-            objective.checks.raise_if_failed()
+            packed = objective.checks.packed()
+            deferred.push(objective.checks, packed, count[0], 0)
+            if optimizer is not None:
+                guard.arm(optimizer, packed.any())
+        count[0] += 1
+        if optimizer is not None:
+            try:
+                optimizer.step()
+            finally:
+                guard.finish()
 
     return step
 
 
-def data_paths(workers: int) -> dict[str, tuple[str, dict[str, object]]]:
-    """The data paths the benchmarks compare, by name: ``(label, MultiViewDataModule options)``."""
+@dataclass(frozen=True)
+class DataPath:
+    """One way of drawing the training views: a ``label``, the pipeline (made anew for every data module) and the
+    optional packages it ``needs``."""
+
+    label: str
+    make: Callable[[], ViewPipeline]
+    needs: tuple[str, ...] = ()
+    batches_per_call: int = 1
+
+
+@dataclass
+class DataRow:
+    """Seconds per batch delivered on the device by a data path, or why there is no number (``note``)."""
+
+    label: str
+    seconds: float | None = None
+    note: str = ""
+
+
+def data_paths(workers: int, output_dtype: str = "float32", channels_last: bool = False) -> dict[str, DataPath]:
+    """The data paths the benchmarks compare, by name; the device paths emit ``output_dtype`` views, channels-last if
+    ``channels_last`` (what a bf16 channels-last backbone takes)."""
+    device_output: dict[str, object] = {"output_dtype": output_dtype, "channels_last": channels_last}
     return {
-        "torchvision-workers": (f"torchvision per view on {workers} CPU workers", {}),
-        "kornia-workers": (f"kornia per image on {workers} CPU workers", {"worker_augmentation": "kornia"}),
-        "batched-workers": (f"batched per batch on {workers} CPU workers", {"worker_augmentation": "batched"}),
-        "kornia-device": ("uint8 + kornia on device", {"augment_on_device": True, "device_pipeline": "kornia"}),
-        "device": ("uint8 + batched on device", {"augment_on_device": True, "device_pipeline": "batched"}),
-        "images-on-device": ("training set on device, batched from seeds", {"images_on_device": True}),
+        "torchvision-workers": DataPath(f"torchvision per view on {workers} CPU workers", TorchvisionViews),
+        "kornia-workers": DataPath(
+            f"kornia per image on {workers} CPU workers", partial(KorniaViews, on="workers"), ("kornia",)
+        ),
+        "batched-workers": DataPath(f"batched per batch on {workers} CPU workers", partial(BatchedViews, on="workers")),
+        "kornia-device": DataPath("uint8 + kornia on device", partial(KorniaViews, on="device"), ("kornia",)),
+        "batched-device": DataPath(
+            "uint8 + batched on device",
+            partial(BatchedViews, on="device", **device_output),  # type: ignore[arg-type]
+        ),
+        "resident": DataPath(
+            "training set on device (ResidentViews)",
+            partial(ResidentViews, **device_output),  # type: ignore[arg-type]
+        ),
+        "resident-8": DataPath(
+            "training set on device, 8 batches per call",
+            partial(ResidentViews, batches_per_call=8, **device_output),  # type: ignore[arg-type]
+            batches_per_call=8,
+        ),
     }
 
 
+def missing_packages(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that cannot be imported here."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def view_stream(data: MultiViewDataModule, device: torch.device) -> Generator[ViewBatch, None, None]:
+    """Training batches of ``data`` as :class:`ViewBatch` on ``device``, epoch after epoch (closing the iterator shuts
+    the loader's workers down)."""
+    while True:
+        yield from data.view_batches(device)
+
+
 def data_path_rows(
-    views: int, batch_size: int, steps: int, workers: int, device: torch.device, image_size: int = 32
-) -> list[tuple[str, float]]:
-    """Seconds per batch of ``views``-view groups delivered on ``device``: CPU workers running the torchvision
-    pipeline per view, CPU workers drawing an image's views in one call of kornia or of
-    ``BatchedViewAugmentation``, uint8 batches augmented on ``device`` by either, and the training set kept on
-    ``device`` (``images_on_device``). SyntheticShapes images of side ``image_size``; ``steps`` batches after
-    ``workers`` + 1 warm-up batches (the loader's prefetch)."""
+    views: int,
+    batch_size: int,
+    steps: int,
+    workers: int,
+    device: torch.device,
+    image_size: int = 32,
+    output_dtype: str = "float32",
+    channels_last: bool = False,
+    names: list[str] | None = None,
+) -> list[DataRow]:
+    """Seconds per batch of ``views``-view groups delivered on ``device`` by each data path of :func:`data_paths`
+    (``names``: those only): SyntheticShapes images of side ``image_size``, ``steps`` batches (rounded up to whole
+    calls of paths that draw several batches per call) after warm-up batches (the loader's prefetch, or one call).
+    A path that needs a missing package, or fails, gets a note instead of a number; the others are still measured."""
+    paths = data_paths(workers, output_dtype, channels_last)
     warmup = workers + 1
-    source = SyntheticShapes(
-        num_classes=10, train_per_class=max(20, batch_size * (steps + warmup + 2) // 10 + 1), image_size=image_size
-    )
+    most_per_call = max(path.batches_per_call for path in paths.values())
+    per_class = max(20, batch_size * (max(steps, most_per_call) + max(warmup, most_per_call) + 4) // 10 + 1)
+    source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=2, image_size=image_size)
     rows = []
-    for label, options in data_paths(workers).values():
-        data = MultiViewDataModule(source, num_views=views, batch_size=batch_size, num_workers=workers, **options)  # type: ignore[arg-type]
-        data.setup()
-        loader = iter(data.train_dataloader())
-
-        def next_views(loader=loader, data=data) -> torch.Tensor:
-            batch = [part.to(device, non_blocking=True) for part in next(loader)]
-            if data.images_on_device:
-                return data.draw_views(batch)[0]
-            return data.device_augmentation(batch[0], views) if data.augment_on_device else batch[0]
-
-        for _ in range(warmup - 1):
-            next_views()
-        rows.append((f"data: {label}", timed(next_views, steps, device)))
+    for name in names or list(paths):
+        path = paths[name]
+        label = f"data: {path.label}"
+        missing = missing_packages(path.needs)
+        if missing:
+            rows.append(DataRow(label, note=f"skipped: needs {', '.join(missing)}"))
+            continue
+        batches: Generator[ViewBatch, None, None] | None = None
+        try:
+            data = MultiViewDataModule(
+                source, num_views=views, batch_size=batch_size, num_workers=workers, views=path.make()
+            )
+            data.setup()
+            batches = view_stream(data, device)
+            per_call = path.batches_per_call
+            repeats = -(-max(steps, 1) // per_call) * per_call
+            warm = per_call if per_call > 1 or not data.views.uses_workers else warmup
+            rows.append(DataRow(label, timed(partial(next, batches), repeats, device, warmup=warm)))
+        except Exception as error:  # noqa: BLE001 - one path's failure is reported, the others still run
+            first = str(error).splitlines()[0] if str(error) else ""
+            rows.append(DataRow(label, note=f"failed: {type(error).__name__}: {first}"[:200]))
+        finally:
+            if batches is not None:
+                batches.close()
     return rows
 
 
@@ -171,8 +287,9 @@ def main() -> None:
         f"{args.precision}; {malloc}"
     )
 
-    # Data path: CPU workers (torchvision, per view) vs uint8 loading + on-device kornia views.
-    report(data_path_rows(args.views, args.batch_size, args.steps, args.workers, device), args.batch_size * args.views)
+    # Data path: every view pipeline, views delivered on the device.
+    data_rows = data_path_rows(args.views, args.batch_size, args.steps, args.workers, device)
+    report([(row.label, row.seconds, row.note) for row in data_rows], args.batch_size * args.views)
 
     # Training step, forward + backward on the same views, rows timed side by side (step_timing).
     views = torch.randn(args.batch_size, args.views, 3, args.image_size, args.image_size, device=device)
@@ -213,21 +330,19 @@ def main() -> None:
     seconds = timed(
         lambda: knn_predict(queries, bank, targets, 10, k=200, temperature=0.1), max(1, args.steps // 5), device
     )
-    report([("kNN: 10k queries vs 50k bank (k=200)", seconds)], 10_000, unit="queries/s")
+    report([("kNN: 10k queries vs 50k bank (k=200)", seconds, "")], 10_000, unit="queries/s")
 
 
-def report(rows: list[tuple], items: int, unit: str = "views/s") -> None:
-    """One line per row: rate, time, ratio to the first row, and peak memory (GiB, CUDA) when measured."""
-    base = rows[0][1]
-    for label, seconds, *peak in rows:
-        memory = (
-            f"   peak {peak[0]:6.2f} GiB"
-            if peak and peak[0] is not None
-            else ("   peak memory: CUDA only" if peak else "")
-        )
+def report(rows: list[tuple[str, float | None, str]], items: int, unit: str = "views/s") -> None:
+    """One line per ``(label, seconds, note)`` row: rate, time and ratio to the first measured row, or the note."""
+    base = next((seconds for _, seconds, _ in rows if seconds), None)
+    for label, seconds, note in rows:
+        if not seconds or not base:
+            print(f"  {label:58s} {note or 'not measured'}")
+            continue
         print(
             f"  {label:58s} {items / seconds:12,.0f} {unit}   {seconds * 1000:9.1f} ms   x{seconds / base:5.2f} time "
-            f"of first row{memory}"
+            "of first row"
         )
 
 

@@ -225,6 +225,11 @@ def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "; default malloc" in out.splitlines()[0]  # (in-process: the test process keeps its allocator)
     for row in (
+        "data: torchvision per view on 0 CPU workers",
+        "data: batched per batch on 0 CPU workers",
+        "data: uint8 + batched on device",
+        "data: training set on device (ResidentViews)",
+        "data: training set on device, 8 batches per call",
         "step: backbone fwd/bwd alone",
         "activation checkpointing",
         "checkpointing, chunks of 4",
@@ -232,6 +237,10 @@ def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
     ):
         (line,) = [line for line in out.splitlines() if row in line]
         assert "views/s" in line and "failed" not in line, line
+    # the kornia paths: measured where kornia is installed, else skipped with the reason
+    for row in ("data: kornia per image on 0 CPU workers", "data: uint8 + kornia on device"):
+        (line,) = [line for line in out.splitlines() if row in line]
+        assert "views/s" in line or "skipped: needs kornia" in line, line
 
 
 def test_demo_views_benchmark_trains_the_demo_with_each_setting(monkeypatch):

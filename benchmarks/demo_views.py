@@ -6,7 +6,8 @@ epoch against the seconds of training so far, in one process on this machine.
 
 Settings: ``l4`` = 4 views on a 2x2 LF grid without noise channels; ``l9`` = the paper's 9 views on a 3x3
 grid with 20 noise channels in LF; ``l4_noise`` / ``l9_no_noise`` the other noise setting of each;
-``simclr`` = lightly's SimCLR on 2 views. The table reports, for each
+``multicrop`` = 2 global crops of 32 px and 6 local crops of 16 px (``MultiCrop``: scales 0.14-1 and 0.05-0.14) on a
+2x4 LF grid without noise; ``simclr`` = lightly's SimCLR on 2 views. The table reports, for each
 setting, the final kNN top-1 and training time, and the best kNN top-1 reached within the training time of
 the fastest HFMCA setting (equal wall-clock).
 """
@@ -39,6 +40,7 @@ LABELS = {
     "l4_noise": "HFMCA-SS(*), L = 4 (2x2 grid, 20 noise channels)",
     "l9": "HFMCA-SS(*), L = 9 (3x3 grid, 20 noise channels)",
     "l9_no_noise": "HFMCA-SS(*), L = 9 (3x3 grid, no noise)",
+    "multicrop": "HFMCA-SS(*), 2 global + 6 local crops (2x4 grid, no noise)",
     "simclr": "SimCLR (2 views)",
 }
 
@@ -60,6 +62,14 @@ def setting_config(base: dict, setting: str, per_class: int | None) -> dict:
             },
         }
         data["num_views"] = 2
+        return config
+    if setting == "multicrop":
+        data["num_views"] = 8
+        data["views"] = {
+            "class_path": "hfmca_lightning.data.MultiCrop",
+            "init_args": {"global_crops": 2, "local_crops": 6},
+        }
+        model["external_head"]["init_args"].update(grid_height=2, grid_width=4, noise_channels=0)
         return config
     views, grid, noise = SETTINGS[setting]
     data["num_views"] = views

@@ -5,7 +5,7 @@ The ``hfmca`` command prints them as one line (``hfmca: error: ...``, exit statu
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "DataNotFoundError"]
+__all__ = ["ConfigurationError", "DataNotFoundError", "HFMCAWarning"]
 
 
 class ConfigurationError(ValueError):
@@ -24,3 +24,9 @@ class ConfigurationError(ValueError):
 
 class DataNotFoundError(ConfigurationError, FileNotFoundError):
     """A data set is not where the configuration says it is."""
+
+
+class HFMCAWarning(UserWarning):
+    """Something a run should know but that does not stop it (an image skipped, an evaluation split missing); every
+    warning the package gives has this category (the test suite turns it into an error wherever it is not
+    expected)."""

@@ -10,6 +10,8 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from hfmca_lightning.errors import HFMCAWarning
+
 __all__ = ["OfflineSafeWandbLogger", "wandb_credentials_available"]
 
 
@@ -52,7 +54,7 @@ class OfflineSafeWandbLogger(WandbLogger):
     def resume_run(self, run_id: str) -> None:
         """Log into the existing run ``run_id`` (must be called before the run starts)."""
         if self._experiment is not None:
-            rank_zero_warn(f"W&B run already started; cannot switch to run {run_id}")
+            rank_zero_warn(f"W&B run already started; cannot switch to run {run_id}", category=HFMCAWarning)
             return
         self._id = run_id
         self._wandb_init.update(id=run_id, resume="allow")
@@ -65,7 +67,7 @@ class OfflineSafeWandbLogger(WandbLogger):
         except Exception as error:  # wandb raises several types for auth / network failures
             if self._offline:
                 raise
-            rank_zero_warn(f"W&B: could not start an online run ({error}); continuing offline.")
+            rank_zero_warn(f"W&B: could not start an online run ({error}); continuing offline.", category=HFMCAWarning)
             self._offline = True
             self._experiment = None
             self._wandb_init["mode"] = "offline"

@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.methods.inspection import (
     collect_statistics,
     default_figure_layers,
@@ -78,7 +78,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
         internal = getattr(pl_module, "internal_costs", None)
         if internal is None:
             raise ConfigurationError(
-                "DensityRatioHeatmapCallback needs a module with internal_costs (the heatmaps propagate through them)"
+                "DensityRatioHeatmapCallback draws the density ratios of internal cost pairs (paper Alg. 5), and this "
+                "module has none: give it internal_costs, or draw the heatmaps of any checkpoint with `hfmca analyze`"
             )
         names = [pair.log_name for pair in internal.pairs]
         unknown = set(self.layers or []) - set(names)
@@ -98,7 +99,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
         if counted.images < self.statistics_images and not self._warned:
             rank_zero_warn(
                 f"DensityRatioHeatmapCallback: the evaluation split has {counted.images} images, fewer than "
-                f"statistics_images={self.statistics_images}"
+                f"statistics_images={self.statistics_images}",
+                category=HFMCAWarning,
             )
             self._warned = True
         self.last_statistics_images = counted.images

@@ -27,6 +27,7 @@ from torch import Tensor
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.cli.runs import backbone_of, load_run
+from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.features import batch_norm_age
@@ -90,12 +91,13 @@ def _batch_norm_for(modules: list[LightningModule], choice: BatchNormChoice) -> 
 
 
 def _enough_batches(
-    batches: Iterator[Tensor], collect: Any, num_batches: int | None, groups_per_feature: int
+    batches: Iterator[Any], collect: Any, num_batches: int | None, groups_per_feature: int, description: str
 ) -> dict[str, CorrelationStatistics]:
     """Statistics summed over ``batches``: ``num_batches`` of them, or (``None``) until every pair holds
     ``groups_per_feature`` groups per feature (as the training-time spectra; fewer show dependence that is not there)
-    or the batches run out."""
+    or the batches run out; the stage shown as ``description``."""
     statistics: dict[str, CorrelationStatistics] = {}
+    batches = progress(batches, description, total=num_batches)
     try:
         for index, batch in enumerate(batches):
             if num_batches is not None and index >= num_batches:
@@ -220,6 +222,7 @@ def analyze(
         lambda batch: collect_statistics(module, [batch], batch_norm=norm),
         num_batches,
         groups_per_feature,
+        "statistics of the training groups",
     )
     summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
     (out / "spectra.json").write_text(json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
@@ -238,6 +241,7 @@ def analyze(
         )
     ]
     if module.internal_costs is not None:
+        stage(f"density-ratio heatmaps and basis functions of {num_images} test images")
         images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
         pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
         heatmaps = telescoping_response(list(pairs.values()))
@@ -367,13 +371,21 @@ def compare(
             if value.shape[1:] == outputs_b[name].shape[1:] and value.dim() == outputs_b[name].dim()
         }
 
-    statistics = _enough_batches((images for images, _ in loaders[QUERIES]), cross, num_batches, groups_per_feature)
+    statistics = _enough_batches(
+        (images for images, _ in loaders[QUERIES]),
+        cross,
+        num_batches,
+        groups_per_feature,
+        "statistics of both models' layers on test batches",
+    )
     if _has_head(model_a) and _has_head(model_b):
         groups = (
             batch for batch in _training_batches(data_a, model_a.device) if isinstance(batch, list) or batch.dim() == 5
         )
         if model_a.external_head.num_views == model_b.external_head.num_views:  # type: ignore[union-attr]
-            statistics.update(_enough_batches(groups, cross, num_batches, groups_per_feature))
+            statistics.update(
+                _enough_batches(groups, cross, num_batches, groups_per_feature, "statistics of both heads on groups")
+            )
     summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

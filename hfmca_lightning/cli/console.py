@@ -8,11 +8,18 @@
     hfmca knn --ckpt_path runs/demo/checkpoints/last.ckpt --k 20 200 --temperature 0.07 0.1
     hfmca export --ckpt_path runs/demo/checkpoints/last.ckpt --out exported/demo      # plain weights
     hfmca dashboard --entity E --project P                           # the W&B eigenvalue-dynamics view
+    hfmca -q fit ... / hfmca -v analyze ...                          # quieter / more talkative
 
-A mistake in the configuration, the data or a checkpoint ends the command before training with one line,
-``hfmca: error: <what, where, how to fix>``, and exit status 2. A run that fails mid-way (a NaN, a failed
-factorisation) prints one line and exits with status 1; a run stopped by SIGTERM saves a checkpoint and
-exits with status 143.
+Exit status: 0 after the command's output; 2 for a mistake in the command line, the configuration, the data or a
+checkpoint (one line ``hfmca: error: <what, where, how to fix>``, before any training); 1 for a run that fails
+mid-way (a NaN, a failed factorisation: one line); 130 after Ctrl-C (SIGINT: one line ``hfmca: interrupted``; ``fit``
+first shuts down as Lightning does); 143 after SIGTERM (``fit`` first writes a checkpoint). In every case the
+command's data-loader workers are stopped before it exits (:mod:`hfmca_lightning.runtime.workers`).
+
+Output: ``fit`` / ``validate`` / ``test`` print Lightning's usual lines (without its advertisements); the commands that
+train nothing print only their own lines, with a progress bar per long stage when standard error is a terminal, a line
+per stage otherwise. ``-q`` leaves only warnings and errors (and the results), ``-v`` shows Lightning's lines in every
+command.
 
 On Linux with glibc and no CUDA device the command first sets malloc to keep freed memory
 (:mod:`hfmca_lightning.runtime.cpu_memory`); ``HFMCA_KEEP_FREED_MEMORY=0`` turns that off, ``=1`` applies it anywhere.
@@ -20,21 +27,51 @@ On Linux with glibc and no CUDA device the command first sets malloc to keep fre
 
 from __future__ import annotations
 
+import signal
 import sys
 from argparse import ArgumentError
+from types import FrameType
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+import hfmca_lightning.cli.verbosity as verbosity
 from hfmca_lightning.cli.config_errors import describe_parser_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 from hfmca_lightning.runtime.cpu_memory import keep_freed_memory_for_cpu_runs
+from hfmca_lightning.runtime.workers import shutdown_workers
 
 __all__ = ["main"]
 
-EXIT_CONFIGURATION, EXIT_FAILED, EXIT_SIGTERM = 2, 1, 128 + 15
+EXIT_CONFIGURATION, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SIGTERM = 2, 1, 128 + 2, 128 + 15
 ANALYSIS_COMMANDS = ("analyze", "compare")
 EVALUATION_COMMANDS = ("linear", "knn")
+TRAINING_COMMANDS = ("fit", "validate", "test")
+
+
+class Terminated(BaseException):
+    """SIGTERM in a command that trains nothing: raised where the command is, so that it cleans up on the way out."""
+
+
+class _Signals:
+    """SIGINT and SIGTERM as exceptions in the main thread (Ctrl-C: ``KeyboardInterrupt``, as Python does; SIGTERM:
+    :class:`Terminated`), remembering that they came: Lightning turns Ctrl-C during ``fit`` into its graceful shutdown
+    and ``SystemExit(1)``, which the command still reports as an interruption."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up is under way
+        raise Terminated
 
 
 def main(args: list[str] | None = None) -> None:
@@ -42,51 +79,80 @@ def main(args: list[str] | None = None) -> None:
 
     ``fit`` / ``validate`` / ``test`` go to LightningCLI; ``analyze`` and ``compare`` to
     :mod:`hfmca_lightning.cli.analyze`; ``linear`` and ``knn`` to :mod:`hfmca_lightning.cli.evaluate`; ``export`` to
-    :mod:`hfmca_lightning.cli.export`. Configuration errors: one line, exit status 2; a run that fails:
-    one line, exit status 1; SIGTERM: checkpoint written, exit status 143.
+    :mod:`hfmca_lightning.cli.export`; ``dashboard`` to :mod:`hfmca_lightning.cli.dashboard`. Exit statuses as the
+    module says.
     """
-    argv = sys.argv[1:] if args is None else args
+    argv = list(sys.argv[1:] if args is None else args)
+    level = verbosity.DEFAULT
+    while argv[:1] in (["-q"], ["--quiet"], ["-v"], ["--verbose"]):
+        level = verbosity.QUIET if argv.pop(0) in ("-q", "--quiet") else verbosity.VERBOSE
+    command = argv[0] if argv else ""
+    verbosity.configure(level, trains=command in TRAINING_COMMANDS)
     keep_freed_memory_for_cpu_runs()  # CPU steps without page faults (hfmca_lightning.runtime.cpu_memory)
     if argv[:1] in (["-h"], ["--help"]):
         print(
-            "hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n"
-            "hfmca linear --help / hfmca knn --help: linear and kNN evaluation of a checkpoint.\n"
-            "hfmca export --help: a trained backbone as plain torchvision / timm weights.\n"
-            "hfmca dashboard --help: create the W&B eigenvalue-dynamics view of a project.\n"
+            "hfmca [-q | -v] <command>: fit / validate / test (LightningCLI: --help), analyze, compare, linear, knn,\n"
+            "export, dashboard (each: --help). -q: warnings, errors and results only; -v: Lightning's lines too.\n"
         )
+    signals = _Signals()
+    if args is None:  # the console script: the process is ours (not a test calling main in-process)
+        signals.install()
     try:
-        if argv and argv[0] in ANALYSIS_COMMANDS:
-            from hfmca_lightning.cli.analyze import run_analysis_command
-
-            run_analysis_command(argv)
-            return
-        if argv and argv[0] in EVALUATION_COMMANDS:
-            from hfmca_lightning.cli.evaluate import run_evaluation_command
-
-            run_evaluation_command(argv)
-            return
-        if argv and argv[0] == "export":
-            from hfmca_lightning.cli.export import run_export_command
-
-            run_export_command(argv[1:])
-            return
-        if argv and argv[0] == "dashboard":
-            from hfmca_lightning.cli.dashboard import run_dashboard_command
-
-            run_dashboard_command(argv[1:])
-            return
-        from hfmca_lightning.cli.trainer_cli import HFMCACLI
-
-        HFMCACLI(args=args)
+        _run(command, argv, args)
     except ConfigurationError as error:
-        _exit(f"hfmca: error: {_original_message(error)}", EXIT_CONFIGURATION)
+        # Raised during set-up under DDP, every process raises it: process 0 says it (before the processes are
+        # joined, each is alone and says its own).
+        line = f"hfmca: error: {_original_message(error)}"
+        _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
         _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
     except CostFactorisationError as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
-    except SIGTERMException:
-        _exit("hfmca: stopped by SIGTERM; continue with the same command and `--ckpt_path last`.", EXIT_SIGTERM)
+    except (SIGTERMException, Terminated):
+        after = "continue with the same command and `--ckpt_path last`" if command == "fit" else "nothing was written"
+        _exit(f"hfmca: stopped by SIGTERM; {after}." if _is_rank_zero() else "", EXIT_SIGTERM)
+    except KeyboardInterrupt:
+        _exit(_interrupted_line(command), EXIT_INTERRUPTED)
+    except SystemExit:
+        if signals.interrupted:  # Lightning's graceful shutdown after Ctrl-C ends in SystemExit(1)
+            _exit(_interrupted_line(command), EXIT_INTERRUPTED)
+        raise
+    finally:
+        shutdown_workers()
+
+
+def _run(command: str, argv: list[str], args: list[str] | None) -> None:
+    if command in ANALYSIS_COMMANDS:
+        from hfmca_lightning.cli.analyze import run_analysis_command
+
+        run_analysis_command(argv)
+    elif command in EVALUATION_COMMANDS:
+        from hfmca_lightning.cli.evaluate import run_evaluation_command
+
+        run_evaluation_command(argv)
+    elif command == "export":
+        from hfmca_lightning.cli.export import run_export_command
+
+        run_export_command(argv[1:])
+    elif command == "dashboard":
+        from hfmca_lightning.cli.dashboard import run_dashboard_command
+
+        run_dashboard_command(argv[1:])
+    else:
+        from hfmca_lightning.cli.trainer_cli import HFMCACLI
+
+        if args is None:  # the console script: LightningCLI reads the command line (less -q / -v)
+            sys.argv = [sys.argv[0], *argv]
+            HFMCACLI(args=None)
+        else:
+            HFMCACLI(args=argv)
+
+
+def _interrupted_line(command: str) -> str:
+    if command == "fit":
+        return "hfmca: interrupted; continue from the last checkpoint with the same command and `--ckpt_path last`."
+    return "hfmca: interrupted."
 
 
 def _original_message(error: BaseException) -> str:
@@ -100,6 +166,12 @@ def _original_message(error: BaseException) -> str:
     return lines[-1][len(prefix) :] if lines else text.strip().splitlines()[-1]
 
 
+def _distributed() -> bool:
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _is_rank_zero() -> bool:
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -108,7 +180,8 @@ def _is_rank_zero() -> bool:
 
 def _exit(message: str, status: int) -> None:
     if message:
-        print(message, file=sys.stderr)
+        sys.stdout.flush()  # what Lightning printed comes first
+        print(message, file=sys.stderr, flush=True)
     raise SystemExit(status) from None
 
 

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 
 from hfmca_lightning.cli.runs import backbone_of, load_run
+from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import (
@@ -50,7 +51,11 @@ def split_features(
     datamodule.labelled_splits()  # one clear error when the source has no labels
     module.to(device)
     loaders = datamodule.val_dataloader()
-    return {index: extract_features(module, loaders[index], device) for index in (BANK, QUERIES)}
+    names = {BANK: "features of the training split", QUERIES: "features of the test split"}
+    return {
+        index: extract_features(module, progress(loaders[index], names[index], total=len(loaders[index])), device)
+        for index in (BANK, QUERIES)
+    }
 
 
 def frozen_linear_accuracy(
@@ -70,6 +75,7 @@ def frozen_linear_accuracy(
     train_features, train_labels = features[BANK]
     if subset is not None:
         train_features, train_labels = train_features[subset], train_labels[subset]
+    stage(f"linear classifier on {len(train_features):,} features, {epochs} epochs")
     classifier = train_linear_classifier(
         train_features.to(device),
         train_labels.to(device),

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hfmca_lightning.cli.runs import backbone_of, load_run, run_config
+from hfmca_lightning.cli.verbosity import progress
 from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import extract_features
@@ -161,7 +162,9 @@ def export_backbone(
             )
         module.to(device)
         for split in embeddings:
-            features, labels = extract_features(module, loaders[{"train": BANK, "test": QUERIES}[split]], device)
+            loader = loaders[{"train": BANK, "test": QUERIES}[split]]
+            batches = progress(loader, f"embeddings of the {split} split", total=len(loader))
+            features, labels = extract_features(module, batches, device)
             np.savez(out / f"embeddings_{split}.npz", features=features.numpy(), labels=labels.numpy())
     return out / "backbone.json"
 

@@ -39,7 +39,7 @@ def run_config(
 def load_run(
     ckpt_path: str | Path, config_path: str | Path | None = None, checkpoint: dict[str, Any] | None = None
 ) -> tuple[LightningModule, MultiViewDataModule]:
-    """Rebuild the module (with the checkpoint's weights, in eval mode) and the DataModule of a run.
+    """Rebuild the module (with the checkpoint's weights, in float32, in eval mode) and the DataModule of a run.
 
     The config is the one ``hfmca fit`` stored in the checkpoint, or ``config_path`` for checkpoints
     written elsewhere. The DataModule is set up (its splits are read). ``checkpoint``: the file's contents
@@ -53,7 +53,9 @@ def load_run(
         for key, value in run_config(ckpt_path, checkpoint, config_path).items()
         if key in ("seed_everything", "trainer", "model", "data")
     }
-    config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False)
+    # Built in float32 whatever the run trained in ("64-true" builds float64 weights): the commands feed float32
+    # images, and the checkpoint's weights are copied into the float32 ones.
+    config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False, precision="32-true")
     cli = HFMCACLI(args=config, run=False)
     module, datamodule = cli.model, cli.datamodule
     if not isinstance(datamodule, MultiViewDataModule):

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing
 import os
-import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -22,35 +19,15 @@ from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform
 from hfmca_lightning.data.views import ResidentViews, TorchvisionViews, ViewPipeline, ViewSetup
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.runtime.seeding import step_seed
+from hfmca_lightning.runtime.workers import leave_signals_to_the_main_process, track
 
 __all__ = ["BANK", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
 
 # Evaluation loaders, by their index in ``val_dataloader()`` / ``test_dataloader()``: the kNN bank (the train
 # split without augmentation) and the queries (the test split).
 BANK, QUERIES = 0, 1
-
-
-def _leave_sigterm_to_the_main_process(worker_id: int) -> None:
-    """Data-loader workers ignore SIGTERM: SLURM signals every process of a job, and a worker that died of it
-    would crash the main process (PyTorch raises from its SIGCHLD handler, anywhere in a step) before it
-    could write its preemption checkpoint. The main process stops its workers itself: through the loader's
-    shutdown, or :func:`_stop_workers_at_exit`."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _stop_workers_at_exit() -> None:
-    """Kill the data-loader workers still alive when the main process exits (after an error, persistent
-    workers are never shut down). ``multiprocessing`` would SIGTERM and then wait for them, forever, as
-    they ignore SIGTERM; this runs before that (``atexit`` is last in, first out)."""
-    for child in multiprocessing.active_children():
-        if child.daemon:  # DataLoader workers are daemonic
-            child.kill()
-            child.join(timeout=5)
-
-
-atexit.register(_stop_workers_at_exit)
 
 
 def available_cores() -> int:
@@ -230,7 +207,8 @@ class MultiViewDataModule(LightningDataModule):
             if self._evaluation is None:
                 rank_zero_warn(
                     f"{type(self.source).__name__} has no labelled evaluation split: training runs, kNN evaluation "
-                    "is skipped (give the source labelled evaluation data to get it)."
+                    "is skipped (give the source labelled evaluation data to get it).",
+                    category=HFMCAWarning,
                 )
             if self.mode == "same_class" and UNLABELLED in set(self._train_split.targets):
                 raise ConfigurationError(
@@ -279,15 +257,16 @@ class MultiViewDataModule(LightningDataModule):
                 rank_zero_info(f"num_workers={workers}, but this process may use {cores} CPU cores: {cores} workers")
                 self._capped_workers = True
             workers = cores
-        return DataLoader(
+        loader = DataLoader(
             dataset,
             batch_size=batch_size,
             num_workers=workers,
             persistent_workers=self.persistent_workers and workers > 0,
             pin_memory=torch.cuda.is_available(),
-            worker_init_fn=_leave_sigterm_to_the_main_process if workers > 0 else None,
+            worker_init_fn=leave_signals_to_the_main_process if workers > 0 else None,
             **kwargs,
         )
+        return track(loader)  # hfmca_lightning.runtime.workers: its workers end with the command
 
     def train_dataloader(self) -> DataLoader:
         """Per-process batches of ``batch_size`` groups; under DDP the global batch is ``world_size * batch_size``.
@@ -327,7 +306,10 @@ class MultiViewDataModule(LightningDataModule):
             return batch
         # Lightning counts the batch after this hook: the index is the previous batch's, one per batch.
         seed = step_seed(self.seed, trainer.fit_loop.total_batch_idx, trainer.global_rank, stream=1)
-        return format_batch(self.views.draw(batch, seed), self.batch_format, self.mode == "single")
+        views = format_batch(self.views.draw(batch, seed), self.batch_format, self.mode == "single")
+        # Lightning converts a batch for the trainer's precision (float64 under "64-true") before this hook, when it
+        # held only uint8 images or indices: the views drawn here get the same conversion.
+        return trainer.precision_plugin.convert_input(views)
 
     def view_batches(self, device: torch.device, limit: int | None = None) -> Iterator[ViewBatch]:
         """Training batches as :class:`~hfmca_lightning.data.batch_formats.ViewBatch` on ``device``, drawn by the

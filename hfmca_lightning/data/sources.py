@@ -30,7 +30,7 @@ from torchvision.datasets.utils import check_integrity, download_and_extract_arc
 from torchvision.io import ImageReadMode, decode_image
 
 from hfmca_lightning.data.synthetic import SHAPES, generate_shapes
-from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
+from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning
 
 __all__ = [
     "ArrayImages",
@@ -228,6 +228,7 @@ class FolderImages(LabelledImages):
                 self.skipped += 1
                 warnings.warn(
                     f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process",
+                    HFMCAWarning,
                     stacklevel=2,
                 )
         raise ConfigurationError(

@@ -182,7 +182,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             decay (and from LARS's layer-wise scaling), as large-batch SSL recipes do.
         compile_costs: compile the cost path (:func:`objective_values`: every pair's factorisations, the costs
             and the total) with ``torch.compile(fullgraph=True)``, on CUDA with ``mode="reduce-overhead"`` (one
-            CUDA graph instead of a few hundred small launches per step). The statistics stay eager.
+            CUDA graph instead of a few hundred small launches per step). The statistics stay eager. ``true``:
+            torch's default backend (inductor); a string names another ``torch.compile`` backend (``aot_eager``
+            checks that the path compiles as one graph without inductor's C++ compilation, as the tests do).
 
     A training step reads no device value on the host: the checks of every factorisation and of the total's
     finiteness stay on the device (max-reduced over processes under DDP), where a failure makes the optimizer skip
@@ -209,7 +211,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         backbone_chunk_size: int | None = None,
         warmup_epochs: float = 0.0,
         weight_decay_on_bias_and_norm: bool = True,
-        compile_costs: bool = False,
+        compile_costs: bool | str = False,
     ) -> None:
         super().__init__()
         if views_through_backbone not in ("concat", "per_view"):
@@ -235,6 +237,12 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             )
         if warmup_epochs < 0:
             raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
+        if isinstance(compile_costs, str) and compile_costs not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ConfigurationError(
+                f"compile_costs: {compile_costs!r} is not a torch.compile backend; use true (the default backend) or "
+                f"one of {', '.join(torch._dynamo.list_backends(exclude_tags=()))}",
+                parameter="compile_costs",
+            )
         # Modules and optimiser callables are not hyper-parameters (and would make checkpoints unloadable
         # with weights_only=True); the hfmca CLI stores the whole config in every checkpoint instead.
         self.save_hyperparameters(
@@ -420,7 +428,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         values, total, state, total_failed, filters = self._cost_path_function(device)(
             statistics, costs, names[0] == "external", weight
         )
-        if self.compile_costs and device.type == "cuda":
+        if self.compile_costs is True and device.type == "cuda":
             # Outputs of the CUDA graph, which its next replay (the next micro-batch) overwrites: the checks wait for
             # the optimizer step, so they are copied out (the filters' candidates are copied just below).
             state, total_failed = state.clone(), total_failed.clone()
@@ -442,9 +450,13 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         if not self.compile_costs:
             return objective_values
         if self._cost_path is None:
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._cost_path = torch.compile(objective_values, fullgraph=True, dynamic=False, mode=mode)
-        if device.type == "cuda":
+            options: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+            if isinstance(self.compile_costs, str):
+                options["backend"] = self.compile_costs
+            else:
+                options["mode"] = "reduce-overhead" if device.type == "cuda" else None
+            self._cost_path = torch.compile(objective_values, **options)
+        if device.type == "cuda" and self.compile_costs is True:
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous step's graph outputs are done with
         return self._cost_path
 

@@ -80,11 +80,13 @@ def collect_for_analysis(
     batch_norm: BatchNormStatistics = "running",
 ) -> Collected:
     """:meth:`HFMCAModule.collect` of ``batch`` (or groups of views of different sizes) in eval mode, without
-    gradients, on the module's device, with float64 statistics; BatchNorm with its ``running`` statistics or each
-    ``batch``'s own (as in training, the running ones untouched)."""
-    on_device = (
-        [group.to(module.device) for group in batch] if isinstance(batch, (list, tuple)) else batch.to(module.device)
-    )
+    gradients, on the module's device and in its floating dtype (a run in "64-true" has float64 weights), with
+    float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
+    running ones untouched)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    groups = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    moved = [group.to(module.device, dtype) for group in groups]
+    on_device: Tensor | list[Tensor] = moved if isinstance(batch, (list, tuple)) else moved[0]
     with analysis_mode(module, batch_norm):
         return module.collect(on_device, keep_maps=keep_maps, precision="float64")
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.models.layers import NoiseChannels, PaddingLayer
 
 __all__ = ["SpectrumCNN", "spectrum_block", "SpectrumLayout"]
@@ -127,6 +127,7 @@ class SpectrumCNN(nn.Module):
             warnings.warn(
                 f"SpectrumCNN: the loaded weights were trained with layout {layout!r}; using it instead of the "
                 f"configured {self.layout!r}",
+                HFMCAWarning,
                 stacklevel=2,
             )
             self.blocks = self._arranged(

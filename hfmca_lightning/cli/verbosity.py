@@ -1,0 +1,84 @@
+"""How much the ``hfmca`` command says: Lightning's lines for the commands that train, never its advertisements, and
+progress for long stages (``-q``: warnings, errors and results only; ``-v``: Lightning's lines in every command)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+__all__ = ["DEFAULT", "QUIET", "VERBOSE", "configure", "stage", "progress"]
+
+QUIET, DEFAULT, VERBOSE = "quiet", "default", "verbose"
+_LIGHTNING = ("lightning.pytorch", "lightning.fabric")
+_ADVERTISEMENTS = ("litlogger", "LitLogger", "litmodels")
+_level = DEFAULT
+
+T = TypeVar("T")
+
+
+class _NoAdvertisements(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(word in message for word in _ADVERTISEMENTS)
+
+
+def configure(level: str = DEFAULT, trains: bool = True) -> None:
+    """Lightning's INFO lines (trainer banners such as ``GPU available``) shown for the commands that train (``trains``)
+    or with ``VERBOSE``, hidden otherwise; its advertisements never."""
+    global _level
+    _level = level
+    show = level == VERBOSE or (level == DEFAULT and trains)
+    for name in _LIGHTNING:
+        logging.getLogger(name).setLevel(logging.INFO if show else logging.WARNING)
+        for logger in (logging.getLogger(f"{name}.utilities.rank_zero"), logging.getLogger(name)):
+            if not any(isinstance(existing, _NoAdvertisements) for existing in logger.filters):
+                logger.addFilter(_NoAdvertisements())
+
+
+def quiet() -> bool:
+    return _level == QUIET
+
+
+def _interactive() -> bool:
+    return not quiet() and sys.stderr.isatty()
+
+
+def stage(description: str) -> None:
+    """One line on standard error saying what the command does now (nothing with ``-q``)."""
+    if not quiet():
+        print(f"hfmca: {description}", file=sys.stderr, flush=True)
+
+
+def progress(items: Iterable[T], description: str, total: int | None = None, unit: str = "batch") -> Iterator[T]:
+    """``items``, with a progress bar on a terminal (tqdm, as Lightning's), else one line when the stage starts and
+    one when it ends (with its duration); nothing with ``-q``. Closes ``items`` (a generator: its loader's workers
+    stop) when the iteration ends or is abandoned."""
+    start = time.perf_counter()
+    bar = None
+    if _interactive():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"hfmca: {description}", unit=unit, leave=False, file=sys.stderr)
+    else:
+        stage(f"{description} ...")
+    count = 0
+    try:
+        for item in items:
+            yield item
+            count += 1
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
+    if bar is None:
+        stage(
+            f"{description}: {count} {unit}{'es' if unit.endswith('h') and count != 1 else ''} in "
+            f"{time.perf_counter() - start:.1f} s"
+        )

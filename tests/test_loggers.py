@@ -54,7 +54,10 @@ def test_wandb_offline_run_holds_the_figures_eigenvalue_series_and_histograms(no
     trainer = Trainer(
         max_epochs=1,
         logger=logger,
-        callbacks=[EigenspectrumCallback(every_n_steps=1, min_groups=1), DensityRatioHeatmapCallback(num_images=2)],
+        callbacks=[
+            EigenspectrumCallback(every_n_steps=1, min_groups=1),
+            DensityRatioHeatmapCallback(num_images=2, statistics_images=9),
+        ],
         enable_checkpointing=False,
         enable_progress_bar=False,
         log_every_n_steps=1,

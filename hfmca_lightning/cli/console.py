@@ -91,8 +91,11 @@ def main(args: list[str] | None = None) -> None:
     keep_freed_memory_for_cpu_runs()  # CPU steps without page faults (hfmca_lightning.runtime.cpu_memory)
     if argv[:1] in (["-h"], ["--help"]):
         print(
-            "hfmca [-q | -v] <command>: fit / validate / test (LightningCLI: --help), analyze, compare, linear, knn,\n"
-            "export, dashboard (each: --help). -q: warnings, errors and results only; -v: Lightning's lines too.\n"
+            "hfmca [-q | -v] <command>: -q warnings, errors and results only; -v Lightning's lines in every command.\n"
+            "hfmca analyze --help / hfmca compare --help: figures from trained checkpoints.\n"
+            "hfmca linear --help / hfmca knn --help: linear and kNN evaluation of a checkpoint.\n"
+            "hfmca export --help: a trained backbone as plain torchvision / timm weights.\n"
+            "hfmca dashboard --help: create the W&B eigenvalue-dynamics view of a project.\n"
         )
     signals = _Signals()
     if args is None:  # the console script: the process is ours (not a test calling main in-process)

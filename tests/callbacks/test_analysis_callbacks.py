@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("analysis_callbacks")
     module = tiny_spectrum_module()
     spectrum = EigenspectrumCallback(every_n_steps=1, top_k=5, min_groups=1)
-    heatmaps = DensityRatioHeatmapCallback(num_images=3, layers=["L1", "L5"])
+    heatmaps = DensityRatioHeatmapCallback(num_images=3, layers=["L1", "L5"], statistics_images=9)  # the 9 test images
     trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(tmp, name="run"),

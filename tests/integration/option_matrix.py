@@ -31,7 +31,7 @@ CALLBACKS = {
     "probe": _callback("hfmca_lightning.callbacks.LinearProbe"),
     "spectra": _callback("hfmca_lightning.callbacks.EigenspectrumCallback", every_n_steps=1, top_k=3, min_groups=8),
     "heatmaps": _callback(
-        "hfmca_lightning.callbacks.DensityRatioHeatmapCallback", num_images=2, statistics_images=16, every_n_epochs=1
+        "hfmca_lightning.callbacks.DensityRatioHeatmapCallback", num_images=2, statistics_images=8, every_n_epochs=1
     ),
 }
 

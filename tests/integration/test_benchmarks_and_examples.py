@@ -6,6 +6,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,6 +203,7 @@ def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, 
     assert "decode + 9 views of 224 px" in out and "views/s" in out
 
 
+@pytest.mark.slow  # a benchmark's smoke run (make test-slow)
 def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
     monkeypatch.setattr(
         sys,
@@ -258,6 +260,7 @@ def test_demo_views_benchmark_trains_the_demo_with_each_setting(monkeypatch):
             "--settings",
             "l4",
             "l9",
+            "multicrop",
             "simclr",
         ],
         monkeypatch,
@@ -266,6 +269,7 @@ def test_demo_views_benchmark_trains_the_demo_with_each_setting(monkeypatch):
     assert [row[0] for row in rows[1:]] == [
         "HFMCA-SS(*), L = 4 (2x2 grid, no noise)",
         "HFMCA-SS(*), L = 9 (3x3 grid, 20 noise channels)",
+        "HFMCA-SS(*), 2 global + 6 local crops (2x4 grid, no noise)",
         "SimCLR (2 views)",
     ]
     for row in rows[1:]:
@@ -286,6 +290,11 @@ def test_demo_views_settings_change_only_views_grid_and_noise():
         base["model"]["init_args"]["external_head"],
     )
     assert l9 == base
+    crops = namespace["setting_config"](base, "multicrop", None)
+    assert crops["data"]["init_args"]["num_views"] == 8
+    assert crops["data"]["init_args"]["views"]["class_path"] == "hfmca_lightning.data.MultiCrop"
+    head = crops["model"]["init_args"]["external_head"]["init_args"]
+    assert (head["grid_height"], head["grid_width"], head["noise_channels"]) == (2, 4, 0)
     simclr = namespace["setting_config"](base, "simclr", None)
     assert (
         simclr["model"]["class_path"].endswith("SimCLR")
@@ -396,6 +405,9 @@ def test_the_harness_builds_each_method_as_its_shipped_config(monkeypatch):
                 assert module.hparams[key] == (tuple(value) if isinstance(value, list) else value), (method, key)
 
 
+@pytest.mark.slow  # a benchmark's smoke run (make test-slow)
+# the shipped spectrum configs' heatmaps take statistics of more test images than this tiny data set has (it says so)
+@pytest.mark.filterwarnings("ignore::hfmca_lightning.errors.HFMCAWarning")
 def test_spectrum_study_writes_the_papers_figures_and_a_table_of_its_spectra(monkeypatch, tmp_path):
     """The §5 study, tiny: three scenarios trained, Fig. 4 / Fig. 5 / learning dynamics drawn, and every number of
     the table recomputed from the spectra it was built from (each scenario's ``analysis/spectra.json``)."""

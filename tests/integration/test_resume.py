@@ -156,6 +156,7 @@ def demo_uninterrupted(tmp_path_factory) -> Iterator[ReferenceRun]:
     run.stop()
 
 
+@pytest.mark.slow  # the mid-epoch kills below cover it; this one resumes at an epoch boundary
 def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path, demo_uninterrupted):
     args = fit_args(DEMO, demo_overrides(tmp_path))
     checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
@@ -175,7 +176,14 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "data_path", ["batched-workers", "on-device", "images-on-device", "multi-crop", "user-transform"]
+    "data_path",
+    [
+        "batched-workers",
+        pytest.param("on-device", marks=pytest.mark.slow),  # seeded per batch: also in the DDP and view tests
+        pytest.param("images-on-device", marks=pytest.mark.slow),
+        "multi-crop",
+        "user-transform",
+    ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
     steps_per_epoch, every = 12, 5

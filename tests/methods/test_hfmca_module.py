@@ -93,7 +93,10 @@ def test_compiled_backbone_with_internal_costs_records_them_after_a_hookless_com
         objective = module.objective(module.collect(views))
         objective.total.backward()
         results.append(
-            ({name: float(cost) for name, cost in objective.costs.items()}, module.backbone[0].weight.grad.clone())
+            (
+                {name: float(cost.detach()) for name, cost in objective.costs.items()},
+                module.backbone[0].weight.grad.clone(),
+            )
         )
     (eager_costs, eager_grad), (compiled_costs, compiled_grad) = results
     assert torch._dynamo.config.skip_nnmodule_hook_guards == default

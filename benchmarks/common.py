@@ -206,8 +206,8 @@ class _Recorder(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        views = batch[0]
-        self.m.views_seen += views.shape[0] * views.shape[1]
+        groups = batch[0] if isinstance(batch[0], (list, tuple)) else [batch[0]]  # views of several sizes: a list
+        self.m.views_seen += sum(group.shape[0] * group.shape[1] for group in groups)
         if "cost/external" in trainer.callback_metrics:
             # kept as a tensor until the epoch ends: a float() per step would make the host wait for the GPU
             self._costs.append(trainer.callback_metrics["cost/external"].detach().clone())

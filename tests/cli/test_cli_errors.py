@@ -161,6 +161,36 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         ),
         "have different class folders (only in train: ['class_2']; only in test: ['class_9'])",
     ),
+    (
+        "old key worker_augmentation",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.worker_augmentation": "batched"},
+        "data.init_args.worker_augmentation was replaced by one view pipeline setting: data.init_args.views: "
+        "{class_path: hfmca_lightning.data.BatchedViews}",
+    ),
+    (
+        "old key images_on_device",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.images_on_device": True},
+        "data.init_args.images_on_device was replaced by one view pipeline setting: data.init_args.views: "
+        "{class_path: hfmca_lightning.data.ResidentViews}",
+    ),
+    (
+        "old key view_grids",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.view_grids": 4},
+        "TorchvisionViews, init_args: {grids: G}",
+    ),
+    (
+        "a pipeline that cannot serve the mode",
+        lambda tmp, ckpt: [],
+        lambda tmp: {
+            "data.init_args.mode": "same_class",
+            "data.init_args.views": {"class_path": "hfmca_lightning.data.BatchedViews"},
+        },
+        "data.init_args.views: BatchedViews draws augmented views of one image per sample; it does not serve mode "
+        "'same_class'",
+    ),
 ]
 
 

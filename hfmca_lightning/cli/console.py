@@ -61,9 +61,13 @@ class _Signals:
     def __init__(self) -> None:
         self.interrupted = False
 
-    def install(self) -> None:
+    def install(self, sigterm: bool = True) -> None:
+        """Handle SIGINT, and SIGTERM unless ``sigterm`` is False (``fit`` / ``validate`` / ``test``: Lightning's own
+        SIGTERM handling lets the step finish and writes the preemption checkpoint; a handler installed first would
+        join its chain and raise mid-step)."""
         signal.signal(signal.SIGINT, self._on_sigint)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if sigterm:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self.interrupted = True
@@ -99,7 +103,7 @@ def main(args: list[str] | None = None) -> None:
         )
     signals = _Signals()
     if args is None:  # the console script: the process is ours (not a test calling main in-process)
-        signals.install()
+        signals.install(sigterm=command not in TRAINING_COMMANDS)
     try:
         _run(command, argv, args)
     except ConfigurationError as error:

@@ -231,6 +231,8 @@ def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tm
     assert "hfmca: stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = saved_step(checkpoints / "last.ckpt")
     assert first_checkpoint <= stopped_at < final_step
+    # the preemption checkpoint, written when the signal came (not only the last periodic one)
+    assert f"SIGTERM: saved the state after step {stopped_at}" in output, output[-3000:]
 
     resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log")
     assert resumed.returncode == 0, resumed.stdout[-3000:]

@@ -8,6 +8,7 @@ use the unit of truncation, so they also hold for hardware that truncates), and 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -27,6 +28,11 @@ _FACTORS = {
     aten.baddbmm: (1, 2),
     aten.addbmm: (1, 2),
     aten.addmv: (1, 2),
+    # in place, as the split products accumulate (x.addmm_(a, b) dispatches as its own operation)
+    aten.addmm_: (1, 2),
+    aten.baddbmm_: (1, 2),
+    aten.addbmm_: (1, 2),
+    aten.addmv_: (1, 2),
 }
 
 
@@ -39,11 +45,12 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
 
 class EmulatedTF32(TorchDispatchMode):
     """Every float32 matrix product inside runs on TF32-rounded factors, as CUDA's tensor cores take them
-    (``products`` counts them)."""
+    (``products`` counts the rounded factors, ``by_operation`` by operation name)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.products = 0
+        self.by_operation: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         positions = _FACTORS.get(func.overloadpacket)
@@ -53,6 +60,7 @@ class EmulatedTF32(TorchDispatchMode):
                 if isinstance(args[position], torch.Tensor) and args[position].dtype == torch.float32:
                     args[position] = round_to_tf32(args[position])
                     self.products += 1
+                    self.by_operation[str(func.overloadpacket).split(".")[-1]] += 1
         return func(*args, **(kwargs or {}))
 
 

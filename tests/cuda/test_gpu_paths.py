@@ -103,6 +103,7 @@ def test_views_drawn_on_the_gpu_equal_the_cpu_workers_views(pipeline):
     gpu.setup()
     drawn = [batch.groups[0].cpu() for batch in gpu.view_batches(CUDA, limit=6)]
     expected = [views for views, _ in list(cpu.train_dataloader())[:6]]
+    assert len(drawn) == len(expected) == 6
     for got, want in zip(drawn, expected):
         # the same parameters (integer counter hashes); float32 resampling and blends on another device: a few ulps
         # of the pixels (in [0, 1], normalised by std 0.25: x4)

@@ -83,6 +83,7 @@ def test_batched_views_are_the_same_in_workers_on_the_device_and_alone(cifar10_o
     reference = epochs.pop("workers")
     assert len(reference) == 100 // 8
     for name, batches in epochs.items():
+        assert len(batches) == len(reference), name
         for (views, targets), (expected_views, expected_targets) in zip(batches, reference):
             torch.testing.assert_close(views, expected_views, rtol=0, atol=0, msg=name)
             assert torch.equal(targets, expected_targets), name
@@ -137,7 +138,6 @@ def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_co
     """The training set kept on the device, the hue computed on all rows and selected (the default on GPUs): a batch's
     views come from tensors on the device alone: no host read, no tensor made from Python data."""
     module = data(ResidentViews(batches_per_call=2), batch_size=6, blur=[1.0, 0.1], solarize=[0.0, 0.2])
-    module.views.augmentation_select_rows = False
     module.views._augmentation.select_rows = False
     batches = list(module.train_dataloader())
     drawn(module, batches[0])  # the first call places the images and the pipeline's constants

@@ -6,9 +6,10 @@
     print(recorder.reads)   # every read of a device value on the host: on a GPU, a wait for its queue
 
 :class:`HostReads` counts what would make the host wait for a GPU, on any device (so that a CPU test fails for
-the regression a GPU would show): scalar reads (``.item()``, ``bool()`` / ``int()`` / ``float()`` of a tensor),
-operations whose output size depends on the data (``nonzero``, ``torch.where(condition)``, boolean-mask indexing
-and assignment, ``masked_select``, ``unique``), copies to the CPU (``.cpu()``, ``.to("cpu")``, ``copy_`` into a CPU
+the regression a GPU would show): scalar reads (``.item()``, ``bool()`` / ``int()`` / ``float()`` of a tensor,
+``torch.equal``), operations whose output size depends on the data (``nonzero``, ``torch.where(condition)``,
+boolean-mask indexing and assignment, ``masked_select``, ``unique``, ``repeat_interleave`` with tensor repeats and
+no ``output_size``), copies to the CPU (``.cpu()``, ``.to("cpu")``, ``copy_`` into a CPU
 tensor from a device), and conversions to Python or numpy (``.tolist()``, ``.numpy()``, ``numpy.asarray``). Values
 deliberately brought to the host by an asynchronous copy are read from host buffers (:func:`host_buffer`), which
 are not counted.
@@ -41,6 +42,7 @@ HOST_READS = (
     aten.unique_dim,
     aten.unique_consecutive,
     aten.bincount,
+    aten.equal,  # torch.equal: one boolean for the host
 )
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _INDEXING = (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_)
@@ -136,6 +138,9 @@ def _read_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | 
         return None if args and is_host_buffer(args[0]) else str(func)
     if packet in _INDEXING and len(args) > 1 and _has_mask(args[1]):
         return f"{func} (boolean mask: nonzero)"
+    if packet is aten.repeat_interleave and isinstance(args[0 if len(args) == 1 else 1], Tensor):
+        if kwargs.get("output_size") is None:  # the output's size is the repeats' sum, read on the host
+            return f"{func} (repeats from a tensor)"
     if packet in _COPIES and _to_host(func, args, kwargs):
         return f"{func} (to the CPU)"
     return None

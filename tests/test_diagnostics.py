@@ -8,7 +8,7 @@ import torch
 
 from hfmca_lightning.diagnostics import HostReads, OperationCounts, host_buffer
 
-VALUES = torch.arange(6.0)
+VALUES = torch.arange(6.0)  # sum 15
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,8 @@ VALUES = torch.arange(6.0)
         (lambda t: t.nonzero(), "aten.nonzero.default"),
         (lambda t: torch.masked_select(t, t > 1), "aten.masked_select.default"),
         (lambda t: torch.unique(t), "aten._unique2.default"),
+        (lambda t: torch.equal(t, t), "aten.equal.default"),
+        (lambda t: t.repeat_interleave(t.long()), "aten.repeat_interleave.Tensor (repeats from a tensor)"),
     ],
     ids=[
         "boolean-mask indexing",
@@ -42,6 +44,8 @@ VALUES = torch.arange(6.0)
         "nonzero",
         "masked_select",
         "unique",
+        "equal",
+        "repeat_interleave",
     ],
 )
 def test_each_kind_of_host_read_is_counted_once(read, expected):
@@ -56,6 +60,8 @@ def test_device_work_and_dtype_casts_are_not_host_reads():
         torch.where(x > 1, x, torch.zeros_like(x)).sum().to(VALUES)
         x.masked_fill(x > 3, 0.0)
         x.to(VALUES.device)  # a CPU tensor to the CPU: no transfer
+        x.repeat_interleave(2)  # repeats a Python number: the size is known
+        VALUES.long().repeat_interleave(VALUES.long(), output_size=15)  # the output's size given
     assert recorder.reads == []
 
 

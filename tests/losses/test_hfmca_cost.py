@@ -386,16 +386,24 @@ def test_costs_taken_together_read_nothing_until_their_checks_are_read():
     assert len(recorder.reads) == 5, recorder.reads  # one cost at a time, each read at once
 
 
+def _filtered_cost_after_a_good_step() -> tuple[HFMCACost, torch.Tensor, int]:
+    """A cost with the adaptive filter after one good step: the cost, its EMA and its update count then."""
+    cost = HFMCACost(beta=0.5).train()
+    cost.forward_statistics(_good_statistics())
+    return cost, cost.joint_ema.clone(), int(cost.num_updates)
+
+
+def _nan_statistics() -> CorrelationStatistics:
+    return dataclasses.replace(
+        _good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True)
+    )
+
+
 def test_a_failed_step_leaves_the_filter_state_as_it_was():
     """With the adaptive filter (beta > 0) the EMA takes in a step's J only if its factorisation succeeded, decided on
     the device, so a failed step cannot leave NaN in the filter, and its gradient is computed without an error."""
-    cost = HFMCACost(beta=0.5).train()
-    cost.forward_statistics(_good_statistics())
-    ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
-    broken = dataclasses.replace(
-        _good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True)
-    )
-    (value,), checks = hfmca_costs([broken], [cost])
+    cost, ema, updates = _filtered_cost_after_a_good_step()
+    (value,), checks = hfmca_costs([_nan_statistics()], [cost])
     value.backward()
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
     with pytest.raises(CostFactorisationError, match=r"NaN or Inf"):
@@ -423,13 +431,8 @@ def test_nan_statistics_stay_out_of_the_filter_when_the_factorisation_reports_su
         return factors, torch.where(torch.isnan(matrices).flatten(1).any(1), torch.zeros_like(info), info)
 
     monkeypatch.setattr(cholesky.torch.linalg, "cholesky_ex", cuda_like)
-    cost = HFMCACost(beta=0.5).train()
-    cost.forward_statistics(_good_statistics())
-    ema, updates = cost.joint_ema.clone(), int(cost.num_updates)
-    broken = dataclasses.replace(
-        _good_statistics(), low_outer_sum=torch.full((3, 3), float("nan"), dtype=torch.float64, requires_grad=True)
-    )
-    (value,), checks = hfmca_costs([broken], [cost])
+    cost, ema, updates = _filtered_cost_after_a_good_step()
+    (value,), checks = hfmca_costs([_nan_statistics()], [cost])
     assert torch.equal(cost.joint_ema, ema) and int(cost.num_updates) == updates
     assert bool(torch.isfinite(cost.joint_ema).all())
     with pytest.raises(CostFactorisationError, match=r"HFMCA cost 'hfmca': its statistics hold NaN or Inf"):

@@ -1,8 +1,11 @@
-"""The stable public names of docs/conventions.md §7 exist with the documented signatures."""
+"""The stable public names of docs/conventions.md §7 exist with the documented signatures, and the public API of
+the losses, analysis, data and callbacks packages is documented in one docstring template."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,55 @@ def test_help_mentions_the_analysis_commands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "hfmca analyze --help" in out and "fit" in out
+
+
+DOCSTRING_PACKAGES = ("losses", "analysis", "data", "callbacks")
+
+
+def public_callables() -> list[tuple[str, object]]:
+    """Every function and class in the ``__all__`` of the packages whose docstrings follow the API template
+    (constants and type aliases are skipped)."""
+    found = []
+    for package in DOCSTRING_PACKAGES:
+        module = importlib.import_module(f"hfmca_lightning.{package}")
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isclass(value) or inspect.isfunction(value):
+                found.append((f"{package}.{name}", value))
+    return found
+
+
+def section(doc: str, title: str) -> str | None:
+    """The indented body of a Google-style section (``Args:``, ``Returns:``, ...), or None if there is none."""
+    match = re.search(rf"^{title}:[ \t]*\n((?:[ \t]+.*\n?|[ \t]*\n)*)", doc, re.M)
+    return match.group(1) if match else None
+
+
+def documented_arguments(doc: str) -> set[str]:
+    """The names of the entries ``name: ...`` or ``name (type): ...`` of a docstring's ``Args:`` section."""
+    return set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M))
+
+
+def named_parameters(function: object) -> list[str]:
+    """The parameters a docstring names: all but ``self``, ``*args`` and ``**kwargs``."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
+    return [p.name for p in parameters if p.name != "self" and p.kind not in variadic]
+
+
+@pytest.mark.parametrize(("name", "value"), public_callables(), ids=[name for name, _ in public_callables()])
+def test_public_docstrings_follow_the_template(name: str, value: object):
+    assert value.__doc__, f"{name} has no docstring"
+    doc = inspect.cleandoc(value.__doc__)
+    if inspect.isclass(value):
+        init = value.__init__
+        parameters = named_parameters(init) if inspect.isfunction(init) else []
+    else:
+        parameters = named_parameters(value)
+        returned = inspect.signature(value).return_annotation  # type: ignore[arg-type]
+        if returned not in (None, "None"):
+            assert section(doc, "Returns") is not None, f"{name} returns {returned} but has no Returns: section"
+    if parameters:
+        assert section(doc, "Args") is not None, f"{name} takes {parameters} but has no Args: section"
+        missing = [parameter for parameter in parameters if parameter not in documented_arguments(doc)]
+        assert missing == [], f"{name}: Args: does not name {missing}"

@@ -12,8 +12,18 @@ EPSILON = 1e-7  # the paper's epsilon, added to every normalised singular value
 
 
 def rankme(features: Tensor) -> Tensor:
-    """``exp(-sum_k p_k log p_k)`` with ``p_k = s_k / ||s||_1 + eps``, ``s`` the singular values of ``features (N, D)``
-    (float64); between 1 (every embedding on one line) and ``min(N, D)`` (all directions used alike)."""
+    """RankMe, the effective rank of a batch of embeddings: ``exp(-sum_k p_k log p_k)`` with
+    ``p_k = s_k / ||s||_1 + eps``, ``s`` the singular values of ``features`` (float64).
+
+    Args:
+        features: ``(N, D)`` embeddings (detached).
+
+    Returns:
+        0-dim float64 tensor between 1 (every embedding on one line) and ``min(N, D)`` (all directions used alike).
+
+    Raises:
+        ValueError: when ``features`` is not a non-empty ``(N, D)`` matrix.
+    """
     if features.dim() != 2 or min(features.shape) == 0:
         raise ValueError(f"rankme needs a non-empty (N, D) matrix of embeddings; got shape {tuple(features.shape)}")
     singular = torch.linalg.svdvals(features.detach().to(torch.float64))

@@ -33,14 +33,18 @@ class SpectrumWindow:
         min_groups: the fewest groups a window holds; default ``groups_per_feature * max(K1, K2)`` per pair.
         groups_per_feature: see ``min_groups``.
 
+    Raises:
+        ValueError: when ``min_groups`` or ``groups_per_feature`` is below 1.
+
     Example::
 
         window = SpectrumWindow(groups_per_feature=100)
-        for step_statistics in steps:          # {"external": CorrelationStatistics, ...}, each micro-batch's
-            window.add(step_statistics)
-            if logged_step:
+        for step in range(60):
+            stats = group_statistics(torch.randn(64, 9, 32), torch.randn(64, 16))  # one step's, per cost pair
+            window.add({"external": stats})  # every batch and micro-batch
+            if step % 10 == 9:  # a logged step
                 window.close()
-                eigenvalues = window.spectrum("external", reg=0.1)  # None until the window holds enough groups
+                eigenvalues = window.spectrum("external", reg=0.1)  # None until the window holds 3,200 groups
     """
 
     def __init__(self, min_groups: int | None = None, groups_per_feature: int = 100) -> None:
@@ -55,11 +59,22 @@ class SpectrumWindow:
         self.groups: dict[str, int] = {}  # per pair, the groups the last spectrum came from
 
     def groups_needed(self, stats: CorrelationStatistics) -> int:
-        """The fewest groups a pair's window must hold: ``min_groups``, or ``groups_per_feature * max(K1, K2)``."""
+        """The fewest groups a pair's window must hold.
+
+        Args:
+            stats: statistics of the pair (for its dimensions ``K1``, ``K2``).
+
+        Returns:
+            ``min_groups``, or ``groups_per_feature * max(K1, K2)``.
+        """
         return self.min_groups or self.groups_per_feature * max(stats.low_dim, stats.high_dim)
 
     def add(self, statistics: Mapping[str, CorrelationStatistics]) -> None:
-        """Add one batch's (or micro-batch's) statistics of every pair to the open interval (detached)."""
+        """Add one batch's (or micro-batch's) statistics of every pair to the open interval (detached).
+
+        Args:
+            statistics: the batch's statistics, keyed by pair (``external``, ``internal/L3``, ...).
+        """
         for name, stats in statistics.items():
             stats = stats.detach()
             self.open[name] = stats if name not in self.open else self.open[name] + stats
@@ -71,8 +86,15 @@ class SpectrumWindow:
         self.open = {}
 
     def full(self, name: str) -> tuple[CorrelationStatistics, int] | None:
-        """The sum of pair ``name``'s newest chunks that together hold the groups it needs, and their number of groups
-        (one host read of the counts); ``None`` while there are too few. Older chunks are dropped."""
+        """The newest closed intervals of a pair that together hold the groups it needs; older ones are dropped.
+
+        Args:
+            name: the pair.
+
+        Returns:
+            The sum of those intervals' statistics and their number of groups (one host read of the counts), or
+            ``None`` while there are too few.
+        """
         chunks = self.chunks.get(name)
         if not chunks:
             return None
@@ -89,9 +111,17 @@ class SpectrumWindow:
         return reduce(operator.add, chunks), int(total)
 
     def spectrum(self, name: str, reg: float) -> Tensor | None:
-        """Alg. 4's eigenvalues ``(K,)`` (CPU, descending; the first the constant function's) of pair ``name``'s full
-        window at ``reg``, or None while it is not full; its non-trivial ones and group count are kept in
-        :attr:`latest` and :attr:`groups`."""
+        """Alg. 4's eigenvalues of a pair's full window; its non-trivial ones and group count are kept in
+        :attr:`latest` and :attr:`groups`.
+
+        Args:
+            name: the pair.
+            reg: ``> 0`` diagonal regulariser of the decomposition.
+
+        Returns:
+            ``(K,)`` eigenvalues (CPU, descending; the first the constant function's), or ``None`` while the window
+            is not full.
+        """
         window = self.full(name)
         if window is None:
             return None
@@ -101,13 +131,24 @@ class SpectrumWindow:
         return eigenvalues
 
     def to(self, device: torch.device) -> SpectrumWindow:
-        """The sums on ``device`` (a checkpoint may be loaded on the CPU)."""
+        """Move the sums to ``device`` (a checkpoint may be loaded on the CPU).
+
+        Args:
+            device: where the sums go.
+
+        Returns:
+            This window.
+        """
         self.open = {name: _to(stats, device) for name, stats in self.open.items()}
         self.chunks = {name: deque(_to(stats, device) for stats in chunks) for name, chunks in self.chunks.items()}
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything the window holds (a few ``K x K`` sums per pair, the last spectra and their group counts)."""
+        """Everything the window holds, for a checkpoint.
+
+        Returns:
+            A few ``K x K`` sums per pair, the last spectra and their group counts.
+        """
         return {
             "open": {name: _as_tuple(stats) for name, stats in self.open.items()},
             "chunks": {name: [_as_tuple(stats) for stats in chunks] for name, chunks in self.chunks.items()},
@@ -116,6 +157,11 @@ class SpectrumWindow:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave.
+
+        Args:
+            state: the output of :meth:`state_dict`.
+        """
         self.open = {name: CorrelationStatistics(*tensors) for name, tensors in state.get("open", {}).items()}
         self.chunks = {
             name: deque(CorrelationStatistics(*tensors) for tensors in chunks)

@@ -24,6 +24,12 @@ class PreemptionCheckpoint(ModelCheckpoint):
 
     With ``save_last``, ``last.ckpt`` also holds the final state when training ends between two
     ``every_n_train_steps`` saves (``ModelCheckpoint`` alone then leaves the last interval's state there).
+
+    Args:
+        *args: the arguments of ``ModelCheckpoint``.
+        save_on_exception: save when SIGTERM stops the run (``False``: do not).
+        **kwargs: the keyword arguments of ``ModelCheckpoint`` (``dirpath``, ``every_n_train_steps``,
+            ``save_last``, ...).
     """
 
     def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:

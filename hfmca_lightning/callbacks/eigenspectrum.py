@@ -69,7 +69,21 @@ class EigenspectrumCallback(FigureCallback):
         output_dir: where figures go (default ``<run dir>/figures``).
         min_groups: the fewest groups a window holds (default ``groups_per_feature * max(K1, K2)`` per pair).
         groups_per_feature: see ``min_groups``.
-        hooked_layers / hooked_reg: for modules without cost pairs, as above.
+        hooked_layers: for modules without cost pairs, the backbone layers hooked (default: its named stages or
+            residual blocks).
+        hooked_reg: for modules without cost pairs, the regulariser of the hooked pairs' spectra.
+
+    Raises:
+        ConfigurationError: when a setting is out of its range (``every_n_steps``, ``top_k``, ``min_groups`` and
+            ``groups_per_feature`` ``>= 1``, ``0 < threshold < 1``, ``hooked_reg > 0``).
+
+    Example::
+
+        model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        spectra = EigenspectrumCallback(every_n_steps=50, top_k=20)
+        Trainer(max_epochs=10, callbacks=[spectra]).fit(model, datamodule=data)
+        eigenvalues = spectra.latest["external"]  # the last logged non-trivial eigenvalues, descending
     """
 
     def __init__(

@@ -46,6 +46,19 @@ class DensityRatioHeatmapCallback(FigureCallback):
     overlays the response at ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
     ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
     internal costs. Rank 0 only.
+
+    Args:
+        num_images: images in the figure.
+        layers: internal cost layers shown, by log name (``L2``); default: the three lowest.
+        every_n_epochs: draw after every this many training epochs.
+        output_dir: where figures go (default ``<run dir>/figures``).
+        statistics_images: images of the evaluation split the decompositions are taken from.
+        image_class: only images of this class; None: any.
+        first_image: the index of the evaluation split the images start at.
+
+    Raises:
+        ConfigurationError: when ``num_images``, ``every_n_epochs`` or ``statistics_images`` is below 1; at the
+            start of fitting, when the module has no internal costs or ``layers`` names others.
     """
 
     def __init__(

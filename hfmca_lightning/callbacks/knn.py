@@ -24,7 +24,18 @@ class KNNEvaluation(Callback):
     the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
-        k: neighbours (paper / lightly protocol: 200). temperature: softmax temperature (0.1).
+        k: neighbours (paper / lightly protocol: 200).
+        temperature: softmax temperature (0.1).
+
+    Raises:
+        ConfigurationError: when ``k`` is below 1 or ``temperature`` is not positive.
+
+    Example::
+
+        model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        trainer = Trainer(max_epochs=10, callbacks=[KNNEvaluation(k=200, temperature=0.1)])
+        trainer.fit(model, datamodule=data)  # logs knn/top1 and knn/top1_max after every epoch
     """
 
     def __init__(self, k: int = 200, temperature: float = 0.1) -> None:

@@ -50,7 +50,21 @@ class LinearProbe(Callback):
     Args:
         feature_dim: ``D``, the module's feature dimension; default: the backbone's ``feature_dim``.
         num_classes: default: the DataModule's ``num_classes``.
-        lr, momentum, weight_decay: of the probe's SGD. topk: accuracies to log (each capped at ``num_classes``).
+        lr: learning rate of the probe's SGD.
+        momentum: momentum of the probe's SGD.
+        weight_decay: weight decay of the probe's SGD.
+        topk: accuracies to log (each capped at ``num_classes``).
+
+    Raises:
+        ConfigurationError: when ``feature_dim`` or ``num_classes`` is below 1 or ``lr`` is not positive; at
+            setup, when they do not fit the data or the backbone, or cannot be told from them.
+
+    Example::
+
+        model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        trainer = Trainer(max_epochs=10, callbacks=[LinearProbe(lr=0.1, topk=(1, 5))])
+        trainer.fit(model, datamodule=data)  # logs linear/train_loss, linear/top1 and linear/top5
     """
 
     def __init__(

@@ -54,7 +54,13 @@ class CostProgressBar(TQDMProgressBar):
     HFMCA modules return their external cost, or the total without one), brought to the host by
     :class:`AsyncHostValues`: on a GPU the bar shows the last value that has arrived, never waiting for the queue.
     Values logged with ``prog_bar=True`` show as usual (Lightning reads those on the host every step). The
-    ``hfmca`` command adds this bar unless the trainer has another or ``enable_progress_bar: false``."""
+    ``hfmca`` command adds this bar unless the trainer has another or ``enable_progress_bar: false``.
+
+    Args:
+        refresh_rate: as ``TQDMProgressBar``: update the bar every this many batches.
+        process_position: as ``TQDMProgressBar``: the bar's line, for several bars at once.
+        leave: as ``TQDMProgressBar``: keep each epoch's finished bar.
+    """
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)

@@ -34,9 +34,12 @@ class RunState(Callback):
     uninterrupted run draws, whatever else consumed random numbers in between (data-loader start-up,
     validation, a different number of sanity-check batches). Ranks draw different numbers.
 
-    ``seed`` defaults to ``seed_everything`` (the ``PL_GLOBAL_SEED`` environment variable Lightning sets),
-    else a random one; it is stored in every checkpoint and restored on resume, together with the W&B run
-    id (read by the ``hfmca`` CLI before Lightning starts the logger). The CLI adds this callback to every run.
+    The seed is stored in every checkpoint and restored on resume, together with the W&B run id (read by the
+    ``hfmca`` CLI before Lightning starts the logger). The CLI adds this callback to every run.
+
+    Args:
+        seed: the run's seed; default: ``seed_everything``'s (the ``PL_GLOBAL_SEED`` environment variable Lightning
+            sets), else a random one.
     """
 
     def __init__(self, seed: int | None = None) -> None:

@@ -28,9 +28,9 @@ BATCH_FORMATS = ("stacked", "lightly", "solo")
 
 @dataclass
 class ViewBatch:
-    """The views of ``B`` samples before they are laid out.
+    """The views of ``B`` samples before they are laid out (:func:`format_batch`).
 
-    Attributes:
+    Args:
         groups: ``(B, n_g, C, H_g, W_g)`` per group of equal-size views, global crops first.
         targets: ``(B,)`` int64 class indices (``UNLABELLED`` for images without a class).
         indices: ``(B,)`` int64 indices of the samples in the training split.
@@ -49,12 +49,35 @@ class ViewBatch:
         return sum(group.shape[1] for group in self.groups)
 
     def views(self) -> list[Tensor]:
-        """Every view batch ``(B, C, H, W)`` in order, global crops first."""
+        """Every view of the samples, one batch per view.
+
+        Returns:
+            ``L`` tensors ``(B, C, H, W)`` in order, global crops first.
+        """
         return [group[:, view] for group in self.groups for view in range(group.shape[1])]
 
 
 def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> tuple[Any, ...]:
-    """``batch`` laid out as ``batch_format`` (module docstring); ``single``: mode ``single``'s one view per sample."""
+    """A batch laid out in one of the batch formats of the module docstring.
+
+    Args:
+        batch: the views, targets and indices of ``B`` samples.
+        batch_format: ``stacked``, ``lightly`` or ``solo``.
+        single: mode ``single``'s one view per sample (``stacked`` only): ``(images (B, C, H, W), targets)``.
+
+    Returns:
+        The batch as ``batch_format`` lays it out: ``stacked`` ``(views, targets[, grids])``, ``lightly``
+        ``(views, targets, names)``, ``solo`` ``(indexes, views, targets)``.
+
+    Raises:
+        ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.
+
+    Example::
+
+        batch = ViewBatch([torch.randn(8, 2, 3, 32, 32)], torch.zeros(8, dtype=torch.int64), torch.arange(8))
+        views, targets = format_batch(batch, "stacked")  # views (8, 2, 3, 32, 32)
+        indexes, views, targets = format_batch(batch, "solo")  # views: two (8, 3, 32, 32)
+    """
     if batch_format == "stacked":
         if single:
             return batch.groups[0][:, 0], batch.targets
@@ -84,8 +107,16 @@ def stack_samples(samples: list[tuple[list[Tensor], int, int]], grids: list[Tens
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
-    """``(images (B, C, H, W), targets (B,))``: the first view of each sample of a training batch in any format (what
-    callbacks that look at one view per image take, such as the online linear probe)."""
+    """The first view of each sample of a training batch in any format (what callbacks that look at one view per
+    image take, such as the online linear probe).
+
+    Args:
+        batch: a training batch as :func:`format_batch` lays it out.
+        batch_format: the format of ``batch``: ``stacked``, ``lightly`` or ``solo``.
+
+    Returns:
+        ``(images (B, C, H, W), targets (B,))``.
+    """
     if batch_format == "solo":
         _, views, targets = batch
     else:

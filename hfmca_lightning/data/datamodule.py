@@ -97,6 +97,11 @@ class MultiViewDataModule(LightningDataModule):
     Augmentation is drawn per sample from a seed given by the sampler, so runs do not depend on the
     number of workers and resume exactly.
 
+    Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
+    the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
+    first epoch at the next unseen sample, with the same order and augmentation seeds as an uninterrupted
+    run, for any ``num_workers``, with persistent workers or not, on any number of devices, on every pipeline.
+
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``SyntheticShapes``).
         mode: ``views``, ``same_class`` or ``single``.
@@ -107,19 +112,26 @@ class MultiViewDataModule(LightningDataModule):
             (with a line saying so).
         persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         seed: seeds shuffling and augmentation.
-        crop_strength / color_strength / gray_strength: Table 2 knobs in [0, 1]; null = SimCLR CIFAR default.
+        crop_strength: Table 2 crop knob in [0, 1]; null = SimCLR CIFAR default.
+        color_strength: Table 2 colour-jitter knob in [0, 1]; null = SimCLR CIFAR default.
+        gray_strength: Table 2 greyscale knob in [0, 1]; null = SimCLR CIFAR default.
         horizontal_flip: random horizontal flips in the views.
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of the jitter of ``color_strength``.
-        blur / solarize: probability of a Gaussian blur / a solarisation; a list gives one per view kind,
-            cycled over the ``L`` views (BYOL: ``blur: [1.0, 0.1]``, ``solarize: [0.0, 0.2]``).
+        blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the ``L`` views (BYOL:
+            ``blur: [1.0, 0.1]``).
+        solarize: probability of a solarisation, as ``blur`` (BYOL: ``solarize: [0.0, 0.2]``).
         views: the view pipeline (default :class:`~hfmca_lightning.data.views.TorchvisionViews`); each says in
             one line what it cannot serve.
         batch_format: ``stacked``, ``lightly`` or ``solo``.
 
-    Resume: :meth:`state_dict` (saved by Lightning in every checkpoint) records how far training got in
-    the data (epoch, samples seen by all ranks together); a run resumed from that checkpoint starts its
-    first epoch at the next unseen sample, with the same order and augmentation seeds as an uninterrupted
-    run, for any ``num_workers``, with persistent workers or not, on any number of devices, on every pipeline.
+    Raises:
+        ConfigurationError: when a setting is out of range (mode, counts, strengths, batch format) or the view
+            pipeline cannot serve the settings.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4, batch_size=32, num_workers=0)
+        views, targets = next(iter(data.train_dataloader()))  # views (32, 4, 3, 32, 32), targets (32,)
     """
 
     def __init__(
@@ -242,7 +254,11 @@ class MultiViewDataModule(LightningDataModule):
             )
 
     def train_dataset(self) -> torch.utils.data.Dataset:
-        """The dataset the training loader's workers read (keys ``(index, seed)``): the pipeline's per-sample work."""
+        """The dataset the training loader's workers read: the pipeline's per-sample work.
+
+        Returns:
+            A dataset of ``(index, seed)`` keys.
+        """
         self.setup()
         assert self._train_split is not None
         return self.views.dataset(self._train_split)
@@ -269,9 +285,13 @@ class MultiViewDataModule(LightningDataModule):
         return track(loader)  # hfmca_lightning.runtime.workers: its workers end with the command
 
     def train_dataloader(self) -> DataLoader:
-        """Per-process batches of ``batch_size`` groups; under DDP the global batch is ``world_size * batch_size``.
-        Worker pipelines yield batches in ``batch_format``; device pipelines yield what they draw from, turned into
-        views after the transfer (:meth:`on_after_batch_transfer`)."""
+        """The training loader: per-process batches of ``batch_size`` groups; under DDP the global batch is
+        ``world_size * batch_size``.
+
+        Returns:
+            A loader whose batches are in ``batch_format`` for worker pipelines; device pipelines yield what they
+            draw from, turned into views after the transfer (:meth:`on_after_batch_transfer`).
+        """
         dataset = self.train_dataset()
         trainer = self.trainer
         replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
@@ -312,9 +332,16 @@ class MultiViewDataModule(LightningDataModule):
         return trainer.precision_plugin.convert_input(views)
 
     def view_batches(self, device: torch.device, limit: int | None = None) -> Iterator[ViewBatch]:
-        """Training batches as :class:`~hfmca_lightning.data.batch_formats.ViewBatch` on ``device``, drawn by the
-        configured pipeline whatever it is (analysis of a trained model: ``hfmca analyze``), ``limit`` of them at
-        most. The loader's workers are shut down when the iteration ends or is abandoned."""
+        """Training batches drawn by the configured pipeline whatever it is (analysis of a trained model:
+        ``hfmca analyze``). The loader's workers are shut down when the iteration ends or is abandoned.
+
+        Args:
+            device: where the batches go (device pipelines draw their views there).
+            limit: the most batches to give; None: one epoch.
+
+        Yields:
+            :class:`~hfmca_lightning.data.batch_formats.ViewBatch` on ``device``.
+        """
         dataset = self.train_dataset()
         sampler = SeededRandomSampler(len(dataset), self.seed)
         if isinstance(self.views, ResidentViews):
@@ -341,8 +368,12 @@ class MultiViewDataModule(LightningDataModule):
                 shutdown()
 
     def val_dataloader(self) -> list[DataLoader]:
-        """``[BANK, QUERIES]`` loaders of un-augmented ``(image, target)``: the source's labelled evaluation
-        splits (usually the train and the test split); none when the source has no labels."""
+        """The evaluation loaders: the source's labelled evaluation splits (usually the train and the test split).
+
+        Returns:
+            ``[BANK, QUERIES]`` loaders of un-augmented ``(image (B, C, H, W), target (B,))``; an empty list when the
+            source has no labels.
+        """
         self.setup()
         if self._evaluation is None:
             return []
@@ -354,8 +385,14 @@ class MultiViewDataModule(LightningDataModule):
         return [loaders[index] for index in sorted(loaders)]
 
     def labelled_splits(self) -> tuple[LabelledImages, LabelledImages]:
-        """The labelled ``(train, test)`` splits of the evaluation protocols: the kNN bank and queries, the
-        linear classifier's training and test data."""
+        """The labelled splits of the evaluation protocols.
+
+        Returns:
+            ``(train, test)``: the kNN bank and queries, the linear classifier's training and test data.
+
+        Raises:
+            ConfigurationError: when the source has no labelled evaluation splits.
+        """
         self.setup()
         if self._evaluation is None:
             raise ConfigurationError(
@@ -364,8 +401,18 @@ class MultiViewDataModule(LightningDataModule):
         return self._evaluation
 
     def finetune_dataloader(self, indices: Sequence[int] | None = None, seed: int = 0) -> DataLoader:
-        """Shuffled (seeded), augmented ``(image, target)`` batches of ``batch_size`` images from the labelled
-        training split (or its ``indices``, for label fractions): supervised fine-tuning."""
+        """Batches for supervised fine-tuning from the labelled training split.
+
+        Args:
+            indices: the samples of the split to use (label fractions); None: all of them.
+            seed: seeds the shuffling.
+
+        Returns:
+            A loader of shuffled, augmented ``(image (B, C, H, W), target (B,))`` batches of ``batch_size`` images.
+
+        Raises:
+            ConfigurationError: when the source has no labelled evaluation splits.
+        """
         train, _ = self.labelled_splits()
         dataset = EvalDataset(train, finetune_transform(self.source.image_size, self.source.mean, self.source.std))
         subset = dataset if indices is None else torch.utils.data.Subset(dataset, list(indices))
@@ -386,9 +433,19 @@ class MultiViewDataModule(LightningDataModule):
     def evaluation_images(
         self, count: int, target: int | None = None, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``count`` evaluation queries (training images for sources without labels) from index ``start`` on,
-        only those of class ``target`` when given (the appendix's figures show samples of one class), without
-        augmentation: ``(images (N, C, H, W), targets (N,))``."""
+        """Evaluation queries (training images for sources without labels) without augmentation, for figures.
+
+        Args:
+            count: the most images to give.
+            target: only images of this class (the appendix's figures show samples of one class); None: any.
+            start: the index of the split to start at.
+
+        Returns:
+            ``(images (N, C, H, W), targets (N,))``, ``N <= count``.
+
+        Raises:
+            ConfigurationError: when the split has no such image from ``start`` on.
+        """
         split = self._figure_split()
         dataset = EvalDataset(split, self.eval_transform)
         indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target][
@@ -403,15 +460,29 @@ class MultiViewDataModule(LightningDataModule):
         return torch.stack([image for image, _ in items]), torch.tensor([target for _, target in items])
 
     def evaluation_batches(self, count: int) -> Iterator[torch.Tensor]:
-        """The first ``count`` images of the split :meth:`evaluation_images` draws from, without augmentation,
-        in batches of ``eval_batch_size`` (never all in memory at once)."""
+        """The first images of the split :meth:`evaluation_images` draws from, without augmentation, a batch at a time
+        (never all in memory at once).
+
+        Args:
+            count: the most images to give.
+
+        Yields:
+            ``(B, C, H, W)`` batches of at most ``eval_batch_size`` images.
+        """
         dataset = EvalDataset(self._figure_split(), self.eval_transform)
         for start in range(0, min(count, len(dataset)), self.eval_batch_size):
             stop = min(start + self.eval_batch_size, count, len(dataset))
             yield torch.stack([dataset[index][0] for index in range(start, stop)])
 
     def denormalise(self, images: torch.Tensor) -> torch.Tensor:
-        """Undo the normalisation: ``(N, 3, H, W)`` network inputs -> pixel values in [0, 1]."""
+        """Undo the normalisation of the network inputs.
+
+        Args:
+            images: ``(N, 3, H, W)`` normalised images.
+
+        Returns:
+            ``(N, 3, H, W)`` pixel values in [0, 1].
+        """
         mean = torch.tensor(self.source.mean, device=images.device).view(1, -1, 1, 1)
         std = torch.tensor(self.source.std, device=images.device).view(1, -1, 1, 1)
         return (images * std + mean).clamp(0, 1)

@@ -36,6 +36,15 @@ class SeededRandomSampler(DistributedSampler):
     ``samples_seen`` keys of the global order (what all ranks together consumed before a checkpoint).
     ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a resumed epoch from where
     it stopped.
+
+    Args:
+        num_samples: the size of the dataset.
+        seed: seeds the order and the sample seeds of every epoch.
+        num_replicas: processes sharing the data.
+        rank: this process's rank among them.
+
+    Raises:
+        ValueError: when there are fewer samples than processes.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
@@ -56,7 +65,15 @@ class SeededRandomSampler(DistributedSampler):
         return self.num_samples
 
     def resume(self, epoch: int, samples_seen: int) -> None:
-        """Start the next iteration at ``epoch`` after ``samples_seen`` keys of its global order."""
+        """Start the next iteration inside an epoch.
+
+        Args:
+            epoch: the epoch to resume.
+            samples_seen: keys of that epoch's global order already consumed (by all ranks together).
+
+        Raises:
+            ValueError: when ``epoch`` is negative or ``samples_seen`` is not in ``[0, num_samples]``.
+        """
         if epoch < 0 or not 0 <= samples_seen <= self.num_samples_total:
             raise ValueError(f"cannot resume at epoch {epoch} after {samples_seen} of {self.num_samples_total} samples")
         self._resume_at = (epoch, samples_seen)
@@ -101,6 +118,15 @@ class MultiViewDataset(Dataset):
     ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); or
     ``all_views(image, L) -> (L, C, H, W)`` draws the ``L`` views in one batched call instead. The image is
     decoded once for its ``L`` views.
+
+    Args:
+        images: the split.
+        transform: one view transform, or one per view kind.
+        num_views: ``L``, views per image.
+        all_views: draws all ``L`` views of an image in one call instead of ``transform``.
+
+    Raises:
+        ValueError: when ``num_views`` is below 1.
     """
 
     def __init__(
@@ -153,7 +179,17 @@ class SeededImageDataset(Dataset):
 
 
 class SingleViewDataset(MultiViewDataset):
-    """One augmented view of one image: ``key -> (image (C, H, W), target)``."""
+    """One augmented view of one image: ``key -> (image (C, H, W), target)``.
+
+    Args:
+        images: the split.
+        transform: the view transform (or one per view kind; the first is used).
+        num_views: views drawn per image, of which the first is kept (mode ``single`` has 1).
+        all_views: draws the views of an image in one call instead of ``transform``.
+
+    Raises:
+        ValueError: when ``num_views`` is below 1.
+    """
 
     def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
         views, target = super().__getitem__(key)
@@ -165,6 +201,14 @@ class SameClassDataset(Dataset):
 
     Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of its
     class. Member ``l`` goes through ``transform`` (or ``transform[l % len]``).
+
+    Args:
+        images: the split, labelled.
+        transform: one view transform, or one per member.
+        num_views: ``L``, members per group.
+
+    Raises:
+        ConfigurationError: when a class has fewer than ``num_views`` images.
     """
 
     def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
@@ -200,7 +244,12 @@ class SameClassDataset(Dataset):
 
 
 class EvalDataset(Dataset):
-    """One un-augmented image: ``index -> (image (C, H, W), target)``."""
+    """One un-augmented image: ``index -> (image (C, H, W), target)``.
+
+    Args:
+        images: the split.
+        transform: the evaluation transform (:func:`~hfmca_lightning.data.transforms.eval_transform`).
+    """
 
     def __init__(self, images: LabelledImages, transform: Callable) -> None:
         self.images, self.transform = images, transform

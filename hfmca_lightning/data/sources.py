@@ -69,7 +69,15 @@ class LabelledImages(Dataset):
 
 
 class ArrayImages(LabelledImages):
-    """Images held in memory as one ``(N, H, W, 3)`` uint8 array."""
+    """Images held in memory as one ``(N, H, W, 3)`` uint8 array: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+
+    Args:
+        images: ``(N, H, W, 3)`` uint8 array.
+        targets: ``N`` class indices (``UNLABELLED`` for images without a class).
+
+    Raises:
+        ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.
+    """
 
     def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
@@ -104,14 +112,29 @@ class ImageSource(ABC):
 
     @abstractmethod
     def split(self, train: bool) -> LabelledImages:
-        """The train (``True``) or test (``False``) split."""
+        """One split of the source.
+
+        Args:
+            train: the train (``True``) or test (``False``) split.
+
+        Returns:
+            The split's images and targets.
+        """
 
     def training_split(self) -> LabelledImages:
-        """The images the model trains on (targets may be ``UNLABELLED``)."""
+        """The images the model trains on.
+
+        Returns:
+            The training split (targets may be ``UNLABELLED``).
+        """
         return self.split(train=True)
 
     def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
-        """``(bank, queries)`` for kNN and probes, both labelled, or ``None`` when the source has no labels."""
+        """The labelled splits of the evaluation protocols.
+
+        Returns:
+            ``(bank, queries)`` for kNN and probes, both labelled, or ``None`` when the source has no labels.
+        """
         return self.split(train=True), self.split(train=False)
 
 
@@ -127,6 +150,9 @@ class CIFAR(ImageSource):
         root: folder that holds (or will hold) the extracted data set.
         download: fetch and extract the archive into ``root`` if it is missing.
         verify: check md5 sums.
+
+    Raises:
+        ConfigurationError: when ``name`` is neither of the above.
     """
 
     image_size = 32
@@ -204,6 +230,10 @@ class FolderImages(LabelledImages):
     A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming
     it; with ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the
     next readable image of the list in its place, so an epoch keeps its length.
+
+    Args:
+        samples: ``(path, target)`` of every image.
+        on_bad_image: ``error`` or ``skip``.
     """
 
     def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
@@ -275,14 +305,19 @@ class ImageFolderSource(ImageSource):
 
     Args:
         root: folder with one sub-folder per split.
-        train_dir / test_dir: names of the split folders (ImageNet: ``train`` / ``val``); ``test_dir: null``
-            trains without kNN evaluation.
+        train_dir: name of the training split's folder.
+        test_dir: name of the test split's folder (ImageNet: ``val``); ``test_dir: null`` trains without kNN
+            evaluation.
         class_list: a text file of class folder names, one per line (``#`` comments); only those classes
             are used (``configs/imagenet100_classes.txt``: ImageNet-100).
         image_size: side of the (square) images fed to the network.
         eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
-        mean / std: normalisation (default ImageNet's).
+        mean: per-channel normalisation mean (default ImageNet's).
+        std: per-channel normalisation standard deviation (default ImageNet's).
         on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
+
+    Raises:
+        ConfigurationError: when ``on_bad_image`` is neither of the above or ``mean`` / ``std`` are not three values.
     """
 
     def __init__(
@@ -380,8 +415,15 @@ class UnlabelledFolderSource(ImageSource):
 
     Args:
         root: folder searched recursively for image files.
-        image_size / eval_resize / mean / std / on_bad_image: as :class:`ImageFolderSource`.
+        image_size: as :class:`ImageFolderSource`.
+        eval_resize: as :class:`ImageFolderSource`.
+        mean: as :class:`ImageFolderSource`.
+        std: as :class:`ImageFolderSource`.
+        on_bad_image: as :class:`ImageFolderSource`.
         evaluation: the labelled source whose evaluation splits kNN and probes use.
+
+    Raises:
+        ConfigurationError: when ``mean`` / ``std`` are not three values.
     """
 
     def __init__(
@@ -561,6 +603,16 @@ class SyntheticShapes(ImageSource):
     Each class is a shape (disk, square, triangle, ring, cross, stripes, ...) drawn with random colours,
     position and size over a noisy background; a representation must see shape, not colour, to
     separate the classes. Deterministic from ``seed``; nothing is stored on disk.
+
+    Args:
+        num_classes: shapes, hence classes, in ``[2, number of shapes]``.
+        train_per_class: training images per class.
+        test_per_class: test images per class.
+        image_size: side of the square images, ``>= 8``.
+        seed: seeds the generation.
+
+    Raises:
+        ConfigurationError: when a setting is out of its range.
     """
 
     def __init__(

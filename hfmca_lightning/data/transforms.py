@@ -68,7 +68,19 @@ class ViewAugmentation:
     ``blur_p`` and ``solarize_p`` are per view: view ``l`` of a group uses entry ``l % len``, so
     ``blur_p=(1.0, 0.1), solarize_p=(0.0, 0.2)`` alternates BYOL's two view distributions over the ``L``
     views. The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the CPU (as lightly), a separable
-    kernel of about 10 % of the image side on the device (SimCLR's).
+    kernel of about 10 % of the image side on the device (SimCLR's). :meth:`from_strengths` makes it from the
+    knobs of the module docstring.
+
+    Args:
+        image_size: side of the square views.
+        crop_scale: ``RandomResizedCrop`` scale range.
+        crop_ratio: ``RandomResizedCrop`` aspect-ratio range.
+        jitter: colour jitter ``(brightness, contrast, saturation, hue)``; all 0 = no jitter.
+        jitter_p: probability of the colour jitter.
+        gray_p: probability of greyscale.
+        horizontal_flip: random horizontal flips.
+        blur_p: probability of a Gaussian blur, per view kind.
+        solarize_p: probability of a solarisation, per view kind.
     """
 
     image_size: int
@@ -87,7 +99,14 @@ class ViewAugmentation:
         return max(len(self.blur_p), len(self.solarize_p))
 
     def kind(self, view: int) -> tuple[float, float]:
-        """``(blur probability, solarisation probability)`` of view number ``view``."""
+        """The blur and solarisation probabilities of a view (those of its view kind).
+
+        Args:
+            view: the view's number in its group.
+
+        Returns:
+            ``(blur probability, solarisation probability)`` of that view.
+        """
         return self.blur_p[view % len(self.blur_p)], self.solarize_p[view % len(self.solarize_p)]
 
     @property
@@ -109,8 +128,23 @@ class ViewAugmentation:
     ) -> ViewAugmentation:
         """Map the Table 2 knobs (module docstring) and the ImageNet-scale extras to parameters.
 
-        ``color_jitter`` (brightness, contrast, saturation, hue) replaces the jitter that ``color_strength``
-        gives (BYOL's is (0.4, 0.4, 0.2, 0.1)); ``blur`` and ``solarize`` are probabilities, one per view kind.
+        Args:
+            image_size: side of the square views.
+            crop_strength: crop knob in [0, 1]; None: SimCLR default.
+            color_strength: colour knob in [0, 1]; None: SimCLR default.
+            gray_strength: greyscale knob in [0, 1]; None: SimCLR default.
+            horizontal_flip: random horizontal flips.
+            color_jitter: ``(brightness, contrast, saturation, hue)``, replaces the jitter that ``color_strength``
+                gives (BYOL's is (0.4, 0.4, 0.2, 0.1)).
+            blur: probability of a Gaussian blur, or one per view kind.
+            solarize: probability of a solarisation, or one per view kind.
+
+        Returns:
+            The view distribution.
+
+        Raises:
+            ConfigurationError: when a strength or probability is not in [0, 1], or ``color_jitter`` is not four
+                values ``>= 0``.
         """
         for name, value in (
             ("crop_strength", crop_strength),
@@ -152,10 +186,21 @@ def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ..
 def view_transform(
     spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
 ) -> v2.Compose:
-    """One random view (number ``view`` of its group) of a uint8 / PIL image -> normalised float
-    ``(3, image_size, image_size)``, drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation`
-    draws from on the device). Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter,
-    greyscale, blur, solarisation, normalisation."""
+    """The transform of one random view, drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation`
+    draws from on the device).
+
+    Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter, greyscale, blur, solarisation,
+    normalisation.
+
+    Args:
+        spec: the view distribution.
+        mean: per-channel normalisation mean.
+        std: per-channel normalisation standard deviation.
+        view: the view's number in its group (it picks the view kind's blur and solarisation probabilities).
+
+    Returns:
+        uint8 / PIL image -> normalised float ``(3, image_size, image_size)``.
+    """
     steps: list[v2.Transform] = [
         v2.ToImage(),
         v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True),
@@ -254,8 +299,18 @@ class RandomGaussianBlur(nn.Module):
 def view_transforms(
     spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0
 ) -> list[nn.Module]:
-    """One :func:`view_transform` per view kind (view ``l`` uses entry ``l % len``); with ``grid_size > 0`` one
-    :class:`ViewWithGrid` per kind instead (views with the positions of their grid cells, for VICRegL)."""
+    """The transforms of every view kind of ``spec``.
+
+    Args:
+        spec: the view distribution.
+        mean: per-channel normalisation mean.
+        std: per-channel normalisation standard deviation.
+        grid_size: ``g > 0``: views with the positions of a ``g x g`` grid of cells (VICRegL).
+
+    Returns:
+        One :func:`view_transform` per view kind (view ``l`` uses entry ``l % len``); with ``grid_size > 0`` one
+        :class:`ViewWithGrid` per kind instead.
+    """
     if grid_size > 0:
         return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
@@ -264,8 +319,17 @@ def view_transforms(
 def eval_transform(
     image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None
 ) -> v2.Compose:
-    """No augmentation: resize the shorter side to ``resize`` (default ``image_size``; ImageNet: 256 for 224),
-    centre-crop ``image_size``, normalise."""
+    """The evaluation transform, without augmentation: resize the shorter side, centre-crop, normalise.
+
+    Args:
+        image_size: side of the centre crop.
+        mean: per-channel normalisation mean.
+        std: per-channel normalisation standard deviation.
+        resize: the shorter side before the crop (default ``image_size``; ImageNet: 256 for 224).
+
+    Returns:
+        uint8 / PIL image -> normalised float ``(3, image_size, image_size)``.
+    """
     return v2.Compose(
         [
             v2.ToImage(),

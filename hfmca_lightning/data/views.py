@@ -114,6 +114,15 @@ class ViewPipeline:
         return self._setup
 
     def bind(self, setup: ViewSetup) -> None:
+        """Take the data module's settings (the data module calls it once, when it is made).
+
+        Args:
+            setup: the view distribution, normalisation, views per sample, mode and seed.
+
+        Raises:
+            ConfigurationError: when the pipeline cannot serve ``setup`` (its mode, its number of views, or what
+                :meth:`check` rejects).
+        """
         if setup.mode not in self.modes:
             raise ConfigurationError(
                 f"{type(self).__name__} draws {self._what()}; it does not serve mode {setup.mode!r} "
@@ -134,28 +143,68 @@ class ViewPipeline:
         return "augmented views of one image per sample"
 
     def check(self, setup: ViewSetup) -> None:
-        """Raise a :class:`ConfigurationError` for settings this pipeline cannot serve."""
+        """Check the settings beyond mode and view count (subclasses override it; called by :meth:`bind`).
+
+        Args:
+            setup: the data module's settings.
+
+        Raises:
+            ConfigurationError: for settings this pipeline cannot serve.
+        """
 
     def view_count(self) -> int | None:
-        """The number of views per sample this pipeline makes whatever ``num_views`` says, or None (it draws
-        ``num_views``; :class:`TransformViews`: as many as its transform returns, checked on the first sample)."""
+        """The number of views per sample this pipeline makes whatever ``num_views`` says.
+
+        Returns:
+            That number, or None: it draws ``num_views`` (:class:`TransformViews`: as many as its transform returns,
+            checked on the first sample).
+        """
         return None
 
     def counted_views(self, split: LabelledImages, seed: int) -> int | None:
-        """Views per sample known only from the pipeline's output, counted on the first sample (None: not needed)."""
+        """Views per sample known only from the pipeline's output, counted on the first sample.
+
+        Args:
+            split: the training split.
+            seed: the run's seed.
+
+        Returns:
+            The number of views, or None where it is not needed.
+        """
         return None
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        """The per-sample work of the data-loader workers: ``(index, seed)`` keys -> samples for :meth:`collate`."""
+        """The per-sample work of the data-loader workers.
+
+        Args:
+            split: the training split.
+
+        Returns:
+            A dataset of ``(index, seed)`` keys -> samples for :meth:`collate`.
+        """
         raise NotImplementedError
 
     def collate(self, samples: list[Any]) -> Any:
-        """A batch of samples -> :class:`ViewBatch` (worker pipelines) or the batch :meth:`draw` takes."""
+        """The collate function of the training loader.
+
+        Args:
+            samples: a batch of the samples of :meth:`dataset`.
+
+        Returns:
+            A :class:`ViewBatch` (worker pipelines) or the batch :meth:`draw` takes.
+        """
         raise NotImplementedError
 
     def draw(self, batch: Any, seed: int) -> ViewBatch:
-        """Device pipelines: the views of a transferred batch (``seed``: the batch's, for pipelines that draw from a
-        generator rather than from each sample's seed)."""
+        """Device pipelines: the views of a batch after its transfer to the device.
+
+        Args:
+            batch: what :meth:`collate` gave, on the device.
+            seed: the batch's seed, for pipelines that draw from a generator rather than from each sample's seed.
+
+        Returns:
+            The views, targets and indices of the batch's samples.
+        """
         raise NotImplementedError(f"{type(self).__name__} draws its views in the data-loader workers")
 
 
@@ -193,6 +242,15 @@ class TorchvisionViews(ViewPipeline):
         grids: ``g > 0``: each view comes with the source-image positions of a ``g x g`` grid over it
             (:class:`~hfmca_lightning.data.transforms.ViewWithGrid`), what VICRegL matches local features by;
             batches get a grids tensor (``stacked``: ``(views, targets, grids (B, L, g, g, 2))``).
+
+    Raises:
+        ConfigurationError: when ``grids`` is negative, or, when the data module binds it, set for a mode other
+            than ``views``.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), num_views=2, views=TorchvisionViews(grids=7))
+        views, targets, grids = next(iter(data.train_dataloader()))  # grids (64, 2, 7, 7, 2)
     """
 
     modes = ("views", "same_class", "single")
@@ -292,6 +350,13 @@ class KorniaViews(ViewPipeline):
 
     Args:
         on: ``workers`` or ``device``.
+
+    Raises:
+        ConfigurationError: when ``on`` is neither, or, when the data module binds it, kornia is not installed.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4, views=KorniaViews(on="device"))
     """
 
     def __init__(self, on: Where = "workers") -> None:
@@ -341,6 +406,15 @@ class BatchedViews(_DeviceOutput, ViewPipeline):
         on: ``workers`` or ``device``.
         output_dtype: ``float32`` or ``bfloat16`` (``on: device``: what a bf16 run's backbone takes).
         channels_last: ``on: device``: views laid out channels-last.
+
+    Raises:
+        ConfigurationError: when ``on`` or ``output_dtype`` is none of the above, or, when the data module binds
+            it, ``output_dtype`` / ``channels_last`` are set for views drawn in the workers.
+
+    Example::
+
+        views = BatchedViews(on="device", output_dtype="bfloat16", channels_last=True)
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4, views=views)
     """
 
     def __init__(
@@ -486,7 +560,15 @@ class ResidentViews(_DeviceOutput, ViewPipeline):
         batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
             GPU); on CUDA the next chunk is drawn ahead on a side stream while the current one trains. The views
             are those of one batch at a time (each sample's come from its own seed).
-        output_dtype / channels_last: as :class:`BatchedViews` on the device.
+        output_dtype: ``float32`` or ``bfloat16``, as :class:`BatchedViews` on the device.
+        channels_last: views laid out channels-last, as :class:`BatchedViews` on the device.
+
+    Raises:
+        ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is neither of the above.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), num_views=4, views=ResidentViews(batches_per_call=4))
     """
 
     def __init__(
@@ -516,7 +598,15 @@ class ResidentViews(_DeviceOutput, ViewPipeline):
         self._augmentation = BatchedViewAugmentation(setup.spec, setup.mean, setup.std)
 
     def store(self, split: LabelledImages, device: torch.device | None = None) -> StoredImages:
-        """The split as one uint8 tensor, on ``device`` when given (made once)."""
+        """The split as one uint8 tensor (made once; the data module calls it in ``setup``).
+
+        Args:
+            split: the training split.
+            device: where the tensor is kept; None: where it is.
+
+        Returns:
+            The stored images and targets.
+        """
         if self._stored is None or self._split is not split:
             self._stored, self._split = StoredImages.from_split(split, self.setup.spec.image_size), split
             self._drawn.clear()
@@ -648,9 +738,23 @@ class MultiCrop(ViewPipeline):
     0.05-0.14 (DINO's and SwAV's settings, scaled to CIFAR-like data). ``num_views`` must equal the total.
 
     Args:
-        global_crops / local_crops: crops per group.
-        global_size / local_size: their sides in pixels (default: the source's image size, and half of it).
-        global_scale / local_scale: the fraction of the image each crop covers.
+        global_crops: crops in the global group.
+        local_crops: crops in the local group.
+        global_size: side of the global crops in pixels (default: the source's image size).
+        local_size: side of the local crops in pixels (default: half the source's image size).
+        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
+        local_scale: ``(smallest, largest)`` fraction of the image a local crop covers.
+
+    Raises:
+        ConfigurationError: when a count is negative, there is no crop, a size is below 1 or a scale is not
+            ``0 < smallest <= largest <= 1``.
+
+    Example::
+
+        views = MultiCrop(global_crops=2, local_crops=6)
+        data = MultiViewDataModule(SyntheticShapes(), num_views=8, views=views)
+        (global_views, local_views), targets = next(iter(data.train_dataloader()))
+        # global_views (64, 2, 3, 32, 32), local_views (64, 6, 3, 16, 16)
     """
 
     def __init__(
@@ -690,7 +794,11 @@ class MultiCrop(ViewPipeline):
         return self.global_crops + self.local_crops
 
     def groups(self) -> list[CropGroup]:
-        """The crop groups for the bound source's image size, global first (empty groups left out)."""
+        """The crop groups for the bound source's image size.
+
+        Returns:
+            The groups, global first (empty groups left out).
+        """
         size = self.setup.spec.image_size
         global_size = self.global_size or size
         local_size = self.local_size or max(1, size // 2)
@@ -725,6 +833,17 @@ class TransformViews(ViewPipeline):
 
     Args:
         transform: image -> list of ``(C, H, W)`` tensors.
+
+    Raises:
+        ConfigurationError: when ``transform`` is not callable, or, when the data module binds it, the data
+            module's augmentation settings are set.
+
+    Example::
+
+        from lightly.transforms import SimCLRTransform
+
+        views = TransformViews(SimCLRTransform(input_size=32))
+        data = MultiViewDataModule(SyntheticShapes(), num_views=2, views=views)
     """
 
     def __init__(self, transform: Callable[[Any], Sequence[Tensor]]) -> None:

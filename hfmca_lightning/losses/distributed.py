@@ -64,7 +64,17 @@ def all_reduce_max(tensor: Tensor) -> Tensor:
 
 
 def all_reduce_statistics(stats: CorrelationStatistics) -> CorrelationStatistics:
-    """The statistics of the global batch: every field summed over ranks, in one collective."""
+    """The statistics of the global batch: every field summed over ranks, in one collective.
+
+    Differentiable: the backward pass sums the gradients over ranks, so DDP's averaged parameter gradients equal the
+    single-process ones. Without ``torch.distributed`` (or with one process) ``stats`` come back as they are.
+
+    Args:
+        stats: this rank's statistics of one cost.
+
+    Returns:
+        The statistics summed over all ranks of the default group.
+    """
     return all_reduce_statistics_together([stats])[0]
 
 

@@ -73,6 +73,14 @@ class HFMCACost(nn.Module):
         beta: EMA factor in ``[0, 1)`` (0 for SSL training, 0.5 for spectrum analysis).
         sync_dist: reduce statistics over ranks, see :func:`hfmca_cost`.
         name: the cost's name in error messages and logs.
+
+    Raises:
+        ConfigurationError: when ``reg`` is not a finite number ``> 0`` or ``beta`` is not in ``[0, 1)``.
+
+    Example::
+
+        cost = HFMCACost(reg=0.1)
+        value = cost(torch.randn(64, 9, 32), torch.randn(64, 16))  # 0-dim float64, <= 0
     """
 
     joint_ema: Tensor
@@ -97,18 +105,47 @@ class HFMCACost(nn.Module):
         return f"name={self.name!r}, reg={self.reg}, beta={self.beta}, sync_dist={self.sync_dist}"
 
     def forward(self, low: Tensor, high: Tensor) -> Tensor:
-        """Cost between ``low (M, L, K1)`` members and ``high (M, K2)`` group features."""
+        """Cost between the members of each group and the group's feature (paper Prop. 2).
+
+        Args:
+            low: ``(M, L, K1)`` member features.
+            high: ``(M, K2)`` group features.
+
+        Returns:
+            0-dim float64 tensor ``r <= 0``; in training mode with ``beta > 0`` its gradient is the adaptive
+            filter's.
+
+        Raises:
+            ValueError: when ``low`` is not ``(M, L, K1)`` or ``high`` not ``(M, K2)`` with the same ``M``.
+            CostFactorisationError: when a matrix of the cost is not positive definite.
+        """
         return self.forward_statistics(group_statistics(low, high))
 
     def synchronise(self, stats: CorrelationStatistics) -> CorrelationStatistics:
-        """The statistics of the global batch: ``stats`` summed over all ranks with ``sync_dist`` (differentiably,
-        one collective), else ``stats``."""
+        """The statistics of the global batch.
+
+        Args:
+            stats: this rank's statistics.
+
+        Returns:
+            ``stats`` summed over all ranks with ``sync_dist`` (differentiably, one collective), else ``stats``.
+        """
         return all_reduce_statistics(stats) if self.sync_dist else stats
 
     def forward_statistics(self, stats: CorrelationStatistics, *, synchronised: bool = False) -> Tensor:
-        """Cost from precomputed statistics, e.g. :func:`feature_map_statistics`; local ones are synchronised
-        first (pass ``synchronised=True`` for the output of :meth:`synchronise`). A failed factorisation raises
-        :class:`CostFactorisationError` (one host read; :func:`hfmca_costs` leaves the reading to the caller)."""
+        """Cost from precomputed statistics, e.g. :func:`feature_map_statistics`.
+
+        Args:
+            stats: the statistics of one cost; local ones are synchronised first (:meth:`synchronise`).
+            synchronised: ``stats`` are already those of the global batch (the output of :meth:`synchronise`).
+
+        Returns:
+            0-dim float64 tensor ``r <= 0``.
+
+        Raises:
+            CostFactorisationError: when a matrix of the cost is not positive definite (one host read;
+                :func:`hfmca_costs` leaves the reading to the caller).
+        """
         if not synchronised:
             stats = self.synchronise(stats)
         (cost,), checks = hfmca_costs([stats], [self])
@@ -116,12 +153,23 @@ class HFMCACost(nn.Module):
         return cost
 
     def filtering(self) -> bool:
-        """Whether the next cost updates the adaptive filter and takes its gradient at the smoothed matrices."""
+        """Whether the next cost updates the adaptive filter and takes its gradient at the smoothed matrices.
+
+        Returns:
+            True with ``beta > 0``, in training mode, with gradients enabled.
+        """
         return self.beta > 0 and self.training and torch.is_grad_enabled()
 
     def prepare_filter(self, stats: CorrelationStatistics) -> None:
         """Size the EMA buffer for ``stats`` on their first step (its size is known only then, or from a
-        checkpoint); outside any compiled region, as it replaces the buffer."""
+        checkpoint); outside any compiled region, as it replaces the buffer.
+
+        Args:
+            stats: the statistics of the step.
+
+        Raises:
+            ValueError: when the feature dimensions differ from those the buffer was sized for.
+        """
         size = stats.low_dim + stats.high_dim
         if self.joint_ema.shape == (size, size):
             return
@@ -347,7 +395,21 @@ def _gradients(joint_factor: Tensor, high_factor: Tensor, k1: int) -> tuple[Tens
 
 
 def cost_from_statistics(stats: CorrelationStatistics, *, reg: float = 0.1, name: str = "hfmca") -> Tensor:
-    """``r = logdet J - logdet A - logdet C`` (0-dim float64, differentiable) from statistics."""
+    """The cost ``r = logdet J - logdet A - logdet C`` from statistics (paper Prop. 2).
+
+    Args:
+        stats: the statistics of one cost (:func:`group_statistics`, :func:`feature_map_statistics`), taken as
+            those of the whole batch (not synchronised).
+        reg: ``> 0``, added to the diagonal of both marginal blocks and inside the joint.
+        name: named in error messages.
+
+    Returns:
+        0-dim float64 tensor ``r <= 0``, differentiable.
+
+    Raises:
+        ConfigurationError: when ``reg`` is not a finite number ``> 0``.
+        CostFactorisationError: when a matrix of the cost is not positive definite.
+    """
     return HFMCACost(check_reg(reg), name=name).eval().forward_statistics(stats, synchronised=True)
 
 
@@ -364,6 +426,17 @@ def hfmca_cost(low: Tensor, high: Tensor, *, reg: float = 0.1, sync_dist: bool =
 
     Returns:
         0-dim float64 tensor ``r <= 0``; lower means stronger dependence.
+
+    Raises:
+        ConfigurationError: when ``reg`` is not a finite number ``> 0``.
+        ValueError: when ``low`` is not ``(M, L, K1)`` or ``high`` not ``(M, K2)`` with the same ``M``.
+        CostFactorisationError: when a matrix of the cost is not positive definite (``reg`` too small, or
+            features holding NaN or Inf).
+
+    Example::
+
+        low, high = torch.randn(64, 9, 32), torch.randn(64, 16)  # 9 views of 64 images, their group features
+        cost = hfmca_cost(low, high, reg=0.1)  # 0-dim float64, <= 0: minimise it
     """
     check_reg(reg)
     stats = group_statistics(low, high)

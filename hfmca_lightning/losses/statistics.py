@@ -44,7 +44,9 @@ __all__ = [
 class CorrelationStatistics:
     """Sufficient statistics of one cost, as float64 sums and counts.
 
-    Attributes:
+    Statistics of disjoint sets of groups add up (``a + b``); :meth:`means` gives ``(R1, R2, P)``.
+
+    Args:
         low_outer_sum: ``(K1, K1)`` sum over members of ``w z z^T`` (``w`` = 1 for groups, the window
             coverage for feature maps).
         high_outer_sum: ``(K2, K2)`` sum over groups of ``h h^T``.
@@ -69,7 +71,11 @@ class CorrelationStatistics:
         return self.high_outer_sum.shape[0]
 
     def means(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(R1, R2, P)`` of docs/conventions.md §1: the sums divided by their counts."""
+        """The second moments of docs/conventions.md §1: the sums divided by their counts.
+
+        Returns:
+            ``(R1 (K1, K1), R2 (K2, K2), P (K1, K2))``.
+        """
         return (
             self.low_outer_sum / self.member_count,
             self.high_outer_sum / self.group_count,
@@ -92,6 +98,11 @@ class CorrelationStatistics:
         )
 
     def detach(self) -> CorrelationStatistics:
+        """These statistics without their autograd history.
+
+        Returns:
+            The same sums and counts, detached.
+        """
         return CorrelationStatistics(
             self.low_outer_sum.detach(),
             self.high_outer_sum.detach(),
@@ -113,9 +124,24 @@ def _count(value: int, like: Tensor) -> Tensor:
 def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:
     """Statistics of groups of ``L`` members (the external cost, paper Alg. 1).
 
+    Sums ``z z^T`` over all ``M * L`` members, ``h h^T`` over the ``M`` groups and ``(mean_l z_l) h^T`` over the
+    groups, in float64 outside autocast, whatever the dtype of the features.
+
     Args:
         low: ``(M, L, K1)`` the L member features of each of M groups.
         high: ``(M, K2)`` one feature per group.
+
+    Returns:
+        The statistics, with ``member_count = M * L`` and ``group_count = M``; differentiable.
+
+    Raises:
+        ValueError: when ``low`` is not ``(M, L, K1)`` or ``high`` not ``(M, K2)`` with the same ``M``, or there are
+            no groups or no members.
+
+    Example::
+
+        stats = group_statistics(torch.randn(64, 9, 32), torch.randn(64, 16))
+        r1, r2, p = stats.means()  # (32, 32), (16, 16), (32, 16)
     """
     if low.dim() != 3:
         raise ValueError(
@@ -150,14 +176,26 @@ def window_coverage(
     geometry: WindowGeometry,
     device: torch.device | None = None,
 ) -> Tensor:
-    """``(H, W)`` float64 map: the weight of each input position in R1, ``kernel**2 * sum_q 1 / |W_q|`` over the
-    output windows ``W_q`` that contain it.
+    """The weight of each input position in R1: ``kernel**2 * sum_q 1 / |W_q|`` over the output windows ``W_q``
+    that contain it.
 
     Windows have the block's ``geometry``; their members are the positions of the input map they cover
     (``|W_q|`` of them: ``kernel**2`` inside, fewer where the window reaches over the border, whose padding
     positions are no members; docs/conventions.md §3). With ``kernel**2`` members counted per group, R1 is then the
     mean over groups of each window's own member mean of ``z z^T``. Without padding the weight is the number of
     windows that contain the position.
+
+    Args:
+        input_size: ``(H, W)`` of the block's input map.
+        output_size: ``(H', W')`` of the block's output map.
+        geometry: the block's window ``(kernel, stride, padding)``.
+        device: where the map is made (default: the CPU).
+
+    Returns:
+        ``(H, W)`` float64 map of weights.
+
+    Raises:
+        ValueError: when ``geometry`` does not map ``input_size`` to ``output_size``.
     """
     k = geometry.kernel
     height, width = input_size
@@ -327,6 +365,21 @@ def feature_map_statistics(
         geometry: the block's window ``(kernel, stride, padding)``.
         precision: ``fast``, ``tf32x3`` or ``float64``.
         window_pooling: ``banded`` or ``avg_pool``; default by the maps' device.
+
+    Returns:
+        The statistics of the ``B * H' * W'`` groups, with ``member_count = B * H' * W' * kernel**2``;
+        differentiable.
+
+    Raises:
+        ValueError: when the maps are not ``(B, K, H, W)`` of the same batch, are empty, ``geometry`` does not map
+            the input's ``(H, W)`` to the output's ``(H', W')``, or ``precision`` / ``window_pooling`` is unknown.
+
+    Example::
+
+        block = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        low_map = torch.randn(8, 16, 32, 32)
+        stats = feature_map_statistics(low_map, block(low_map), window_geometry(block))
+        cost = cost_from_statistics(stats, reg=0.1)
     """
     if low_map.dim() != 4 or high_map.dim() != 4:
         raise ValueError(
@@ -843,6 +896,15 @@ def joint_matrix(a: Tensor, c: Tensor, cross: Tensor) -> Tensor:
 
 
 def regularised_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(A, C, J)`` of docs/conventions.md §1: ``A = R1 + reg I``, ``C = R2 + reg I``, ``J = [[A, P], [P^T, C]]``."""
+    """The regularised matrices of docs/conventions.md §1: ``A = R1 + reg I``, ``C = R2 + reg I`` and the joint
+    ``J = [[A, P], [P^T, C]]``.
+
+    Args:
+        stats: the statistics of one cost.
+        reg: added to the diagonals of ``A`` and ``C``.
+
+    Returns:
+        ``(A (K1, K1), C (K2, K2), J (K1 + K2, K1 + K2))``.
+    """
     a, c, cross = marginal_blocks(stats, reg)
     return a, c, joint_matrix(a, c, cross)

@@ -23,7 +23,16 @@ __all__ = ["WindowGeometry", "window_geometry", "input_geometry"]
 
 @dataclass(frozen=True)
 class WindowGeometry:
-    """Square window ``kernel x kernel``, moved by ``stride``, over an input zero-padded by ``padding``."""
+    """Square window ``kernel x kernel``, moved by ``stride``, over an input zero-padded by ``padding``.
+
+    Args:
+        kernel: side of the window, ``>= 1``.
+        stride: step between windows, ``>= 1``.
+        padding: zeros added on every side of the input, ``>= 0``.
+
+    Raises:
+        ValueError: when a value is out of its range.
+    """
 
     kernel: int = 1
     stride: int = 1
@@ -35,11 +44,22 @@ class WindowGeometry:
 
     @classmethod
     def identity(cls) -> WindowGeometry:
-        """The geometry of a pointwise layer (BN, activation, 1x1 stride-1 conv)."""
+        """The geometry of a pointwise layer (BN, activation, 1x1 stride-1 conv).
+
+        Returns:
+            ``WindowGeometry(1, 1, 0)``.
+        """
         return cls(1, 1, 0)
 
     def then(self, later: WindowGeometry) -> WindowGeometry:
-        """Geometry of this layer followed by ``later``."""
+        """Geometry of this layer followed by ``later`` (the composition rule of the module docstring).
+
+        Args:
+            later: the geometry of the layer that takes this one's output.
+
+        Returns:
+            The geometry from this layer's input to ``later``'s output.
+        """
         return WindowGeometry(
             kernel=self.kernel + (later.kernel - 1) * self.stride,
             stride=self.stride * later.stride,
@@ -47,7 +67,17 @@ class WindowGeometry:
         )
 
     def output_size(self, input_size: Sequence[int]) -> tuple[int, int]:
-        """``(H', W')`` of the window grid over an ``(H, W)`` input (floor, as conv and pooling do)."""
+        """The size of the window grid over an input (floor, as conv and pooling do).
+
+        Args:
+            input_size: ``(H, W)`` of the input.
+
+        Returns:
+            ``(H', W')``.
+
+        Raises:
+            ValueError: when ``input_size`` is not two sizes or no window fits the input.
+        """
         size = [(int(n) + 2 * self.padding - self.kernel) // self.stride + 1 for n in input_size]
         if len(size) != 2 or min(size) < 1:
             raise ValueError(f"window geometry {self} does not fit an input of size {tuple(input_size)}")
@@ -139,9 +169,16 @@ def window_geometry(module: nn.Module) -> WindowGeometry:
     any other container composes its children in registration order, which is right for
     ``nn.Sequential`` and for blocks whose forward is a single chain.
 
+    Args:
+        module: the block, e.g. a backbone stage.
+
+    Returns:
+        The window geometry from the block's input to its output.
+
     Raises:
         ValueError: for layers whose window is not a fixed square (adaptive pooling, upsampling, ...),
             naming the layer; declare ``window_geometry`` on such modules instead.
+        TypeError: when a ``window_geometry`` attribute is not a :class:`WindowGeometry` (nor gives one).
     """
     declared = getattr(module, "window_geometry", None)
     if declared is not None:
@@ -184,6 +221,13 @@ def input_geometry(root: nn.Module, name: str) -> WindowGeometry:
 
     Position ``j`` of the map is centred on image pixel ``j * stride - padding + (kernel - 1) / 2`` (figures
     place heatmaps with it: a spectrum CNN's maps carry the padding ring of ``L0``).
+
+    Args:
+        root: the network, e.g. a backbone.
+        name: the dotted name of a submodule of ``root`` (as in ``root.named_modules()``).
+
+    Returns:
+        The geometry from ``root``'s input image to the input map of ``name``.
 
     Raises:
         ValueError: when a module before ``name`` has no fixed window geometry, or ``name`` is not a submodule.

@@ -253,7 +253,7 @@ class _Windows:
         """``torch.matmul(a, b)`` (into ``out``)."""
         if not self.split:
             return torch.matmul(a, b, out=out)
-        (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+        (a_hi, a_lo), (b_hi, b_lo) = self._split(a), self._split(b)
         result = torch.matmul(a_hi, b_hi, out=out)
         return self._add(self._add(result, a_hi, b_lo), a_lo, b_hi)
 
@@ -261,8 +261,17 @@ class _Windows:
         """``accumulator += a @ b`` in place (2-D, or 3-D batches of equal size)."""
         if not self.split:
             return self._add(accumulator, a, b)
-        (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+        (a_hi, a_lo), (b_hi, b_lo) = self._split(a), self._split(b)
         return self._add(self._add(self._add(accumulator, a_hi, b_hi), a_hi, b_lo), a_lo, b_hi)
+
+    @staticmethod
+    def _split(x: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`_split_tf32`, of one matrix only where ``x`` repeats it over a batch (``expand``), so that a matrix
+        shared by all images is split once, not copied per image."""
+        if x.dim() == 3 and x.stride(0) == 0:
+            hi, lo = _split_tf32(x[0])
+            return hi.expand_as(x), lo.expand_as(x)
+        return _split_tf32(x)
 
     @staticmethod
     def _add(accumulator: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -321,8 +330,9 @@ def _split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _tensor_cores(device: torch.device) -> bool:
-    """Whether float32 products on ``device`` may run on TF32 tensor cores (CUDA; the split needs them to pay)."""
-    return device.type == "cuda"
+    """Whether float32 products on ``device`` may run on TF32 tensor cores (CUDA GPUs of compute capability 8.0 and
+    later; the split needs them to pay, and is three exact products anywhere else)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _pooling_for(device: torch.device, geometry: WindowGeometry) -> WindowPooling:
@@ -872,12 +882,18 @@ def _float32_products(device: torch.device, tf32: bool = False) -> Iterator[None
     if device.type != "cuda":
         yield
         return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    matmul = torch.backends.cuda.matmul
+    # torch >= 2.9 keeps the setting as ``fp32_precision``; reading the legacy ``allow_tf32`` after the new API set
+    # it raises, so the new one is used wherever it exists.
+    name, value = (
+        ("fp32_precision", "tf32" if tf32 else "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", tf32)
+    )
+    saved = getattr(matmul, name)
+    setattr(matmul, name, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        setattr(matmul, name, saved)
 
 
 def marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -405,19 +405,39 @@ def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
         stats = feature_map_statistics(z_map, h_map, WindowGeometry(3, 1, 1), precision=precision)
         sum(s.sum() for s in (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum)).backward()
 
-    saved = torch.backends.cuda.matmul.allow_tf32
+    # Users set TF32 with torch.set_float32_matmul_precision or, on torch >= 2.9, the new fp32_precision flags; a
+    # read of the legacy allow_tf32 then raises where the two APIs disagree (the global flag "tf32", the matmul flag
+    # "none"), so the statistics must use the new flag wherever it exists.
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+
+    def tf32_on() -> bool:
+        return matmul.fp32_precision == "tf32" if new_api else matmul.allow_tf32
+
+    def global_tf32_flag() -> None:
+        torch.backends.fp32_precision = "tf32"
+        matmul.fp32_precision = "none"
+
+    user_settings = [lambda: torch.set_float32_matmul_precision("high")]
+    user_settings.append(lambda: torch.set_float32_matmul_precision("highest"))
+    if new_api:
+        user_settings.append(global_tf32_flag)
+    saved = (torch.get_float32_matmul_precision(), getattr(torch.backends, "fp32_precision", None))
     try:
-        for before in (True, False):
-            torch.backends.cuda.matmul.allow_tf32 = before
-            with _float32_products(torch.device("cpu"), tf32=not before):
-                assert torch.backends.cuda.matmul.allow_tf32 == before
+        for set_by_user in user_settings:
+            set_by_user()
+            user_setting = tf32_on()
+            with _float32_products(torch.device("cpu"), tf32=not user_setting):
+                assert tf32_on() == user_setting
             with _float32_products(torch.device("cuda")):
-                assert not torch.backends.cuda.matmul.allow_tf32
+                assert not tf32_on()
             with _float32_products(torch.device("cuda"), tf32=True):
-                assert torch.backends.cuda.matmul.allow_tf32
-            assert torch.backends.cuda.matmul.allow_tf32 == before
+                assert tf32_on()
+            assert tf32_on() == user_setting
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        if saved[1] is not None:
+            torch.backends.fp32_precision = saved[1]
+        torch.set_float32_matmul_precision(saved[0])
 
 
 @pytest.mark.parametrize(

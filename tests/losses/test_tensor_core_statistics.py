@@ -126,3 +126,22 @@ def test_one_tf32_product_is_not_precise_enough_for_the_costs():
     with EmulatedTF32():
         cost_error, _ = _relative_errors(_cost_and_gradients(low, high, WindowGeometry(5, 1, 2), "fast"), exact)
     assert cost_error > 100 * FAST_COST_TOLERANCE, cost_error
+
+
+def test_a_matrix_shared_by_every_image_is_split_once_not_per_image():
+    """The backward pass multiplies each image by the same ``(K, K)`` matrix, given expanded over the batch: its split
+    factors stay views of one matrix (stride 0), and the products equal those of the copied split."""
+    windows = statistics_module._Windows(WindowGeometry(3, 1, 1), torch.eye(4), torch.eye(4), "banded", split=True)
+    shared = torch.randn(5, 5).expand(6, 5, 5)
+    hi, lo = windows._split(shared)
+    assert hi.stride(0) == 0 and lo.stride(0) == 0
+    copied_hi, copied_lo = statistics_module._split_tf32(shared.contiguous())
+    assert torch.equal(hi, copied_hi) and torch.equal(lo, copied_lo)
+    images = torch.randn(6, 5, 7)
+    accumulator = torch.zeros(6, 5, 7)
+    windows.add_mm_(accumulator, shared, images)
+    images_hi = round_to_tf32(images)
+    reference = copied_hi @ images_hi + copied_hi @ (images - images_hi) + copied_lo @ images_hi
+    torch.testing.assert_close(
+        accumulator, reference, rtol=0, atol=8 * 2**-24 * (shared.abs() @ images.abs()).max().item()
+    )

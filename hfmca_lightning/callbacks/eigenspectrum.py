@@ -21,6 +21,7 @@ from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamic
 
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
 
+LEGACY_STATE_KEY = "EigenspectrumCallback"  # the key of checkpoints whose state key did not name the settings
 HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
 
 
@@ -267,13 +268,26 @@ class EigenspectrumCallback(FigureCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` gave, or the older layout that kept the window's ``open`` and ``chunks``
+        sums beside the history.
+
+        Args:
+            state_dict: the callback's entry of a checkpoint.
+        """
         self.history = {
             name: [(int(step), list(values)) for step, values in entries]
             for name, entries in state_dict["history"].items()
         }
         self._internal_steps = state_dict.get("internal_steps")
         self._steps_seen = int(state_dict.get("steps_seen", 0))
-        self.window.load_state_dict(state_dict.get("window", {}))
+        self.window.load_state_dict(state_dict.get("window", state_dict))
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Checkpoints written before the state key named the settings kept the state under the class name; a
+        callback whose own key is missing takes that state, so resuming them keeps the history and window."""
+        states = checkpoint.get("callbacks", {})
+        if self.state_key not in states and LEGACY_STATE_KEY in states:
+            self.load_state_dict(states[LEGACY_STATE_KEY])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Restored sums go to the module's device (checkpoints may be loaded on the CPU)."""

@@ -18,7 +18,7 @@ from hfmca_lightning.data.batch_formats import BATCH_FORMATS, BatchFormat, ViewB
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, finetune_transform
-from hfmca_lightning.data.views import ResidentViews, TorchvisionViews, ViewPipeline, ViewSetup
+from hfmca_lightning.data.views import TorchvisionViews, ViewPipeline, ViewSetup
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.runtime.seeding import step_seed
 from hfmca_lightning.runtime.workers import leave_signals_to_the_main_process, track
@@ -38,21 +38,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _keep(batch: Any) -> Any:
-    """The collate function of loaders whose dataset yields whole batches."""
-    return batch
-
-
 class _TrainingBatches:
     """The training loader's collate function: the pipeline's batch, laid out in ``batch_format`` (None: as the
-    pipeline gives it, for device pipelines, which draw after the transfer; ``raw``: the :class:`ViewBatch`)."""
+    pipeline gives it: the :class:`ViewBatch` of worker pipelines, or what device pipelines draw from after the
+    transfer)."""
 
-    def __init__(self, views: ViewPipeline, batch_format: BatchFormat | None, mode: str, raw: bool = False) -> None:
-        self.views, self.batch_format, self.single, self.raw = views, batch_format, mode == "single", raw
+    def __init__(self, views: ViewPipeline, batch_format: BatchFormat | None, mode: str) -> None:
+        self.views, self.batch_format, self.single = views, batch_format, mode == "single"
 
     def __call__(self, samples: list[Any]) -> Any:
         batch = self.views.collate(samples)
-        if self.raw or self.batch_format is None:
+        if self.batch_format is None:
             return batch
         return format_batch(batch, self.batch_format, self.single)
 
@@ -226,9 +222,8 @@ class MultiViewDataModule(LightningDataModule):
                 raise ConfigurationError(
                     "mode 'same_class' groups images by class, but the training images have no labels", parameter="mode"
                 )
-        if isinstance(self.views, ResidentViews):  # errors (device memory) before training starts
-            device = self.trainer.strategy.root_device if self.trainer is not None else None
-            self.views.store(self._train_split, device)
+        # errors (device memory for ResidentViews) before training starts
+        self.views.prepare(self._train_split, self.trainer.strategy.root_device if self.trainer is not None else None)
         processes = self.trainer.world_size if self.trainer is not None else 1
         if len(self._train_split) // processes < self.batch_size:
             shared = f" shared by {processes} processes" if processes > 1 else ""
@@ -299,12 +294,17 @@ class MultiViewDataModule(LightningDataModule):
         if self._resume_position is not None:
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
             self._resume_position = None
+        return self._training_loader(dataset, sampler, None if self.views.draws_on_device else self.batch_format)
+
+    def _training_loader(
+        self, dataset: torch.utils.data.Dataset, sampler: SeededRandomSampler, batch_format: BatchFormat | None
+    ) -> DataLoader:
+        """The pipeline's batches of ``dataset`` in ``sampler``'s order, laid out in ``batch_format`` (None: as the
+        pipeline gives them)."""
+        batching = self.views.batching(sampler, self.batch_size)
         workers = None if self.views.uses_workers else 0  # no worker work: `num_workers` serves evaluation only
-        if isinstance(self.views, ResidentViews):
-            chunks = self.views.sampler(sampler, self.batch_size)
-            return self._loader(dataset, None, workers, sampler=chunks, collate_fn=_keep)
-        collate = _TrainingBatches(self.views, None if self.views.draws_on_device else self.batch_format, self.mode)
-        return self._loader(dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=collate)
+        collate = _TrainingBatches(self.views, batch_format, self.mode)
+        return self._loader(dataset, batching.pop("batch_size"), workers, collate_fn=collate, **batching)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""
@@ -343,16 +343,7 @@ class MultiViewDataModule(LightningDataModule):
             :class:`~hfmca_lightning.data.batch_formats.ViewBatch` on ``device``.
         """
         dataset = self.train_dataset()
-        sampler = SeededRandomSampler(len(dataset), self.seed)
-        if isinstance(self.views, ResidentViews):
-            chunks = self.views.sampler(sampler, self.batch_size)
-            loader = self._loader(dataset, None, 0, sampler=chunks, collate_fn=_keep)
-        else:
-            collate = _TrainingBatches(self.views, None, self.mode, raw=True)
-            workers = None if self.views.uses_workers else 0
-            loader = self._loader(
-                dataset, self.batch_size, workers, sampler=sampler, drop_last=True, collate_fn=collate
-            )
+        loader = self._training_loader(dataset, SeededRandomSampler(len(dataset), self.seed), None)
         iterator = iter(loader)
         try:
             for number, batch in enumerate(iterator):

@@ -26,6 +26,7 @@ draw; :class:`TransformViews` draws its transform's own.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -172,6 +173,28 @@ class ViewPipeline:
             The number of views, or None where it is not needed.
         """
         return None
+
+    def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
+        """Ready the pipeline for the training split before training starts (the data module calls it in ``setup``,
+        so what cannot work, such as a split too large for the device, fails before the first step).
+
+        Args:
+            split: the training split.
+            device: the device training runs on; None outside a trainer.
+        """
+
+    def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
+        """How the training loader forms batches from the sampler's ``(index, seed)`` keys.
+
+        Args:
+            sampler: the run's sampler (this process's share under DDP).
+            batch_size: samples per batch.
+
+        Returns:
+            The loader's ``sampler``, ``batch_size`` and ``drop_last``: by default ``batch_size`` samples per batch,
+            the short last batch dropped.
+        """
+        return {"sampler": sampler, "batch_size": batch_size, "drop_last": True}
 
     def dataset(self, split: LabelledImages) -> Dataset:
         """The per-sample work of the data-loader workers.
@@ -471,8 +494,8 @@ class BatchedViews(_DeviceOutput, ViewPipeline):
 @dataclass
 class ResidentBatch:
     """One training batch of :class:`ResidentViews`: the chunk of ``batches_per_call`` consecutive batches it belongs
-    to (``chunk`` numbers it within the epoch, ``indices`` / ``seeds`` (N * B,) its samples), its ``position`` in it,
-    the next chunk's samples (empty at the end of an epoch), and its own samples' names."""
+    to (``chunk`` numbers it, increasing over the process; ``indices`` / ``seeds`` (N * B,) its samples), its
+    ``position`` in it, the next chunk's samples (empty at the end of an epoch), and its own samples' names."""
 
     chunk: int
     position: int
@@ -488,9 +511,16 @@ class ResidentBatch:
         return replace(self, **{name: getattr(self, name).pin_memory() for name in tensors})
 
 
+_CHUNKS_PER_PASS = 1 << 32
+_PASSES = itertools.count()  # every pass over any _Chunks in this process: chunk numbers never repeat
+
+
 class _Chunks(DistributedSampler):
     """Batches of a :class:`SeededRandomSampler` (a ``DistributedSampler``, so Lightning leaves it in place), grouped
-    in chunks of ``batches_per_call``: yields ``(chunk number, position, chunk keys, next chunk keys)``."""
+    in chunks of ``batches_per_call``: yields ``(chunk number, position, batch size, chunk keys, next chunk keys)``.
+
+    Chunk numbers increase over the whole process, not only within an epoch: a pass that repeats an epoch (a resumed
+    one, or a second run with the same data module) never finds the chunks an earlier pass drew under its numbers."""
 
     def __init__(self, sampler: SeededRandomSampler, batch_size: int, batches_per_call: int) -> None:
         self.sampler, self.batch_size, self.batches_per_call = sampler, batch_size, batches_per_call
@@ -505,15 +535,14 @@ class _Chunks(DistributedSampler):
         keys = list(self.sampler)
         batches = [keys[start : start + self.batch_size] for start in range(0, len(keys), self.batch_size)]
         batches = [batch for batch in batches if len(batch) == self.batch_size]  # drop_last
-        # Chunks are counted from the start of the epoch's order, so a resumed epoch (which starts after the samples
-        # seen) still numbers its chunks consistently within the run.
         size = self.batches_per_call
         chunks = [batches[start : start + size] for start in range(0, len(batches), size)]
+        first = next(_PASSES) * _CHUNKS_PER_PASS
         for number, chunk in enumerate(chunks):
             following = chunks[number + 1] if number + 1 < len(chunks) else []
             flat, flat_next = [key for batch in chunk for key in batch], [key for batch in following for key in batch]
             for position in range(len(chunk)):
-                yield (self.sampler.epoch, number), position, self.batch_size, flat, flat_next
+                yield first + number, position, self.batch_size, flat, flat_next
 
 
 class _ResidentKeys(Dataset):
@@ -526,7 +555,7 @@ class _ResidentKeys(Dataset):
         return self.length
 
     def __getitem__(self, item: Any) -> ResidentBatch:
-        (epoch, number), position, batch_size, keys, following = item
+        chunk, position, batch_size, keys, following = item
 
         def tensors(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
             if not pairs:
@@ -538,7 +567,7 @@ class _ResidentKeys(Dataset):
         next_indices, next_seeds = tensors(following)
         own = keys[position * batch_size : (position + 1) * batch_size]
         return ResidentBatch(
-            epoch * 1_000_000 + number,
+            chunk,
             position,
             batch_size,
             indices,
@@ -615,11 +644,15 @@ class ResidentViews(_DeviceOutput, ViewPipeline):
             self._drawn.clear()
         return self._stored
 
+    def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
+        self.store(split, device)
+
     def dataset(self, split: LabelledImages) -> Dataset:
         return _ResidentKeys(len(split))
 
-    def sampler(self, sampler: SeededRandomSampler, batch_size: int) -> _Chunks:
-        return _Chunks(sampler, batch_size, self.batches_per_call)
+    def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
+        """Whole batches from the dataset (auto-collation off), in chunks of ``batches_per_call``."""
+        return {"sampler": _Chunks(sampler, batch_size, self.batches_per_call), "batch_size": None}
 
     def collate(self, samples: Any) -> Any:
         return samples

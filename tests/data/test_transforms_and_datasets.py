@@ -292,7 +292,7 @@ def test_view_grids_come_with_the_views_in_training_batches():
 def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
     from hfmca_lightning.data import datamodule as datamodule_module
 
-    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 1)
+    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
     )

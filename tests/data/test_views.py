@@ -4,6 +4,7 @@ groups checked on their crop boxes, user transforms seeded, and one line for wha
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from hfmca_lightning.data import (
     TransformViews,
     ViewBatch,
 )
+from hfmca_lightning.data.datamodule import TrainingPosition
 from hfmca_lightning.data.views import ImageBatch, ResidentBatch
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
@@ -333,3 +335,21 @@ def test_what_a_pipeline_cannot_do_is_one_line_before_anything_runs(make, messag
     with pytest.raises(ConfigurationError, match=message) as error:
         make()
     assert "\n" not in str(error.value)
+
+
+def test_a_resumed_epoch_in_the_same_process_draws_its_own_chunks_not_the_interrupted_runs():
+    """An epoch interrupted after two batches and resumed by the same data module (a fit, then a fit from its
+    checkpoint in one process): every resumed batch has the views a fresh module draws for it, not views left over from
+    the chunks the interrupted pass drew (chunks 3 batches long, resumed one batch into the second)."""
+
+    def resumed_epoch(module: MultiViewDataModule) -> list[Any]:
+        module.load_state_dict({"position": asdict(TrainingPosition(epoch=0, samples_seen=4 * 3))})
+        return epoch(module)
+
+    reused = data(ResidentViews(batches_per_call=3), batch_size=3, seed=5)
+    for number, batch in zip(range(5), reused.train_dataloader()):  # the chunks of batches 0-2 and 3-5 drawn
+        drawn(reused, batch, number)
+    fresh = data(ResidentViews(batches_per_call=3), batch_size=3, seed=5)
+    for (views, targets), (expected_views, expected_targets) in zip(resumed_epoch(reused), resumed_epoch(fresh)):
+        assert torch.equal(targets, expected_targets)
+        torch.testing.assert_close(views, expected_views, rtol=0, atol=0)

@@ -262,10 +262,13 @@ class MultiViewDataModule(LightningDataModule):
         self, dataset: torch.utils.data.Dataset, batch_size: int | None, workers: int | None = None, **kwargs: object
     ) -> DataLoader:
         workers = self.num_workers if workers is None else workers
-        cores = available_cores()
+        # The processes of one machine (DDP: one per device) share its cores.
+        processes = max(1, self.trainer.num_devices) if self.trainer is not None else 1
+        cores = max(1, available_cores() // processes)
         if workers > cores:
             if not self._capped_workers:
-                rank_zero_info(f"num_workers={workers}, but this process may use {cores} CPU cores: {cores} workers")
+                share = f"each of {processes} processes on this machine" if processes > 1 else "this process"
+                rank_zero_info(f"num_workers={workers}, but {share} may use {cores} CPU cores: {cores} workers")
                 self._capped_workers = True
             workers = cores
         loader = DataLoader(

@@ -289,6 +289,8 @@ def test_view_grids_come_with_the_views_in_training_batches():
     assert error.value.parameter == "views"
 
 
+# The test pretends the machine has 3 cores; torch compares the 3 workers with the real count.
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
     from hfmca_lightning.data import datamodule as datamodule_module
 
@@ -306,3 +308,23 @@ def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
         SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=2
     )
     assert few.train_dataloader().num_workers == 2
+
+
+def test_processes_of_one_machine_share_its_cores_among_their_workers(monkeypatch, caplog):
+    """DDP on one machine: 2 processes of 3 cores' machine each get 1 worker, not 3 (6 workers on 3 cores)."""
+    from hfmca_lightning.data import datamodule as datamodule_module
+
+    class TwoDevices:
+        num_devices, world_size, global_rank = 2, 2, 0
+
+        class strategy:  # noqa: N801 - an attribute of the trainer
+            root_device = torch.device("cpu")
+
+    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
+    )
+    data.trainer = TwoDevices()  # type: ignore[assignment]
+    with caplog.at_level("INFO"):
+        assert [loader.num_workers for loader in data.val_dataloader()] == [1, 1]
+    assert any("each of 2 processes on this machine may use 1 CPU cores" in record.message for record in caplog.records)

@@ -288,15 +288,15 @@ def _positions(feature_map: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _module_outputs(
-    module: LightningModule, images: Tensor, layers: dict[str, str], norm: BatchNormStatistics
+    module: LightningModule, images: Tensor | list[Tensor], layers: dict[str, str], norm: BatchNormStatistics
 ) -> dict[str, Tensor]:
     """Output of every backbone module in ``layers`` (``{module name: pair name}``) on ``images``, keyed by pair name,
-    plus the features as ``backbone``; or, for ``(B, L, C, H, W)`` groups, the external head's output as
-    ``external``."""
+    plus the features as ``backbone``; or, for ``(B, L, C, H, W)`` groups (a list of them for views of several
+    sizes), the external head's output as ``external``."""
     backbone = backbone_of(module)
     outputs: dict[str, Tensor] = {}
     with analysis_mode(module, norm):
-        if images.dim() == 5:
+        if isinstance(images, list) or images.dim() == 5:
             assert isinstance(module, HFMCAModule)
             return {"external": module.encode_views(images)[1].detach()}
         handles = [
@@ -355,7 +355,7 @@ def compare(
     if not loaders:
         raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
 
-    def cross(images: Tensor) -> dict[str, CorrelationStatistics]:
+    def cross(images: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
         outputs_a = _module_outputs(model_a, images, pair_names, norm)
         outputs_b = _module_outputs(model_b, images, pair_names, norm)
         last = pair_names[layers[-1]] if layers else None

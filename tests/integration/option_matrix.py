@@ -40,6 +40,7 @@ VIEWS = {
     "batched": {"class_path": "hfmca_lightning.data.BatchedViews"},
     "device": {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}},
     "resident": {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 2}},
+    "multicrop": {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"global_crops": 2, "local_crops": 2}},
 }
 
 # option -> level -> what it sets: config keys, or the run's ``processes``, ``kill`` or ``callback``

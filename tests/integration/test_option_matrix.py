@@ -1,10 +1,10 @@
 """Every option works with every other or says why not: the pairwise covering array of
-tests/integration/option_matrix.py (accumulation, precision, data path, compiled costs, internal costs, the adaptive
-filter, a callback, processes, a SIGKILL mid-epoch and resume), each case a tiny ``hfmca fit`` of the demo with
-data-loader workers on whose checkpoint then goes through ``analyze``, ``compare``, ``export`` and ``linear``; or,
-for a refused combination, one line ``hfmca: error: ...`` before training. ``pytest -k <case id>`` picks a case (ids
-name the levels: ``acc2-bf16-resident-...``). Single-process runs without a kill run in-process in ``make test``;
-runs with two processes or a kill are subprocesses, in ``make test-slow``."""
+tests/integration/option_matrix.py (accumulation, precision, view pipeline (multi-crop included), compiled costs,
+internal costs, the adaptive filter, a callback, processes, a SIGKILL mid-epoch and resume), each case a tiny
+``hfmca fit`` of the demo with data-loader workers on whose checkpoint then goes through ``analyze``, ``compare``,
+``export`` and ``linear``; or, for a refused combination, one line ``hfmca: error: ...`` before training.
+``pytest -k <case id>`` picks a case (ids name the levels: ``acc2-bf16-resident-...``). Single-process runs without a
+kill run in-process in ``make test``; runs with two processes or a kill are subprocesses, in ``make test-slow``."""
 
 from __future__ import annotations
 

@@ -130,3 +130,4 @@ def test_the_matrix_covers_every_pair_of_levels_and_the_docs_list_every_refusal(
     docs = (REPO / "docs" / "training.md").read_text()
     for rule in REFUSED:
         assert rule.reason in " ".join(docs.split()), rule.reason
+    assert f"resume: {len(CASES)} runs" in " ".join(docs.split())  # the count the docs give is the matrix's

@@ -51,7 +51,7 @@ class _Trainer:
         def convert_input(batch):
             return batch
 
-    training, global_rank, world_size = True, 0, 1
+    training, global_rank, world_size, num_devices = True, 0, 1, 1
 
 
 def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:

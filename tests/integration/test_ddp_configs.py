@@ -31,7 +31,7 @@ SHIPPED = [
     pytest.param("spectrum_unsupervised.yaml", marks=pytest.mark.slow),
     pytest.param("spectrum_supervised.yaml", marks=pytest.mark.slow),
     pytest.param("spectrum_selfsupervised.yaml", marks=pytest.mark.slow),
-    "baselines/simclr_cifar10.yaml",
+    pytest.param("baselines/simclr_cifar10.yaml", marks=pytest.mark.slow),  # lightly's gathered loss: test-slow
 ]
 
 SMALL_SPECTRUM_CNN = {"channels": 8, "hidden_dim": 16, "noise_channels": 2}

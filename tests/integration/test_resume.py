@@ -178,7 +178,7 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 @pytest.mark.parametrize(
     "data_path",
     [
-        "batched-workers",
+        pytest.param("batched-workers", marks=pytest.mark.slow),  # multi-crop and user-transform use workers too
         pytest.param("on-device", marks=pytest.mark.slow),  # seeded per batch: also in the DDP and view tests
         pytest.param("images-on-device", marks=pytest.mark.slow),
         "multi-crop",

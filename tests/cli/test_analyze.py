@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hfmca_lightning.analysis import decompose
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.analyze import load_run
 from hfmca_lightning.methods.inspection import collect_statistics
-from tests.helpers import REPO, eigenvalue_error, tiny_overrides
+from tests.helpers import DEMO, REPO, eigenvalue_error, tiny_overrides
 
 TINY_SPECTRUM = {
     "init_args": {
@@ -272,37 +273,34 @@ def test_residual_blocks_are_found_by_default():
     ]
 
 
+def _two_demo_steps_analysed(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    """The shrunk demo (with ``overrides``) trained 2 steps, then ``hfmca analyze`` of its checkpoint: the pairs of
+    its spectra.json."""
+    overrides_file = tiny_overrides(tmp_path, **overrides)
+    main(["fit", "--config", str(DEMO), "--config", str(overrides_file), "--trainer.limit_train_batches", "2"])
+    out = tmp_path / "analysis"
+    main(
+        ["analyze", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(out), "--num_images", "2"]
+    )
+    return json.loads((out / "spectra.json").read_text())["pairs"]
+
+
 def test_analyze_of_the_demo_looks_inside_its_conv_stages(tmp_path, capsys):
     """The demo's SmallConvNet trains without internal costs; ``analyze`` still reports every stage's spectrum (float64
     statistics of ``features.0`` .. ``features.2``), the external pair's, heatmaps and basis functions."""
     import copy
 
-    from tests.helpers import DEMO, DEMO_TINY_MODEL
+    from tests.helpers import DEMO_TINY_MODEL
 
     model = copy.deepcopy(DEMO_TINY_MODEL)
     model["init_args"]["backbone"]["init_args"]["num_stages"] = 3
     model["init_args"]["projector"]["init_args"]["input_dim"] = 32
-    main(
-        [
-            "fit",
-            "--config",
-            str(DEMO),
-            "--config",
-            str(tiny_overrides(tmp_path, model=model)),
-            "--trainer.limit_train_batches",
-            "2",
-        ]
-    )
-    out = tmp_path / "analysis"
-    main(
-        ["analyze", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(out), "--num_images", "2"]
-    )
-    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    spectra = _two_demo_steps_analysed(tmp_path, model=model)
     assert list(spectra) == ["internal/features.0", "internal/features.1", "internal/features.2", "external"]
     # min(K_in, K_out) eigenvalues, less the constant function's: RGB -> 8 -> 16 -> 32 channels; 16-d views and head
     counts = {"internal/features.0": 2, "internal/features.1": 7, "internal/features.2": 15, "external": 15}
     assert {name: len(pair["eigenvalues"]) for name, pair in spectra.items()} == counts
-    figures = sorted(p.name for p in out.glob("*.png"))
+    figures = sorted(p.name for p in (tmp_path / "analysis").glob("*.png"))
     assert figures == [
         "basis_features.0.png",
         "basis_features.1.png",
@@ -311,7 +309,7 @@ def test_analyze_of_the_demo_looks_inside_its_conv_stages(tmp_path, capsys):
         "spectra.png",
     ]
     assert "BatchNorm running statistics have seen only 2 batches" in capsys.readouterr().err
-    assert_every_figure_loads_in_a_browser(out / "index.html", expected=len(figures))
+    assert_every_figure_loads_in_a_browser(tmp_path / "analysis" / "index.html", expected=len(figures))
 
 
 def assert_every_figure_loads_in_a_browser(page: Path, expected: int) -> None:
@@ -428,22 +426,7 @@ def copy_of_tiny_spectrum() -> dict:
 def test_analyze_draws_its_groups_through_the_runs_own_view_pipeline(tmp_path, views):
     """A run trained with the training set kept on the device (its loader yields indices and seeds) or on multi-crop
     views (groups of two sizes): ``analyze`` draws the training groups as training did and reports every pair."""
-    main(
-        [
-            "fit",
-            "--config",
-            str(REPO / "configs" / "demo.yaml"),
-            "--config",
-            str(tiny_overrides(tmp_path, **{"data.init_args.views": views})),
-            "--trainer.limit_train_batches",
-            "2",
-        ]
-    )
-    out = tmp_path / "analysis"
-    main(
-        ["analyze", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt"), "--out", str(out), "--num_images", "2"]
-    )
-    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    spectra = _two_demo_steps_analysed(tmp_path, **{"data.init_args.views": views})
     assert "external" in spectra and len(spectra) >= 2
     assert all(
         pair["eigenvalues"] and all(0 <= value <= 1 for value in pair["eigenvalues"]) for pair in spectra.values()

@@ -10,25 +10,32 @@ from hfmca_lightning.cli.trainer_cli import HFMCACLI
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cli = HFMCACLI(
+def _demo(*options: str, epochs: int) -> HFMCACLI:
+    """The demo config on 100 training and 30 test images per class, ``epochs`` epochs, no logger or progress bar."""
+    data = "--data.init_args.source.init_args"
+    return HFMCACLI(
         args=[
             "--config",
             str(DEMO),
             "--trainer.max_epochs",
-            "8",
+            str(epochs),
             "--trainer.enable_progress_bar",
             "false",
             "--trainer.logger",
             "false",
-            "--data.init_args.source.init_args.train_per_class",
+            f"{data}.train_per_class",
             "100",
-            "--data.init_args.source.init_args.test_per_class",
+            f"{data}.test_per_class",
             "30",
+            *options,
         ],
         run=False,
     )
+
+
+def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = _demo(epochs=8)
     initial = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]["knn/top1"]
     cli.trainer.fit(cli.model, cli.datamodule)
     trained = float(cli.trainer.callback_metrics["knn/top1"])
@@ -46,29 +53,9 @@ def test_hfmca_on_multi_crop_views_beats_the_randomly_initialised_backbone(tmp_p
     """The demo with 2 global crops of 32 px and 2 local crops of 16 px (MultiCrop) instead of 4 same-size views: the
     external cost groups each image's four views of two sizes, and the backbone learns."""
     monkeypatch.chdir(tmp_path)
-    cli = HFMCACLI(
-        args=[
-            "--config",
-            str(DEMO),
-            "--trainer.max_epochs",
-            "4",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.logger",
-            "false",
-            "--data.init_args.source.init_args.train_per_class",
-            "100",
-            "--data.init_args.source.init_args.test_per_class",
-            "30",
-            "--data.init_args.views",
-            "hfmca_lightning.data.MultiCrop",
-            "--data.init_args.views.global_crops",
-            "2",
-            "--data.init_args.views.local_crops",
-            "2",
-        ],
-        run=False,
-    )
+    multi_crop = ["--data.init_args.views", "hfmca_lightning.data.MultiCrop"]
+    multi_crop += ["--data.init_args.views.global_crops", "2", "--data.init_args.views.local_crops", "2"]
+    cli = _demo(*multi_crop, epochs=4)
     batch = next(iter(cli.datamodule.train_dataloader()))
     assert [tuple(group.shape[1:]) for group in batch[0]] == [(2, 3, 32, 32), (2, 3, 16, 16)]
     initial = cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0]["knn/top1"]

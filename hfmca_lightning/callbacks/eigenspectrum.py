@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,6 @@ from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamic
 
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
 
-LEGACY_STATE_KEY = "EigenspectrumCallback"  # the key of checkpoints whose state key did not name the settings
 HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
 
 
@@ -286,8 +286,9 @@ class EigenspectrumCallback(FigureCallback):
         """Checkpoints written before the state key named the settings kept the state under the class name; a
         callback whose own key is missing takes that state, so resuming them keeps the history and window."""
         states = checkpoint.get("callbacks", {})
-        if self.state_key not in states and LEGACY_STATE_KEY in states:
-            self.load_state_dict(states[LEGACY_STATE_KEY])
+        legacy_key = type(self).__qualname__  # Lightning's default state key, which those checkpoints used
+        if self.state_key not in states and legacy_key in states:
+            self.load_state_dict(copy.deepcopy(states[legacy_key]))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Restored sums go to the module's device (checkpoints may be loaded on the CPU)."""

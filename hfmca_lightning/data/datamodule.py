@@ -38,6 +38,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_process(processes: int) -> int:
+    """This process's share of the cores when ``processes`` processes of one machine train together: its affinity
+    divided among them where it spans the whole machine (processes started by Lightning's launcher inherit it),
+    as it is where each process was bound to its own cores (SLURM's ``--cpus-per-task``)."""
+    cores = available_cores()
+    if processes > 1 and cores >= (os.cpu_count() or cores):
+        cores //= processes
+    return max(1, cores)
+
+
 class _TrainingBatches:
     """The training loader's collate function: the pipeline's batch, laid out in ``batch_format`` (None: as the
     pipeline gives it: the :class:`ViewBatch` of worker pipelines, or what device pipelines draw from after the
@@ -264,7 +274,7 @@ class MultiViewDataModule(LightningDataModule):
         workers = self.num_workers if workers is None else workers
         # The processes of one machine (DDP: one per device) share its cores.
         processes = max(1, self.trainer.num_devices) if self.trainer is not None else 1
-        cores = max(1, available_cores() // processes)
+        cores = cores_per_process(processes)
         if workers > cores:
             if not self._capped_workers:
                 share = f"each of {processes} processes on this machine" if processes > 1 else "this process"

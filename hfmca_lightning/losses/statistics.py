@@ -883,17 +883,32 @@ def _float32_products(device: torch.device, tf32: bool = False) -> Iterator[None
         yield
         return
     matmul = torch.backends.cuda.matmul
-    # torch >= 2.9 keeps the setting as ``fp32_precision``; reading the legacy ``allow_tf32`` after the new API set
-    # it raises, so the new one is used wherever it exists.
-    name, value = (
-        ("fp32_precision", "tf32" if tf32 else "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", tf32)
-    )
-    saved = getattr(matmul, name)
-    setattr(matmul, name, value)
+    if not hasattr(matmul, "fp32_precision"):  # torch < 2.9: the legacy flag only
+        saved_flag = matmul.allow_tf32
+        matmul.allow_tf32 = tf32
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = saved_flag
+        return
+    # torch >= 2.9 has a legacy and a new setting, and raises where code reads one that disagrees with the other
+    # (TunableOp reads the legacy one): set_float32_matmul_precision sets both; where the user's own settings already
+    # disagree (the legacy getter raises), only the new flag, which the products read, is set.
+    try:
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = None
+    saved = matmul.fp32_precision
+    if legacy is not None:
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    else:
+        matmul.fp32_precision = "tf32" if tf32 else "ieee"
     try:
         yield
     finally:
-        setattr(matmul, name, saved)
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        matmul.fp32_precision = saved
 
 
 def marginal_blocks(stats: CorrelationStatistics, reg: float) -> tuple[Tensor, Tensor, Tensor]:

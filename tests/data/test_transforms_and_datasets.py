@@ -310,8 +310,10 @@ def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
     assert few.train_dataloader().num_workers == 2
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # pretended core counts, as above
 def test_processes_of_one_machine_share_its_cores_among_their_workers(monkeypatch, caplog):
-    """DDP on one machine: 2 processes of 3 cores' machine each get 1 worker, not 3 (6 workers on 3 cores)."""
+    """DDP on one machine: 2 processes of 3 cores' machine each get 1 worker, not 3 (6 workers on 3 cores); processes
+    bound to their own cores keep their share."""
     from hfmca_lightning.data import datamodule as datamodule_module
 
     class TwoDevices:
@@ -321,6 +323,7 @@ def test_processes_of_one_machine_share_its_cores_among_their_workers(monkeypatc
             root_device = torch.device("cpu")
 
     monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
+    monkeypatch.setattr(datamodule_module.os, "cpu_count", lambda: 3)
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
     )
@@ -328,3 +331,10 @@ def test_processes_of_one_machine_share_its_cores_among_their_workers(monkeypatc
     with caplog.at_level("INFO"):
         assert [loader.num_workers for loader in data.val_dataloader()] == [1, 1]
     assert any("each of 2 processes on this machine may use 1 CPU cores" in record.message for record in caplog.records)
+    # Each process bound to its own 3 of 12 cores (SLURM's --cpus-per-task 3): its affinity is its share already.
+    monkeypatch.setattr(datamodule_module.os, "cpu_count", lambda: 12)
+    bound = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
+    )
+    bound.trainer = TwoDevices()  # type: ignore[assignment]
+    assert [loader.num_workers for loader in bound.val_dataloader()] == [3, 3]

@@ -431,8 +431,12 @@ def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
                 assert tf32_on() == user_setting
             with _float32_products(torch.device("cuda")):
                 assert not tf32_on()
+                if set_by_user is not global_tf32_flag:  # the legacy flag agrees (TunableOp reads it)
+                    assert not matmul.allow_tf32
             with _float32_products(torch.device("cuda"), tf32=True):
                 assert tf32_on()
+                if set_by_user is not global_tf32_flag:
+                    assert matmul.allow_tf32
             assert tf32_on() == user_setting
     finally:
         if saved[1] is not None:

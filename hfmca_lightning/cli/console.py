@@ -16,10 +16,10 @@ mid-way (a NaN, a failed factorisation: one line); 130 after Ctrl-C (SIGINT: one
 first shuts down as Lightning does); 143 after SIGTERM (``fit`` first writes a checkpoint). In every case the
 command's data-loader workers are stopped before it exits (:mod:`hfmca_lightning.runtime.workers`).
 
-Output: ``fit`` / ``validate`` / ``test`` print Lightning's usual lines (without its advertisements); the commands that
-train nothing print only their own lines, with a progress bar per long stage when standard error is a terminal, a line
-per stage otherwise. ``-q`` leaves only warnings and errors (and the results), ``-v`` shows Lightning's lines in every
-command.
+Output: ``fit`` prints Lightning's usual lines (without its advertisements); the commands that train nothing print
+only their own lines and results (``validate`` / ``test``: Lightning's table of metrics), with a progress bar per
+long stage when standard error is a terminal, a line per stage otherwise. ``-q`` leaves only warnings and errors
+(and the results), ``-v`` shows Lightning's lines in every command.
 
 On Linux with glibc and no CUDA device the command first sets malloc to keep freed memory
 (:mod:`hfmca_lightning.runtime.cpu_memory`); ``HFMCA_KEEP_FREED_MEMORY=0`` turns that off, ``=1`` applies it anywhere.
@@ -46,7 +46,7 @@ __all__ = ["main"]
 EXIT_CONFIGURATION, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SIGTERM = 2, 1, 128 + 2, 128 + 15
 ANALYSIS_COMMANDS = ("analyze", "compare")
 EVALUATION_COMMANDS = ("linear", "knn")
-TRAINING_COMMANDS = ("fit", "validate", "test")
+LIGHTNING_COMMANDS = ("fit", "validate", "test")  # run by LightningCLI
 
 
 class Terminated(BaseException):
@@ -91,7 +91,7 @@ def main(args: list[str] | None = None) -> None:
     while argv[:1] in (["-q"], ["--quiet"], ["-v"], ["--verbose"]):
         level = verbosity.QUIET if argv.pop(0) in ("-q", "--quiet") else verbosity.VERBOSE
     command = argv[0] if argv else ""
-    verbosity.configure(level, trains=command in TRAINING_COMMANDS)
+    verbosity.configure(level, trains=command == "fit")
     keep_freed_memory_for_cpu_runs()  # CPU steps without page faults (hfmca_lightning.runtime.cpu_memory)
     if argv[:1] in (["-h"], ["--help"]):
         print(
@@ -103,7 +103,7 @@ def main(args: list[str] | None = None) -> None:
         )
     signals = _Signals()
     if args is None:  # the console script: the process is ours (not a test calling main in-process)
-        signals.install(sigterm=command not in TRAINING_COMMANDS)
+        signals.install(sigterm=command not in LIGHTNING_COMMANDS)
     try:
         _run(command, argv, args)
     except ConfigurationError as error:

@@ -1,5 +1,6 @@
-"""How much the ``hfmca`` command says: Lightning's lines for the commands that train, never its advertisements, and
-progress for long stages (``-q``: warnings, errors and results only; ``-v``: Lightning's lines in every command)."""
+"""How much the ``hfmca`` command says: Lightning's lines for ``fit`` (the command that trains), never its
+advertisements, and progress for long stages (``-q``: warnings, errors and results only; ``-v``: Lightning's lines
+in every command)."""
 
 from __future__ import annotations
 

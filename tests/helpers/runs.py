@@ -190,7 +190,8 @@ def finish_hfmca(
     process: subprocess.Popen, cwd: Path, timeout: float = 240, log_name: str = "hfmca.log"
 ) -> subprocess.CompletedProcess:
     """Wait for a run started by :func:`start_hfmca` (as :func:`run_hfmca` does; a reference run started first
-    and finished later overlaps its start-up with the test's other runs)."""
+    and finished later overlaps its start-up with the test's other runs), then check that nothing of it (DDP
+    ranks, data-loader workers) outlived it, whatever its exit status."""
     args = process.args[1:]  # type: ignore[index]
     try:
         process.wait(timeout=timeout)
@@ -202,7 +203,37 @@ def finish_hfmca(
         raise HFMCATimeout(
             f"hfmca {' '.join(args)} did not finish in {timeout} s:\n{(cwd / log_name).read_text()[-8000:]}"
         ) from None
-    return subprocess.CompletedProcess(process.args, process.returncode, (cwd / log_name).read_text())
+    output = (cwd / log_name).read_text()
+    assert_nothing_left(process, output)
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def session_processes(session: int) -> list[int]:
+    """Pids of the live processes of a session (a subprocess started with ``start_new_session``: its own id); empty
+    where there is no ``/proc``."""
+    found = []
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session, ...
+            found.append(int(entry.name))
+    return found
+
+
+def assert_nothing_left(process: subprocess.Popen, output: str = "") -> None:
+    """Fail (after killing them) if processes of ``process``'s session are alive 5 s after it exited."""
+    deadline = time.monotonic() + 5
+    while session_processes(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = session_processes(process.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes of the command still alive after it exited: {left}\n{output[-3000:]}"
 
 
 def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 120) -> None:

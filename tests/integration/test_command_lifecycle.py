@@ -1,64 +1,43 @@
 """Every ``hfmca`` subcommand ends promptly and cleanly, as a user runs it: a subprocess on the shrunk demo with the
-shipped config's data-loader workers (2, persistent), its exit status, no traceback, nothing of it left alive; Ctrl-C
-(SIGINT to the process group, as a terminal sends it) ends ``analyze``, ``compare`` and ``fit`` with one line and exit
-status 130; and the commands that train nothing print no Lightning banner or advertisement."""
+shipped config's data-loader workers (2, persistent), its exit status, no traceback, nothing of it left alive (which
+``finish_hfmca`` checks after every subprocess run of the suite, whatever its exit status); Ctrl-C (SIGINT to the
+process group, as a terminal sends it) ends ``analyze``, ``compare`` and ``fit`` with one line and exit status 130,
+SIGTERM ends ``analyze`` with one line and 143; the commands that train nothing print no Lightning banner or
+advertisement; ``-q`` and ``-v`` do what they say."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from tests.helpers import DEMO, finish_hfmca, run_hfmca, start_hfmca, tiny_overrides, wait_for
+from tests.helpers import DEMO, finish_hfmca, start_hfmca, tiny_overrides, wait_for
 
 WORKERS = {"data.init_args.num_workers": 2, "data.init_args.persistent_workers": True}  # as configs/demo.yaml ships
 
 
-def session_processes(session: int) -> list[int]:
-    """Pids of the live processes of a session (a subprocess started with ``start_new_session``: its own id)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session, ...
-            found.append(int(entry.name))
-    return found
-
-
-def assert_nothing_left(process) -> None:
-    deadline = time.monotonic() + 5
-    while session_processes(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = session_processes(process.pid)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == [], f"processes of the command still alive after it exited: {left}"
+def timed_run(folder: Path, arguments: list[str], log: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``hfmca <arguments>`` in ``folder`` (nothing of it left afterwards: ``finish_hfmca``), and the seconds from its
+    last output to its exit."""
+    result = finish_hfmca(start_hfmca(folder, *arguments, log_name=log), folder, timeout=240, log_name=log)
+    return result, time.time() - (folder / log).stat().st_mtime
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """A run of the shrunk demo (2 epochs, persistent workers): its folder and last checkpoint."""
+def trained(tmp_path_factory) -> tuple[Path, Path, tuple[subprocess.CompletedProcess, float]]:
+    """A run of the shrunk demo (2 epochs, persistent workers): its folder, last checkpoint and the run itself (the
+    ``fit`` case of the lifecycle test)."""
     folder = tmp_path_factory.mktemp("run")
-    result = run_hfmca(
-        folder,
-        "fit",
-        "--config",
-        str(DEMO),
-        "--config",
-        str(tiny_overrides(folder, **WORKERS)),
-        "--trainer.max_epochs",
-        "2",
-    )
-    assert result.returncode == 0, result.stdout[-3000:]
-    return folder, folder / "checkpoints" / "last.ckpt"
+    arguments = ["fit", "--config", str(DEMO), "--config", str(tiny_overrides(folder, **WORKERS))]
+    run = timed_run(folder, [*arguments, "--trainer.max_epochs", "2"], "fit.log")
+    assert run[0].returncode == 0, run[0].stdout[-3000:]
+    return folder, folder / "checkpoints" / "last.ckpt", run
 
 
 def merged(base: dict, overrides: dict) -> dict:
@@ -89,8 +68,8 @@ def commands(folder: Path, checkpoint: Path) -> dict[str, list[str]]:
         "--config",
         str(tiny_overrides(folder / "again", **WORKERS)),
     ]
+    quiet = ["analyze", "--ckpt_path", str(checkpoint), "--out", str(folder / "quiet"), "--num_images", "2"]
     return {
-        "fit": ["fit", *config],
         "validate": ["validate", *config, "--ckpt_path", str(checkpoint)],
         "test": ["test", *config, "--ckpt_path", str(checkpoint)],
         "analyze": ["analyze", "--ckpt_path", str(checkpoint), "--out", str(folder / "analysis"), "--num_images", "2"],
@@ -99,40 +78,58 @@ def commands(folder: Path, checkpoint: Path) -> dict[str, list[str]]:
         "knn": ["knn", "--ckpt_path", str(checkpoint), "--k", "5", "--device", "cpu"],
         "export": ["export", "--ckpt_path", str(checkpoint), "--out", str(folder / "export"), "--embeddings", "test"],
         "dashboard": ["dashboard", "--entity", "e", "--project", "p", "--config", str(DEMO), "--dry-run"],
+        # the verbosity options, before the command
+        "-v validate": ["-v", "validate", *config, "--ckpt_path", str(checkpoint)],
+        "-q analyze": ["-q", *quiet],
     }
 
 
-TRAIN_NOTHING = ("analyze", "compare", "linear", "knn", "export", "dashboard")
+@pytest.mark.parametrize(
+    "command",
+    [
+        *("fit", "validate", "test", "analyze", "compare", "linear", "knn", "export", "dashboard"),
+        *("-v validate", "-q analyze"),
+    ],
+)
+def test_each_command_ends_promptly_and_cleanly(trained, command):
+    """Exit status 0 within seconds of the last output, no traceback, nothing left alive; Lightning's banners (``GPU
+    available``) only in ``fit`` and with ``-v``, its advertisements never; ``-q`` leaves no progress line but the
+    results; ``validate`` and ``test`` print their metrics."""
+    folder, checkpoint, fit_run = trained
+    if command == "fit":  # the fixture's run
+        result, silent = fit_run
+    else:
+        result, silent = timed_run(folder, commands(folder, checkpoint)[command], f"{command.replace(' ', '')}.log")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout and "Exception ignored" not in result.stdout, result.stdout[-3000:]
+    assert silent < 5, f"exited {silent:.1f} s after its last output"
+    lines = result.stdout.lower().splitlines()
+    assert not [line for line in lines if "litlogger" in line], result.stdout[-2000:]
+    banners = [line for line in lines if "gpu available" in line]
+    assert bool(banners) == (command in ("fit", "-v validate")), result.stdout[-2000:]
+    if command.endswith(("validate", "test")):
+        assert f"{command.split()[-1]} metric" in result.stdout.lower(), result.stdout[-2000:]  # Lightning's table
+    if command == "-q analyze":
+        progress = [line for line in lines if line.startswith("hfmca:") and not line.startswith("hfmca: warning")]
+        assert not progress and "wrote" in result.stdout, result.stdout[-2000:]  # warnings and the result only
+        assert (folder / "quiet" / "index.html").is_file(), sorted(path.name for path in (folder / "quiet").iterdir())
+    elif command == "analyze":
+        assert [line for line in lines if line.startswith("hfmca:")], result.stdout[-2000:]  # its stage lines
 
 
 @pytest.mark.parametrize(
-    "command", ["fit", "validate", "test", "analyze", "compare", "linear", "knn", "export", "dashboard"]
+    ("command", "signal_number"),
+    [("analyze", signal.SIGINT), ("compare", signal.SIGINT), ("fit", signal.SIGINT), ("analyze", signal.SIGTERM)],
+    ids=["analyze", "compare", "fit", "analyze-sigterm"],
 )
-def test_each_command_ends_promptly_and_cleanly(trained, command):
-    folder, checkpoint = trained
-    log = f"{command}.log"
-    process = start_hfmca(folder, *commands(folder, checkpoint)[command], log_name=log)
-    result = finish_hfmca(process, folder, timeout=240, log_name=log)
-    ended = time.time()
-    last_output = (folder / log).stat().st_mtime
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout and "Exception ignored" not in result.stdout, result.stdout[-3000:]
-    assert ended - last_output < 5, f"exited {ended - last_output:.1f} s after its last output"
-    assert_nothing_left(process)
-    if command in TRAIN_NOTHING:
-        lines = result.stdout.lower().splitlines()
-        assert not [line for line in lines if "litlogger" in line or "gpu available" in line], result.stdout[-2000:]
-    else:
-        assert "litlogger" not in result.stdout.lower()
-
-
-@pytest.mark.parametrize("command", ["analyze", "compare", "fit"])
-def test_ctrl_c_ends_the_command_with_one_line_and_exit_status_130(trained, command):
+def test_ctrl_c_and_sigterm_end_the_command_with_one_line(trained, command, signal_number):
     """SIGINT to the whole process group mid-way (the command, its workers), as Ctrl-C in a terminal: one line, exit
-    status 130, no traceback, nothing left; ``fit`` after Lightning's graceful shutdown."""
-    folder, checkpoint = trained
-    arguments = commands(folder, checkpoint)[command]
-    log = f"interrupted-{command}.log"
+    status 130, no traceback, nothing left; ``fit`` after Lightning's graceful shutdown, its line saying how to
+    continue. SIGTERM (as ``kill`` or a scheduler sends it) to a command that trains nothing: one line, status 143.
+    (SIGTERM to ``fit``: tests/integration/test_resume.py.)"""
+    folder, checkpoint, _ = trained
+    arguments = commands(folder, checkpoint).get(command, [])
+    log = f"interrupted-{command}-{signal_number}.log"
     if command in ("analyze", "compare"):
         # the run's config with 2,000 training and 1,000 test images, and statistics that would take long
         larger = tiny_overrides(
@@ -157,10 +154,18 @@ def test_ctrl_c_ends_the_command_with_one_line_and_exit_status_130(trained, comm
     process = start_hfmca(folder, *arguments, log_name=log)
     wait_for(ready, process, timeout=180)
     time.sleep(1.0)
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, signal_number)
     result = finish_hfmca(process, folder, timeout=60, log_name=log)
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
+    if signal_number == signal.SIGTERM:
+        assert result.returncode == 143, result.stdout[-3000:]
+        stopped = [line for line in result.stdout.splitlines() if line.startswith("hfmca: stopped by SIGTERM")]
+        assert stopped == ["hfmca: stopped by SIGTERM; nothing was written."], result.stdout[-3000:]
+        return
     assert result.returncode == 130, result.stdout[-3000:]
     interrupted = [line for line in result.stdout.splitlines() if line.startswith("hfmca: interrupted")]
     assert len(interrupted) == 1, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout, result.stdout[-3000:]
-    assert_nothing_left(process)
+    if command == "fit":
+        assert "attempting graceful shutdown" in result.stdout, result.stdout[-3000:]  # Lightning's, then ours
+        assert "--ckpt_path last" in interrupted[0]
+        assert torch.load(folder / "long" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] > 0

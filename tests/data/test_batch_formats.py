@@ -152,3 +152,68 @@ def test_callbacks_find_the_first_view_and_the_targets_in_every_format():
     one = ViewBatch([torch.rand(3, 1, 3, 8, 8)], batch.targets, batch.indices, batch.names)
     images, _ = first_views(format_batch(one, "stacked", single=True))
     assert torch.equal(images, one.groups[0][:, 0])
+
+
+def _pipelines() -> dict[str, Any]:
+    from lightly.transforms import SimCLRTransform
+
+    from hfmca_lightning.data import BatchedViews, KorniaViews, MultiCrop, ResidentViews, TransformViews
+
+    return {
+        "torchvision": lambda: TorchvisionViews(),
+        "torchvision with grids": lambda: TorchvisionViews(grids=2),
+        "batched, workers": lambda: BatchedViews(),
+        "batched, device": lambda: BatchedViews(on="device"),
+        "kornia, workers": lambda: KorniaViews(),
+        "kornia, device": lambda: KorniaViews(on="device"),
+        "resident, 2 per call": lambda: ResidentViews(batches_per_call=2),
+        "multi-crop": lambda: MultiCrop(global_crops=2, local_crops=3),
+        "lightly transform": lambda: TransformViews(SimCLRTransform(input_size=16, gaussian_blur=0.0)),
+    }
+
+
+@pytest.mark.parametrize("pipeline", list(_pipelines()))
+def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
+    """lightly's and solo-learn's batches, on every view pipeline (in the workers or on the device after the transfer),
+    are the stacked batches of the same seed laid out: every view, target and sample of an epoch, in the same order.
+    Exact resume and DDP sharding, tested on the stacked batches, hold for every format."""
+    from tests.helpers import epoch
+
+    make_views = _pipelines()[pipeline]
+
+    def epoch_in(batch_format: str) -> list[Any]:
+        source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16)
+        num_views = 5 if pipeline == "multi-crop" else 2
+        module = MultiViewDataModule(
+            source,
+            num_views=num_views,
+            batch_size=4,
+            num_workers=0,
+            views=make_views(),
+            seed=3,
+            batch_format=batch_format,
+        )
+        return epoch(module)
+
+    stacked, lightly_batches, solo_batches = (epoch_in(name) for name in ("stacked", "lightly", "solo"))
+    assert len(stacked) == len(lightly_batches) == len(solo_batches) == 24 // 4
+    seen: list[int] = []
+    for stacked_batch, (lightly_views, lightly_targets, names), (indexes, solo_views, solo_targets) in zip(
+        stacked, lightly_batches, solo_batches
+    ):
+        views, targets = stacked_batch[0], stacked_batch[1]
+        groups = views if isinstance(views, list) else [views]
+        expected = [group[:, view] for group in groups for view in range(group.shape[1])]
+        if len(stacked_batch) == 3:  # view grids follow the views in lightly's layout, solo-learn has none
+            expected_lightly = expected + list(stacked_batch[2].unbind(1))
+        else:
+            expected_lightly = expected
+        assert len(lightly_views) == len(expected_lightly) and len(solo_views) == len(expected)
+        for got, want in zip(lightly_views, expected_lightly):
+            assert torch.equal(got, want), pipeline
+        for got, want in zip(solo_views, expected):
+            assert torch.equal(got, want), pipeline
+        assert torch.equal(lightly_targets, targets) and torch.equal(solo_targets, targets)
+        assert indexes.shape == (4,) and len(names) == 4
+        seen += indexes.tolist()
+    assert sorted(seen) == list(range(24))  # each training image once, indexed as solo-learn expects

@@ -26,8 +26,7 @@ from hfmca_lightning.data.datamodule import TrainingPosition
 from hfmca_lightning.data.views import ImageBatch, ResidentBatch
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
-
-CPU = torch.device("cpu")
+from tests.helpers.views import CPU, drawn, epoch
 
 
 def data(views: Any = None, num_views: int = 4, batch_size: int = 4, workers: int = 0, **options: Any):
@@ -35,38 +34,6 @@ def data(views: Any = None, num_views: int = 4, batch_size: int = 4, workers: in
     return MultiViewDataModule(
         source, num_views=num_views, batch_size=batch_size, num_workers=workers, views=views, **options
     )
-
-
-class _Trainer:
-    """What ``on_after_batch_transfer`` reads of a trainer."""
-
-    class fit_loop:  # noqa: N801 - an attribute of the trainer
-        total_batch_idx = 0
-
-    class strategy:  # noqa: N801 - an attribute of the trainer
-        root_device = CPU
-
-    class precision_plugin:  # noqa: N801 - an attribute of the trainer
-        @staticmethod
-        def convert_input(batch):
-            return batch
-
-    training, global_rank, world_size, num_devices = True, 0, 1, 1
-
-
-def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:
-    """A device pipeline's batch after the transfer (the device is the CPU), as a training step gets it."""
-    module.trainer = _Trainer()  # type: ignore[assignment]
-    _Trainer.fit_loop.total_batch_idx = batch_index
-    return module.on_after_batch_transfer(batch, 0)
-
-
-def epoch(module: MultiViewDataModule) -> list[Any]:
-    loader = module.train_dataloader()
-    batches = list(loader)
-    if module.views.draws_on_device:
-        batches = [drawn(module, batch, number) for number, batch in enumerate(batches)]
-    return batches
 
 
 def test_batched_views_are_the_same_in_workers_on_the_device_and_alone(cifar10_on_disk):

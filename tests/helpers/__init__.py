@@ -1,8 +1,9 @@
 """What the tests share, by purpose: :mod:`runs` (the ``hfmca`` command in-process and as a subprocess),
 :mod:`data_writers` (tiny data sets in the real on-disk layouts), :mod:`references` (plain reference
 implementations), :mod:`error_bounds` (tolerances from the arithmetic), :mod:`ddp` (two-process runs),
-:mod:`callbacks` (callbacks runs name as ``tests.helpers.<Class>``) and :mod:`models`. Everything is importable from
-``tests.helpers``. Fixtures built on them are in conftest.py."""
+:mod:`callbacks` (callbacks runs name as ``tests.helpers.<Class>``), :mod:`models` and :mod:`views` (device
+pipelines' batches without a Trainer). Everything is importable from ``tests.helpers``. Fixtures built on them
+are in conftest.py."""
 
 from tests.helpers.callbacks import (
     COUNTED_STEPS,
@@ -69,6 +70,7 @@ from tests.helpers.runs import (
     wait_for,
     write_overrides,
 )
+from tests.helpers.views import TrainerStandIn, drawn, epoch
 
 __all__ = [
     "COUNTED_STEPS",
@@ -87,14 +89,17 @@ __all__ = [
     "ReleaseProcessGroup",
     "SHRUNK_DATA",
     "StopAfterEpochs",
+    "TrainerStandIn",
     "block_sizes",
     "bn_free_module",
     "checkpoint_tensors",
     "cost_error",
     "cost_matrices",
+    "drawn",
     "ddp_data",
     "ddp_trainer",
     "eigenvalue_error",
+    "epoch",
     "finish_hfmca",
     "fit",
     "gamma",

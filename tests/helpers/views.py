@@ -1,0 +1,44 @@
+"""A device pipeline's batches as a training step gets them, without a Trainer: the data module's
+``on_after_batch_transfer`` with a stand-in for the little of a trainer it reads (the device is the CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hfmca_lightning.data import MultiViewDataModule
+
+CPU = torch.device("cpu")
+
+
+class TrainerStandIn:
+    """What ``on_after_batch_transfer`` reads of a trainer."""
+
+    class fit_loop:  # noqa: N801 - an attribute of the trainer
+        total_batch_idx = 0
+
+    class strategy:  # noqa: N801 - an attribute of the trainer
+        root_device = CPU
+
+    class precision_plugin:  # noqa: N801 - an attribute of the trainer
+        @staticmethod
+        def convert_input(batch: Any) -> Any:
+            return batch
+
+    training, global_rank, world_size, num_devices = True, 0, 1, 1
+
+
+def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:
+    """A device pipeline's batch after the transfer, as the training step of batch ``batch_index`` gets it."""
+    module.trainer = TrainerStandIn()  # type: ignore[assignment]
+    TrainerStandIn.fit_loop.total_batch_idx = batch_index
+    return module.on_after_batch_transfer(batch, 0)
+
+
+def epoch(module: MultiViewDataModule) -> list[Any]:
+    """Every training batch of one epoch as the training steps get them, whatever the pipeline."""
+    batches = list(module.train_dataloader())
+    if module.views.draws_on_device:
+        batches = [drawn(module, batch, number) for number, batch in enumerate(batches)]
+    return batches

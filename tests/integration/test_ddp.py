@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import MultiCrop, ResidentViews, TransformViews
+from hfmca_lightning.data import BatchedViews, KorniaViews, MultiCrop, ResidentViews, TransformViews
 from tests.helpers import FLOAT32_UNIT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
 
 
@@ -62,13 +62,20 @@ def _mmcr_views() -> TransformViews:
         (False, lambda: ResidentViews(batches_per_call=2)),
         (True, lambda: MultiCrop(2, 2, local_size=8)),
         (False, _mmcr_views),
+        pytest.param(False, lambda: BatchedViews(), marks=pytest.mark.slow),
+        pytest.param(False, lambda: BatchedViews(on="device"), marks=pytest.mark.slow),
+        pytest.param(False, lambda: KorniaViews(), marks=pytest.mark.slow),
     ],
-    ids=["external", "external+internal", "images-on-device", "multi-crop", "user-transform"],
+    ids=[
+        *("external", "external+internal", "images-on-device", "multi-crop", "user-transform"),
+        *("batched", "batched-on-device", "kornia"),
+    ],
 )
 def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, views, tmp_path):
-    """With the training split kept on the device (the CPU here), with multi-crop groups of two sizes and with a
-    user transform (lightly's MMCRTransform), the processes' shards and the views drawn from their seeds are those of
-    one process with the doubled batch too."""
+    """With every pipeline whose views come from per-sample seeds (torchvision's, the batched one in the workers and
+    on the device, kornia's in the workers, the training split kept on the device (the CPU here), multi-crop groups
+    of two sizes, a user transform: lightly's MMCRTransform), the processes' shards and the views drawn from their
+    seeds are those of one process with the doubled batch. (``KorniaViews(on: device)`` draws per batch and rank.)"""
     single = bn_free_module(internal)
     ddp_trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(
         single, ddp_data(2 * PER_RANK_BATCH, views())

@@ -68,10 +68,11 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
     workers not persistent; views from the shipped data path (``batched-workers``: ``BatchedViews`` in 2 workers),
-    drawn after the transfer by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch), or from the
-    training split kept on the device in chunks of 3 batches (``images-on-device``: ``ResidentViews``, the device
-    being the CPU here), as 2 global and 7 local crops (``multi-crop``) or by lightly's ``MMCRTransform``
-    (``user-transform``)."""
+    drawn after the transfer by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch) or by the
+    batched pipeline (``batched-on-device``), by kornia in the workers (``kornia-workers``), from the training split
+    kept on the device in chunks of 3 batches (``images-on-device``: ``ResidentViews``, the device being the CPU
+    here), as 2 global and 7 local crops (``multi-crop``) or by lightly's ``MMCRTransform`` (``user-transform``).
+    (The default torchvision pipeline: the demo's resume tests.)"""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -95,6 +96,10 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     }
     if data_path == "on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews", "init_args": {"on": "device"}}
+    elif data_path == "batched-on-device":
+        data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}}
+    elif data_path == "kornia-workers":
+        data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews"}
     elif data_path == "images-on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 3}}
     elif data_path == "multi-crop":  # 9 views for the 3x3 head: 2 global crops, 7 local ones of 16 px
@@ -181,8 +186,10 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
         pytest.param("batched-workers", marks=pytest.mark.slow),  # multi-crop and user-transform use workers too
         pytest.param("on-device", marks=pytest.mark.slow),  # seeded per batch: also in the DDP and view tests
         pytest.param("images-on-device", marks=pytest.mark.slow),
-        "multi-crop",
-        "user-transform",
+        pytest.param("batched-on-device", marks=pytest.mark.slow),
+        pytest.param("kornia-workers", marks=pytest.mark.slow),
+        pytest.param("multi-crop", marks=pytest.mark.slow),
+        pytest.param("user-transform", marks=pytest.mark.slow),  # make test: the demo's SIGKILL and SIGTERM resumes
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):

@@ -176,6 +176,19 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "{class_path: hfmca_lightning.data.ResidentViews}",
     ),
     (
+        "old key augment_on_device",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.augment_on_device": True},
+        "data.init_args.augment_on_device was replaced by one view pipeline setting: data.init_args.views: "
+        "{class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}}",
+    ),
+    (
+        "old key device_pipeline",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.device_pipeline": "kornia"},
+        "KorniaViews with on: device (was kornia)",
+    ),
+    (
         "old key view_grids",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.view_grids": 4},

@@ -245,6 +245,7 @@ def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
         assert "views/s" in line or "skipped: needs kornia" in line, line
 
 
+@pytest.mark.slow  # 10 s on a 2-core CPU; a script of benchmarks/, not the package
 def test_demo_views_benchmark_trains_the_demo_with_each_setting(monkeypatch):
     table = run_script(
         "benchmarks/demo_views.py",

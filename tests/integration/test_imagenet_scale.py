@@ -53,6 +53,7 @@ def test_imagenet100_config_trains_a_resnet50_step_on_224px_jpegs(tmp_path, imag
     assert "`Trainer.fit` stopped: `max_steps=1` reached." in result.stdout
 
 
+@pytest.mark.slow  # the ResNet-50 step above covers the config's data path in make test
 def test_imagenet100_config_with_a_timm_vit_and_the_external_cost_only(tmp_path, imagenet_tree):
     pytest.importorskip("timm")
     result = fast_dev_run(

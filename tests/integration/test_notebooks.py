@@ -11,7 +11,12 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",
+    # the quickstart in make test, the analysis notebooks (40 s on a 2-core CPU) in make test-slow
+    [pytest.param(p, marks=[] if p.name.startswith("01_") else [pytest.mark.slow]) for p in NOTEBOOKS],
+    ids=[p.name for p in NOTEBOOKS],
+)
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path, monkeypatch):
     monkeypatch.setenv("HFMCA_NOTEBOOK_OUT", str(tmp_path))
     notebook = nbformat.read(path, as_version=4)

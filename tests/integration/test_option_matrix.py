@@ -3,8 +3,9 @@ tests/integration/option_matrix.py (accumulation, precision, view pipeline (mult
 internal costs, the adaptive filter, a callback, processes, a SIGKILL mid-epoch and resume), each case a tiny
 ``hfmca fit`` of the demo with data-loader workers on whose checkpoint then goes through ``analyze``, ``compare``,
 ``export`` and ``linear``; or, for a refused combination, one line ``hfmca: error: ...`` before training.
-``pytest -k <case id>`` picks a case (ids name the levels: ``acc2-bf16-resident-...``). Single-process runs without a
-kill run in-process in ``make test``; runs with two processes or a kill are subprocesses, in ``make test-slow``."""
+``pytest -m '' -k <case id>`` picks a case (ids name the levels: ``acc2-bf16-resident-...``). Single-process runs
+without a kill run in-process, runs with two processes or a kill as subprocesses; three cases are in ``make test``,
+all 24 in ``make test-slow``."""
 
 from __future__ import annotations
 
@@ -87,9 +88,17 @@ def _commands_on(folder: Path, checkpoint: Path) -> None:
     assert list((folder / "eval").glob("*")), "linear evaluation wrote nothing"
 
 
+# The in-process cases in make test: between them every level of accumulation, the data path (bar the device ones),
+# compiled costs, internal costs, beta and the callback but spectra; the other 21 in make test-slow.
+IN_MAKE_TEST = {
+    "acc1-fp64-torchvision-compiled-internal-beta.5-heatmaps-1proc-straight",
+    "acc2-bf16-batched-eager-internal-beta0-probe-1proc-straight",
+    "acc2-fp64-multicrop-eager-external-beta.5-knn-1proc-straight",
+}
+
+
 def _marks(case: dict[str, str]) -> list:
-    subprocess_run = case["processes"] != "1proc" or case["kill"] != "straight"
-    return [pytest.mark.slow] if subprocess_run else []
+    return [] if case_id(case) in IN_MAKE_TEST else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, id=case_id(case), marks=_marks(case)) for case in CASES])
@@ -127,6 +136,8 @@ def test_the_matrix_covers_every_pair_of_levels_and_the_docs_list_every_refusal(
         for x, y in itertools.product(OPTIONS[a], OPTIONS[b]):
             assert any(case[a] == x and case[b] == y for case in CASES), (a, x, b, y)
     assert len({case_id(case) for case in CASES}) == len(CASES)
+    in_process = {case_id(case) for case in CASES if case["processes"] == "1proc" and case["kill"] == "straight"}
+    assert IN_MAKE_TEST <= in_process  # make test's cases exist and run in-process
     docs = (REPO / "docs" / "training.md").read_text()
     for rule in REFUSED:
         assert rule.reason in " ".join(docs.split()), rule.reason

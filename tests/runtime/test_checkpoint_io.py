@@ -68,7 +68,7 @@ def test_a_kill_while_saving_never_leaves_a_truncated_checkpoint(tmp_path):
         assert len(list(folder.glob(".last.ckpt.*.partial"))) <= 1  # what the kill interrupted, at most
 
 
-@pytest.mark.integration  # a subprocess or a training run
+@pytest.mark.slow  # a check of the harness, not of the package
 def test_the_kill_harness_does_catch_a_plain_torch_save(tmp_path):
     """The same kills truncate a file written in place: the harness above can see the failure it guards against."""
     assert not all(kill_while_saving(tmp_path, "plain", rounds=4))

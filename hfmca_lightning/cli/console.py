@@ -27,8 +27,10 @@ On Linux with glibc and no CUDA device the command first sets malloc to keep fre
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 from argparse import ArgumentError
 from types import FrameType
 
@@ -49,6 +51,9 @@ EVALUATION_COMMANDS = ("linear", "knn")
 LIGHTNING_COMMANDS = ("fit", "validate", "test")  # run by LightningCLI
 
 
+_RESEND_AFTER_S = 0.05  # a signal Python dropped is sent again once the code that dropped it has returned
+
+
 class Terminated(BaseException):
     """SIGTERM in a command that trains nothing: raised where the command is, so that it cleans up on the way out."""
 
@@ -56,10 +61,20 @@ class Terminated(BaseException):
 class _Signals:
     """SIGINT and SIGTERM as exceptions in the main thread (Ctrl-C: ``KeyboardInterrupt``, as Python does; SIGTERM:
     :class:`Terminated`), remembering that they came: Lightning turns Ctrl-C during ``fit`` into its graceful shutdown
-    and ``SystemExit(1)``, which the command still reports as an interruption."""
+    and ``SystemExit(1)``, which the command still reports as an interruption.
+
+    Where Python cannot raise them (a signal that arrives during ``fork`` runs its handler in an at-fork callback; one
+    in a finaliser), Python reports the exception as unraisable and drops it: :meth:`_unraisable` sends the signal
+    again a moment later, from a thread (sent from the hook itself, it would be handled inside the hook). A
+    data-loader worker between its fork and its ``worker_init_fn``
+    (:func:`~hfmca_lightning.runtime.workers.leave_signals_to_the_main_process`) ignores them: the main process stops
+    it. Once a signal has come, a finaliser that fails (an object the signal cut short while it was built: a
+    DataLoader iterator) prints nothing; the command says in one line what happened."""
 
     def __init__(self) -> None:
         self.interrupted = False
+        self.terminating = False
+        self.pid = os.getpid()
 
     def install(self, sigterm: bool = True) -> None:
         """Handle SIGINT, and SIGTERM unless ``sigterm`` is False (``fit`` / ``validate`` / ``test``: Lightning's own
@@ -70,12 +85,31 @@ class _Signals:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:  # a worker not yet started
+            return
         self.interrupted = True
+        sys.unraisablehook = self._unraisable
         raise KeyboardInterrupt
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up is under way
+        if os.getpid() != self.pid or self.terminating:  # a worker not yet started; or the clean-up is under way
+            return
+        self.terminating = True
+        sys.unraisablehook = self._unraisable
         raise Terminated
+
+    def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        """``sys.unraisablehook`` once a signal came: the signal whose exception Python dropped is sent again; a
+        finaliser's failure is not printed; anything else is, as Python does."""
+        if unraisable.exc_type in (Terminated, KeyboardInterrupt):
+            if unraisable.exc_type is Terminated:
+                self.terminating = False
+            again = signal.SIGTERM if unraisable.exc_type is Terminated else signal.SIGINT
+            resend = threading.Timer(_RESEND_AFTER_S, os.kill, (self.pid, again))
+            resend.daemon = True
+            resend.start()
+        elif getattr(unraisable.object, "__name__", None) != "__del__":
+            sys.__unraisablehook__(unraisable)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -177,7 +177,7 @@ def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
     """lightly's and solo-learn's batches, on every view pipeline (in the workers or on the device after the transfer),
     are the stacked batches of the same seed laid out: every view, target and sample of an epoch, in the same order.
     Exact resume and DDP sharding, tested on the stacked batches, hold for every format."""
-    from tests.helpers import epoch
+    from tests.helpers import epoch_batches
 
     make_views = _pipelines()[pipeline]
 
@@ -193,7 +193,7 @@ def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
             seed=3,
             batch_format=batch_format,
         )
-        return epoch(module)
+        return epoch_batches(module)
 
     stacked, lightly_batches, solo_batches = (epoch_in(name) for name in ("stacked", "lightly", "solo"))
     assert len(stacked) == len(lightly_batches) == len(solo_batches) == 24 // 4

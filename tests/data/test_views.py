@@ -26,7 +26,7 @@ from hfmca_lightning.data.datamodule import TrainingPosition
 from hfmca_lightning.data.views import ImageBatch, ResidentBatch
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
-from tests.helpers.views import CPU, drawn, epoch
+from tests.helpers.views import CPU, drawn, epoch_batches
 
 
 def data(views: Any = None, num_views: int = 4, batch_size: int = 4, workers: int = 0, **options: Any):
@@ -48,7 +48,7 @@ def test_batched_views_are_the_same_in_workers_on_the_device_and_alone(cifar10_o
         "resident, 3 per call": data(ResidentViews(batches_per_call=3), batch_size=8, source=source, seed=3),
     }
     assert paths["resident"].train_dataloader().num_workers == 0  # a batch is its indices and seeds
-    epochs = {name: epoch(module) for name, module in paths.items()}
+    epochs = {name: epoch_batches(module) for name, module in paths.items()}
     reference = epochs.pop("workers")
     assert len(reference) == 100 // 8
     for name, batches in epochs.items():
@@ -311,7 +311,7 @@ def test_a_resumed_epoch_in_the_same_process_draws_its_own_chunks_not_the_interr
 
     def resumed_epoch(module: MultiViewDataModule) -> list[Any]:
         module.load_state_dict({"position": asdict(TrainingPosition(epoch=0, samples_seen=4 * 3))})
-        return epoch(module)
+        return epoch_batches(module)
 
     reused = data(ResidentViews(batches_per_call=3), batch_size=3, seed=5)
     for number, batch in zip(range(5), reused.train_dataloader()):  # the chunks of batches 0-2 and 3-5 drawn

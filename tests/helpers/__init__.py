@@ -70,7 +70,7 @@ from tests.helpers.runs import (
     wait_for,
     write_overrides,
 )
-from tests.helpers.views import TrainerStandIn, drawn, epoch
+from tests.helpers.views import TrainerStandIn, drawn, epoch_batches
 
 __all__ = [
     "COUNTED_STEPS",
@@ -95,11 +95,11 @@ __all__ = [
     "checkpoint_tensors",
     "cost_error",
     "cost_matrices",
-    "drawn",
     "ddp_data",
     "ddp_trainer",
+    "drawn",
     "eigenvalue_error",
-    "epoch",
+    "epoch_batches",
     "finish_hfmca",
     "fit",
     "gamma",

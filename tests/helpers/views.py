@@ -36,7 +36,7 @@ def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:
     return module.on_after_batch_transfer(batch, 0)
 
 
-def epoch(module: MultiViewDataModule) -> list[Any]:
+def epoch_batches(module: MultiViewDataModule) -> list[Any]:
     """Every training batch of one epoch as the training steps get them, whatever the pipeline."""
     batches = list(module.train_dataloader())
     if module.views.draws_on_device:

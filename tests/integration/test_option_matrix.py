@@ -5,7 +5,7 @@ internal costs, the adaptive filter, a callback, processes, a SIGKILL mid-epoch 
 ``export`` and ``linear``; or, for a refused combination, one line ``hfmca: error: ...`` before training.
 ``pytest -m '' -k <case id>`` picks a case (ids name the levels: ``acc2-bf16-resident-...``). Single-process runs
 without a kill run in-process, runs with two processes or a kill as subprocesses; three cases are in ``make test``,
-all 24 in ``make test-slow``."""
+the other 21 in ``make test-slow``."""
 
 from __future__ import annotations
 

@@ -161,7 +161,6 @@ def demo_uninterrupted(tmp_path_factory) -> Iterator[ReferenceRun]:
     run.stop()
 
 
-@pytest.mark.slow  # the mid-epoch kills below cover it; this one resumes at an epoch boundary
 def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path, demo_uninterrupted):
     args = fit_args(DEMO, demo_overrides(tmp_path))
     checkpoints = tmp_path / "runs" / "demo" / "checkpoints"
@@ -189,7 +188,7 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
         pytest.param("batched-on-device", marks=pytest.mark.slow),
         pytest.param("kornia-workers", marks=pytest.mark.slow),
         pytest.param("multi-crop", marks=pytest.mark.slow),
-        pytest.param("user-transform", marks=pytest.mark.slow),  # make test: the demo's SIGKILL and SIGTERM resumes
+        pytest.param("user-transform", marks=pytest.mark.slow),  # make test: the demo's SIGKILL and SIGTERM runs
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
@@ -232,8 +231,7 @@ def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tm
     wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
     first_checkpoint = saved_step(checkpoints / "last.ckpt")
     os.killpg(process.pid, signal.SIGTERM)  # main process and data-loader workers, as SLURM signals a job
-    process.wait(timeout=120)
-    output = (tmp_path / "hfmca.log").read_text()
+    output = finish_hfmca(process, tmp_path, timeout=120).stdout  # and nothing of it left
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "hfmca: stopped by SIGTERM" in output and "Traceback" not in output
     stopped_at = saved_step(checkpoints / "last.ckpt")

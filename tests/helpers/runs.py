@@ -190,8 +190,8 @@ def finish_hfmca(
     process: subprocess.Popen, cwd: Path, timeout: float = 240, log_name: str = "hfmca.log"
 ) -> subprocess.CompletedProcess:
     """Wait for a run started by :func:`start_hfmca` (as :func:`run_hfmca` does; a reference run started first
-    and finished later overlaps its start-up with the test's other runs), then check that nothing in its session
-    (DDP ranks, data-loader workers) outlived it, whatever its exit status."""
+    and finished later overlaps its start-up with the test's other runs), then check that nothing in its process
+    group (DDP ranks, data-loader workers) outlived it, whatever its exit status."""
     args = process.args[1:]  # type: ignore[index]
     try:
         process.wait(timeout=timeout)
@@ -208,9 +208,9 @@ def finish_hfmca(
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
-def session_processes(session: int) -> list[int]:
-    """Pids of the live processes of a session (a subprocess started with ``start_new_session``: its own id); empty
-    where there is no ``/proc``."""
+def group_processes(group: int) -> list[int]:
+    """Pids of the live processes of a process group (a run started by :func:`start_hfmca` leads its own: the group
+    id is its pid; its data-loader workers and DDP ranks join it); empty where there is no ``/proc``."""
     found = []
     proc = Path("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():
@@ -220,18 +220,18 @@ def session_processes(session: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session, ...
+        if int(fields[2]) == group and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
             found.append(int(entry.name))
     return found
 
 
 def assert_nothing_left(process: subprocess.Popen, output: str = "") -> None:
-    """Fail (after killing them) if processes of ``process``'s session are alive 30 s after it exited (a DDP rank
+    """Fail (after killing them) if processes of ``process``'s group are alive 30 s after it exited (a DDP rank
     other than 0 ends on its own after rank 0; a leaked worker never does)."""
     deadline = time.monotonic() + 30
-    while session_processes(process.pid) and time.monotonic() < deadline:
+    while group_processes(process.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = session_processes(process.pid)
+    left = group_processes(process.pid)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

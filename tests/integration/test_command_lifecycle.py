@@ -52,8 +52,6 @@ def merged(base: dict, overrides: dict) -> dict:
 
 def larger_checkpoint(folder: Path, config: Path, checkpoint: Path) -> Path:
     """``checkpoint`` with ``config`` stored in it instead of its run's (commands read the data from there)."""
-    import torch
-
     state = torch.load(checkpoint, weights_only=False)
     state["callbacks"]["StoredConfig"] = {"config": config.read_text()}
     path = folder / "larger.ckpt"

@@ -179,16 +179,12 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
+@pytest.mark.slow  # make test: the demo's SIGKILL and SIGTERM runs
 @pytest.mark.parametrize(
     "data_path",
     [
-        pytest.param("batched-workers", marks=pytest.mark.slow),  # multi-crop and user-transform use workers too
-        pytest.param("on-device", marks=pytest.mark.slow),  # seeded per batch: also in the DDP and view tests
-        pytest.param("images-on-device", marks=pytest.mark.slow),
-        pytest.param("batched-on-device", marks=pytest.mark.slow),
-        pytest.param("kornia-workers", marks=pytest.mark.slow),
-        pytest.param("multi-crop", marks=pytest.mark.slow),
-        pytest.param("user-transform", marks=pytest.mark.slow),  # make test: the demo's SIGKILL and SIGTERM runs
+        *("batched-workers", "on-device", "images-on-device", "batched-on-device", "kornia-workers"),
+        *("multi-crop", "user-transform"),
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):

@@ -1,0 +1,73 @@
+"""Fitting the roofline's two constants to measured step rows (``python benchmarks/roofline.py --calibrate``).
+
+A step's prediction is linear in the two constants: ``T = floor * K + W / e`` with ``K`` its kernels and ``W`` the
+sum over its kernels of ``max(FLOPs / peak, bytes / bandwidth)`` at the full peak rates. They are fitted by least
+squares on the relative errors of the rows, ``sum_r ((floor K_r + W_r / e) / T_r - 1)^2``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .gpus import GPUS, Calibration
+from .predict import operation_cost, predict
+from .steps import trace_rows_of_checkout
+from .trace import Trace
+
+_FULL_PEAK = Calibration(efficiency=1.0, launch_floor=0.0, fitted_on="")
+
+
+def work_and_kernels(trace: Trace) -> tuple[float, int]:
+    """``(W, K)``: seconds of the step's GPU kernels at the full peak rates, and their number."""
+    work, kernels = 0.0, 0
+    for operation in trace.operations:
+        if operation.on_gpu and operation.transfer is None:
+            work += operation_cost(operation, trace.gpu, _FULL_PEAK).seconds
+            kernels += operation.kernels
+    return work, kernels
+
+
+def fit(rows: dict[str, tuple[float, int, float]]) -> tuple[float, float]:
+    """``(efficiency, launch_floor)`` from ``{row: (W, K, measured seconds)}`` (relative least squares)."""
+    sxx = sxy = syy = sx = sy = 0.0
+    for work, kernels, measured in rows.values():
+        x, y = kernels / measured, work / measured
+        sxx, sxy, syy, sx, sy = sxx + x * x, sxy + x * y, syy + y * y, sx + x, sy + y
+    determinant = sxx * syy - sxy * sxy
+    floor = (sx * syy - sy * sxy) / determinant
+    inverse_efficiency = (sxx * sy - sxy * sx) / determinant
+    if floor < 0:  # no launch floor: the work alone
+        floor, inverse_efficiency = 0.0, sy / syy
+    return 1.0 / inverse_efficiency, floor
+
+
+def calibration_lines(
+    code: Path | None, measured_ms: dict[str, float], commit: str
+) -> tuple[list[str], dict[str, Any]]:
+    """Trace the step rows of the checkout ``code`` on the H200, fit the constants to ``measured_ms``, and the table
+    of measured against predicted rows."""
+    gpu = GPUS["h200"]
+    traces = trace_rows_of_checkout(gpu, code)
+    rows = {name: (*work_and_kernels(traces[name]), ms / 1e3) for name, ms in measured_ms.items()}
+    efficiency, floor = fit(rows)
+    fitted = Calibration(efficiency, floor, f"fitted on the six step rows of the H200 report, code of {commit}")
+    lines = [
+        f"# Calibration on the H200 report (code of commit {commit})",
+        "",
+        f"Fitted: efficiency {efficiency:.3f} of the peak rates, launch floor {floor * 1e6:.2f} us per kernel.",
+        "",
+        "| row | kernels | GB moved | TFLOP | measured ms | predicted ms | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    data: dict[str, Any] = {"efficiency": efficiency, "launch_floor": floor, "rows": {}}
+    for name, ms in measured_ms.items():
+        prediction = predict(traces[name], fitted)
+        total = prediction.totals
+        error = prediction.milliseconds / ms - 1
+        lines.append(
+            f"| {name} | {total.kernels:,} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | {ms:.1f} | "
+            f"{prediction.milliseconds:.1f} | {error:+.0%} |"
+        )
+        data["rows"][name] = {"measured_ms": ms, "predicted_ms": prediction.milliseconds}
+    return lines, data

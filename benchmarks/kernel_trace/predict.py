@@ -1,0 +1,99 @@
+"""Predicted GPU time of a traced step: each kernel as the larger of its arithmetic at the peak rate of its dtype and
+its bytes at the memory bandwidth, both at the calibrated fraction of peak, plus a launch floor per kernel."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .gpus import CALIBRATION, Calibration, GPUSpec
+from .recorder import Operation
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted seconds of one operation, and which bound set it."""
+
+    seconds: float
+    bound: str  # "compute", "memory" or "launch"
+
+
+def operation_cost(operation: Operation, gpu: GPUSpec, calibration: Calibration = CALIBRATION) -> Cost:
+    """``kernels * floor + max(flops / (e * peak[rate]), bytes / (e * bandwidth))``; host-device copies over the host
+    link (on their own copy engine: they overlap the step and are reported apart)."""
+    if operation.transfer is not None:
+        return Cost(operation.bytes / 2 / gpu.host_link, "transfer")
+    compute = operation.flops / (calibration.efficiency * gpu.peak(operation.rate))
+    memory = operation.bytes / (calibration.efficiency * gpu.bandwidth)
+    floor = operation.kernels * calibration.launch_floor
+    work = max(compute, memory)
+    bound = "launch" if floor > work else "compute" if compute >= memory else "memory"
+    return Cost(floor + work, bound)
+
+
+@dataclass
+class PhaseTotals:
+    kernels: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """The predicted step: totals, per phase, per source line."""
+
+    gpu: GPUSpec
+    calibration: Calibration
+    totals: PhaseTotals
+    phases: dict[str, PhaseTotals]
+    hot_spots: list[tuple[str, str, int, float, float, float]]  # (operation, source, kernels, GB, GFLOP, ms)
+    host_syncs: list[tuple[str, str]]
+    transfer_seconds: float
+    host_operations: int
+
+    @property
+    def milliseconds(self) -> float:
+        return self.totals.seconds * 1e3
+
+    def phase_milliseconds(self, prefix: str) -> float:
+        return 1e3 * sum(totals.seconds for name, totals in self.phases.items() if name.startswith(prefix))
+
+
+def predict(trace: Trace, calibration: Calibration = CALIBRATION, top: int = 15) -> Prediction:
+    """The step's predicted time on ``trace.gpu``: GPU operations only (host-side work, such as views drawn in the
+    main process, runs on the CPU; host-device copies overlap the step on the copy engines)."""
+    totals = PhaseTotals()
+    phases: dict[str, PhaseTotals] = defaultdict(PhaseTotals)
+    spots: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    transfer, host = 0.0, 0
+    for operation in trace.operations:
+        if not operation.on_gpu:
+            host += 1
+            continue
+        cost = operation_cost(operation, trace.gpu, calibration)
+        if operation.transfer is not None:
+            transfer += cost.seconds
+            continue
+        for bucket in (totals, phases[operation.phase]):
+            bucket.kernels += operation.kernels
+            bucket.flops += operation.flops
+            bucket.bytes += operation.bytes
+            bucket.seconds += cost.seconds
+        spot = spots[(operation.name, operation.source)]
+        spot[0] += operation.kernels
+        spot[1] += operation.bytes
+        spot[2] += operation.flops
+        spot[3] += cost.seconds
+    hottest = sorted(spots.items(), key=lambda item: -item[1][3])[:top]
+    return Prediction(
+        trace.gpu,
+        calibration,
+        totals,
+        dict(phases),
+        [(name, source, int(k), b / 1e9, f / 1e9, s * 1e3) for (name, source), (k, b, f, s) in hottest],
+        trace.host_syncs,
+        transfer,
+        host,
+    )

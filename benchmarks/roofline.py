@@ -1,0 +1,155 @@
+"""GPU time you can see on a CPU: a kernel-level roofline of one training step (benchmarks/kernel_trace).
+
+    python benchmarks/roofline.py --config configs/cifar10_ss_internal.yaml --gpu h100-sxm
+    python benchmarks/roofline.py --config configs/cifar10_ss.yaml --gpu h200 --top 20
+    python benchmarks/roofline.py --rows --gpu h200                     # the step rows of make gpu-check
+    python benchmarks/roofline.py --calibrate --code /tmp/code-39fede7   # fit the constants on the H200 report
+
+Runs one whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
+transfer and the views a device pipeline draws) through Lightning's Trainer on fake tensors: no arithmetic, seconds
+on a CPU, and the code takes the branches it takes on the modelled CUDA GPU (its compute capability, the precision
+and memory format of the run). Every ATen operation that launches a kernel is recorded with its FLOPs, bytes, dtype,
+tensor-core eligibility and source line, and predicted to take ``max(FLOPs / peak, bytes / bandwidth)`` at the fitted
+fraction of the GPU's published peak rates, plus a launch floor per kernel (kernel_trace/gpus.py gives the rates,
+their sources and the fitted constants). Prints the step's kernels, GB moved, TFLOP and predicted milliseconds by
+phase (backbone, external cost, each block's internal costs, the cost path, optimizer, callbacks, data), the GPU
+targets, and the operations costing most with their source lines. Every number printed is a prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EPOCH_IMAGES = 50_000
+# The six step rows of docs/benchmarks/gpu-nvidia-h200.md (one H200, torch 2.11, bf16 autocast, 64 images x 9 views
+# of 32 px, forward + backward, code of commit 39fede7), in milliseconds per step.
+H200_REPORT_ROWS = {
+    "backbone alone: plain": 23.8,
+    "backbone alone: channels_last": 11.8,
+    "external: plain": 27.6,
+    "external: channels_last": 16.3,
+    "external + internal: plain": 56.3,
+    "external + internal: channels_last": 50.1,
+}
+CALIBRATION_COMMIT = "39fede7"
+
+
+def _use_code(code: Path | None) -> None:
+    """Import ``hfmca_lightning`` and the benchmark helpers from the checkout ``code`` (an older commit, for
+    calibration), else from this one."""
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [path for path in sys.path if path not in ("", here)]
+    roots = [code, code / "benchmarks"] if code is not None else [ROOT, ROOT / "benchmarks"]
+    sys.path[:0] = [str(path) for path in roots] + [here]  # kernel_trace always from this checkout
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", type=Path, help="a training config (configs/*.yaml)")
+    what.add_argument("--rows", action="store_true", help="the training-step rows of make gpu-check")
+    what.add_argument("--calibrate", action="store_true", help="fit the constants on the H200 report's rows")
+    parser.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100, l4")
+    parser.add_argument("--code", type=Path, help="trace the code of this checkout (for --rows, --calibrate)")
+    parser.add_argument("--top", type=int, default=12, help="operations listed by cost")
+    parser.add_argument("--epoch-images", type=int, default=EPOCH_IMAGES, help="images per epoch (targets)")
+    parser.add_argument("--json", type=Path, help="also write the predictions as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _use_code(args.code)
+    from kernel_trace.gpus import GPUS
+
+    if args.gpu not in GPUS:
+        print(f"roofline: unknown --gpu {args.gpu!r}; one of {', '.join(GPUS)}", file=sys.stderr)
+        return 2
+    began = time.perf_counter()
+    if args.config is not None:
+        result = config_report(args.config, args.gpu, args.top, args.epoch_images)
+    elif args.rows:
+        result = rows_report(args.gpu, args.code)
+    else:
+        result = calibration_report(args.code)
+    print("\n".join(result["lines"]))
+    print(f"\n(traced on this CPU in {time.perf_counter() - began:.0f} s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result["data"], indent=1))
+    return 0
+
+
+def config_report(config: Path, gpu_name: str, top: int, epoch_images: int) -> dict[str, Any]:
+    """The config's step, and the same step without internal costs (the external row), on one GPU."""
+    from kernel_trace.gpus import CALIBRATION, GPUS
+    from kernel_trace.predict import predict
+    from kernel_trace.report import hot_spot_table, phase_table, summary_line
+    from kernel_trace.steps import trace_config
+    from kernel_trace.targets import batch_size, config_targets, has_internal_costs
+
+    gpu = GPUS[gpu_name]
+    full = predict(trace_config(config, gpu), top=top)
+    external = predict(trace_config(config, gpu, drop_internal=True), top=top) if has_internal_costs(config) else full
+    lines = [
+        f"# Roofline of {config} on the {gpu.name} (predicted)",
+        "",
+        f"Calibration: {CALIBRATION.efficiency:.0%} of peak rates, launch floor "
+        f"{CALIBRATION.launch_floor * 1e6:.1f} us per kernel ({CALIBRATION.fitted_on}). Peak rates: {gpu.source}.",
+        "",
+        summary_line("step", full),
+    ]
+    if external is not full:
+        lines.append(summary_line("same step without internal costs", external))
+    lines += ["", *phase_table(full), ""]
+    targets, target_lines = config_targets(full, external, epoch_images, batch_size(config))
+    lines += target_lines
+    lines += ["", f"Costliest operations (of {full.totals.kernels:,} kernels):", "", *hot_spot_table(full)]
+    if full.host_syncs:
+        lines += ["", "Host syncs:", *(f"- {what} at {where}" for what, where in full.host_syncs)]
+    data = {"gpu": gpu_name, "config": str(config), "targets": [asdict(target) for target in targets]}
+    data["step_ms"] = full.milliseconds
+    data["external_ms"] = external.milliseconds
+    return {"lines": lines, "data": data}
+
+
+def rows_report(gpu_name: str, code: Path | None) -> dict[str, Any]:
+    from kernel_trace.gpus import GPUS
+    from kernel_trace.predict import predict
+    from kernel_trace.steps import trace_rows_of_checkout
+
+    gpu = GPUS[gpu_name]
+    predictions = {name: predict(trace) for name, trace in trace_rows_of_checkout(gpu, code).items()}
+    fastest = min(p.milliseconds for name, p in predictions.items() if name.startswith("backbone alone"))
+    lines = [
+        f"# Step rows of make gpu-check on the {gpu.name} (predicted)",
+        "",
+        "| row | kernels | GB moved | TFLOP | predicted ms | vs fastest backbone row | host syncs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, prediction in predictions.items():
+        total = prediction.totals
+        lines.append(
+            f"| {name} | {total.kernels:,} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | "
+            f"{prediction.milliseconds:.1f} | {prediction.milliseconds / fastest:.2f}x | {len(prediction.host_syncs)} |"
+        )
+    return {"lines": lines, "data": {name: p.milliseconds for name, p in predictions.items()}}
+
+
+def calibration_report(code: Path | None) -> dict[str, Any]:
+    from kernel_trace.calibrate import calibration_lines
+
+    lines, data = calibration_lines(code, H200_REPORT_ROWS, CALIBRATION_COMMIT)
+    return {"lines": lines, "data": data}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""The roofline tracer (benchmarks/kernel_trace): its FLOPs against hand counts, its bytes against the tensor sizes,
+the branches the code takes on the modelled GPU, the attribution of backward work to its forward phase, host syncs,
+and the calibration fit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernel_trace.calibrate import fit  # noqa: E402
+from kernel_trace.gpus import GPUS, Calibration, GPUSpec  # noqa: E402
+from kernel_trace.predict import operation_cost, predict  # noqa: E402
+from kernel_trace.recorder import Operation  # noqa: E402
+from kernel_trace.trace import Trace, modules_by_phase, tracing  # noqa: E402
+
+from hfmca_lightning.losses import WindowGeometry, feature_map_statistics  # noqa: E402
+
+H100 = GPUS["h100-sxm"]
+
+
+def recorded(name: str, trace: Trace) -> list[Operation]:
+    return [operation for operation in trace.operations if operation.name == name]
+
+
+def test_convolution_flops_and_bytes_are_the_hand_counts() -> None:
+    batch, channels_in, channels_out, size, kernel = 8, 16, 32, 12, 3
+    with tracing(H100) as live:
+        images = torch.randn(batch, channels_in, size, size, device="cuda")
+        weight = torch.randn(channels_out, channels_in, kernel, kernel, device="cuda")
+        with live.record() as trace:
+            output = F.conv2d(images, weight, padding=1)
+    (convolution,) = recorded("convolution", trace)
+    assert output.shape == (batch, channels_out, size, size)
+    # one multiply and one add per weight per output position
+    assert convolution.flops == 2 * batch * channels_out * size * size * channels_in * kernel * kernel
+    assert convolution.read == 4 * (images.numel() + weight.numel())
+    assert convolution.written == 4 * output.numel()
+    assert convolution.on_gpu and convolution.kernels == 1
+
+
+def test_matrix_product_flops_bytes_and_rate_follow_dtype_and_tf32_setting() -> None:
+    m, k, n = 64, 96, 40
+    with tracing(H100) as live:
+        a, b = torch.randn(m, k, device="cuda"), torch.randn(k, n, device="cuda")
+        with live.record() as trace:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            a @ b
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            a @ b
+            a.bfloat16() @ b.bfloat16()
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+    exact, tf32, half = recorded("mm", trace)
+    assert exact.flops == tf32.flops == half.flops == 2 * m * k * n
+    assert exact.read == 4 * (m * k + k * n) and exact.written == 4 * m * n
+    assert half.read == 2 * (m * k + k * n) and half.written == 2 * m * n
+    assert (exact.rate, tf32.rate, half.rate) == ("fp32", "tf32_tensor", "bf16_tensor")
+
+
+def test_cholesky_flops_are_n_cubed_over_three_per_matrix() -> None:
+    with tracing(H100) as live:
+        matrices = torch.randn(5, 48, 48, device="cuda", dtype=torch.float64)
+        with live.record() as trace:
+            torch.linalg.cholesky_ex(matrices)
+    (factorisation,) = recorded("linalg_cholesky_ex", trace)
+    assert factorisation.flops == pytest.approx(5 * 48**3 / 3)
+    assert factorisation.rate == "fp64"
+    assert factorisation.read == 8 * 5 * 48 * 48  # reads A; writes L (and the 5 int32 infos)
+    assert factorisation.written == 8 * 5 * 48 * 48 + 4 * 5
+
+
+def test_expanded_factors_are_read_once_and_views_launch_nothing() -> None:
+    with tracing(H100) as live:
+        shared = torch.randn(32, 32, device="cuda")
+        batch = torch.randn(10, 32, 32, device="cuda")
+        with live.record() as trace:
+            view = batch.transpose(1, 2)[:, :4]
+            torch.bmm(shared.expand(10, 32, 32), batch)
+    assert view.shape == (10, 4, 32)
+    (product,) = trace.operations  # the transpose and the slice are views: no kernel
+    assert product.name == "bmm"
+    assert product.read == 4 * (32 * 32 + 10 * 32 * 32)
+
+
+def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
+    """tf32x3 statistics split their factors only on tensor-core GPUs (compute capability >= 8.0), and pool windows
+    with avg_pool2d on CUDA; a Volta-class GPU takes the exact float32 branch."""
+    volta = GPUSpec("V100", (7, 0), 32, 0.9e12, 125e12, 15.7e12, 15.7e12, 7.8e12, 7.8e12, 16e9, "test")
+    geometry = WindowGeometry(3, 1, 1)
+    names = {}
+    for gpu in (H100, volta):
+        with tracing(gpu) as live:
+            low = torch.randn(4, 16, 8, 8, device="cuda", requires_grad=True)
+            high = torch.randn(4, 32, 8, 8, device="cuda", requires_grad=True)
+            with live.record() as trace:
+                stats = feature_map_statistics(low, high, geometry, precision="tf32x3")
+                (stats.low_outer_sum.sum() + stats.cross_sum.sum()).backward()
+        names[gpu.name] = {operation.name for operation in trace.operations}
+        assert all(operation.on_gpu for operation in trace.operations)
+    assert {"bitwise_and", "avg_pool2d"} <= names[H100.name]
+    assert "bitwise_and" not in names["V100"] and "avg_pool2d" in names["V100"]
+
+
+def test_backward_work_is_attributed_to_its_forward_phase_and_source() -> None:
+    from hfmca_lightning.losses import HFMCACost
+    from hfmca_lightning.methods import HFMCAModule, InternalCosts
+    from hfmca_lightning.models import GridExternalHead, SmallConvNet
+
+    with tracing(H100) as live:
+        backbone = SmallConvNet(width=8, num_stages=2)
+        module = HFMCAModule(
+            backbone,
+            external_head=GridExternalHead(16, 2, 2, 12),
+            external_cost=HFMCACost(reg=0.1, name="external"),
+            internal_costs=InternalCosts(backbone.internal_layers),
+        )
+        module = module.to("cuda").train()
+        live.phases.modules.update(modules_by_phase(module, {"backbone": "backbone", "external_head": "external"}))
+        views = torch.randn(4, 4, 3, 16, 16, device="cuda")
+        with live.record() as trace:
+            module.objective(module.collect(views), check=False).total.backward()
+    phases = {operation.phase for operation in trace.operations}
+    assert {"backbone", "external", "cost path"} <= phases
+    assert any(phase.startswith("internal/") for phase in phases)
+    backward_convolutions = [op for op in trace.operations if op.name == "convolution_backward"]
+    by_model = {op.source.split(":")[0]: op.phase for op in backward_convolutions}
+    assert by_model == {
+        "hfmca_lightning/models/backbones.py": "backbone",
+        "hfmca_lightning/models/heads.py": "external",
+    }
+    assert all(op.backward and op.source.endswith("(backward)") for op in backward_convolutions)
+    internal_backward = [op for op in trace.operations if op.backward and op.phase.startswith("internal/")]
+    assert any("losses/statistics" in op.source for op in internal_backward)
+    assert not [op for op in trace.operations if op.phase == "backward (untraced)"]
+
+
+def test_host_reads_are_host_syncs_and_asynchronous_copies_are_not() -> None:
+    with tracing(H100) as live:
+        value = torch.randn(3, device="cuda")
+        pinned = torch.empty(3, pin_memory=True)
+        with live.record() as trace:
+            value.sum().item()
+            pinned.copy_(value, non_blocking=True)
+            value.cpu()
+    assert [what for what, _ in trace.host_syncs] == [
+        "aten._local_scalar_dense (a device value read on the host)",
+        "aten._to_copy to the host",
+    ]
+    copies = [operation for operation in trace.operations if operation.transfer == "device->host"]
+    assert len(copies) == 2
+
+
+def test_prediction_is_the_larger_of_compute_and_memory_plus_the_floor() -> None:
+    calibration = Calibration(efficiency=0.5, launch_floor=5e-6, fitted_on="test")
+    compute_bound = Operation("mm", "p", "s", False, 1, 1e12, 1_000, 1_000, "bfloat16", "bf16_tensor", True)
+    memory_bound = Operation("add", "p", "s", False, 2, 1e6, 10**9, 10**9, "float32", "fp32", True)
+    assert operation_cost(compute_bound, H100, calibration).seconds == pytest.approx(
+        5e-6 + 1e12 / (0.5 * H100.bf16_tensor)
+    )
+    assert operation_cost(memory_bound, H100, calibration).seconds == pytest.approx(
+        2 * 5e-6 + 2e9 / (0.5 * H100.bandwidth)
+    )
+    trace = Trace(H100, [compute_bound, memory_bound])
+    assert predict(trace, calibration).totals.kernels == 3
+
+
+def test_the_fit_recovers_constants_that_made_the_rows() -> None:
+    efficiency, floor = 0.4, 12e-6
+    rows = {
+        f"row {i}": (work, kernels, kernels * floor + work / efficiency)
+        for i, (work, kernels) in enumerate([(4e-3, 200), (5e-3, 400), (12e-3, 1300), (3e-3, 900)])
+    }
+    fitted_efficiency, fitted_floor = fit(rows)
+    assert fitted_efficiency == pytest.approx(efficiency, rel=1e-9)
+    assert fitted_floor == pytest.approx(floor, rel=1e-9)

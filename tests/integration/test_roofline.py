@@ -1,0 +1,87 @@
+"""benchmarks/roofline.py as a user runs it: a shipped config's whole step traced on this CPU in under two minutes, the
+table of its phases and targets, and the calibration on the H200 report's six rows (the code of the report's commit,
+checked out beside this one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT_COMMIT = "39fede7"
+
+
+def roofline(*args: str, cwd: Path = ROOT) -> tuple[subprocess.CompletedProcess[str], float]:
+    began = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "roofline.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return done, time.perf_counter() - began
+
+
+def test_the_internal_config_is_traced_in_under_two_minutes(tmp_path: Path) -> None:
+    done, seconds = roofline(
+        "--config", "configs/cifar10_ss_internal.yaml", "--gpu", "h100-sxm", "--json", str(tmp_path / "out.json")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert seconds < 120
+    text = done.stdout
+    assert "on the NVIDIA H100 SXM5 80GB (predicted)" in text
+    phases = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| internal/")]
+    assert sorted(phases) == sorted(f"internal/layer{s}.{b}" for s in range(1, 5) for b in range(2))
+    for phase in ("| backbone |", "| cost path |", "| optimizer |", "| **step** |"):
+        assert phase in text
+    data = json.loads((tmp_path / "out.json").read_text())
+    names = [target["name"] for target in data["targets"]]
+    assert names[:2] == ["external / backbone step", "external + internal / backbone step"]
+    assert "host syncs per training step" in names
+    assert data["step_ms"] > data["external_ms"] > 0
+    # the costliest operations name their source lines
+    assert "hfmca_lightning/" in text.split("Costliest operations")[1]
+
+
+def test_a_small_config_on_another_gpu() -> None:
+    done, _ = roofline("--config", "configs/demo.yaml", "--gpu", "l4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on the NVIDIA L4 (predicted)" in done.stdout
+    assert "| backbone |" in done.stdout and "internal/" not in done.stdout
+
+
+def test_an_unknown_gpu_is_one_line() -> None:
+    done, _ = roofline("--config", "configs/demo.yaml", "--gpu", "k80")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "roofline: unknown --gpu 'k80'; one of h100-sxm, h100-pcie, h200, a100, l4"
+    ]
+
+
+def test_calibration_predicts_the_six_measured_rows_within_30_percent(tmp_path: Path) -> None:
+    if subprocess.run(["git", "cat-file", "-e", f"{REPORT_COMMIT}^{{commit}}"], cwd=ROOT).returncode != 0:
+        pytest.skip(f"commit {REPORT_COMMIT} (the H200 report's code) is not in this clone's history")
+    checkout = tmp_path / "code"
+    subprocess.run(["git", "worktree", "add", "--detach", str(checkout), REPORT_COMMIT], cwd=ROOT, check=True,
+                   capture_output=True)  # fmt: skip
+    try:
+        done, _ = roofline("--calibrate", "--code", str(checkout), "--json", str(tmp_path / "fit.json"))
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    assert len(fit["rows"]) == 6
+    for name, row in fit["rows"].items():
+        assert abs(row["predicted_ms"] / row["measured_ms"] - 1) <= 0.30, name
+    # the constants shipped in kernel_trace/gpus.py are the ones this fit gives
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernel_trace.gpus import CALIBRATION
+
+    assert CALIBRATION.efficiency == pytest.approx(fit["efficiency"], abs=0.0005)
+    assert CALIBRATION.launch_floor == pytest.approx(fit["launch_floor"], rel=0.01)

@@ -260,7 +260,7 @@ def test_chunks_of_images_give_the_sums_and_gradients_of_one_chunk(layout, monke
     members), so the two results differ by at most ``2 gamma_n`` (n = 1,100) times the sum of the terms' magnitudes.
     That sum is computed in float64 with the magnitudes of every input (the maps are non-negative; the weights
     taken as ``|w|``), times 3 for the window means' shift by a constant no larger than the largest mean."""
-    from hfmca_lightning.losses import statistics
+    from hfmca_lightning.losses import map_statistics
 
     geometry = WindowGeometry(5, 1, 2)
     low, high = (x.detach().contiguous(memory_format=layout) for x in realistic_pair(5, 8, 8, 16, geometry, seed=3))
@@ -276,29 +276,31 @@ def test_chunks_of_images_give_the_sums_and_gradients_of_one_chunk(layout, monke
 
     whole = sums_and_gradients(weights)
     magnitudes = sums_and_gradients([w.abs() for w in weights], "float64", torch.float64)
-    monkeypatch.setattr(statistics, "_CPU_CHUNK_BYTES", 2 * low[0].numel() * 4)
-    assert len(statistics._image_chunks(5, low)) == 3
+    monkeypatch.setattr(map_statistics, "_CPU_CHUNK_BYTES", 2 * low[0].numel() * 4)
+    assert len(map_statistics._image_chunks(5, low)) == 3
     bound = 2 * gamma(1_100, FLOAT32_UNIT) * 3
     for got, expected, magnitude in zip(sums_and_gradients(weights), whole, magnitudes):
         assert bool(((got - expected).abs() <= bound * magnitude).all())
 
 
-def test_centred_float32_products_keep_the_precision_a_plain_float32_product_loses():
+def test_centredfloat32_products_keep_the_precision_a_plain_float32_product_loses():
     """Deep maps are multiplied over thousands of positions at once: with a large common mean (post-ReLU
     features) a plain float32 sum loses digits that the dependence needs; shifting by the means first and
     adding the mean terms in float64 keeps every sum within float32 rounding of the centred moments."""
-    from hfmca_lightning.losses.statistics import _CentredRowStatistics, _float64_statistics, _window_band, _Windows
+    from hfmca_lightning.losses.block_arithmetic import BlockArithmetic
+    from hfmca_lightning.losses.map_statistics import CentredRowStatistics, float64_statistics
+    from hfmca_lightning.losses.window_pooling import window_band
 
     torch.manual_seed(0)
     geometry = WindowGeometry(3, 1, 1)
     z = 50.0 + torch.randn(512, 64, 4, 4)
     h = 50.0 + 0.5 * z[:, :32] + torch.randn(512, 32, 4, 4)
     coverage = window_coverage((4, 4), (4, 4), geometry)
-    rows = _window_band(4, geometry, z)
-    windows = _Windows(geometry, rows, rows, "banded")
-    shifted = _CentredRowStatistics.apply(z, h, coverage.float().flatten(), windows)
-    exact = _float64_statistics(z.double(), h.double(), coverage, geometry)
-    plain = _float64_statistics(z, h, coverage.float(), geometry)  # the same sums in float32
+    rows = window_band(4, geometry, z)
+    windows = BlockArithmetic(geometry, rows, rows, "banded")
+    shifted = CentredRowStatistics.apply(z, h, coverage.float().flatten(), windows)
+    exact = float64_statistics(z.double(), h.double(), coverage, geometry)
+    plain = float64_statistics(z, h, coverage.float(), geometry)  # the same sums in float32
 
     # the scale of the dependence: the moments of the maps centred by their channel means
     def centred(x):
@@ -337,14 +339,14 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path, pool
     products (early layers), the centred products over all rows (deep layers) and the products on the rows
     of channels-last maps, with window means from banded products (CPUs) and from ``avg_pool2d`` and its
     backward (GPUs)."""
-    from hfmca_lightning.losses.statistics import (
-        _CentredRowStatistics,
-        _ChannelsLastStatistics,
-        _per_image,
-        _PerImageStatistics,
-        _window_band,
-        _Windows,
+    from hfmca_lightning.losses.block_arithmetic import BlockArithmetic
+    from hfmca_lightning.losses.map_statistics import (
+        CentredRowStatistics,
+        ChannelsLastStatistics,
+        PerImageStatistics,
+        is_per_image,
     )
+    from hfmca_lightning.losses.window_pooling import window_band
 
     torch.manual_seed(0)
     channels = (40, 50) if path == "centred rows" else (2, 3)
@@ -352,13 +354,13 @@ def test_map_statistics_have_the_gradients_of_their_forward(geometry, path, pool
     low = torch.rand(2, channels[0], 6, 6, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
     size = geometry.output_size((6, 6))
     high = torch.rand(2, channels[1], *size, dtype=torch.float64).contiguous(memory_format=layout).requires_grad_()
-    assert _per_image(high) == (path != "centred rows")
+    assert is_per_image(high) == (path != "centred rows")
     coverage = window_coverage((6, 6), size, geometry).flatten()
-    windows = _Windows(geometry, _window_band(6, geometry, low), _window_band(6, geometry, low), pooling)
+    windows = BlockArithmetic(geometry, window_band(6, geometry, low), window_band(6, geometry, low), pooling)
     statistics = {
-        "per image": _PerImageStatistics,
-        "centred rows": _CentredRowStatistics,
-        "channels last": _ChannelsLastStatistics,
+        "per image": PerImageStatistics,
+        "centred rows": CentredRowStatistics,
+        "channels last": ChannelsLastStatistics,
     }[path]
     # gradcheck over the 3,000 inputs of the deep case is slow: one random direction per output there
     assert torch.autograd.gradcheck(
@@ -389,11 +391,11 @@ def test_cached_window_constants_first_made_under_inference_mode_serve_training(
     assert low.grad is not None and bool(low.grad.abs().sum() > 0)
 
 
-def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
+def testfloat32_products_set_tf32_for_cuda_work_only(monkeypatch):
     """TF32 is switched off (``fast``) or on (``tf32``), and restored, for CUDA work; work on other devices never asks
     the CUDA driver (``torch.cuda.is_available()`` retries the driver on each call on a GPU-less machine, ~1 ms in a
     step)."""
-    from hfmca_lightning.losses.statistics import _float32_products
+    from hfmca_lightning.losses.block_arithmetic import float32_products
 
     def no_driver_calls() -> bool:
         raise AssertionError("the CPU path asked the CUDA driver")
@@ -427,13 +429,13 @@ def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
         for set_by_user in user_settings:
             set_by_user()
             user_setting = tf32_on()
-            with _float32_products(torch.device("cpu"), tf32=not user_setting):
+            with float32_products(torch.device("cpu"), tf32=not user_setting):
                 assert tf32_on() == user_setting
-            with _float32_products(torch.device("cuda")):
+            with float32_products(torch.device("cuda")):
                 assert not tf32_on()
                 if set_by_user is not global_tf32_flag:  # the legacy flag agrees (TunableOp reads it)
                     assert not matmul.allow_tf32
-            with _float32_products(torch.device("cuda"), tf32=True):
+            with float32_products(torch.device("cuda"), tf32=True):
                 assert tf32_on()
                 if set_by_user is not global_tf32_flag:
                     assert matmul.allow_tf32

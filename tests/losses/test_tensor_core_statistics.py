@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hfmca_lightning.losses import WindowGeometry, cost_from_statistics, feature_map_statistics
-from hfmca_lightning.losses import statistics as statistics_module
+from hfmca_lightning.losses import block_arithmetic
 from tests.losses.test_statistics import FAST_COST_TOLERANCE, FAST_GRADIENT_TOLERANCE, realistic_pair
 from tests.tensor_cores import EmulatedTF32, round_to_tf32, statistics_sums, sum_bounds
 
@@ -29,7 +29,7 @@ LAYOUTS = pytest.mark.parametrize(
 @pytest.fixture
 def tensor_cores(monkeypatch):
     """The CPU takes the tensor-core path (split factors), whose products EmulatedTF32 then rounds as CUDA would."""
-    monkeypatch.setattr(statistics_module, "_tensor_cores", lambda device: True)
+    monkeypatch.setattr(block_arithmetic, "tensor_cores", lambda device: True)
 
 
 def _maps(k1, k2, size, geometry, layout, batch=12):
@@ -56,10 +56,10 @@ def test_rounding_to_tf32_keeps_ten_mantissa_bits_to_nearest_even():
 
 
 def test_split_factors_add_up_exactly_and_round_once():
-    from hfmca_lightning.losses.statistics import _split_tf32
+    from hfmca_lightning.losses.block_arithmetic import split_tf32
 
     x = torch.randn(4_096) * torch.logspace(-3, 3, 4_096)
-    hi, lo = _split_tf32(x)
+    hi, lo = split_tf32(x)
     assert torch.equal(hi, round_to_tf32(x)) and torch.equal(hi + lo, x)
     assert bool((lo.abs() <= 2**-11 * x.abs()).all())
 
@@ -131,11 +131,11 @@ def test_one_tf32_product_is_not_precise_enough_for_the_costs():
 def test_a_matrix_shared_by_every_image_is_split_once_not_per_image():
     """The backward pass multiplies each image by the same ``(K, K)`` matrix, given expanded over the batch: its split
     factors stay views of one matrix (stride 0), and the products equal those of the copied split."""
-    windows = statistics_module._Windows(WindowGeometry(3, 1, 1), torch.eye(4), torch.eye(4), "banded", split=True)
+    windows = block_arithmetic.BlockArithmetic(WindowGeometry(3, 1, 1), torch.eye(4), torch.eye(4), "banded", split=True)
     shared = torch.randn(5, 5).expand(6, 5, 5)
     hi, lo = windows._split(shared)
     assert hi.stride(0) == 0 and lo.stride(0) == 0
-    copied_hi, copied_lo = statistics_module._split_tf32(shared.contiguous())
+    copied_hi, copied_lo = block_arithmetic.split_tf32(shared.contiguous())
     assert torch.equal(hi, copied_hi) and torch.equal(lo, copied_lo)
     images = torch.randn(6, 5, 7)
     accumulator = torch.zeros(6, 5, 7)

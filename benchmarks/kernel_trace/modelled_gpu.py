@@ -105,14 +105,16 @@ def _to_host_target(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 class HostCopies(TorchFunctionMode):
     """``tensor.cpu()``, ``tensor.to("cpu")``, ``tolist()`` and ``numpy()`` of tensors on the modelled GPU: copies to
     the host (to C++ they are CPU tensors already, so torch would skip the copy), made as the ``aten._to_copy`` a GPU
-    runs, which the recorder sees."""
+    runs, which the recorder sees. Calls from torch's own Python code are left alone: they name the devices C++
+    gives them (the CPU), as the fused optimizers' ``found_inf.to(device)``, a no-op on the GPU too."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensor = args[0] if args else None
         if not on_gpu(tensor):
             return func(*args, **kwargs)
-        if _to_host_target(func, args, kwargs):
+        caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+        if _to_host_target(func, args, kwargs) and "/torch/" not in caller:  # torch's own: C++ devices, all CPU
             dtype = next((value for value in args[1:] if isinstance(value, torch.dtype)), kwargs.get("dtype"))
             return torch.ops.aten._to_copy.default(
                 tensor, dtype=dtype, device=_CPU, non_blocking=bool(kwargs.get("non_blocking", False))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .gpus import CALIBRATION, Calibration, GPUSpec
+from .gpus import CALIBRATION, GRAPH_KERNEL_FLOOR, Calibration, GPUSpec
 from .recorder import Operation
 from .trace import Trace
 
@@ -20,13 +20,14 @@ class Cost:
 
 
 def operation_cost(operation: Operation, gpu: GPUSpec, calibration: Calibration = CALIBRATION) -> Cost:
-    """``kernels * floor + max(flops / (e * peak[rate]), bytes / (e * bandwidth))``; host-device copies over the host
-    link (on their own copy engine: they overlap the step and are reported apart)."""
+    """``kernels * floor + max(flops / (e * peak[rate]), bytes / (e * bandwidth))``, the floor of a kernel replayed in a
+    CUDA graph :data:`~.gpus.GRAPH_KERNEL_FLOOR`; host-device copies over the host link (on their own copy engine:
+    they overlap the step and are reported apart)."""
     if operation.transfer is not None:
         return Cost(operation.bytes / 2 / gpu.host_link, "transfer")
     compute = operation.flops / (calibration.efficiency * gpu.peak(operation.rate))
     memory = operation.bytes / (calibration.efficiency * gpu.bandwidth)
-    floor = operation.kernels * calibration.launch_floor
+    floor = operation.kernels * (GRAPH_KERNEL_FLOOR if operation.in_graph else calibration.launch_floor)
     work = max(compute, memory)
     bound = "launch" if floor > work else "compute" if compute >= memory else "memory"
     return Cost(floor + work, bound)

@@ -51,6 +51,7 @@ class Operation:
     rate: str
     on_gpu: bool
     transfer: str | None = None  # "host->device" or "device->host"
+    in_graph: bool = False  # replayed in a CUDA graph (a region compiled with mode="reduce-overhead")
 
     @property
     def bytes(self) -> int:
@@ -127,6 +128,7 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.phases = phases
         self.recording = False
+        self.in_graph = False  # inside a region compiled into CUDA graphs
         self.operations: list[Operation] = []
         self.host_syncs: list[tuple[str, str]] = []  # (what, source)
 
@@ -205,14 +207,15 @@ class Recorder(TorchDispatchMode):
 
     def _record(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, gpu: bool, transfer: str | None = None
-    ) -> tuple[str, str]:
+    ) -> tuple[str, str, bool]:
         node = torch._C._current_autograd_node()
         backward = node is not None
         phase, source, backward_code = self.phases.current()
+        in_graph = self.in_graph
         if backward:
             traced = node.metadata.get("trace") if node is not None else None
             if traced is not None:
-                phase = traced[0]
+                phase, in_graph = traced[0], traced[2]
                 if not backward_code:  # a gradient formula of torch's, not a backward method of the package's
                     source = f"{traced[1]} (backward)"
             elif phase == "other":
@@ -239,9 +242,18 @@ class Recorder(TorchDispatchMode):
                     rate=counts.rate_class(func, args, dtype),
                     on_gpu=gpu,
                     transfer=transfer,
+                    in_graph=in_graph,
                 )
             )
-        return phase, source
+        return phase, source, in_graph
+
+    def graph_launch(self) -> None:
+        """One replay of a CUDA graph in the forward pass and one in the backward pass: two launches."""
+        if self.recording:
+            phase, source, _ = self.phases.current()
+            self.operations.append(
+                Operation("cuda_graph_launch", phase, source, False, 2, 0.0, 0, 0, "-", "fp32", True)
+            )
 
     @staticmethod
     def _tag_inputs(inputs: list[torch.Tensor]) -> None:

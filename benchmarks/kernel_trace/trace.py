@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,12 +87,35 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
         autocast.clear()
         original_clear()
 
+    def compile(model: Any = None, **options: Any) -> Any:
+        """``torch.compile`` on the modelled GPU: the code runs eagerly (no GPU to compile for); a function compiled
+        with ``mode="reduce-overhead"`` runs as CUDA graphs, so its kernels are recorded as replayed in a graph."""
+
+        def compiled(function: Any) -> Any:
+            if isinstance(function, torch.nn.Module) or options.get("mode") != "reduce-overhead":
+                return function
+
+            @functools.wraps(function)
+            def replayed(*args: Any, **kwargs: Any) -> Any:
+                recorder.graph_launch()
+                recorder.in_graph = True
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    recorder.in_graph = False
+
+            return replayed
+
+        return compiled if model is None else compiled(model)
+
     swap = torch.__future__.get_swap_module_params_on_conversion()
     stack_patches = [
         mock.patch.object(torch.autograd, "backward", backward),
         mock.patch.object(torch.autograd, "grad", grad),
         mock.patch.object(torch, "clear_autocast_cache", clear_autocast_cache),
         mock.patch.object(torch.nn.Module, "_apply", _apply),
+        mock.patch.object(torch, "compile", compile),
+        mock.patch.object(torch.compiler, "cudagraph_mark_step_begin", lambda: None),
     ]
     torch.__future__.set_swap_module_params_on_conversion(False)
     try:

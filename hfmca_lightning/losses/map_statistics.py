@@ -1,6 +1,7 @@
 """The three sums of a block's statistics as autograd functions with their own backward passes, one per map shape
 and layout (docs/conventions.md §3): :class:`PerImageStatistics` (early layers), :class:`CentredRowStatistics` (deep
-layers), :class:`ChannelsLastStatistics` (channels-last maps), and :func:`float64_statistics`, the reference."""
+layers), :class:`ChannelsLastStatistics` (channels-last maps), :class:`Bfloat16Statistics` (bfloat16 maps on bf16
+tensor cores), and :func:`float64_statistics`, the reference."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hfmca_lightning.losses.block_arithmetic import BlockArithmetic, is_channels_last
+from hfmca_lightning.losses.block_arithmetic import BlockArithmetic, float32_products, is_channels_last
 from hfmca_lightning.losses.window_geometry import WindowGeometry
 
 __all__ = [
+    "Bfloat16Statistics",
     "CentredRowStatistics",
     "ChannelsLastStatistics",
     "PerImageStatistics",
@@ -382,3 +384,149 @@ class ChannelsLastStatistics(torch.autograd.Function):
             for grad, size in ((grad_z, ctx.shapes[0]), (grad_h, ctx.shapes[1]))
         ]
         return as_maps[0], as_maps[1], None, None
+
+
+_OUT_DTYPE_PRODUCTS = hasattr(torch.ops.aten.addmm, "dtype")  # torch.mm(..., out_dtype=): bf16 in, float32 out
+
+
+def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None, beta: float = 1.0) -> Tensor:
+    """``beta * accumulator + left @ right`` of bfloat16 matrices (2-D, or batched 3-D),
+    accumulated and returned in float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are
+    exact in float32), the same exact products in float32 elsewhere (CPUs have no bf16 product with a float32
+    result)."""
+    if left.device.type == "cuda" and _OUT_DTYPE_PRODUCTS:
+        batched = left.dim() == 3
+        if accumulator is None:
+            return (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
+        add = torch.baddbmm if batched else torch.addmm
+        return add(accumulator, left, right, beta=beta, out_dtype=torch.float32)
+    with float32_products(left.device):
+        product = torch.matmul(left.float(), right.float())
+        return product if accumulator is None else product.add_(accumulator, alpha=beta)
+
+
+def _split_bfloat16(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hi, lo)``: ``x`` rounded to bfloat16 and the rounded rest, ``hi + lo`` within ``2^-16 |x|``."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi).to(torch.bfloat16)
+
+
+def _split_product(
+    left: Tensor, right: tuple[Tensor, Tensor], accumulator: Tensor | None = None, beta: float = 1.0
+) -> Tensor:
+    """``beta * accumulator + left @ (hi + lo)`` in float32 from the bfloat16 parts of ``right``: two exact products."""
+    hi, lo = right
+    return float32_product(left, lo, float32_product(left, hi, accumulator, beta))
+
+
+def _position_major(map_: Tensor) -> Tensor:
+    """``(P, B, K)``: a channels-last ``(B, K, H, W)`` map as the ``(B, K)`` matrix of each of its ``P = H * W``
+    positions (a view)."""
+    batch, channels = map_.shape[:2]
+    return map_.permute(0, 2, 3, 1).reshape(batch, -1, channels).transpose(0, 1)
+
+
+def _rows(map_: Tensor) -> Tensor:
+    """``(B * H * W, K)`` rows of a channels-last map (a view)."""
+    return map_.permute(0, 2, 3, 1).reshape(-1, map_.shape[1])
+
+
+def _as_map(rows_: Tensor, shape: torch.Size) -> Tensor:
+    """The channels-last ``(B, K, H, W)`` map whose rows are ``rows_`` ``(B * H * W, K)`` (a view)."""
+    batch, channels, height, width = shape
+    return rows_.view(batch, height, width, channels).permute(0, 3, 1, 2)
+
+
+def _gradient_parts(grads: Sequence[Tensor | None], dims: tuple[int, int], like: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The bfloat16 ``(hi, lo)`` parts of ``G1 + G1^T``, ``G2 + G2^T``, ``G3`` and ``[G3; G3]`` (zeros for None),
+    split together."""
+    k1, k2 = dims
+    sizes = ((k1, k1), (k2, k2), (k1, k2), (k1, k2))
+    matrices = [
+        like.new_zeros(size, dtype=torch.float64) if grad is None else grad + grad.mT if symmetric else grad
+        for grad, size, symmetric in zip(grads, sizes[:3], (True, True, False))
+    ]
+    hi, lo = _split_bfloat16(torch.cat([matrix.flatten() for matrix in (*matrices, matrices[2])]))
+    parts, start = [], 0
+    for rows_, columns in sizes:
+        end = start + rows_ * columns
+        parts.append((hi[start:end].view(rows_, columns), lo[start:end].view(rows_, columns)))
+        start = end
+    stacked = start - 2 * k1 * k2
+    parts[3] = (hi[stacked:].view(2 * k1, k2), lo[stacked:].view(2 * k1, k2))
+    return parts
+
+
+def _split_means(means: Tensor) -> Tensor:
+    """``(B, H', W', 2 K1)``: the float32 window means of a channels-last map as the bfloat16 parts ``[hi | lo]`` of
+    each position's row (one matrix, so that one product takes both)."""
+    rows_ = means.permute(0, 2, 3, 1)
+    parts = torch.empty((*rows_.shape[:-1], 2 * rows_.shape[-1]), dtype=torch.bfloat16, device=means.device)
+    hi, lo = parts.split(rows_.shape[-1], dim=-1)
+    hi.copy_(rows_)
+    torch.sub(rows_, hi, out=lo)  # exact in float32, rounded once into the bfloat16 part
+    return parts
+
+
+class Bfloat16Statistics(torch.autograd.Function):
+    """The three sums of bfloat16 maps on bf16 tensor cores (``precision="bf16"``; docs/conventions.md §3).
+
+    The maps are used channels-last as they lie (plain maps are copied once). Each sum is one batched product over
+    the maps' positions, every position's ``(B, K)`` rows multiplied by themselves, ``T_p = Z_p^T Z_p`` in float32
+    (the products of bfloat16 numbers are exact; float32 accumulation over the ``B`` images), then summed over the
+    positions in float64, ``R1`` with the coverage weights of the positions:
+
+        S1 = sum_p w_p Z_p^T Z_p,    S2 = sum_q H_q^T H_q,    S3 = sum_q M_q^T H_q,
+
+    with the window means ``M = avg_pool2d(Z)`` taken in float32 and split into two bfloat16 parts, ``M = hi + lo``
+    within ``2^-16 |M|``, laid side by side so that one product takes both (the cost's dependence lives in the low
+    bits of the cross sum: window means rounded to bfloat16 moved the costs by ~1e-4 and the gradients by ~1e-2).
+    Backward, with every product exact and accumulated in float32 (the float64 gradients of the sums split into two
+    bfloat16 parts likewise: the two terms of ``dZ`` cancel to a fraction of their size), and one rounding of each
+    result to bfloat16 (the gradients of bfloat16 maps are bfloat16):
+
+        dZ = w * (Z (G1 + G1^T)) + avg_pool2d_backward(H G3^T),    dH = H (G2 + G2^T) + M G3.
+
+    Keeps the maps (which autograd keeps anyway) and the two parts of ``M``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, z_map: Tensor, h_map: Tensor, coverage: Tensor, geometry: WindowGeometry
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        layouts = tuple(torch.channels_last if is_channels_last(x) else torch.contiguous_format for x in (z_map, h_map))
+        z_map = z_map.contiguous(memory_format=torch.channels_last)
+        h_map = h_map.contiguous(memory_format=torch.channels_last)
+        k, s, p = geometry.kernel, geometry.stride, geometry.padding
+        means = _split_means(F.avg_pool2d(z_map.float(), k, s, p, count_include_pad=False))
+        z, h = _position_major(z_map), _position_major(h_map)
+        m = means.view(means.shape[0], -1, means.shape[-1]).transpose(0, 1)  # (P2, B, 2 K1)
+        low = (float32_product(z.mT, z) * coverage[:, None, None]).sum(dim=0, dtype=torch.float64)
+        high = float32_product(h.mT, h).sum(dim=0, dtype=torch.float64)
+        cross = float32_product(m.mT, h).unflatten(1, (2, -1)).sum(dim=(0, 1), dtype=torch.float64)
+        ctx.save_for_backward(z_map, h_map, means, coverage)
+        ctx.geometry, ctx.layouts = geometry, layouts
+        return low, high, cross
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        z_map, h_map, means, coverage = ctx.saved_tensors
+        geometry: WindowGeometry = ctx.geometry
+        low, high, cross, stacked = _gradient_parts(grads, (z_map.shape[1], h_map.shape[1]), z_map)
+        z, h, m = _rows(z_map), _rows(h_map), means.view(-1, means.shape[-1])
+        grad_z = grad_h = None
+        if ctx.needs_input_grad[0]:
+            k, s, p = geometry.kernel, geometry.stride, geometry.padding
+            pooled_shape = torch.Size((z_map.shape[0], z_map.shape[1], *h_map.shape[-2:]))
+            pooled = _as_map(_split_product(h, (cross[0].T, cross[1].T)), pooled_shape)
+            like = torch.empty(z_map.shape, dtype=torch.float32, device=z_map.device, memory_format=torch.channels_last)
+            adjoint = torch.ops.aten.avg_pool2d_backward(pooled, like, [k, k], [s, s], [p, p], False, False, None)
+            weighted = _as_map(_split_product(z, low), z_map.shape)
+            grad_z = torch.addcmul(adjoint, weighted, coverage.view(1, 1, *z_map.shape[-2:]))
+            grad_z = grad_z.to(z_map.dtype, memory_format=ctx.layouts[0])
+        if ctx.needs_input_grad[1]:
+            # M G3 = [M_hi | M_lo] [G3_hi; G3_hi] + M_hi G3_lo (the product of the two low parts is 2^-16 of the term)
+            rows_ = float32_product(m, stacked[0], _split_product(h, high))
+            rows_ = float32_product(m[:, : z_map.shape[1]], cross[1], rows_)
+            grad_h = _as_map(rows_, h_map.shape).to(h_map.dtype, memory_format=ctx.layouts[1])
+        return grad_z, grad_h, None, None

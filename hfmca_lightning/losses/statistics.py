@@ -23,6 +23,7 @@ from torch import Tensor
 from hfmca_lightning.losses import block_arithmetic
 from hfmca_lightning.losses.block_arithmetic import BlockArithmetic, is_channels_last
 from hfmca_lightning.losses.map_statistics import (
+    Bfloat16Statistics,
     CentredRowStatistics,
     ChannelsLastStatistics,
     PerImageStatistics,
@@ -30,7 +31,13 @@ from hfmca_lightning.losses.map_statistics import (
     is_per_image,
 )
 from hfmca_lightning.losses.window_geometry import WindowGeometry
-from hfmca_lightning.losses.window_pooling import WindowPooling, pooling_for, window_constants, window_coverage
+from hfmca_lightning.losses.window_pooling import (
+    WindowPooling,
+    fits_avg_pool,
+    pooling_for,
+    window_constants,
+    window_coverage,
+)
 
 __all__ = [
     "CorrelationStatistics",
@@ -38,6 +45,7 @@ __all__ = [
     "feature_map_statistics",
     "StatisticsPrecision",
     "STATISTICS_PRECISIONS",
+    "resolved_precision",
     "WindowPooling",
     "window_coverage",
     "regularised_blocks",
@@ -176,10 +184,22 @@ def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:
         )
 
 
-StatisticsPrecision = Literal["fast", "tf32x3", "float64"]
+StatisticsPrecision = Literal["auto", "fast", "tf32x3", "bf16", "float64"]
 
 
-STATISTICS_PRECISIONS = ("fast", "tf32x3", "float64")
+STATISTICS_PRECISIONS = ("auto", "fast", "tf32x3", "bf16", "float64")
+
+
+def resolved_precision(low_map: Tensor, high_map: Tensor, geometry: WindowGeometry) -> StatisticsPrecision:
+    """What ``precision="auto"`` runs for these maps: ``bf16`` for bfloat16 maps (bf16-mixed training) on GPUs with
+    bf16 tensor cores (compute capability 8.0 and later), when each position's product is no larger than the map
+    (``K <= B``) and the window fits ``avg_pool2d``; ``tf32x3`` for other maps on those GPUs; ``fast`` elsewhere
+    (CPUs, older GPUs)."""
+    if not block_arithmetic.tensor_cores(low_map.device):
+        return "fast"
+    bfloat16 = low_map.dtype == torch.bfloat16 and high_map.dtype == torch.bfloat16
+    small = max(low_map.shape[1], high_map.shape[1]) <= low_map.shape[0]
+    return "bf16" if bfloat16 and small and fits_avg_pool(geometry) else "tf32x3"
 
 
 def feature_map_statistics(
@@ -207,6 +227,10 @@ def feature_map_statistics(
     or, for channels-last maps, on their ``(B*H*W, K)`` rows as they lie (:class:`ChannelsLastStatistics`);
     small deep-layer maps of either layout are multiplied over all rows at once after subtracting their means
     (:class:`CentredRowStatistics`). Each path is one autograd node with its own backward pass.
+    ``"bf16"``: bfloat16 maps (float32 maps are rounded to bfloat16 first) on bf16 tensor cores, every product exact
+    and accumulated in float32 per position, window means rounded to bfloat16, gradients in bfloat16
+    (:class:`Bfloat16Statistics`; its own stated tolerance, docs/conventions.md §3). ``"auto"``: ``bf16``, ``tf32x3``
+    or ``fast`` by the device and the maps (:func:`resolved_precision`).
     ``"float64"``: every step in float64 with average pooling (analysis, and the reference the fast path is
     tested against: costs agree to 1e-5 and gradients to 5e-5, relative, docs/conventions.md §3).
 
@@ -214,7 +238,7 @@ def feature_map_statistics(
         low_map: ``(B, K1, H, W)`` block input ``Z_s``.
         high_map: ``(B, K2, H', W')`` block output ``Z_{s+1}``.
         geometry: the block's window ``(kernel, stride, padding)``.
-        precision: ``fast``, ``tf32x3`` or ``float64``.
+        precision: ``auto``, ``fast``, ``tf32x3``, ``bf16`` or ``float64``.
         window_pooling: ``banded`` or ``avg_pool``; default by the maps' device.
 
     Returns:
@@ -258,6 +282,13 @@ def feature_map_statistics(
         raise ValueError(f"precision must be one of {STATISTICS_PRECISIONS}; got {precision!r}")
     if window_pooling not in (None, "banded", "avg_pool"):
         raise ValueError(f"window_pooling must be 'banded', 'avg_pool' or None; got {window_pooling!r}")
+    if precision == "auto":
+        precision = resolved_precision(low_map, high_map, geometry)
+    if precision == "bf16" and not fits_avg_pool(geometry):
+        raise ValueError(
+            f"precision 'bf16' takes window means by avg_pool2d, which needs 2 * padding <= kernel; the window "
+            f"{geometry} does not: use precision 'fast' or 'auto' for this block"
+        )
     coverage, coverage32, rows, columns = window_constants(
         tuple(low_map.shape[-2:]), tuple(high_map.shape[-2:]), geometry, low_map.device
     )
@@ -268,6 +299,10 @@ def feature_map_statistics(
             return CorrelationStatistics(
                 *float64_statistics(_float64(low_map), _float64(high_map), coverage, geometry), *counts
             )
+        if precision == "bf16":
+            z_map, h_map = low_map.to(torch.bfloat16), high_map.to(torch.bfloat16)
+            low_sum, high_sum, cross_sum = Bfloat16Statistics.apply(z_map, h_map, coverage32, geometry)
+            return CorrelationStatistics(low_sum, high_sum, cross_sum, *counts)
         z_map, h_map = low_map.to(torch.float32), high_map.to(torch.float32)
         statistics: type[torch.autograd.Function]
         if not is_per_image(h_map):

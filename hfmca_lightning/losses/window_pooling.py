@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hfmca_lightning.losses.window_geometry import WindowGeometry
 
-__all__ = ["WindowPooling", "pooling_for", "window_band", "window_constants", "window_coverage"]
+__all__ = ["WindowPooling", "fits_avg_pool", "pooling_for", "window_band", "window_constants", "window_coverage"]
 
 
 def window_coverage(
@@ -69,8 +69,12 @@ WindowPooling = Literal["banded", "avg_pool"]
 
 def pooling_for(device: torch.device, geometry: WindowGeometry) -> WindowPooling:
     """``avg_pool`` on GPUs (where ``avg_pool2d`` takes the padding as given), ``banded`` on CPUs."""
-    fits = 2 * geometry.padding <= geometry.kernel
-    return "avg_pool" if device.type == "cuda" and fits else "banded"
+    return "avg_pool" if device.type == "cuda" and fits_avg_pool(geometry) else "banded"
+
+
+def fits_avg_pool(geometry: WindowGeometry) -> bool:
+    """Whether ``avg_pool2d`` takes this window's padding (at most half the kernel)."""
+    return 2 * geometry.padding <= geometry.kernel
 
 
 @functools.lru_cache(maxsize=128)

@@ -26,7 +26,11 @@ from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.models.heads import GridExternalHead
 
+# compile_costs: compiled (CUDA graphs) on CUDA devices, eager on any other.
+CUDA_ONLY = "cuda"
+
 __all__ = [
+    "CUDA_ONLY",
     "Collected",
     "HFMCAModule",
     "Objective",
@@ -184,7 +188,8 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             and the total) with ``torch.compile(fullgraph=True)``, on CUDA with ``mode="reduce-overhead"`` (one
             CUDA graph instead of a few hundred small launches per step). The statistics stay eager. ``true``:
             torch's default backend (inductor); a string names another ``torch.compile`` backend (``aot_eager``
-            checks that the path compiles as one graph without inductor's C++ compilation, as the tests do).
+            checks that the path compiles as one graph without inductor's C++ compilation, as the tests do);
+            ``"cuda"``: as ``true`` on CUDA devices and eager elsewhere (one config for GPUs and CPUs).
 
     A training step reads no device value on the host: the checks of every factorisation and of the total's
     finiteness stay on the device (max-reduced over processes under DDP), where a failure makes the optimizer skip
@@ -237,9 +242,11 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             )
         if warmup_epochs < 0:
             raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
-        if isinstance(compile_costs, str) and compile_costs not in torch._dynamo.list_backends(exclude_tags=()):
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if isinstance(compile_costs, str) and compile_costs != CUDA_ONLY and compile_costs not in backends:
             raise ConfigurationError(
-                f"compile_costs: {compile_costs!r} is not a torch.compile backend; use true (the default backend) or "
+                f"compile_costs: {compile_costs!r} is not a torch.compile backend; use true (the default backend), "
+                f"{CUDA_ONLY!r} (CUDA graphs on GPUs, eager elsewhere) or "
                 f"one of {', '.join(torch._dynamo.list_backends(exclude_tags=()))}",
                 parameter="compile_costs",
             )
@@ -428,7 +435,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         values, total, state, total_failed, filters = self._cost_path_function(device)(
             statistics, costs, names[0] == "external", weight
         )
-        if self.compile_costs is True and device.type == "cuda":
+        if self._cuda_graphs(device):
             # Outputs of the CUDA graph, which its next replay (the next micro-batch) overwrites: the checks wait for
             # the optimizer step, so they are copied out (the filters' candidates are copied just below).
             state, total_failed = state.clone(), total_failed.clone()
@@ -445,18 +452,29 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             self._raise_if_failed(checks)
         return objective
 
+    def _compiled(self, device: torch.device) -> bool | str:
+        """``compile_costs`` as it applies on ``device`` (``"cuda"``: true on CUDA devices, false elsewhere)."""
+        if self.compile_costs == CUDA_ONLY:
+            return device.type == "cuda"
+        return self.compile_costs
+
+    def _cuda_graphs(self, device: torch.device) -> bool:
+        """Whether the cost path runs as CUDA graphs on ``device``."""
+        return self._compiled(device) is True and device.type == "cuda"
+
     def _cost_path_function(self, device: torch.device) -> Any:
         """:func:`objective_values`, compiled on the first call with ``compile_costs`` (CUDA graphs on CUDA)."""
-        if not self.compile_costs:
+        compiled = self._compiled(device)
+        if not compiled:
             return objective_values
         if self._cost_path is None:
             options: dict[str, Any] = {"fullgraph": True, "dynamic": False}
-            if isinstance(self.compile_costs, str):
-                options["backend"] = self.compile_costs
+            if isinstance(compiled, str):
+                options["backend"] = compiled
             else:
                 options["mode"] = "reduce-overhead" if device.type == "cuda" else None
             self._cost_path = torch.compile(objective_values, **options)
-        if device.type == "cuda" and self.compile_costs is True:
+        if self._cuda_graphs(device):
             torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous step's graph outputs are done with
         return self._cost_path
 

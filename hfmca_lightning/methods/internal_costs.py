@@ -91,8 +91,10 @@ class InternalCosts(nn.Module):
         reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
         precision: of the statistics in training, ``fast`` (float32 products summed in float64, see
             ``feature_map_statistics``), ``tf32x3`` (the same products on CUDA's tensor cores, as three TF32 products
-            of split factors, within the same stated tolerance; exact float32 elsewhere) or ``float64``. Analysis
-            uses ``float64``.
+            of split factors, within the same stated tolerance; exact float32 elsewhere), ``bf16`` (bfloat16 maps on
+            bf16 tensor cores, exact products, float32 accumulation, bfloat16 gradients), ``auto`` (``bf16`` for the
+            bfloat16 maps of bf16-mixed training on GPUs with bf16 tensor cores, ``tf32x3`` for float32 maps there,
+            ``fast`` on CPUs) or ``float64``. Analysis uses ``float64``.
     """
 
     def __init__(

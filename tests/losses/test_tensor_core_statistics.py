@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfmca_lightning.losses import WindowGeometry, cost_from_statistics, feature_map_statistics
-from hfmca_lightning.losses import block_arithmetic
+from hfmca_lightning.losses import WindowGeometry, block_arithmetic, cost_from_statistics, feature_map_statistics
 from tests.losses.test_statistics import FAST_COST_TOLERANCE, FAST_GRADIENT_TOLERANCE, realistic_pair
 from tests.tensor_cores import EmulatedTF32, round_to_tf32, statistics_sums, sum_bounds
 
@@ -131,7 +130,9 @@ def test_one_tf32_product_is_not_precise_enough_for_the_costs():
 def test_a_matrix_shared_by_every_image_is_split_once_not_per_image():
     """The backward pass multiplies each image by the same ``(K, K)`` matrix, given expanded over the batch: its split
     factors stay views of one matrix (stride 0), and the products equal those of the copied split."""
-    windows = block_arithmetic.BlockArithmetic(WindowGeometry(3, 1, 1), torch.eye(4), torch.eye(4), "banded", split=True)
+    windows = block_arithmetic.BlockArithmetic(
+        WindowGeometry(3, 1, 1), torch.eye(4), torch.eye(4), "banded", split=True
+    )
     shared = torch.randn(5, 5).expand(6, 5, 5)
     hi, lo = windows._split(shared)
     assert hi.stride(0) == 0 and lo.stride(0) == 0

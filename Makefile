@@ -59,12 +59,12 @@ notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py
 
 ## Measure a GPU: the cuda tests, then step rows, compiled rows, precision, data paths and training runs, into
-## docs/benchmarks/gpu-<device>.md (benchmarks/gpu_check.py; 480 s, or GPU_CHECK_ARGS="--time-budget N"; exits 2
+## docs/benchmarks/gpu-<device>.md (benchmarks/gpu_check; 480 s, or GPU_CHECK_ARGS="--time-budget N"; exits 2
 ## without CUDA). Uses the venv's Python where there is one, else python3 (GPU machines with torch and pytest
 ## preinstalled, nothing from the network).
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	$(GPU_PY) benchmarks/gpu_check $(GPU_CHECK_ARGS)
 
 ## Wheels that a GPU machine without network needs for `make gpu-check` (kornia for the kornia rows; 7 MB), into
 ## the git-ignored .whl/ (see docs/benchmarks/index.md, "Measuring a GPU").

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 from throughput import build, training_step  # noqa: E402
 
-STATISTICS_NODES = ("_PerImageStatistics", "_CentredRowStatistics", "_ChannelsLastStatistics")
+STATISTICS_NODES = ("PerImageStatistics", "CentredRowStatistics", "ChannelsLastStatistics", "Bfloat16Statistics")
 
 
 def profiled_parts(step: Callable[[], None]) -> dict[str, float]:

@@ -77,11 +77,11 @@ def build(
     views: int,
     internal: bool,
     view_mode: str = "concat",
-    precision: str = "tf32x3",
+    precision: str = "auto",
     **options: object,
 ) -> HFMCAModule:
     """An HFMCA-SS(*) module as configs/cifar10_ss.yaml builds it (optionally with internal costs on every block, their
-    statistics in ``precision``: ``tf32x3`` as configs/cifar10_ss_internal.yaml); ``options`` go to HFMCAModule
+    statistics in ``precision``: ``auto`` as configs/cifar10_ss_internal.yaml); ``options`` go to HFMCAModule
     (checkpoint_backbone, backbone_chunk_size, channels_last, compile_backbone, compile_costs)."""
     backbones = {"resnet18": CIFARResNet18, "resnet50": lambda: TorchvisionBackbone("resnet50"), "small": SmallConvNet}
     backbone = backbones[backbone_name]()

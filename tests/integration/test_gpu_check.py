@@ -1,4 +1,4 @@
-"""`make gpu-check` (benchmarks/gpu_check.py): refuses without CUDA, runs every section end to end on the CPU at tiny
+"""`make gpu-check` (benchmarks/gpu_check): refuses without CUDA, runs every section end to end on the CPU at tiny
 sizes without the packages GPU machines may lack, and writes a report whose numbers follow from the measurements."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class Missing(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {missing!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}}")
 sys.meta_path.insert(0, Missing())
-sys.argv = ["benchmarks/gpu_check.py"] + sys.argv[1:]
-runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
+sys.argv = ["benchmarks/gpu_check"] + sys.argv[1:]
+runpy.run_path("benchmarks/gpu_check", run_name="__main__")
 """
 
 IN_STEP = "external, views drawn in the step"
@@ -325,13 +325,13 @@ def test_report_file_names(name: str, slug: str):
 def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """One section's failure (a worker's bus error, an unsupported compile) must not lose the check's other
     measurements: it is written into the report, the later sections run, and the exit status says so."""
-    import gpu_check
+    from gpu_check import cli
 
     def broken_training(*args, **kwargs):
         raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Bus error.\nmore detail")
 
-    monkeypatch.setattr(gpu_check, "training_run", broken_training)
-    status = gpu_check.main(
+    monkeypatch.setattr(cli, "training_run", broken_training)
+    status = cli.main(
         ["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "training,precision"]
     )
     (report,) = tmp_path.glob("gpu-*.md")
@@ -342,4 +342,4 @@ def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path, 
     )
     assert "| internal/features.0 |" in text  # the precision section still ran and was reported
     with pytest.raises(SystemExit):
-        gpu_check.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "steps,typo"])
+        cli.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "steps,typo"])

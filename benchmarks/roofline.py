@@ -4,6 +4,7 @@
     python benchmarks/roofline.py --config configs/cifar10_ss.yaml --gpu h200 --top 20
     python benchmarks/roofline.py --rows --gpu h200                     # the step rows of make gpu-check
     python benchmarks/roofline.py --calibrate --code /tmp/code-39fede7   # fit the constants on the H200 report
+    python benchmarks/roofline.py --calibrate --report docs/benchmarks/gpu-<device>.md --commit <its commit> --code .
 
 Runs one whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
 transfer and the views a device pipeline draws) through Lightning's Trainer on fake tensors: no arithmetic, seconds
@@ -28,16 +29,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
-# The six step rows of docs/benchmarks/gpu-nvidia-h200.md (one H200, torch 2.11, bf16 autocast, 64 images x 9 views
-# of 32 px, forward + backward, code of commit 39fede7), in milliseconds per step.
-H200_REPORT_ROWS = {
-    "backbone alone: plain": 23.8,
-    "backbone alone: channels_last": 11.8,
-    "external: plain": 27.6,
-    "external: channels_last": 16.3,
-    "external + internal: plain": 56.3,
-    "external + internal: channels_last": 50.1,
-}
+# The report the shipped constants are fitted on, and the commit whose code it measured.
+CALIBRATION_REPORT = ROOT / "docs" / "benchmarks" / "gpu-nvidia-h200.md"
 CALIBRATION_COMMIT = "39fede7"
 
 
@@ -57,12 +50,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", type=Path, help="a training config (configs/*.yaml)")
     what.add_argument("--rows", action="store_true", help="the training-step rows of make gpu-check")
-    what.add_argument("--calibrate", action="store_true", help="fit the constants on the H200 report's rows")
+    what.add_argument("--calibrate", action="store_true", help="fit the constants on a make gpu-check report's rows")
     parser.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100, l4")
     parser.add_argument("--code", type=Path, help="trace the code of this checkout (for --rows, --calibrate)")
+    parser.add_argument("--report", type=Path, default=CALIBRATION_REPORT, help="the report --calibrate fits on")
+    parser.add_argument("--commit", default=CALIBRATION_COMMIT, help="the commit whose code --report measured")
     parser.add_argument("--top", type=int, default=12, help="operations listed by cost")
     parser.add_argument("--epoch-images", type=int, default=EPOCH_IMAGES, help="images per epoch (targets)")
     parser.add_argument("--json", type=Path, help="also write the predictions as JSON here")
+    rows = parser.add_argument_group("the step rows (--rows), as make gpu-check sizes them")
+    rows.add_argument("--backbone", choices=["resnet18", "small"], default="resnet18")
+    rows.add_argument("--batch-size", type=int, default=64)
+    rows.add_argument("--views", type=int, default=9, choices=[4, 9, 16])
+    rows.add_argument("--image-size", type=int, default=32)
     return parser.parse_args(argv)
 
 
@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is not None:
         result = config_report(args.config, args.gpu, args.top, args.epoch_images)
     elif args.rows:
-        result = rows_report(args.gpu, args.code)
+        sizes = {"backbone": args.backbone, "batch_size": args.batch_size, "views": args.views}
+        result = rows_report(args.gpu, args.code, {**sizes, "image_size": args.image_size})
     else:
-        result = calibration_report(args.code)
+        result = calibration_report(args.code, args.report, args.commit)
     print("\n".join(result["lines"]))
     print(f"\n(traced on this CPU in {time.perf_counter() - began:.0f} s)")
     if args.json is not None:
@@ -112,7 +113,7 @@ def config_report(config: Path, gpu_name: str, top: int, epoch_images: int) -> d
     lines += ["", *phase_table(full), ""]
     targets, target_lines = config_targets(full, external, epoch_images, batch_size(config))
     lines += target_lines
-    lines += ["", f"Costliest operations (of {full.totals.kernels:,} kernels):", "", *hot_spot_table(full)]
+    lines += ["", f"Costliest operations (of {full.totals.kernels:,.0f} kernels):", "", *hot_spot_table(full)]
     if full.host_syncs:
         lines += ["", "Host syncs:", *(f"- {what} at {where}" for what, where in full.host_syncs)]
     data = {"gpu": gpu_name, "config": str(config), "targets": [asdict(target) for target in targets]}
@@ -121,13 +122,13 @@ def config_report(config: Path, gpu_name: str, top: int, epoch_images: int) -> d
     return {"lines": lines, "data": data}
 
 
-def rows_report(gpu_name: str, code: Path | None) -> dict[str, Any]:
+def rows_report(gpu_name: str, code: Path | None, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
     from kernel_trace.gpus import GPUS
     from kernel_trace.predict import predict
     from kernel_trace.steps import trace_rows_of_checkout
 
     gpu = GPUS[gpu_name]
-    predictions = {name: predict(trace) for name, trace in trace_rows_of_checkout(gpu, code).items()}
+    predictions = {name: predict(trace) for name, trace in trace_rows_of_checkout(gpu, code, **(sizes or {})).items()}
     fastest = min(p.milliseconds for name, p in predictions.items() if name.startswith("backbone alone"))
     lines = [
         f"# Step rows of make gpu-check on the {gpu.name} (predicted)",
@@ -138,16 +139,22 @@ def rows_report(gpu_name: str, code: Path | None) -> dict[str, Any]:
     for name, prediction in predictions.items():
         total = prediction.totals
         lines.append(
-            f"| {name} | {total.kernels:,} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | "
-            f"{prediction.milliseconds:.1f} | {prediction.milliseconds / fastest:.2f}x | {len(prediction.host_syncs)} |"
+            f"| {name} | {total.kernels:,.0f} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | "
+            f"{prediction.milliseconds:.1f} | {prediction.milliseconds / fastest:.2f}x | "
+            f"{prediction.host_syncs_per_step:g} |"
         )
     return {"lines": lines, "data": {name: p.milliseconds for name, p in predictions.items()}}
 
 
-def calibration_report(code: Path | None) -> dict[str, Any]:
+def calibration_report(code: Path | None, report: Path, commit: str) -> dict[str, Any]:
     from kernel_trace.calibrate import calibration_lines
+    from kernel_trace.gpus import modelled_gpu
 
-    lines, data = calibration_lines(code, H200_REPORT_ROWS, CALIBRATION_COMMIT)
+    device = report.read_text().splitlines()[0].removeprefix("# GPU check: ")
+    gpu = modelled_gpu(device)
+    if gpu is None:
+        raise SystemExit(f"roofline: {report} measured {device}, which the roofline does not model")
+    lines, data = calibration_lines(code, report, commit, gpu)
     return {"lines": lines, "data": data}
 
 

@@ -1,4 +1,5 @@
-"""Fitting the roofline's two constants to measured step rows (``python benchmarks/roofline.py --calibrate``).
+"""Fitting the roofline's two constants to the measured step rows of a ``make gpu-check`` report
+(``python benchmarks/roofline.py --calibrate``).
 
 A step's prediction is linear in the two constants: ``T = floor * K + W / e`` with ``K`` its kernels and ``W`` the
 sum over its kernels of ``max(FLOPs / peak, bytes / bandwidth)`` at the full peak rates. They are fitted by least
@@ -42,18 +43,43 @@ def fit(rows: dict[str, tuple[float, int, float]]) -> tuple[float, float]:
     return 1.0 / inverse_efficiency, floor
 
 
-def calibration_lines(
-    code: Path | None, measured_ms: dict[str, float], commit: str
-) -> tuple[list[str], dict[str, Any]]:
-    """Trace the step rows of the checkout ``code`` on the H200, fit the constants to ``measured_ms``, and the table
-    of measured against predicted rows."""
-    gpu = GPUS["h200"]
+ROWS = (
+    "backbone alone: plain",
+    "backbone alone: channels_last",
+    "external: plain",
+    "external: channels_last",
+    "external + internal: plain",
+    "external + internal: channels_last",
+)
+
+
+def measured_rows(report: str) -> tuple[str, dict[str, float]]:
+    """The GPU's name and the milliseconds per step of the six step rows (:data:`ROWS`) of a ``make gpu-check``
+    report (``docs/benchmarks/gpu-<device>.md``): the ``ms / step`` column of its training-step table."""
+    lines = report.splitlines()
+    name = lines[0].removeprefix("# GPU check: ").strip()
+    header = next(line for line in lines if line.startswith("| row |") and "ms / step" in line)
+    column = [cell.strip() for cell in header.strip("|").split("|")].index("ms / step")
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ROWS and cells[column]:
+            rows[cells[0]] = float(cells[column].replace(",", ""))
+    return name, rows
+
+
+def calibration_lines(code: Path | None, report: Path, commit: str, gpu_name: str) -> tuple[list[str], dict[str, Any]]:
+    """Trace the step rows of the checkout ``code`` (the commit the report measured) on ``gpu_name``, fit the constants
+    to the report's six step rows, and the table of measured against predicted rows."""
+    gpu = GPUS[gpu_name]
+    device, measured_ms = measured_rows(report.read_text())
     traces = trace_rows_of_checkout(gpu, code)
     rows = {name: (*work_and_kernels(traces[name]), ms / 1e3) for name, ms in measured_ms.items()}
     efficiency, floor = fit(rows)
-    fitted = Calibration(efficiency, floor, f"fitted on the six step rows of the H200 report, code of {commit}")
+    source = f"{report.name}, code of commit {commit}"
+    fitted = Calibration(efficiency, floor, f"fitted on the step rows of {source}")
     lines = [
-        f"# Calibration on the H200 report (code of commit {commit})",
+        f"# Calibration on {device} ({source})",
         "",
         f"Fitted: efficiency {efficiency:.3f} of the peak rates, launch floor {floor * 1e6:.2f} us per kernel.",
         "",
@@ -66,7 +92,7 @@ def calibration_lines(
         total = prediction.totals
         error = prediction.milliseconds / ms - 1
         lines.append(
-            f"| {name} | {total.kernels:,} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | {ms:.1f} | "
+            f"| {name} | {total.kernels:,.0f} | {total.bytes / 1e9:.1f} | {total.flops / 1e12:.2f} | {ms:.1f} | "
             f"{prediction.milliseconds:.1f} | {error:+.0%} |"
         )
         data["rows"][name] = {"measured_ms": ms, "predicted_ms": prediction.milliseconds}

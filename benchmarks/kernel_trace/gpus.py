@@ -76,6 +76,17 @@ GPUS: dict[str, GPUSpec] = {
 }  # fmt: skip
 
 
+# The GPU models above by the words of their CUDA device names (``torch.cuda.get_device_name``).
+_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100", "a100"), (" l4", "l4"))
+
+
+def modelled_gpu(device_name: str) -> str | None:
+    """The key of :data:`GPUS` for a CUDA device (``NVIDIA H100 80GB HBM3`` -> ``h100-sxm``), None for a GPU not
+    modelled."""
+    name = f" {device_name.lower()}"
+    return next((model for words, model in _NAMES if words in name), None)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The two constants fitted to measured steps: the fraction of the peak rates a kernel reaches (compute and

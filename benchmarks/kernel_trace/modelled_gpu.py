@@ -170,15 +170,13 @@ def _properties(spec: GPUSpec) -> types.SimpleNamespace:
 def modelled_gpu(spec: GPUSpec, on_host_sync: Callable[[str], None]) -> Iterator[FakeTensorMode]:
     """Within: ``torch.cuda`` answers for ``spec``, fake tensors on it say ``cuda:0``, and the yielded fake mode makes
     the fake tensors (enter it, or create modules and tensors inside it). ``on_host_sync(what)`` is called for every
-    call that makes the host wait for the GPU's queue (``torch.cuda.synchronize``, event waits on the host)."""
+    call that makes the host wait for the GPU's queue to drain (``torch.cuda.synchronize``). Waiting for an event
+    recorded earlier (an asynchronous copy of the previous step's checks) bounds how far the host runs ahead but
+    drains nothing: not a sync (as in CUDA's sync debug mode, which the GPU targets count)."""
     properties = _properties(spec)
 
     def synchronize(*args: Any, **kwargs: Any) -> None:
         on_host_sync("torch.cuda.synchronize")
-
-    class Event(_Stream):
-        def synchronize(self) -> None:
-            on_host_sync("torch.cuda.Event.synchronize")
 
     cuda = torch.cuda
     patches = [
@@ -192,7 +190,7 @@ def modelled_gpu(spec: GPUSpec, on_host_sync: Callable[[str], None]) -> Iterator
         mock.patch.object(cuda, "is_bf16_supported", lambda *a, **k: True),
         mock.patch.object(cuda, "synchronize", synchronize),
         mock.patch.object(cuda, "Stream", _Stream),
-        mock.patch.object(cuda, "Event", Event),
+        mock.patch.object(cuda, "Event", _Stream),
         mock.patch.object(cuda, "current_stream", lambda *a, **k: _Stream()),
         mock.patch.object(cuda, "default_stream", lambda *a, **k: _Stream()),
         mock.patch.object(cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
@@ -209,6 +207,7 @@ def modelled_gpu(spec: GPUSpec, on_host_sync: Callable[[str], None]) -> Iterator
         mock.patch.object(FakeTensor, "is_cuda", property(_is_cuda), create=True),
         mock.patch.object(FakeTensor, "get_device", _get_device, create=True),
         mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy, create=True),
+        mock.patch.object(FakeTensor, "record_stream", lambda self, stream: None, create=True),
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:

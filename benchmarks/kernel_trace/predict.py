@@ -35,10 +35,13 @@ def operation_cost(operation: Operation, gpu: GPUSpec, calibration: Calibration 
 
 @dataclass
 class PhaseTotals:
-    kernels: int = 0
+    kernels: float = 0
     flops: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
+
+    def per_step(self, steps: int) -> PhaseTotals:
+        return PhaseTotals(self.kernels / steps, self.flops / steps, self.bytes / steps, self.seconds / steps)
 
 
 @dataclass
@@ -49,10 +52,15 @@ class Prediction:
     calibration: Calibration
     totals: PhaseTotals
     phases: dict[str, PhaseTotals]
-    hot_spots: list[tuple[str, str, int, float, float, float]]  # (operation, source, kernels, GB, GFLOP, ms)
-    host_syncs: list[tuple[str, str]]
+    hot_spots: list[tuple[str, str, float, float, float, float]]  # (operation, source, kernels, GB, GFLOP, ms)
+    host_syncs: list[tuple[str, str]]  # of all the traced steps
     transfer_seconds: float
     host_operations: int
+    steps: int = 1
+
+    @property
+    def host_syncs_per_step(self) -> float:
+        return len(self.host_syncs) / self.steps
 
     @property
     def milliseconds(self) -> float:
@@ -63,8 +71,8 @@ class Prediction:
 
 
 def predict(trace: Trace, calibration: Calibration = CALIBRATION, top: int = 15) -> Prediction:
-    """The step's predicted time on ``trace.gpu``: GPU operations only (host-side work, such as views drawn in the
-    main process, runs on the CPU; host-device copies overlap the step on the copy engines)."""
+    """The step's predicted time on ``trace.gpu``, per traced step: GPU operations only (host-side work, such as views
+    drawn in the main process, runs on the CPU; host-device copies overlap the step on the copy engines)."""
     totals = PhaseTotals()
     phases: dict[str, PhaseTotals] = defaultdict(PhaseTotals)
     spots: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
@@ -88,13 +96,15 @@ def predict(trace: Trace, calibration: Calibration = CALIBRATION, top: int = 15)
         spot[2] += operation.flops
         spot[3] += cost.seconds
     hottest = sorted(spots.items(), key=lambda item: -item[1][3])[:top]
+    n = trace.steps
     return Prediction(
         trace.gpu,
         calibration,
-        totals,
-        dict(phases),
-        [(name, source, int(k), b / 1e9, f / 1e9, s * 1e3) for (name, source), (k, b, f, s) in hottest],
+        totals.per_step(n),
+        {name: phase.per_step(n) for name, phase in phases.items()},
+        [(name, source, k / n, b / 1e9 / n, f / 1e9 / n, s * 1e3 / n) for (name, source), (k, b, f, s) in hottest],
         trace.host_syncs,
-        transfer,
+        transfer / n,
         host,
+        n,
     )

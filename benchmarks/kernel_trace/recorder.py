@@ -63,8 +63,9 @@ class Phases:
 
     ``modules`` maps module objects to phase names (a module's ``forward`` frames, and everything they call, are in
     its phase); frames of ``InternalCosts._hook`` are ``internal/<log name>``; frames in ``torch/optim`` the
-    optimizer; frames in ``hfmca_lightning/callbacks`` the callbacks; ``HFMCAModule.objective`` the cost path (every
-    pair's factorisations); ``group_statistics`` the external cost; frames in ``hfmca_lightning/data`` the data.
+    optimizer; ``HFMCAModule.objective`` the cost path (every pair's factorisations); ``group_statistics`` the
+    external cost; frames in ``hfmca_lightning/data`` the data; the innermost of these wins, except that everything
+    a callback runs (the linear probe's pass through the backbone too) is the callbacks'.
     """
 
     def __init__(self, modules: dict[int, str] | None = None) -> None:
@@ -76,7 +77,7 @@ class Phases:
         that line is in a ``backward`` method (a custom autograd function's)."""
         frame = sys._getframe(2)
         source = fallback_source = phase = ""
-        backward_code = False
+        backward_code = in_callback = False
         while frame is not None:
             code = frame.f_code
             filename = code.co_filename.replace("\\", "/")
@@ -86,11 +87,13 @@ class Phases:
                 backward_code = backward_code or code.co_name == "backward"
             if not fallback_source and not any(part in filename for part in _NOT_SOURCES):
                 fallback_source = f"{_short(filename)}:{frame.f_lineno}"
+            in_callback = in_callback or "/hfmca_lightning/callbacks/" in filename
             if not phase:
                 phase = self._special(code.co_name, filename, frame)
             if not phase and code.co_name == "forward":
                 phase = self.modules.get(id(frame.f_locals.get("self")), "")
             frame = frame.f_back
+        phase = "callbacks" if in_callback else phase  # a callback's own pass through the backbone is the callback's
         return phase or "other", source or fallback_source or "?", backward_code
 
     @staticmethod

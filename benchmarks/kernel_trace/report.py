@@ -17,11 +17,11 @@ def phase_table(prediction: Prediction) -> list[str]:
     ]
     for name, phase in sorted(prediction.phases.items(), key=lambda item: -item[1].seconds):
         lines.append(
-            f"| {name} | {phase.kernels:,} | {phase.bytes / 1e9:.2f} | {phase.flops / 1e9:,.1f} | "
+            f"| {name} | {phase.kernels:,.0f} | {phase.bytes / 1e9:.2f} | {phase.flops / 1e9:,.1f} | "
             f"{phase.seconds * 1e3:.2f} | {phase.seconds / total.seconds:.0%} |"
         )
     lines.append(
-        f"| **step** | **{total.kernels:,}** | **{total.bytes / 1e9:.2f}** | **{total.flops / 1e9:,.1f}** | "
+        f"| **step** | **{total.kernels:,.0f}** | **{total.bytes / 1e9:.2f}** | **{total.flops / 1e9:,.1f}** | "
         f"**{total.seconds * 1e3:.2f}** | 100% |"
     )
     return lines
@@ -31,16 +31,19 @@ def hot_spot_table(prediction: Prediction) -> list[str]:
     """The operations costing most, summed by operation and source line."""
     lines = ["| operation | source | kernels | GB | GFLOP | ms |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for name, source, kernels, gigabytes, gigaflops, milliseconds in prediction.hot_spots:
-        lines.append(f"| {name} | {source} | {kernels} | {gigabytes:.2f} | {gigaflops:,.1f} | {milliseconds:.2f} |")
+        lines.append(
+            f"| {name} | {source} | {kernels:,.0f} | {gigabytes:.2f} | {gigaflops:,.1f} | {milliseconds:.2f} |"
+        )
     return lines
 
 
 def summary_line(label: str, prediction: Prediction) -> str:
     total = prediction.totals
-    syncs = len(prediction.host_syncs)
+    syncs = prediction.host_syncs_per_step
+    averaged = f" (the mean of {prediction.steps} steps)" if prediction.steps > 1 else ""
     return (
-        f"{label}: {total.kernels:,} kernels, {total.bytes / 1e9:.1f} GB moved, {total.flops / 1e12:.2f} TFLOP, "
-        f"{prediction.milliseconds:.1f} ms predicted; {syncs} host sync{'s' if syncs != 1 else ''} per step"
+        f"{label}: {total.kernels:,.0f} kernels, {total.bytes / 1e9:.1f} GB moved, {total.flops / 1e12:.2f} TFLOP, "
+        f"{prediction.milliseconds:.1f} ms predicted{averaged}; {syncs:g} host syncs per step"
     )
 
 

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import io
 import logging
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,13 @@ MODULE_PHASES = {
 TRACED_STEP = 1  # the second step is traced: the first makes the optimizer's state and caches
 
 
+def _steps_per_draw(config: dict[str, Any]) -> int:
+    """How many steps one draw of the config's view pipeline serves (``batches_per_call``): the steps traced, so that
+    a chunk's draw is counted once per its steps."""
+    views = ((config.get("data") or {}).get("init_args") or {}).get("views") or {}
+    return max(1, int((views.get("init_args") or {}).get("batches_per_call", 1)))
+
+
 class _Traced(Exception):
     """Raised by the recording callback once the traced step is done, to end ``fit``."""
 
@@ -51,10 +59,11 @@ def _image_size(source: dict[str, Any]) -> int:
     return int(source_class.image_size)
 
 
-def traced_config(config: dict[str, Any], steps: int = TRACED_STEP + 1) -> dict[str, Any]:
+def traced_config(config: dict[str, Any], steps: int = TRACED_STEP + 1, spare: int = 1) -> dict[str, Any]:
     """``config`` as the tracer runs it: its model, optimizer, precision, callbacks' per-step work and view pipeline,
     on ``SyntheticShapes`` images of the source's size (nothing read or downloaded), on one CUDA device, for
-    ``steps`` steps, with no logger, checkpoint, validation or workers."""
+    ``steps`` steps (with images for ``spare`` more: a pipeline that draws ahead finds its next batches), with no
+    logger, checkpoint, validation or workers."""
     traced = copy.deepcopy(config)
     trainer = traced.setdefault("trainer", {})
     callbacks = trainer.get("callbacks") or []
@@ -75,14 +84,13 @@ def traced_config(config: dict[str, Any], steps: int = TRACED_STEP + 1) -> dict[
         num_sanity_val_steps=0,
         enable_checkpointing=False,
     )
-    trainer.pop("default_root_dir", None)
     data = traced["data"]["init_args"]
     source = data["source"]
     image_size = _image_size(source)
     batch = int(data.get("batch_size", 64))
     data["source"] = {
         "class_path": "hfmca_lightning.data.SyntheticShapes",
-        "init_args": {"num_classes": 10, "train_per_class": batch * (steps + 1) // 10 + 1, "test_per_class": 1,
+        "init_args": {"num_classes": 10, "train_per_class": batch * (steps + spare) // 10 + 1, "test_per_class": 1,
                       "image_size": image_size},
     }  # fmt: skip
     data["num_workers"] = 0
@@ -94,7 +102,9 @@ def trace_config(
 ) -> Trace:
     """One whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
     transfer and views drawn on the device) on the modelled ``gpu``, run by Lightning's Trainer as ``hfmca fit``
-    runs it (:func:`traced_config`); ``overrides`` are merged into the config's ``model.init_args`` / ``trainer``."""
+    runs it (:func:`traced_config`): the steps after the first, as many as one draw of the view pipeline serves
+    (``ResidentViews(batches_per_call=8)``: 8, one draw among them; predictions are per step); ``overrides`` are
+    merged into the config's ``model.init_args`` / ``trainer``."""
     from lightning.pytorch import Callback
 
     from hfmca_lightning.cli.trainer_cli import HFMCACLI
@@ -108,21 +118,23 @@ def trace_config(
         config["model"]["init_args"].pop("internal_costs", None)
         callbacks = config.get("trainer", {}).get("callbacks") or []
         config["trainer"]["callbacks"] = [c for c in callbacks if "Heatmap" not in c.get("class_path", "")]
-    traced = traced_config(config)
-    trace = Trace(gpu)
+    steps = _steps_per_draw(config)
+    traced = traced_config(config, steps=1 + steps, spare=steps + 1)
+    trace = Trace(gpu, steps=steps)
     source = SyntheticShapes(**traced["data"]["init_args"]["source"]["init_args"])  # real images, on the host
 
     with tracing(gpu) as live:
 
         class Recording(Callback):
             def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-                if batch_idx == TRACED_STEP - 1:
+                if batch_idx == 0:
                     live.start()
-                elif batch_idx == TRACED_STEP:
+                elif batch_idx == steps:
                     live.stop(trace)
                     raise _Traced
 
-        with _quiet():
+        with _quiet(), tempfile.TemporaryDirectory() as run_folder:
+            traced["trainer"]["default_root_dir"] = run_folder  # (the CLI writes its config.yaml there)
             cli = HFMCACLI(args=traced, run=False)
             live.phases.modules.update(modules_by_phase(cli.model, MODULE_PHASES))
             _draw_on_host(cli.datamodule, source)
@@ -165,6 +177,7 @@ def _draw_on_host(datamodule: Any, source: Any) -> None:
     moved to the modelled GPU, and the views of device pipelines drawn there, in the step."""
     setup, train_dataloader = datamodule.setup, datamodule.train_dataloader
     datamodule.source = source
+    making_loader = [False]
 
     def host_setup(*args: Any, **kwargs: Any) -> Any:
         trainer, datamodule.trainer = datamodule.trainer, None
@@ -173,11 +186,16 @@ def _draw_on_host(datamodule: Any, source: Any) -> None:
                 setup(*args, **kwargs)
         finally:
             datamodule.trainer = trainer
-        datamodule.views.prepare(datamodule._train_split, torch.device("cuda"))
+        if not making_loader[0]:  # (the loader sets up again, on the host)
+            datamodule.views.prepare(datamodule._train_split, torch.device("cuda"))
 
     def host_train_dataloader() -> Any:
-        with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
-            return _HostLoader(train_dataloader())
+        making_loader[0] = True
+        try:
+            with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
+                return _HostLoader(train_dataloader())
+        finally:
+            making_loader[0] = False
 
     datamodule.setup, datamodule.train_dataloader = host_setup, host_train_dataloader
 
@@ -235,14 +253,14 @@ def trace_rows(
     return traces
 
 
-def trace_rows_of_checkout(gpu: GPUSpec, code: Path | None = None) -> dict[str, Trace]:
+def trace_rows_of_checkout(gpu: GPUSpec, code: Path | None = None, **sizes: Any) -> dict[str, Trace]:
     """:func:`trace_rows` with the ``build`` and ``training_step`` of the ``benchmarks/throughput.py`` on the import
     path (that of the checkout ``code`` when given): its own rows, with the optimizer update where its
-    ``training_step`` has one (as its ``make gpu-check`` timed them)."""
+    ``training_step`` has one (as its ``make gpu-check`` timed them); ``sizes`` as :func:`trace_rows` takes them."""
     import throughput
 
     update = True if "update" in inspect.signature(throughput.training_step).parameters else None
-    return trace_rows(gpu, throughput.build, throughput.training_step, update=update)
+    return trace_rows(gpu, throughput.build, throughput.training_step, update=update, **sizes)
 
 
 class _autocast:

@@ -55,8 +55,8 @@ def config_targets(
             Target(f"training seconds of one {epoch_images:,}-image epoch, HFMCA-SS", "—",
                    f"{steps * full.milliseconds / 1e3:.1f} s", None)
         )  # fmt: skip
-    syncs = len(full.host_syncs)
-    targets.append(Target("host syncs per training step", "0", str(syncs), syncs == 0))
+    syncs = full.host_syncs_per_step
+    targets.append(Target("host syncs per training step", "0", f"{syncs:g}", syncs == 0))
     lines = [
         f"Backbone step (backbone forward and backward, optimizer, device views): {backbone:.2f} ms predicted.",
         "",

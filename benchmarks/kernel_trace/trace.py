@@ -20,11 +20,13 @@ from .recorder import Operation, Phases, Recorder, tag_graph
 
 @dataclass
 class Trace:
-    """What one traced step did on the modelled GPU: its operations and the host's waits for the GPU."""
+    """What the traced steps did on the modelled GPU: their operations and the host's waits for the GPU, and how many
+    steps they are (predictions are per step)."""
 
     gpu: GPUSpec
     operations: list[Operation] = field(default_factory=list)
     host_syncs: list[tuple[str, str]] = field(default_factory=list)
+    steps: int = 1
 
 
 class Tracing:

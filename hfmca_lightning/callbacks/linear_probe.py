@@ -138,7 +138,8 @@ class LinearProbe(Callback):
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
         if images.shape[0] >= 2:
-            with torch.no_grad(), evaluation_mode(pl_module):
+            # in the run's precision (bf16-mixed: under its autocast, as the training step)
+            with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
                 features = pl_module(images)
             if features.shape[-1] != self.feature_dim:
                 raise ConfigurationError(

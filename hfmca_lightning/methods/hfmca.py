@@ -295,9 +295,19 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         self._skip_failed_update = SkipUpdateIfFailed()
 
     def embed(self, images: Tensor) -> Tensor:
-        """Backbone features ``(N, D)`` of ``(N, C, H, W)`` images (through the compiled forward if enabled)."""
+        """Backbone features ``(N, D)`` of ``(N, C, H, W)`` images (through the compiled forward if enabled). Images of
+        another floating dtype than the weights (bfloat16 views drawn on the device) are cast to the weights' dtype
+        where no autocast does it (evaluation, a ``32-true`` run)."""
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
+        weights = next(self.backbone.parameters(), None)
+        if (
+            weights is not None
+            and images.is_floating_point()
+            and images.dtype != weights.dtype
+            and not torch.is_autocast_enabled(images.device.type)
+        ):
+            images = images.to(weights.dtype)
         return self._backbone_forward(images)
 
     def _embed_for_training(self, images: Tensor) -> Tensor:

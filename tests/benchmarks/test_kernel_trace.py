@@ -136,7 +136,7 @@ def test_backward_work_is_attributed_to_its_forward_phase_and_source() -> None:
     }
     assert all(op.backward and op.source.endswith("(backward)") for op in backward_convolutions)
     internal_backward = [op for op in trace.operations if op.backward and op.phase.startswith("internal/")]
-    assert any("losses/statistics" in op.source for op in internal_backward)
+    assert any("hfmca_lightning/losses/" in op.source for op in internal_backward)
     assert not [op for op in trace.operations if op.phase == "backward (untraced)"]
 
 

@@ -3,6 +3,7 @@ exactly as a run without it, resumes."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,7 +75,11 @@ def test_wrong_number_of_classes_is_one_clear_error():
 def _probe_and_module() -> tuple[LinearProbe, SimCLR, SimpleNamespace]:
     seed_everything(0)
     module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(num_classes=NUM_CLASSES), world_size=1)
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(num_classes=NUM_CLASSES),
+        world_size=1,
+        precision_plugin=SimpleNamespace(forward_context=nullcontext),  # 32-true: no autocast
+    )
     probe = LinearProbe()
     probe.setup(trainer, module, "fit")  # type: ignore[arg-type]
     return probe, module, trainer

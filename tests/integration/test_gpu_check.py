@@ -331,9 +331,7 @@ def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path, 
         raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Bus error.\nmore detail")
 
     monkeypatch.setattr(cli, "training_run", broken_training)
-    status = cli.main(
-        ["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "training,precision"]
-    )
+    status = cli.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "training,precision"])
     (report,) = tmp_path.glob("gpu-*.md")
     text = report.read_text()
     assert status == 1

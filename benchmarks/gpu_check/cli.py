@@ -47,6 +47,15 @@ NO_CUDA_MESSAGE = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The whole check; the process's torch thread count is as it was afterwards (the tiny test sets one thread)."""
+    threads = torch.get_num_threads()
+    try:
+        return _check(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to test this script")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (with --device cpu: a test of the script)")

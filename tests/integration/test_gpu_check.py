@@ -129,11 +129,18 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
     ]
     for row in measured:
         assert re.fullmatch(r"[\d,]+", steps[row][0]), (row, steps[row])
+    # beside each row the tracer models, its prediction (here for an H100, the script being tested on a CPU) and the
+    # prediction's error; rows it does not model say so
+    for row in measured[:6]:
+        predicted, ratio = float(steps[row][2]), float(steps[row][3])
+        assert predicted > 0 and abs(ratio - predicted / float(steps[row][1])) <= 0.006 + 0.05 * ratio, steps[row]
+    assert steps[BEFOREHAND][2:4] == ["—", "—"]
+    assert "Predicted: the roofline's milliseconds per step for the H100 SXM (a script test on a CPU)" in text
     # kornia is missing: only its rows are dropped, with the reason
     assert steps[f"{IN_STEP} (KorniaViews on device): channels_last"][0] == "skipped: needs kornia"
     # a training step reads nothing on the host: its checks are read one step later
     for row in ("backbone alone: plain", "external: plain", "external + internal: channels_last", BEFOREHAND):
-        assert steps[row][4] == "0", (row, steps[row])
+        assert steps[row][6] == "0", (row, steps[row])
     # every ratio is to the fastest backbone row of the run
     seconds = {label: float(cells[1]) for label, cells in steps.items() if re.fullmatch(r"[\d.]+", cells[1])}
     fastest = min(value for label, value in seconds.items() if label.startswith("backbone alone: "))
@@ -142,7 +149,7 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
         return abs(float(ratio.split("x")[0]) - value / fastest) <= 0.006 + 0.05 / fastest * (1 + value / fastest)
 
     for label, value in seconds.items():
-        assert agrees(steps[label][2], value), (label, steps[label])
+        assert agrees(steps[label][4], value), (label, steps[label])
     # compiled rows: graphs counted (a compiled backbone's graph serves later rows of the same class), nothing
     # recompiled after warm-up, no CUDA graph skipped
     compilation = table(text, "Compilation of the compiled rows")
@@ -241,6 +248,8 @@ def fake_result() -> GpuCheckResult:
         {"fast": 2e-7, "tf32x3": 3e-7, "fast twice": 1e-8},
         training,
         sections=[("training-step rows", "12 s"), ("data path", "**failed** after 3 s: RuntimeError: bus error")],
+        predicted={"backbone alone: plain": 22.0, "external: plain": 18.9},
+        predicted_for="H100 SXM",
     )
 
 
@@ -276,12 +285,14 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     assert "| x | — | not measured |" in text
     # Ratios are to the fastest backbone row of the run (0.016 s); rates are views per second.
     assert "fastest backbone row of this run (backbone alone: channels_last, 16.0 ms)" in text
-    assert "| backbone alone: plain | 28,800 | 20.0 | 1.25x | 1.00 | 0 | 420 | 95% |" in text
-    assert "| external: plain | 27,429 | 21.0 | 1.31x | 1.10 | 1 | 700 | 91% |" in text
-    assert "| external + internal: channels_last | 20,571 | 28.0 | 1.75x | 1.90 | 0 | — | — |" in text
-    assert "| external + internal: channels_last + compiled costs | 24,828 | 23.2 | 1.45x | 1.90 | 0 |" in text
+    # the prediction beside the measured time, and predicted / measured (22.0 / 20.0; 18.9 / 21.0)
+    assert "| backbone alone: plain | 28,800 | 20.0 | 22.0 | 1.10 | 1.25x | 1.00 | 0 | 420 | 95% |" in text
+    assert "| external: plain | 27,429 | 21.0 | 18.9 | 0.90 | 1.31x | 1.10 | 1 | 700 | 91% |" in text
+    assert "| external + internal: channels_last | 20,571 | 28.0 | — | — | 1.75x | 1.90 | 0 | — | — |" in text
+    assert "| external + internal: channels_last + compiled costs | 24,828 | 23.2 | — | — | 1.45x | 1.90 | 0 |" in text
+    assert "Predicted: the roofline's milliseconds per step for the H100 SXM (benchmarks/roofline.py --rows" in text
     eight = f"| {IN_STEP} (ResidentViews, 8 batches per call): channels_last"
-    assert f"{eight} | 29,691 | 19.4 | 1.21x | 1.00 | 0.12 |" in text  # 1 host sync in 8 steps
+    assert f"{eight} | 29,691 | 19.4 | — | — | 1.21x | 1.00 | 0.12 |" in text  # 1 host sync in 8 steps
     assert f"| {IN_STEP} (KorniaViews on device): channels_last | skipped: needs kornia |" in text
     assert "| external + internal: compiled + channels_last | failed: Unsupported: hooks |" in text
     assert "| backbone alone: compiled + channels_last | 2 | 0 | — |" in text  # the compilation table
@@ -289,8 +300,8 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     # the data path against the fastest external step's consumption (0.0185 s per step)
     assert "| data: training set on device (ResidentViews) | 144,000 | 4.62x |" in text
     assert "| data: kornia per image on 16 CPU workers | skipped: needs kornia | |" in text
-    assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 | 5.00e-08 |" in text
-    assert "| external | 2.00e-03 | — | — |" in text
+    assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 | 5.00e-08 | — |" in text
+    assert "| external | 2.00e-03 | — | — | — |" in text
     assert "relative difference: fast 2.00e-07, tf32x3 3.00e-07, fast twice 1.00e-08." in text
     # training and validation seconds apart; the projection from the training seconds of the last full epoch
     assert "| 2 | 49,984 | 9.5 | 1.9 | 0.550 |" in text

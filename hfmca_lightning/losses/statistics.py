@@ -193,13 +193,14 @@ STATISTICS_PRECISIONS = ("auto", "fast", "tf32x3", "bf16", "float64")
 def resolved_precision(low_map: Tensor, high_map: Tensor, geometry: WindowGeometry) -> StatisticsPrecision:
     """What ``precision="auto"`` runs for these maps: ``bf16`` for bfloat16 maps (bf16-mixed training) on GPUs with
     bf16 tensor cores (compute capability 8.0 and later), when each position's product is no larger than the map
-    (``K <= B``) and the window fits ``avg_pool2d``; ``tf32x3`` for other maps on those GPUs; ``fast`` elsewhere
-    (CPUs, older GPUs)."""
-    if not block_arithmetic.tensor_cores(low_map.device):
-        return "fast"
+    (``K <= B``) and the window fits ``avg_pool2d``; ``fast`` otherwise (float32 maps, CPUs, older GPUs: the roofline
+    predicts ``tf32x3`` slower than ``fast`` on every GPU it models, its splits being passes over the maps;
+    docs/benchmarks/roofline.md)."""
     bfloat16 = low_map.dtype == torch.bfloat16 and high_map.dtype == torch.bfloat16
     small = max(low_map.shape[1], high_map.shape[1]) <= low_map.shape[0]
-    return "bf16" if bfloat16 and small and fits_avg_pool(geometry) else "tf32x3"
+    if bfloat16 and small and fits_avg_pool(geometry) and block_arithmetic.tensor_cores(low_map.device):
+        return "bf16"
+    return "fast"
 
 
 def feature_map_statistics(
@@ -229,8 +230,8 @@ def feature_map_statistics(
     (:class:`CentredRowStatistics`). Each path is one autograd node with its own backward pass.
     ``"bf16"``: bfloat16 maps (float32 maps are rounded to bfloat16 first) on bf16 tensor cores, every product exact
     and accumulated in float32 per position, window means rounded to bfloat16, gradients in bfloat16
-    (:class:`Bfloat16Statistics`; its own stated tolerance, docs/conventions.md §3). ``"auto"``: ``bf16``, ``tf32x3``
-    or ``fast`` by the device and the maps (:func:`resolved_precision`).
+    (:class:`Bfloat16Statistics`; its own stated tolerance, docs/conventions.md §3). ``"auto"``: ``bf16`` or ``fast``
+    by the device and the maps (:func:`resolved_precision`).
     ``"float64"``: every step in float64 with average pooling (analysis, and the reference the fast path is
     tested against: costs agree to 1e-5 and gradients to 5e-5, relative, docs/conventions.md §3).
 

@@ -93,8 +93,8 @@ class InternalCosts(nn.Module):
             ``feature_map_statistics``), ``tf32x3`` (the same products on CUDA's tensor cores, as three TF32 products
             of split factors, within the same stated tolerance; exact float32 elsewhere), ``bf16`` (bfloat16 maps on
             bf16 tensor cores, exact products, float32 accumulation, bfloat16 gradients), ``auto`` (``bf16`` for the
-            bfloat16 maps of bf16-mixed training on GPUs with bf16 tensor cores, ``tf32x3`` for float32 maps there,
-            ``fast`` on CPUs) or ``float64``. Analysis uses ``float64``.
+            bfloat16 maps of bf16-mixed training on GPUs with bf16 tensor cores, ``fast`` otherwise) or ``float64``.
+            Analysis uses ``float64``.
     """
 
     def __init__(

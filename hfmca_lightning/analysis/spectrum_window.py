@@ -75,9 +75,20 @@ class SpectrumWindow:
         Args:
             statistics: the batch's statistics, keyed by pair (``external``, ``internal/L3``, ...).
         """
-        for name, stats in statistics.items():
-            stats = stats.detach()
-            self.open[name] = stats if name not in self.open else self.open[name] + stats
+        added = {name: stats.detach() for name, stats in statistics.items()}
+        present = [name for name in added if name in self.open]
+        for name in present:  # the dimensions' check of CorrelationStatistics.__add__
+            if (self.open[name].low_dim, self.open[name].high_dim) != (added[name].low_dim, added[name].high_dim):
+                self.open[name] + added[name]
+        if present:  # every pair's sums in one multi-tensor addition (a few kernels a step, not five per pair)
+            sums = torch._foreach_add(
+                [tensor for name in present for tensor in _fields(self.open[name])],
+                [tensor for name in present for tensor in _fields(added[name])],
+            )
+            for index, name in enumerate(present):
+                self.open[name] = CorrelationStatistics(*sums[5 * index : 5 * index + 5])
+        for name, stats in added.items():
+            self.open.setdefault(name, stats)
 
     def close(self) -> None:
         """End the open interval: its sums become each pair's newest chunk."""
@@ -177,3 +188,8 @@ def _as_tuple(stats: CorrelationStatistics) -> tuple[Tensor, ...]:
 
 def _to(stats: CorrelationStatistics, device: torch.device) -> CorrelationStatistics:
     return CorrelationStatistics(*(tensor.to(device) for tensor in _as_tuple(stats)))
+
+
+def _fields(stats: CorrelationStatistics) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The five tensors of ``stats``, in the order of its fields."""
+    return stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count

@@ -28,14 +28,25 @@ def _labelled_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return summed / (targets != UNLABELLED).sum().clamp(min=1)
 
 
+def _first_view_features(outputs: Any, groups: int) -> Tensor | None:
+    """``(groups, D)``: the backbone features of each group's first view from a training step's ``outputs``
+    (``HFMCAModule``'s ``features``, ``(groups * L, D)`` with each group's ``L`` views together), or None where the
+    step returns none."""
+    features = outputs.get("features") if isinstance(outputs, dict) else None
+    if not isinstance(features, Tensor) or features.dim() != 2 or features.shape[0] % groups:
+        return None
+    return features.detach().view(groups, -1, features.shape[-1])[:, 0]
+
+
 class LinearProbe(Callback):
     """Online linear evaluation (lightly's ``OnlineLinearClassifier`` on BN-standardised features), logged as
     ``linear/train_loss``, ``linear/top1`` and ``linear/top5``.
 
-    After every training step the module's features ``(B, D)`` of the first view of each group are computed
-    **without gradients and in eval mode** (so the backbone's gradients, BatchNorm statistics and random
-    streams are exactly those of a run without the probe), standardised by a ``BatchNorm1d`` without affine
-    parameters and fed to the classifier, which takes one step of its own SGD optimiser on the cross-entropy of
+    After every training step the module's features ``(B, D)`` of the first view of each group are taken from the
+    step's own output where the module returns its backbone features (``HFMCAModule``: ``outputs["features"]``,
+    detached; no pass of their own), else computed **without gradients and in eval mode** in the run's precision;
+    either way the backbone's gradients, BatchNorm statistics and random streams are exactly those of a run without
+    the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which takes one step of its own SGD optimiser on the cross-entropy of
     the labelled images. Unlabelled images (target ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the
     BatchNorm statistics, not in the loss; a batch without labelled images takes a step with zero gradients (the
     momentum carries on), as every process does under DDP. No device value is read on the host. Under DDP its
@@ -44,8 +55,8 @@ class LinearProbe(Callback):
     ``validation_step`` returns (the same outputs :class:`KNNEvaluation` uses), gathered over processes in
     dataset order. Probe weights and optimiser state live in the checkpoint (exact resume).
 
-    Works with every module of the package (``forward`` returns backbone features). Costs one extra
-    forward pass of ``B`` images per step (``1 / L`` of the views).
+    Works with every module of the package (``forward`` returns backbone features). Costs no backbone pass with
+    ``HFMCAModule`` and one of ``B`` images per step (``1 / L`` of the views) with the others.
 
     Args:
         feature_dim: ``D``, the module's feature dimension; default: the backbone's ``feature_dim``.
@@ -138,9 +149,10 @@ class LinearProbe(Callback):
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
         if images.shape[0] >= 2:
-            # in the run's precision (bf16-mixed: under its autocast, as the training step)
-            with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
-                features = pl_module(images)
+            features = _first_view_features(outputs, images.shape[0])
+            if features is None:  # in the run's precision (bf16-mixed: under its autocast, as the training step)
+                with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
+                    features = pl_module(images)
             if features.shape[-1] != self.feature_dim:
                 raise ConfigurationError(
                     f"LinearProbe has feature_dim={self.feature_dim} but the module's features have "

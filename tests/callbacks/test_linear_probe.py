@@ -124,3 +124,29 @@ def test_a_batch_without_labels_gives_zero_gradients():
     probe.on_train_batch_end(trainer, module, None, (views, torch.full((4,), UNLABELLED)), 0)  # type: ignore[arg-type]
     head = probe.classifier.classification_head
     assert torch.isfinite(head.weight).all() and head.weight.grad.abs().sum() == 0 and head.bias.grad.abs().sum() == 0
+
+
+def test_features_a_step_returns_are_used_without_a_pass_of_their_own():
+    """HFMCAModule's training step returns the backbone features of every view (``(B * L, D)``, each image's views
+    together): the probe takes each image's first view from them and runs no backbone pass; the classifier's step is
+    that of the same features given by a pass."""
+    probe, module, trainer = _probe_and_module()
+    views, targets = torch.rand(4, 3, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    with torch.no_grad():
+        module.eval()
+        features = module(views.flatten(0, 1))  # what the step returned, (B * L, D)
+        module.train()
+    reference, _, _ = _probe_and_module()
+    module.forward = lambda *args: (_ for _ in ()).throw(AssertionError("the probe ran the backbone"))  # type: ignore
+    probe.on_train_batch_end(trainer, module, {"features": features}, (views, targets), 0)  # type: ignore[arg-type]
+    module.forward = type(module).forward.__get__(module)  # type: ignore[method-assign]
+    reference.on_train_batch_end(trainer, module, None, (views, targets), 0)  # type: ignore[arg-type]
+    # the same features in the same order (the eval-mode pass of the first views gives the rows 0, L, 2L, ...), up to
+    # the order in which a pass over 12 images and one over 4 sum a convolution's float32 products (~1e-6 of each
+    # feature), which the one SGD step of the classifier carries over
+    torch.testing.assert_close(
+        probe.classifier.classification_head.weight,
+        reference.classifier.classification_head.weight,
+        rtol=1e-4,
+        atol=1e-6,
+    )

@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import CSVLogger
@@ -117,3 +118,31 @@ def test_a_planted_dependence_is_logged_within_0_02_of_its_canonical_correlation
     module = SyntheticPairs(groups=32, members=9, shared=shared, reg=1e-3)
     (values,) = logged_spectra(tmp_path, module, steps=201, every_n_steps=200)
     np.testing.assert_allclose(values[:10], truth, rtol=0, atol=0.02)
+
+
+def test_adding_steps_sums_each_pair_and_refuses_other_dimensions():
+    """The open interval is the sum of the steps added (all pairs in one multi-tensor addition), the steps' own
+    statistics untouched; statistics of other dimensions for a pair are refused as ``CorrelationStatistics`` does."""
+    from hfmca_lightning.analysis.spectrum_window import SpectrumWindow
+    from hfmca_lightning.losses import group_statistics
+
+    torch.manual_seed(0)
+    steps = [
+        {"external": group_statistics(torch.rand(8, 4, 6), torch.rand(8, 5)), "internal/L1": group_statistics(
+            torch.rand(8, 2, 3), torch.rand(8, 4))}
+        for _ in range(3)
+    ]  # fmt: skip
+    first = {name: stats.low_outer_sum.clone() for name, stats in steps[0].items()}
+    window = SpectrumWindow(min_groups=1)
+    for step in steps:
+        window.add(step)
+    for name in ("external", "internal/L1"):
+        expected = steps[0][name] + steps[1][name] + steps[2][name]
+        for got, want in zip(
+            (window.open[name].low_outer_sum, window.open[name].cross_sum, window.open[name].group_count),
+            (expected.low_outer_sum, expected.cross_sum, expected.group_count),
+        ):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same float64 additions in the same order
+        torch.testing.assert_close(steps[0][name].low_outer_sum, first[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot add statistics of dimensions"):
+        window.add({"external": group_statistics(torch.rand(8, 4, 7), torch.rand(8, 5))})

@@ -5,7 +5,8 @@ backward, attention); the linear algebra counted here (Cholesky ``n^3 / 3`` per 
 and so on); one FLOP per output element for elementwise work and per input element for reductions. Bytes: every
 tensor argument read once and every result written once, each as the elements its strides reach (an expanded matrix
 is read once, not once per batch entry); in-place operations read and write their first argument, except those that
-only write it (``copy_``, ``fill_``, ``zero_``, random fills). Views, metadata and allocations launch nothing.
+only write it (``copy_``, ``fill_``, ``zero_``, random fills); arguments that only give a shape (the input of
+``avg_pool2d_backward``, of ``zeros_like``) are not read. Views, metadata and allocations launch nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ WRITE_ONLY = {
     "exponential_",
     "_foreach_copy_",
 }
+# Arguments whose values an operation never reads, only their shape: (operation, position).
+SHAPE_ONLY = {
+    ("avg_pool2d_backward", 1), ("avg_pool3d_backward", 1), ("new_zeros", 0), ("new_ones", 0), ("new_full", 0),
+    ("zeros_like", 0), ("ones_like", 0), ("full_like", 0), ("empty_like", 0),
+}  # fmt: skip
 MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot", "vdot", "addr", "_int_mm"}
 CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution"}
 # Operations that launch more than one kernel (cuDNN's data and weight gradients, cuSOLVER's factorisation and check,
@@ -112,9 +118,10 @@ def moved_bytes(
     name = func._schema.name.split("::")[-1]
     inputs = tensors(args) + tensors(value for key, value in kwargs.items() if key != "out")
     outputs = tensors([out])
+    unread = [args[index] for operation, index in SHAPE_ONLY if operation == name and index < len(args)]
     if name in WRITE_ONLY:
-        first = tensors(args[:1])
-        inputs = [tensor for tensor in inputs if not any(tensor is target for target in first)]
+        unread += tensors(args[:1])
+    inputs = [tensor for tensor in inputs if not any(tensor is other for other in unread)]
     read = sum(span_bytes(tensor) for tensor in inputs)
     written = sum(span_bytes(tensor) for tensor in outputs)
     return read, written

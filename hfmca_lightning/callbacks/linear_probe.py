@@ -46,14 +46,15 @@ class LinearProbe(Callback):
     step's own output where the module returns its backbone features (``HFMCAModule``: ``outputs["features"]``,
     detached; no pass of their own), else computed **without gradients and in eval mode** in the run's precision;
     either way the backbone's gradients, BatchNorm statistics and random streams are exactly those of a run without
-    the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which takes one step of its own SGD optimiser on the cross-entropy of
-    the labelled images. Unlabelled images (target ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the
-    BatchNorm statistics, not in the loss; a batch without labelled images takes a step with zero gradients (the
-    momentum carries on), as every process does under DDP. No device value is read on the host. Under DDP its
-    gradients and BN statistics are averaged over the processes, so every process holds the same probe.
-    During validation it scores the features of the ``QUERIES`` loader (test split) that the module's
-    ``validation_step`` returns (the same outputs :class:`KNNEvaluation` uses), gathered over processes in
-    dataset order. Probe weights and optimiser state live in the checkpoint (exact resume).
+    the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which
+    takes one step of its own SGD optimiser on the cross-entropy of the labelled images. Unlabelled images (target
+    ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the BatchNorm statistics, not in the loss; a batch
+    without labelled images takes a step with zero gradients (the momentum carries on), as every process does under
+    DDP. No device value is read on the host. Under DDP its gradients and BN statistics are averaged over the
+    processes, so every process holds the same probe. During validation it scores the features of the ``QUERIES``
+    loader (test split) that the module's ``validation_step`` returns (the same outputs :class:`KNNEvaluation`
+    uses), gathered over processes in dataset order. Probe weights and optimiser state live in the checkpoint (exact
+    resume).
 
     Works with every module of the package (``forward`` returns backbone features). Costs no backbone pass with
     ``HFMCAModule`` and one of ``B`` images per step (``1 / L`` of the views) with the others.

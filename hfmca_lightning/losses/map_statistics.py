@@ -522,8 +522,8 @@ class Bfloat16Statistics(torch.autograd.Function):
             like = torch.empty(z_map.shape, dtype=torch.float32, device=z_map.device, memory_format=torch.channels_last)
             adjoint = torch.ops.aten.avg_pool2d_backward(pooled, like, [k, k], [s, s], [p, p], False, False, None)
             weighted = _as_map(_split_product(z, low), z_map.shape)
-            grad_z = torch.addcmul(adjoint, weighted, coverage.view(1, 1, *z_map.shape[-2:]))
-            grad_z = grad_z.to(z_map.dtype, memory_format=ctx.layouts[0])
+            grad_z = torch.empty(z_map.shape, dtype=z_map.dtype, device=z_map.device, memory_format=ctx.layouts[0])
+            torch.addcmul(adjoint, weighted, coverage.view(1, 1, *z_map.shape[-2:]), out=grad_z)  # rounded once
         if ctx.needs_input_grad[1]:
             # M G3 = [M_hi | M_lo] [G3_hi; G3_hi] + M_hi G3_lo (the product of the two low parts is 2^-16 of the term)
             rows_ = float32_product(m, stacked[0], _split_product(h, high))

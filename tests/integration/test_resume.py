@@ -67,11 +67,12 @@ def demo_overrides(folder: Path) -> Path:
 def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "batched-workers") -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
-    workers not persistent; views from the shipped data path (``batched-workers``: ``BatchedViews`` in 2 workers),
-    drawn after the transfer by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch) or by the
-    batched pipeline (``batched-on-device``), by kornia in the workers (``kornia-workers``), from the training split
-    kept on the device in chunks of 3 batches (``images-on-device``: ``ResidentViews``, the device being the CPU
-    here), as 2 global and 7 local crops (``multi-crop``) or by lightly's ``MMCRTransform`` (``user-transform``).
+    workers not persistent; views drawn by ``BatchedViews`` in 2 workers (``batched-workers``), after the transfer
+    by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch) or by the batched pipeline
+    (``batched-on-device``), by kornia in the workers (``kornia-workers``), by the shipped pipeline (``shipped``:
+    ``ResidentViews``, 8 batches per call, bf16 channels-last views; the device being the CPU here), from the
+    training split kept on the device in chunks of 3 batches (``images-on-device``), as 2 global and 7 local crops
+    (``multi-crop``) or by lightly's ``MMCRTransform`` (``user-transform``).
     (The default torchvision pipeline: the demo's resume tests.)"""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
@@ -94,7 +95,9 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
         "num_workers": 2,
         "persistent_workers": False,
     }
-    if data_path == "on-device":
+    if data_path == "batched-workers":
+        data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews"}
+    elif data_path == "on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews", "init_args": {"on": "device"}}
     elif data_path == "batched-on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}}
@@ -184,7 +187,7 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     "data_path",
     [
         *("batched-workers", "on-device", "images-on-device", "batched-on-device", "kornia-workers"),
-        *("multi-crop", "user-transform"),
+        *("multi-crop", "user-transform", "shipped"),
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):

@@ -110,6 +110,9 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
 
         return compiled if model is None else compiled(model)
 
+    caches = _tensor_caches()
+    for cache in caches:  # tensors made by earlier runs or traces (each trace its own fake tensors)
+        cache.cache_clear()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     stack_patches = [
         mock.patch.object(torch.autograd, "backward", backward),
@@ -133,6 +136,15 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
             yield Tracing(recorder, gpu)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+        for cache in caches:  # the fake tensors of this trace
+            cache.cache_clear()
+
+
+def _tensor_caches() -> list[Any]:
+    """The package's caches of tensors made once per shape and device (the windows' constants, the counts)."""
+    from hfmca_lightning.losses import statistics, window_pooling
+
+    return [window_pooling.window_constants, statistics._counts]
 
 
 def _apply(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> torch.nn.Module:

@@ -14,6 +14,7 @@ computed outside autocast, whatever the dtype of the features.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -131,8 +132,16 @@ def _float64(x: Tensor) -> Tensor:
 
 
 def _count(value: int, like: Tensor) -> Tensor:
-    # torch.full, not torch.tensor: a host-to-device copy of a Python number waits for the GPU's queue.
-    return torch.full((), float(value), dtype=torch.float64, device=like.device)
+    """``value`` as a 0-dim float64 tensor on ``like``'s device, made once per value and device: on GPUs each new one is
+    a kernel launch, two per cost pair and step (nothing writes to a count; statistics add into new tensors)."""
+    return _counts(float(value), like.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(value: float, device: torch.device) -> Tensor:
+    with torch.inference_mode(False):  # usable in training even if first made under inference mode
+        # torch.full, not torch.tensor: a host-to-device copy of a Python number waits for the GPU's queue.
+        return torch.full((), value, dtype=torch.float64, device=device)
 
 
 def group_statistics(low: Tensor, high: Tensor) -> CorrelationStatistics:

@@ -12,21 +12,9 @@ from hfmca_lightning.losses import WindowGeometry, cost_from_statistics, feature
 from hfmca_lightning.losses.map_statistics import Bfloat16Statistics
 from hfmca_lightning.losses.statistics import resolved_precision
 from hfmca_lightning.losses.window_pooling import window_coverage
-from tests.losses.test_statistics import FAST_COST_TOLERANCE, realistic_pair
+from tests.losses.test_statistics import FAST_COST_TOLERANCE, REALISTIC_BLOCKS, realistic_pair
 
 BF16_GRADIENT_TOLERANCE = 1e-3  # docs/conventions.md §3: relative norm, against float64 of the same bfloat16 maps
-
-BLOCKS = pytest.mark.parametrize(
-    ("k1", "k2", "size", "geometry"),
-    [
-        (64, 64, 32, WindowGeometry(5, 1, 2)),
-        (64, 128, 32, WindowGeometry(7, 2, 3)),
-        (128, 256, 16, WindowGeometry(7, 2, 3)),
-        (256, 512, 8, WindowGeometry(7, 2, 3)),
-        (64, 64, 34, WindowGeometry(3, 1, 1)),
-    ],
-    ids=["layer1 block", "layer2 stride-2 block", "layer3 stride-2 block", "layer4 stride-2 block", "spectrum block"],
-)
 
 
 def bfloat16_maps(k1, k2, size, geometry, layout=torch.channels_last, batch=18):
@@ -48,7 +36,7 @@ def relative_errors(result, exact):
     ]
 
 
-@BLOCKS
+@REALISTIC_BLOCKS
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["channels-last", "plain"])
 def test_bf16_costs_and_gradients_meet_their_stated_tolerance(k1, k2, size, geometry, layout):
     """The training setting (reg 0.1, ResNet-shaped post-ReLU maps, bfloat16 as bf16-mixed makes them); measured on a

@@ -126,6 +126,20 @@ def test_feature_map_statistics_reject_a_geometry_that_does_not_fit():
         feature_map_statistics(torch.rand(1, 2, 8, 8), torch.rand(1, 2, 8, 8), WindowGeometry(3, 2, 1))
 
 
+# ResNet-18's BasicBlock shapes (channels in, channels out, map side, window) and the spectrum CNN's first block.
+REALISTIC_BLOCKS = pytest.mark.parametrize(
+    ("k1", "k2", "size", "geometry"),
+    [
+        (64, 64, 32, WindowGeometry(5, 1, 2)),
+        (64, 128, 32, WindowGeometry(7, 2, 3)),
+        (128, 256, 16, WindowGeometry(7, 2, 3)),
+        (256, 512, 8, WindowGeometry(7, 2, 3)),
+        (64, 64, 34, WindowGeometry(3, 1, 1)),
+    ],
+    ids=["layer1 block", "layer2 stride-2 block", "layer3 stride-2 block", "layer4 stride-2 block", "spectrum block"],
+)
+
+
 def realistic_pair(
     batch: int, k1: int, k2: int, size: int, geometry: WindowGeometry, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,23 +174,7 @@ def _fast_against_float64(low: torch.Tensor, high: torch.Tensor, geometry: Windo
         assert float((got.double() - expected.double()).norm() / expected.double().norm()) <= FAST_GRADIENT_TOLERANCE
 
 
-@pytest.mark.parametrize(
-    ("k1", "k2", "size", "geometry"),
-    [
-        (64, 64, 32, WindowGeometry(5, 1, 2)),
-        (64, 128, 32, WindowGeometry(7, 2, 3)),
-        (128, 256, 16, WindowGeometry(7, 2, 3)),
-        (256, 512, 8, WindowGeometry(7, 2, 3)),
-        (64, 64, 34, WindowGeometry(3, 1, 1)),
-    ],
-    ids=[
-        "layer1 block",
-        "layer2 stride-2 block",
-        "layer3 stride-2 block",
-        "layer4 stride-2 block",
-        "spectrum-CNN block",
-    ],
-)
+@REALISTIC_BLOCKS
 @pytest.mark.parametrize(
     "layout", [torch.contiguous_format, torch.channels_last], ids=["plain maps", "channels-last maps"]
 )

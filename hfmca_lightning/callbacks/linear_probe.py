@@ -44,9 +44,10 @@ class LinearProbe(Callback):
 
     After every training step the module's features ``(B, D)`` of the first view of each group are taken from the
     step's own output where the module returns its backbone features (``HFMCAModule``: ``outputs["features"]``,
-    detached; no pass of their own), else computed **without gradients and in eval mode** in the run's precision;
-    either way the backbone's gradients, BatchNorm statistics and random streams are exactly those of a run without
-    the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which
+    detached, as the costs saw them: train-mode BatchNorm, the run's precision; no pass of their own), else computed
+    **without gradients and in eval mode** in the run's precision. The two give different training features (and
+    ``linear/train_loss``); validation scores eval-mode features either way. The backbone's gradients, BatchNorm
+    statistics and random streams are exactly those of a run without the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which
     takes one step of its own SGD optimiser on the cross-entropy of the labelled images. Unlabelled images (target
     ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the BatchNorm statistics, not in the loss; a batch
     without labelled images takes a step with zero gradients (the momentum carries on), as every process does under

@@ -46,7 +46,8 @@ class Collected:
 
     ``statistics``: each pair's statistics of this process's batch. ``maps``: internal pairs' detached
     ``(input map (N, C, H, W), output map (N, C', H', W'))`` when asked. ``features``: the backbone output
-    ``(N, D)`` of every image the backbone saw (``B * L`` views for groups).
+    ``(N, D)`` of every image the backbone saw (``B * L`` views for groups: each image's views together, those of
+    the first group first).
     """
 
     statistics: dict[str, CorrelationStatistics]
@@ -403,10 +404,15 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             grouped = self.external_head is not None and groups[0].dim() == 5
             if grouped:
                 features, view_features, group_features = self._encode_groups(groups)
-            else:
+            else:  # each image's views together, the first group's first (as _encode_groups orders them)
+                batch_size = groups[0].shape[0]
                 features = torch.cat(
-                    [self.embed(group.flatten(0, 1) if group.dim() == 5 else group) for group in groups]
-                )
+                    [
+                        self.embed(group.flatten(0, 1) if group.dim() == 5 else group).unflatten(0, (batch_size, -1))
+                        for group in groups
+                    ],
+                    dim=1,
+                ).flatten(0, 1)
         statistics: dict[str, CorrelationStatistics] = {}
         if grouped:
             statistics["external"] = group_statistics(view_features, group_features)

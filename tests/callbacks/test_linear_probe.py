@@ -13,12 +13,15 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.callbacks import LinearProbe, RunState
+from hfmca_lightning.callbacks.linear_probe import _first_view_features
 from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.baselines import SimCLR
-from hfmca_lightning.models import SmallConvNet
+from hfmca_lightning.models import GridExternalHead, SmallConvNet
 from tests.helpers import quiet_trainer
 
 NUM_CLASSES = 4
@@ -124,6 +127,35 @@ def test_a_batch_without_labels_gives_zero_gradients():
     probe.on_train_batch_end(trainer, module, None, (views, torch.full((4,), UNLABELLED)), 0)  # type: ignore[arg-type]
     head = probe.classifier.classification_head
     assert torch.isfinite(head.weight).all() and head.weight.grad.abs().sum() == 0 and head.bias.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("external", [True, False], ids=["external head", "internal costs only"])
+@pytest.mark.parametrize("multi_crop", [False, True], ids=["one view size", "multi-crop"])
+def test_first_views_of_the_features_hfmca_collects(external, multi_crop):
+    """The rows the probe takes from ``HFMCAModule.collect``'s features (what its training step returns) are the
+    features of each image's first view, with or without an external head, for one view size and for multi-crop
+    groups of two sizes: the backbone in eval mode gives them as a pass over the first views alone does, up to the
+    order in which passes of different sizes sum a convolution's float32 products."""
+    torch.manual_seed(0)
+    module = HFMCAModule(
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+        ),
+        projector=torch.nn.Linear(8, 8) if external else None,
+        external_head=GridExternalHead(8, 1, 5, 8, noise_channels=0) if external else None,
+        internal_costs=InternalCosts(["0"]),
+    ).eval()
+    images = torch.rand(4, 5 if not multi_crop else 2, 3, 16, 16)
+    batch = [images, torch.rand(4, 3, 3, 8, 8)] if multi_crop else images
+    with torch.no_grad():
+        features = module.collect(batch).features
+        expected = module(first_views((batch, torch.zeros(4)))[0])
+    assert features.shape == (4 * 5, 8)
+    torch.testing.assert_close(_first_view_features({"features": features}, 4), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_features_a_step_returns_are_used_without_a_pass_of_their_own():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     _use_code(args.code)
     from kernel_trace.gpus import GPUS
 
-    if args.gpu not in GPUS:
-        print(f"roofline: unknown --gpu {args.gpu!r}; one of {', '.join(GPUS)}", file=sys.stderr)
+    problem = input_problem(args, GPUS)
+    if problem is not None:
+        print(f"roofline: {problem}", file=sys.stderr)
         return 2
     began = time.perf_counter()
     if args.config is not None:
@@ -87,6 +89,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result["data"], indent=1))
     return 0
+
+
+def input_problem(args: argparse.Namespace, gpus: dict[str, Any]) -> str | None:
+    """What is wrong with the command line, in one line, before anything is traced; None when nothing is."""
+    if args.gpu not in gpus:
+        return f"unknown --gpu {args.gpu!r}; one of {', '.join(gpus)}"
+    if args.config is not None and not args.config.is_file():
+        return f"--config {args.config} is not a file"
+    if args.code is not None and not (args.code / "hfmca_lightning").is_dir():
+        return f"--code {args.code} is not a checkout of this project (no hfmca_lightning/ in it)"
+    if args.calibrate:
+        if not args.report.is_file():
+            return f"--report {args.report} is not a file"
+        if args.code is None:
+            return (
+                f"--calibrate needs --code: a checkout of the commit {args.commit} that {args.report.name} measured "
+                f"(git worktree add /tmp/code-{args.commit} {args.commit})"
+            )
+        head = subprocess.run(
+            ["git", "-C", str(args.code), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        if not head.startswith(args.commit):
+            return (
+                f"--code {args.code} is at {head[:7] or 'no git commit'}, not at {args.commit}, the commit "
+                f"{args.report.name} measured; give a checkout of {args.commit}, or --commit"
+            )
+    return None
 
 
 def config_report(config: Path, gpu_name: str, top: int, epoch_images: int) -> dict[str, Any]:
@@ -154,7 +183,10 @@ def calibration_report(code: Path | None, report: Path, commit: str) -> dict[str
     gpu = modelled_gpu(device)
     if gpu is None:
         raise SystemExit(f"roofline: {report} measured {device}, which the roofline does not model")
-    lines, data = calibration_lines(code, report, commit, gpu)
+    try:
+        lines, data = calibration_lines(code, report, commit, gpu)
+    except ValueError as error:
+        raise SystemExit(f"roofline: {error}") from None
     return {"lines": lines, "data": data}
 
 

@@ -30,16 +30,24 @@ def work_and_kernels(trace: Trace) -> tuple[float, int]:
 
 
 def fit(rows: dict[str, tuple[float, int, float]]) -> tuple[float, float]:
-    """``(efficiency, launch_floor)`` from ``{row: (W, K, measured seconds)}`` (relative least squares)."""
+    """``(efficiency, launch_floor)`` from ``{row: (W, K, measured seconds)}`` (relative least squares).
+
+    Raises:
+        ValueError: with fewer than two rows, or rows that no positive efficiency fits.
+    """
+    if len(rows) < 2:
+        raise ValueError(f"fitting two constants needs at least two measured step rows; got {len(rows)}")
     sxx = sxy = syy = sx = sy = 0.0
     for work, kernels, measured in rows.values():
         x, y = kernels / measured, work / measured
         sxx, sxy, syy, sx, sy = sxx + x * x, sxy + x * y, syy + y * y, sx + x, sy + y
     determinant = sxx * syy - sxy * sxy
-    floor = (sx * syy - sy * sxy) / determinant
-    inverse_efficiency = (sxx * sy - sxy * sx) / determinant
-    if floor < 0:  # no launch floor: the work alone
+    floor = (sx * syy - sy * sxy) / determinant if determinant > 0 else -1.0
+    inverse_efficiency = (sxx * sy - sxy * sx) / determinant if determinant > 0 else 0.0
+    if floor < 0:  # no launch floor (or rows that cannot tell one from the work): the work alone
         floor, inverse_efficiency = 0.0, sy / syy
+    if not inverse_efficiency > 0:
+        raise ValueError("the measured rows fit no positive efficiency (a row faster than its work allows?)")
     return 1.0 / inverse_efficiency, floor
 
 
@@ -58,7 +66,9 @@ def measured_rows(report: str) -> tuple[str, dict[str, float]]:
     report (``docs/benchmarks/gpu-<device>.md``): the ``ms / step`` column of its training-step table."""
     lines = report.splitlines()
     name = lines[0].removeprefix("# GPU check: ").strip()
-    header = next(line for line in lines if line.startswith("| row |") and "ms / step" in line)
+    header = next((line for line in lines if line.startswith("| row |") and "ms / step" in line), None)
+    if header is None:
+        raise ValueError(f"the report of {name} has no training-step table (a '| row | ... ms / step' header)")
     column = [cell.strip() for cell in header.strip("|").split("|")].index("ms / step")
     rows = {}
     for line in lines:

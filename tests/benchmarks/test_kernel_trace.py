@@ -180,3 +180,11 @@ def test_the_fit_recovers_constants_that_made_the_rows() -> None:
     fitted_efficiency, fitted_floor = fit(rows)
     assert fitted_efficiency == pytest.approx(efficiency, rel=1e-9)
     assert fitted_floor == pytest.approx(floor, rel=1e-9)
+
+
+def test_the_fit_refuses_rows_that_cannot_give_two_constants() -> None:
+    with pytest.raises(ValueError, match="at least two measured step rows; got 1"):
+        fit({"only": (1e-3, 100, 2e-3)})
+    # rows whose kernels and work are in one proportion cannot tell a floor from the work: the work alone
+    efficiency, floor = fit({"a": (1e-3, 100, 4e-3), "b": (2e-3, 200, 8e-3)})
+    assert (efficiency, floor) == (pytest.approx(0.25), 0.0)

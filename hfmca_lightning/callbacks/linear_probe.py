@@ -47,9 +47,10 @@ class LinearProbe(Callback):
     detached, as the costs saw them: train-mode BatchNorm, the run's precision; no pass of their own), else computed
     **without gradients and in eval mode** in the run's precision. The two give different training features (and
     ``linear/train_loss``); validation scores eval-mode features either way. The backbone's gradients, BatchNorm
-    statistics and random streams are exactly those of a run without the probe. They are standardised by a ``BatchNorm1d`` without affine parameters and fed to the classifier, which
-    takes one step of its own SGD optimiser on the cross-entropy of the labelled images. Unlabelled images (target
-    ``UNLABELLED``, e.g. STL-10's unlabelled split) count in the BatchNorm statistics, not in the loss; a batch
+    statistics and random streams are exactly those of a run without the probe. The features are standardised by a
+    ``BatchNorm1d`` without affine parameters and fed to the classifier, which takes one step of its own SGD
+    optimiser on the cross-entropy of the labelled images. Unlabelled images (target ``UNLABELLED``, e.g. STL-10's
+    unlabelled split) count in the BatchNorm statistics, not in the loss; a batch
     without labelled images takes a step with zero gradients (the momentum carries on), as every process does under
     DDP. No device value is read on the host. Under DDP its gradients and BN statistics are averaged over the
     processes, so every process holds the same probe. During validation it scores the features of the ``QUERIES``

@@ -386,7 +386,11 @@ class ChannelsLastStatistics(torch.autograd.Function):
         return as_maps[0], as_maps[1], None, None
 
 
-_OUT_DTYPE_PRODUCTS = hasattr(torch.ops.aten.addmm, "dtype")  # torch.mm(..., out_dtype=): bf16 in, float32 out
+# torch.mm / bmm / addmm / baddbmm(..., out_dtype=): bf16 in, float32 out (torch >= 2.8)
+_OUT_DTYPE_PRODUCTS = all(
+    hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm,
+                                                  torch.ops.aten.baddbmm)
+)  # fmt: skip
 
 
 def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None, beta: float = 1.0) -> Tensor:

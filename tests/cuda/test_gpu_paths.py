@@ -1,8 +1,9 @@
 """What only a GPU shows (marked ``cuda``, skipped without CUDA; ``make gpu-check`` runs them first): compiled costs
 in CUDA graphs equal eager ones across accumulated micro-batches with the adaptive filter, without CUDA-graph skips;
 NaN statistics (CUDA's ``cholesky_ex`` reports success on them) stop the run in one line with a finite filter; views
-drawn on the GPU equal the CPU's; split-TF32 statistics meet the fast path's tolerance on real tensor cores; and a
-whole training step of the shipped internal config makes no host synchronisation."""
+drawn on the GPU equal the CPU's; split-TF32 statistics meet the fast path's tolerance on real tensor cores, and bf16
+statistics theirs where ``auto`` takes them; and a whole training step of the shipped internal config makes no host
+synchronisation."""
 
 from __future__ import annotations
 
@@ -124,6 +125,33 @@ def test_split_tf32_statistics_meet_the_fast_paths_tolerance_on_tensor_cores():
         assert abs(split - exact) <= FAST_COST_TOLERANCE * abs(exact)
         for got, want in zip(split_grads, exact_grads):
             assert float((got.double() - want.double()).norm() / want.double().norm()) <= FAST_GRADIENT_TOLERANCE
+
+
+def test_bf16_statistics_on_tensor_cores_meet_their_tolerance_where_auto_takes_them():
+    """The path ``auto`` runs for bf16-mixed training on the GPU (bf16 products with float32 results, ``out_dtype``):
+    at 576 views ``auto`` resolves to ``bf16`` on GPUs of compute capability 8.0 and later, and its costs and gradients
+    meet the tolerance the CPU tests state (docs/conventions.md §3)."""
+    from hfmca_lightning.losses import WindowGeometry
+    from hfmca_lightning.losses.map_statistics import _OUT_DTYPE_PRODUCTS
+    from hfmca_lightning.losses.statistics import resolved_precision
+    from tests.losses.test_bfloat16_statistics import (
+        BF16_GRADIENT_TOLERANCE,
+        FAST_COST_TOLERANCE,
+        bfloat16_maps,
+        cost_and_gradients,
+        relative_errors,
+    )
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 statistics need bf16 tensor cores (compute capability 8.0 and later)")
+    assert _OUT_DTYPE_PRODUCTS, "this torch has no bf16 products with float32 results; auto would not take bf16"
+    for k1, k2, size, geometry in ((64, 64, 32, WindowGeometry(5, 1, 2)), (256, 512, 8, WindowGeometry(7, 2, 3))):
+        low, high = (x.detach().to(CUDA).requires_grad_() for x in bfloat16_maps(k1, k2, size, geometry, batch=576))
+        assert resolved_precision(low, high, geometry) == "bf16"
+        exact = cost_and_gradients(low, high, geometry, "float64")
+        cost_error, gradient_errors = relative_errors(cost_and_gradients(low, high, geometry, "auto"), exact)
+        assert cost_error <= FAST_COST_TOLERANCE, cost_error
+        assert max(gradient_errors) <= BF16_GRADIENT_TOLERANCE, gradient_errors
 
 
 def instantiate(node):

@@ -3,6 +3,7 @@
     python benchmarks/roofline.py --config configs/cifar10_ss_internal.yaml --gpu h100-sxm
     python benchmarks/roofline.py --config configs/cifar10_ss.yaml --gpu h200 --top 20
     python benchmarks/roofline.py --rows --gpu h200                     # the step rows of make gpu-check
+    python benchmarks/roofline.py --precisions --config configs/cifar10_ss_internal.yaml  # what `auto` chooses
     python benchmarks/roofline.py --calibrate --code /tmp/code-39fede7   # fit the constants on the H200 report
     python benchmarks/roofline.py --calibrate --report docs/benchmarks/gpu-<device>.md --commit <its commit> --code .
 
@@ -20,6 +21,7 @@ targets, and the operations costing most with their source lines. Every number p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     what.add_argument("--config", type=Path, help="a training config (configs/*.yaml)")
     what.add_argument("--rows", action="store_true", help="the training-step rows of make gpu-check")
     what.add_argument("--calibrate", action="store_true", help="fit the constants on a make gpu-check report's rows")
+    parser.add_argument(
+        "--precisions", action="store_true", help="with --config: its internal statistics in each precision, per GPU"
+    )
     parser.add_argument("--gpu", default="h100-sxm", help="h100-sxm, h100-pcie, h200, a100, l4")
     parser.add_argument("--code", type=Path, help="trace the code of this checkout (for --rows, --calibrate)")
     parser.add_argument("--report", type=Path, default=CALIBRATION_REPORT, help="the report --calibrate fits on")
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"roofline: {problem}", file=sys.stderr)
         return 2
     began = time.perf_counter()
-    if args.config is not None:
+    if args.precisions:
+        result = precisions_report(args.config)
+    elif args.config is not None:
         result = config_report(args.config, args.gpu, args.top, args.epoch_images)
     elif args.rows:
         sizes = {"backbone": args.backbone, "batch_size": args.batch_size, "views": args.views}
@@ -97,6 +104,11 @@ def input_problem(args: argparse.Namespace, gpus: dict[str, Any]) -> str | None:
         return f"unknown --gpu {args.gpu!r}; one of {', '.join(gpus)}"
     if args.config is not None and not args.config.is_file():
         return f"--config {args.config} is not a file"
+    if args.precisions:
+        from kernel_trace.targets import has_internal_costs
+
+        if args.config is None or not has_internal_costs(args.config):
+            return "--precisions needs --config with internal costs (model.init_args.internal_costs)"
     if args.code is not None and not (args.code / "hfmca_lightning").is_dir():
         return f"--code {args.code} is not a checkout of this project (no hfmca_lightning/ in it)"
     if args.calibrate:
@@ -151,6 +163,47 @@ def config_report(config: Path, gpu_name: str, top: int, epoch_images: int) -> d
     return {"lines": lines, "data": data}
 
 
+# The internal statistics precisions compared, for bf16-mixed maps and for float32 maps (docs/conventions.md §3).
+STATISTICS_PRECISIONS = {"bf16-mixed": ("fast", "tf32x3", "bf16"), "32-true": ("fast", "tf32x3")}
+
+
+def precisions_report(config: Path) -> dict[str, Any]:
+    """The milliseconds per step of the config's internal statistics (all hooked blocks) in each precision, on every
+    modelled GPU: one trace per precision and map dtype, predicted on each GPU (what ``precision="auto"`` is chosen
+    by)."""
+    import copy
+
+    import yaml
+    from kernel_trace.gpus import GPUS
+    from kernel_trace.predict import predict
+    from kernel_trace.steps import trace_config
+
+    internal_costs = yaml.safe_load(config.read_text())["model"]["init_args"]["internal_costs"]
+    columns = [(maps, precision) for maps, precisions in STATISTICS_PRECISIONS.items() for precision in precisions]
+    milliseconds: dict[str, dict[str, float]] = {key: {} for key in GPUS}
+    for maps, precision in columns:
+        costs = copy.deepcopy(internal_costs)
+        costs.setdefault("init_args", {})["precision"] = precision
+        trace = trace_config(
+            config, GPUS["h100-sxm"], {"model": {"internal_costs": costs}, "trainer": {"precision": maps}}
+        )
+        for key, gpu in GPUS.items():
+            prediction = predict(dataclasses.replace(trace, gpu=gpu))
+            milliseconds[key][f"{maps} maps: {precision}"] = prediction.phase_milliseconds("internal/")
+    names = list(milliseconds["h100-sxm"])
+    lines = [
+        f"# Internal statistics of {config} per precision (predicted ms per step, all blocks)",
+        "",
+        f"| GPU | {' | '.join(f'`{name}`' for name in names)} |",
+        f"| --- |{' ---: |' * len(names)}",
+        *(
+            f"| {GPUS[key].name} | {' | '.join(f'{row[name]:.1f}' for name in names)} |"
+            for key, row in milliseconds.items()
+        ),
+    ]
+    return {"lines": lines, "data": milliseconds}
+
+
 def rows_report(gpu_name: str, code: Path | None, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
     from kernel_trace.gpus import GPUS
     from kernel_trace.predict import predict
@@ -177,10 +230,10 @@ def rows_report(gpu_name: str, code: Path | None, sizes: dict[str, Any] | None =
 
 def calibration_report(code: Path | None, report: Path, commit: str) -> dict[str, Any]:
     from kernel_trace.calibrate import calibration_lines
-    from kernel_trace.gpus import modelled_gpu
+    from kernel_trace.gpus import gpu_key
 
     device = report.read_text().splitlines()[0].removeprefix("# GPU check: ")
-    gpu = modelled_gpu(device)
+    gpu = gpu_key(device)
     if gpu is None:
         raise SystemExit(f"roofline: {report} measured {device}, which the roofline does not model")
     try:

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -17,7 +18,7 @@ import torch
 from step_timing import format_rows
 from throughput import data_path_rows, data_paths, missing_packages
 
-from gpu_check.predicted import modelled_gpu, predicted_rows
+from gpu_check.predicted import gpu_key, predicted_rows
 from gpu_check.report import device_slug, write_report
 from gpu_check.results import CIFAR_EPOCH, EXTERNAL, INTERNAL, NEEDS, SECTIONS, GpuCheckResult, fastest, targets
 from gpu_check.sections import (
@@ -176,11 +177,16 @@ def _check(argv: list[str] | None) -> int:
         rows = step_rows(args, device, autocast, compiled, deadline)
         print("\n".join(format_rows(rows, args.batch_size * args.views)), flush=True)
         result.step_rows += rows
-        model = modelled_gpu(name) if cuda else "h100-sxm"  # on a CPU: the script's test, for an H100
+        model = gpu_key(name) if cuda else "h100-sxm"  # on a CPU: the script's test, for an H100
         if not compiled and model is not None:
             sizes = {"backbone": args.backbone, "batch_size": args.batch_size, "views": args.views}
-            result.predicted = predicted_rows(model, {**sizes, "image_size": args.image_size})
-            result.predicted_for = GPUS_NAMES.get(model, model) + ("" if cuda else " (a script test on a CPU)")
+            try:
+                result.predicted = predicted_rows(model, {**sizes, "image_size": args.image_size})
+            except (subprocess.SubprocessError, OSError) as error:  # the measurements stand without it
+                stderr = getattr(error, "stderr", None) or ""
+                result.prediction_failure = (stderr.strip().splitlines() or [str(error)])[-1][:300]
+            else:
+                result.predicted_for = GPUS_NAMES.get(model, model) + ("" if cuda else " (a script test on a CPU)")
 
     def measure_precision() -> None:
         result.agreement, result.gradient_agreement = agreement(args, device)

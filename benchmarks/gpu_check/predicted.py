@@ -9,10 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernel_trace.gpus import modelled_gpu
+from kernel_trace.gpus import gpu_key
 
 ROOT = Path(__file__).resolve().parents[2]
-__all__ = ["modelled_gpu", "predicted_rows"]
+__all__ = ["gpu_key", "predicted_rows"]
 
 
 def predicted_rows(gpu: str, sizes: dict[str, object], timeout: float = 300.0) -> dict[str, float]:

@@ -75,6 +75,8 @@ def _step_lines(result: GpuCheckResult) -> list[str]:
             f"the roofline's milliseconds per step for the {result.predicted_for} (benchmarks/roofline.py --rows; "
             "predicted / measured is the tracer's error on this GPU)."
             if result.predicted_for
+            else f"none (the roofline failed: {result.prediction_failure})."
+            if result.prediction_failure
             else "none (the roofline models no GPU of this name)."
         ),
         "",

@@ -10,8 +10,9 @@ from throughput import DataRow
 SECTIONS = ("tests", "steps", "compiled", "precision", "data", "training", "profile")
 
 
-# Seconds a section needs at least to start on a GPU (``--tiny``: a tenth).
-NEEDS = {"tests": 30, "steps": 20, "compiled": 40, "precision": 10, "data": 20, "training": 60, "profile": 10}
+# Seconds a section needs at least to start on a GPU (``--tiny``: a tenth); the steps include the roofline's
+# prediction of their rows (~10 s of tracing on the host's CPU).
+NEEDS = {"tests": 30, "steps": 30, "compiled": 40, "precision": 10, "data": 20, "training": 60, "profile": 10}
 
 
 CUDA_TESTS = ["-m", "pytest", "-m", "cuda", "tests/cuda", "-q", "-p", "no:cacheprovider"]
@@ -140,6 +141,8 @@ class GpuCheckResult:
     predicted: dict[str, float] = field(default_factory=dict)
     """Predicted milliseconds per step by row label (benchmarks/roofline.py --rows), for ``predicted_for``."""
     predicted_for: str = ""
+    prediction_failure: str = ""
+    """Why the step rows have no prediction when the roofline ran and failed (one line)."""
 
 
 def fastest_backbone(rows: list[StepRow]) -> StepRow | None:

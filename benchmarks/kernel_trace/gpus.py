@@ -80,7 +80,7 @@ GPUS: dict[str, GPUSpec] = {
 _NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100", "a100"), (" l4", "l4"))
 
 
-def modelled_gpu(device_name: str) -> str | None:
+def gpu_key(device_name: str) -> str | None:
     """The key of :data:`GPUS` for a CUDA device (``NVIDIA H100 80GB HBM3`` -> ``h100-sxm``), None for a GPU not
     modelled."""
     name = f" {device_name.lower()}"
@@ -106,7 +106,7 @@ GRAPH_KERNEL_FLOOR = 3.4e-6
 # Fitted by ``python benchmarks/roofline.py --calibrate`` on the six step rows of docs/benchmarks/gpu-nvidia-h200.md
 # (code of commit 39fede7); the table and the fit are in docs/benchmarks/roofline.md.
 CALIBRATION = Calibration(
-    efficiency=0.496,
-    launch_floor=25.4e-6,
+    efficiency=0.503,
+    launch_floor=26.2e-6,
     fitted_on="fitted on the H200 report's six step rows, code of commit 39fede7",
 )

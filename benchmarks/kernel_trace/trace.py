@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,7 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
 
         return compiled if model is None else compiled(model)
 
-    caches = _tensor_caches()
-    for cache in caches:  # tensors made by earlier runs or traces (each trace its own fake tensors)
+    for cache in _tensor_caches():  # tensors made by earlier runs or traces (each trace its own fake tensors)
         cache.cache_clear()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     stack_patches = [
@@ -136,15 +136,21 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
             yield Tracing(recorder, gpu)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-        for cache in caches:  # the fake tensors of this trace
+        for cache in _tensor_caches():  # the fake tensors of this trace
             cache.cache_clear()
 
 
 def _tensor_caches() -> list[Any]:
-    """The package's caches of tensors made once per shape and device (the windows' constants, the counts)."""
-    from hfmca_lightning.losses import statistics, window_pooling
-
-    return [window_pooling.window_constants, statistics._counts]
+    """The caches of the package's cost library (tensors made once per shape and device: the windows' constants, the
+    counts), found by what they are, so that the code of any commit is traced (calibration traces older ones)."""
+    caches = {
+        id(value): value
+        for name, module in list(sys.modules.items())
+        if name.startswith("hfmca_lightning.losses") and module is not None
+        for value in vars(module).values()
+        if isinstance(value, functools._lru_cache_wrapper)
+    }
+    return list(caches.values())
 
 
 def _apply(self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> torch.nn.Module:

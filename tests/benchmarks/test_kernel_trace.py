@@ -108,6 +108,19 @@ def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
     assert "__rshift__" not in names["V100"] and "avg_pool2d" in names["V100"]
 
 
+def test_the_cost_librarys_cached_tensors_do_not_cross_a_trace() -> None:
+    """The window constants and counts are cached per shape and device: each trace makes its own (a fake tensor of an
+    earlier trace cannot enter another's), so the same statistics traced twice record the same kernels."""
+    geometry = WindowGeometry(3, 2, 1)
+    names = []
+    for _ in range(2):
+        with tracing(H100) as live, live.record() as trace:
+            low, high = torch.rand(2, 4, 9, 9, device="cuda"), torch.rand(2, 6, 5, 5, device="cuda")
+            feature_map_statistics(low, high, geometry)
+        names.append([operation.name for operation in trace.operations])
+    assert "avg_pool2d" in names[0] and names[1] == names[0]
+
+
 def test_backward_work_is_attributed_to_its_forward_phase_and_source() -> None:
     from hfmca_lightning.losses import HFMCACost
     from hfmca_lightning.methods import HFMCAModule, InternalCosts

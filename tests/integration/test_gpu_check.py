@@ -352,3 +352,22 @@ def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path: Path, 
     assert "| internal/features.0 |" in text  # the precision section still ran and was reported
     with pytest.raises(SystemExit):
         cli.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "steps,typo"])
+
+
+def test_a_failed_prediction_leaves_the_measured_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The roofline runs after the step rows are measured: when it fails, the report says why in one line and the
+    section, measured, stands."""
+    import subprocess
+
+    from gpu_check import cli
+
+    def failing_roofline(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, ["roofline.py"], stderr="Traceback ...\nroofline: out of memory\n")
+
+    monkeypatch.setattr(cli, "predicted_rows", failing_roofline)
+    status = cli.main(["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--sections", "steps"])
+    (report,) = tmp_path.glob("gpu-*.md")
+    text = report.read_text()
+    assert status == 0, text
+    assert "Predicted: none (the roofline failed: roofline: out of memory)." in text
+    assert "| backbone alone: plain |" in text and "**failed**" not in text

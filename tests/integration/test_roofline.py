@@ -44,6 +44,7 @@ def test_the_internal_config_is_traced_in_under_two_minutes(tmp_path: Path) -> N
     names = [target["name"] for target in data["targets"]]
     assert names[:2] == ["external / backbone step", "external + internal / backbone step"]
     assert "host syncs per training step" in names
+    assert "step with views drawn on the device / step with views drawn beforehand" in names  # ResidentViews
     assert data["step_ms"] > data["external_ms"] > 0
     # the costliest operations name their source lines
     assert "hfmca_lightning/" in text.split("Costliest operations")[1]
@@ -64,6 +65,35 @@ def test_an_unknown_gpu_is_one_line() -> None:
     ]
 
 
+def auto_order_holds(table: dict[str, dict[str, float]]) -> None:
+    """What ``precision="auto"`` assumes (docs/conventions.md §3), on every modelled GPU: ``bf16`` fastest for bf16
+    maps, ``fast`` ahead of ``tf32x3`` for float32 maps."""
+    assert len(table) == 5
+    for gpu, row in table.items():
+        bf16_maps = [row[f"bf16-mixed maps: {precision}"] for precision in ("bf16", "fast", "tf32x3")]
+        assert bf16_maps == sorted(bf16_maps), (gpu, row)
+        assert row["32-true maps: fast"] < row["32-true maps: tf32x3"], (gpu, row)
+
+
+def test_the_statistics_precisions_of_a_config_on_every_gpu(tmp_path: Path) -> None:
+    done, _ = roofline(
+        "--precisions", "--config", "configs/spectrum_unsupervised.yaml", "--json", str(tmp_path / "table.json")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| NVIDIA L4 |" in done.stdout and "`bf16-mixed maps: bf16`" in done.stdout
+    auto_order_holds(json.loads((tmp_path / "table.json").read_text()))
+
+
+@pytest.mark.slow
+def test_auto_chooses_the_fastest_statistics_of_the_cifar_internal_config(tmp_path: Path) -> None:
+    """The table of docs/benchmarks/roofline.md ("Statistics precision per GPU")."""
+    done, _ = roofline(
+        "--precisions", "--config", "configs/cifar10_ss_internal.yaml", "--json", str(tmp_path / "table.json")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    auto_order_holds(json.loads((tmp_path / "table.json").read_text()))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -72,8 +102,16 @@ def test_an_unknown_gpu_is_one_line() -> None:
         (("--calibrate", "--code", "."), "roofline: --code . is at "),
         (("--calibrate", "--report", "README.md", "--code", "."), "roofline: --code . is at "),
         (("--rows", "--code", "docs"), "roofline: --code docs is not a checkout of this project"),
+        (("--precisions", "--config", "configs/demo.yaml"), "roofline: --precisions needs --config with internal"),
     ],
-    ids=["missing config", "calibration without code", "code at another commit", "other report", "not a checkout"],
+    ids=[
+        "missing config",
+        "calibration without code",
+        "code at another commit",
+        "other report",
+        "not a checkout",
+        "precisions without internal costs",
+    ],
 )
 def test_bad_input_is_one_line_before_any_tracing(args: tuple[str, ...], message: str) -> None:
     """Calibrating the current code against rows measured on another commit would fit wrong constants without a

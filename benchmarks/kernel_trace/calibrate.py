@@ -24,7 +24,7 @@ def work_and_kernels(trace: Trace) -> tuple[float, int]:
     work, kernels = 0.0, 0
     for operation in trace.operations:
         if operation.on_gpu and operation.transfer is None:
-            work += operation_cost(operation, trace.gpu, _FULL_PEAK).seconds
+            work += operation_cost(operation, trace.gpu, _FULL_PEAK)
             kernels += operation.kernels
     return work, kernels
 

@@ -196,10 +196,6 @@ def rate_class(func: torch._ops.OpOverload, args: tuple[Any, ...], dtype: torch.
     return "fp32"
 
 
-def tensor_cores(rate: str) -> bool:
-    return rate.endswith("_tensor")
-
-
 def _matmul_tf32() -> bool:
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):

@@ -34,6 +34,7 @@ class GPUSpec:
     fp64_tensor: float  # float64 products (DGEMM on the tensor cores where the GPU has them)
     fp64: float  # other float64 work (factorisations, elementwise)
     host_link: float  # host <-> device copies, bytes per second (PCIe, one direction)
+    multiprocessors: int  # streaming multiprocessors (what torch.cuda.get_device_properties reports)
     source: str
 
     def peak(self, dtype_class: str) -> float:
@@ -51,27 +52,27 @@ GPUS: dict[str, GPUSpec] = {
     "h100-sxm": GPUSpec(
         name="NVIDIA H100 SXM5 80GB", capability=(9, 0), memory_gib=80, bandwidth=3.35 * TERA,
         bf16_tensor=989.4 * TERA, tf32_tensor=494.7 * TERA, fp32=66.9 * TERA, fp64_tensor=66.9 * TERA,
-        fp64=33.5 * TERA, host_link=64e9, source="H100 data sheet, SXM5 column",
+        fp64=33.5 * TERA, host_link=64e9, multiprocessors=132, source="H100 data sheet, SXM5 column",
     ),
     "h100-pcie": GPUSpec(
         name="NVIDIA H100 PCIe 80GB", capability=(9, 0), memory_gib=80, bandwidth=2.0 * TERA,
         bf16_tensor=756.0 * TERA, tf32_tensor=378.0 * TERA, fp32=51.2 * TERA, fp64_tensor=51.2 * TERA,
-        fp64=25.6 * TERA, host_link=64e9, source="H100 data sheet, PCIe column",
+        fp64=25.6 * TERA, host_link=64e9, multiprocessors=114, source="H100 data sheet, PCIe column",
     ),
     "h200": GPUSpec(
         name="NVIDIA H200", capability=(9, 0), memory_gib=141, bandwidth=4.8 * TERA,
         bf16_tensor=989.4 * TERA, tf32_tensor=494.7 * TERA, fp32=66.9 * TERA, fp64_tensor=66.9 * TERA,
-        fp64=33.5 * TERA, host_link=64e9, source="H200 data sheet, SXM column",
+        fp64=33.5 * TERA, host_link=64e9, multiprocessors=132, source="H200 data sheet, SXM column",
     ),
     "a100": GPUSpec(
         name="NVIDIA A100-SXM4-80GB", capability=(8, 0), memory_gib=80, bandwidth=2.039 * TERA,
         bf16_tensor=312.0 * TERA, tf32_tensor=156.0 * TERA, fp32=19.5 * TERA, fp64_tensor=19.5 * TERA,
-        fp64=9.7 * TERA, host_link=32e9, source="A100 data sheet, 80GB SXM column",
+        fp64=9.7 * TERA, host_link=32e9, multiprocessors=108, source="A100 data sheet, 80GB SXM column",
     ),
     "l4": GPUSpec(
         name="NVIDIA L4", capability=(8, 9), memory_gib=24, bandwidth=0.3 * TERA,
         bf16_tensor=121.0 * TERA, tf32_tensor=60.0 * TERA, fp32=30.3 * TERA, fp64_tensor=0.47 * TERA,
-        fp64=0.47 * TERA, host_link=32e9, source="L4 data sheet",
+        fp64=0.47 * TERA, host_link=32e9, multiprocessors=58, source="L4 data sheet",
     ),
 }  # fmt: skip
 

@@ -161,7 +161,7 @@ def _properties(spec: GPUSpec) -> types.SimpleNamespace:
         major=spec.capability[0],
         minor=spec.capability[1],
         total_memory=int(spec.memory_gib * 2**30),
-        multi_processor_count=132,
+        multi_processor_count=spec.multiprocessors,
         is_integrated=False,
     )
 

@@ -11,26 +11,16 @@ from .recorder import Operation
 from .trace import Trace
 
 
-@dataclass(frozen=True)
-class Cost:
-    """Predicted seconds of one operation, and which bound set it."""
-
-    seconds: float
-    bound: str  # "compute", "memory" or "launch"
-
-
-def operation_cost(operation: Operation, gpu: GPUSpec, calibration: Calibration = CALIBRATION) -> Cost:
-    """``kernels * floor + max(flops / (e * peak[rate]), bytes / (e * bandwidth))``, the floor of a kernel replayed in a
-    CUDA graph :data:`~.gpus.GRAPH_KERNEL_FLOOR`; host-device copies over the host link (on their own copy engine:
-    they overlap the step and are reported apart)."""
+def operation_cost(operation: Operation, gpu: GPUSpec, calibration: Calibration = CALIBRATION) -> float:
+    """Predicted seconds of one operation, ``kernels * floor + max(flops / (e * peak[rate]), bytes / (e * bandwidth))``,
+    the floor of a kernel replayed in a CUDA graph :data:`~.gpus.GRAPH_KERNEL_FLOOR`; host-device copies over the host
+    link (on their own copy engine: they overlap the step and are reported apart)."""
     if operation.transfer is not None:
-        return Cost(operation.bytes / 2 / gpu.host_link, "transfer")
+        return operation.bytes / 2 / gpu.host_link
     compute = operation.flops / (calibration.efficiency * gpu.peak(operation.rate))
     memory = operation.bytes / (calibration.efficiency * gpu.bandwidth)
     floor = operation.kernels * (GRAPH_KERNEL_FLOOR if operation.in_graph else calibration.launch_floor)
-    work = max(compute, memory)
-    bound = "launch" if floor > work else "compute" if compute >= memory else "memory"
-    return Cost(floor + work, bound)
+    return floor + max(compute, memory)
 
 
 @dataclass
@@ -54,8 +44,7 @@ class Prediction:
     phases: dict[str, PhaseTotals]
     hot_spots: list[tuple[str, str, float, float, float, float]]  # (operation, source, kernels, GB, GFLOP, ms)
     host_syncs: list[tuple[str, str]]  # of all the traced steps
-    transfer_seconds: float
-    host_operations: int
+    transfer_seconds: float  # host-device copies per step, on the copy engine beside the step
     steps: int = 1
 
     @property
@@ -76,25 +65,24 @@ def predict(trace: Trace, calibration: Calibration = CALIBRATION, top: int = 15)
     totals = PhaseTotals()
     phases: dict[str, PhaseTotals] = defaultdict(PhaseTotals)
     spots: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    transfer, host = 0.0, 0
+    transfer = 0.0
     for operation in trace.operations:
         if not operation.on_gpu:
-            host += 1
             continue
-        cost = operation_cost(operation, trace.gpu, calibration)
+        seconds = operation_cost(operation, trace.gpu, calibration)
         if operation.transfer is not None:
-            transfer += cost.seconds
+            transfer += seconds
             continue
         for bucket in (totals, phases[operation.phase]):
             bucket.kernels += operation.kernels
             bucket.flops += operation.flops
             bucket.bytes += operation.bytes
-            bucket.seconds += cost.seconds
+            bucket.seconds += seconds
         spot = spots[(operation.name, operation.source)]
         spot[0] += operation.kernels
         spot[1] += operation.bytes
         spot[2] += operation.flops
-        spot[3] += cost.seconds
+        spot[3] += seconds
     hottest = sorted(spots.items(), key=lambda item: -item[1][3])[:top]
     n = trace.steps
     return Prediction(
@@ -105,6 +93,5 @@ def predict(trace: Trace, calibration: Calibration = CALIBRATION, top: int = 15)
         [(name, source, k / n, b / 1e9 / n, f / 1e9 / n, s * 1e3 / n) for (name, source), (k, b, f, s) in hottest],
         trace.host_syncs,
         transfer / n,
-        host,
         n,
     )

@@ -41,9 +41,11 @@ def summary_line(label: str, prediction: Prediction) -> str:
     total = prediction.totals
     syncs = prediction.host_syncs_per_step
     averaged = f" (the mean of {prediction.steps} steps)" if prediction.steps > 1 else ""
+    copies = prediction.transfer_seconds * 1e3
+    overlapped = f"; host-device copies {copies:.2f} ms beside it (copy engine)" if copies >= 0.005 else ""
     return (
         f"{label}: {total.kernels:,.0f} kernels, {total.bytes / 1e9:.1f} GB moved, {total.flops / 1e12:.2f} TFLOP, "
-        f"{prediction.milliseconds:.1f} ms predicted{averaged}; {syncs:g} host syncs per step"
+        f"{prediction.milliseconds:.1f} ms predicted{averaged}; {syncs:g} host syncs per step{overlapped}"
     )
 
 

@@ -186,6 +186,3 @@ def modules_by_phase(model: torch.nn.Module, phases: dict[str, str]) -> dict[int
         if isinstance(module, torch.nn.Module):
             found[id(module)] = phase
     return found
-
-
-Step = Callable[[], None]

@@ -77,13 +77,17 @@ class SpectrumWindow:
         """
         added = {name: stats.detach() for name, stats in statistics.items()}
         present = [name for name in added if name in self.open]
-        for name in present:  # the dimensions' check of CorrelationStatistics.__add__
-            if (self.open[name].low_dim, self.open[name].high_dim) != (added[name].low_dim, added[name].high_dim):
-                self.open[name] + added[name]
+        for name in present:
+            held, new = self.open[name], added[name]
+            if (held.low_dim, held.high_dim) != (new.low_dim, new.high_dim):
+                raise ValueError(
+                    f"statistics of {name} changed dimensions within a window: (K1={held.low_dim}, "
+                    f"K2={held.high_dim}) then (K1={new.low_dim}, K2={new.high_dim})"
+                )
         if present:  # every pair's sums in one multi-tensor addition (a few kernels a step, not five per pair)
             sums = torch._foreach_add(
-                [tensor for name in present for tensor in _fields(self.open[name])],
-                [tensor for name in present for tensor in _fields(added[name])],
+                [tensor for name in present for tensor in _as_tuple(self.open[name])],
+                [tensor for name in present for tensor in _as_tuple(added[name])],
             )
             for index, name in enumerate(present):
                 self.open[name] = CorrelationStatistics(*sums[5 * index : 5 * index + 5])
@@ -183,13 +187,9 @@ class SpectrumWindow:
 
 
 def _as_tuple(stats: CorrelationStatistics) -> tuple[Tensor, ...]:
+    """The five tensors of ``stats``, in the order of its fields."""
     return (stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count)
 
 
 def _to(stats: CorrelationStatistics, device: torch.device) -> CorrelationStatistics:
     return CorrelationStatistics(*(tensor.to(device) for tensor in _as_tuple(stats)))
-
-
-def _fields(stats: CorrelationStatistics) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The five tensors of ``stats``, in the order of its fields."""
-    return stats.low_outer_sum, stats.high_outer_sum, stats.cross_sum, stats.member_count, stats.group_count

@@ -238,7 +238,7 @@ def feature_map_statistics(
     small deep-layer maps of either layout are multiplied over all rows at once after subtracting their means
     (:class:`CentredRowStatistics`). Each path is one autograd node with its own backward pass.
     ``"bf16"``: bfloat16 maps (float32 maps are rounded to bfloat16 first) on bf16 tensor cores, every product exact
-    and accumulated in float32 per position, window means rounded to bfloat16, gradients in bfloat16
+    and accumulated in float32 per position, window means in two bfloat16 parts, gradients in bfloat16
     (:class:`Bfloat16Statistics`; its own stated tolerance, docs/conventions.md §3). ``"auto"``: ``bf16`` or ``fast``
     by the device and the maps (:func:`resolved_precision`).
     ``"float64"``: every step in float64 with average pooling (analysis, and the reference the fast path is
@@ -249,7 +249,8 @@ def feature_map_statistics(
         high_map: ``(B, K2, H', W')`` block output ``Z_{s+1}``.
         geometry: the block's window ``(kernel, stride, padding)``.
         precision: ``auto``, ``fast``, ``tf32x3``, ``bf16`` or ``float64``.
-        window_pooling: ``banded`` or ``avg_pool``; default by the maps' device.
+        window_pooling: ``banded`` or ``avg_pool`` for ``fast`` and ``tf32x3``; default by the maps' device
+            (``bf16`` and ``float64`` always take ``avg_pool2d``).
 
     Returns:
         The statistics of the ``B * H' * W'`` groups, with ``member_count = B * H' * W' * kernel**2``;

@@ -243,14 +243,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             )
         if warmup_epochs < 0:
             raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        if isinstance(compile_costs, str) and compile_costs != CUDA_ONLY and compile_costs not in backends:
-            raise ConfigurationError(
-                f"compile_costs: {compile_costs!r} is not a torch.compile backend; use true (the default backend), "
-                f"{CUDA_ONLY!r} (CUDA graphs on GPUs, eager elsewhere) or "
-                f"one of {', '.join(torch._dynamo.list_backends(exclude_tags=()))}",
-                parameter="compile_costs",
-            )
+        if isinstance(compile_costs, str) and compile_costs != CUDA_ONLY:
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if compile_costs not in backends:
+                raise ConfigurationError(
+                    f"compile_costs: {compile_costs!r} is not a torch.compile backend; use true (the default "
+                    f"backend), {CUDA_ONLY!r} (CUDA graphs on GPUs, eager elsewhere) or one of {', '.join(backends)}",
+                    parameter="compile_costs",
+                )
         # Modules and optimiser callables are not hyper-parameters (and would make checkpoints unloadable
         # with weights_only=True); the hfmca CLI stores the whole config in every checkpoint instead.
         self.save_hyperparameters(

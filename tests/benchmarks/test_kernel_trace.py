@@ -91,7 +91,7 @@ def test_expanded_factors_are_read_once_and_views_launch_nothing() -> None:
 def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
     """tf32x3 statistics split their factors only on tensor-core GPUs (compute capability >= 8.0), and pool windows
     with avg_pool2d on CUDA; a Volta-class GPU takes the exact float32 branch."""
-    volta = GPUSpec("V100", (7, 0), 32, 0.9e12, 125e12, 15.7e12, 15.7e12, 7.8e12, 7.8e12, 16e9, "test")
+    volta = GPUSpec("V100", (7, 0), 32, 0.9e12, 125e12, 15.7e12, 15.7e12, 7.8e12, 7.8e12, 16e9, 80, "test")
     geometry = WindowGeometry(3, 1, 1)
     names = {}
     for gpu in (H100, volta):
@@ -174,12 +174,8 @@ def test_prediction_is_the_larger_of_compute_and_memory_plus_the_floor() -> None
     calibration = Calibration(efficiency=0.5, launch_floor=5e-6, fitted_on="test")
     compute_bound = Operation("mm", "p", "s", False, 1, 1e12, 1_000, 1_000, "bfloat16", "bf16_tensor", True)
     memory_bound = Operation("add", "p", "s", False, 2, 1e6, 10**9, 10**9, "float32", "fp32", True)
-    assert operation_cost(compute_bound, H100, calibration).seconds == pytest.approx(
-        5e-6 + 1e12 / (0.5 * H100.bf16_tensor)
-    )
-    assert operation_cost(memory_bound, H100, calibration).seconds == pytest.approx(
-        2 * 5e-6 + 2e9 / (0.5 * H100.bandwidth)
-    )
+    assert operation_cost(compute_bound, H100, calibration) == pytest.approx(5e-6 + 1e12 / (0.5 * H100.bf16_tensor))
+    assert operation_cost(memory_bound, H100, calibration) == pytest.approx(2 * 5e-6 + 2e9 / (0.5 * H100.bandwidth))
     trace = Trace(H100, [compute_bound, memory_bound])
     assert predict(trace, calibration).totals.kernels == 3
 

@@ -281,7 +281,7 @@ def test_chunks_of_images_give_the_sums_and_gradients_of_one_chunk(layout, monke
         assert bool(((got - expected).abs() <= bound * magnitude).all())
 
 
-def test_centredfloat32_products_keep_the_precision_a_plain_float32_product_loses():
+def test_centred_float32_products_keep_the_precision_a_plain_float32_product_loses():
     """Deep maps are multiplied over thousands of positions at once: with a large common mean (post-ReLU
     features) a plain float32 sum loses digits that the dependence needs; shifting by the means first and
     adding the mean terms in float64 keeps every sum within float32 rounding of the centred moments."""
@@ -389,7 +389,7 @@ def test_cached_window_constants_first_made_under_inference_mode_serve_training(
     assert low.grad is not None and bool(low.grad.abs().sum() > 0)
 
 
-def testfloat32_products_set_tf32_for_cuda_work_only(monkeypatch):
+def test_float32_products_set_tf32_for_cuda_work_only(monkeypatch):
     """TF32 is switched off (``fast``) or on (``tf32``), and restored, for CUDA work; work on other devices never asks
     the CUDA driver (``torch.cuda.is_available()`` retries the driver on each call on a GPU-less machine, ~1 ms in a
     step)."""

@@ -7,14 +7,24 @@ marked so because they train a model for several steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import tiny_overrides, write_cifar
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_as_found() -> Iterator[None]:
+    """Every test starts with the process's torch thread count: benchmark scripts run in-process set their own, and
+    training results (the order of BLAS sums) follow it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -79,20 +79,14 @@ class BlockArithmetic:
         """``(..., H', W')`` window means of ``(..., H, W)`` maps (4-D for ``avg_pool``)."""
         if self.pooling == "banded":
             return _window_means(z_map, self.rows, self.columns, self, out)
-        k, s, p = self.geometry.kernel, self.geometry.stride, self.geometry.padding
-        pooled = F.avg_pool2d(z_map, k, s, p, count_include_pad=False)
+        pooled = avg_pool_means(z_map, self.geometry)
         return pooled if out is None else out.copy_(pooled)
 
     def means_adjoint(self, d_means: Tensor, input_size: tuple[int, int], out: Tensor | None = None) -> Tensor:
         """The adjoint of :meth:`means`: ``(..., H', W')`` -> ``(..., H, W)``."""
         if self.pooling == "banded":
             return _window_means(d_means, self.rows.T, self.columns.T, self, out)
-        k, s, p = self.geometry.kernel, self.geometry.stride, self.geometry.padding
-        shape = (*d_means.shape[:-2], *input_size)
-        like = torch.empty(shape, dtype=d_means.dtype, device=d_means.device).contiguous(
-            memory_format=torch.channels_last if is_channels_last(d_means) else torch.contiguous_format
-        )
-        adjoint = torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [p, p], False, False, None)
+        adjoint = avg_pool_means_adjoint(d_means, input_size, self.geometry)
         return adjoint if out is None else out.copy_(adjoint)
 
     def pooled_rows(
@@ -111,6 +105,22 @@ class BlockArithmetic:
             pooled = self.means(maps)
         flat = pooled.permute(0, 2, 3, 1).reshape(-1, channels)
         return flat if out is None else out.copy_(flat)
+
+
+def avg_pool_means(maps: Tensor, geometry: WindowGeometry) -> Tensor:
+    """``(B, K, H', W')`` window means of ``(B, K, H, W)`` maps over the positions each window covers
+    (``avg_pool2d`` without the padding; needs :func:`~hfmca_lightning.losses.window_pooling.fits_avg_pool`)."""
+    k, s, p = geometry.kernel, geometry.stride, geometry.padding
+    return F.avg_pool2d(maps, k, s, p, count_include_pad=False)
+
+
+def avg_pool_means_adjoint(d_means: Tensor, input_size: tuple[int, int], geometry: WindowGeometry) -> Tensor:
+    """The adjoint of :func:`avg_pool_means`: ``(B, K, H', W')`` -> ``(B, K, H, W)``, in the layout of ``d_means``."""
+    k, s, p = geometry.kernel, geometry.stride, geometry.padding
+    like = torch.empty((*d_means.shape[:-2], *input_size), dtype=d_means.dtype, device=d_means.device).contiguous(
+        memory_format=torch.channels_last if is_channels_last(d_means) else torch.contiguous_format
+    )
+    return torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [p, p], False, False, None)
 
 
 def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:

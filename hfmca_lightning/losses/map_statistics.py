@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hfmca_lightning.losses.block_arithmetic import BlockArithmetic, float32_products, is_channels_last
+from hfmca_lightning.losses.block_arithmetic import (
+    BlockArithmetic,
+    avg_pool_means,
+    avg_pool_means_adjoint,
+    float32_products,
+    is_channels_last,
+)
 from hfmca_lightning.losses.window_geometry import WindowGeometry
 
 __all__ = [
@@ -501,8 +507,7 @@ class Bfloat16Statistics(torch.autograd.Function):
         layouts = tuple(torch.channels_last if is_channels_last(x) else torch.contiguous_format for x in (z_map, h_map))
         z_map = z_map.contiguous(memory_format=torch.channels_last)
         h_map = h_map.contiguous(memory_format=torch.channels_last)
-        k, s, p = geometry.kernel, geometry.stride, geometry.padding
-        means = _split_means(F.avg_pool2d(z_map.float(), k, s, p, count_include_pad=False))
+        means = _split_means(avg_pool_means(z_map.float(), geometry))
         z, h = _position_major(z_map), _position_major(h_map)
         m = means.view(means.shape[0], -1, means.shape[-1]).transpose(0, 1)  # (P2, B, 2 K1)
         low = (float32_product(z.mT, z) * coverage[:, None, None]).sum(dim=0, dtype=torch.float64)
@@ -520,11 +525,9 @@ class Bfloat16Statistics(torch.autograd.Function):
         z, h, m = _rows(z_map), _rows(h_map), means.view(-1, means.shape[-1])
         grad_z = grad_h = None
         if ctx.needs_input_grad[0]:
-            k, s, p = geometry.kernel, geometry.stride, geometry.padding
             pooled_shape = torch.Size((z_map.shape[0], z_map.shape[1], *h_map.shape[-2:]))
             pooled = _as_map(_split_product(h, (cross[0].T, cross[1].T)), pooled_shape)
-            like = torch.empty(z_map.shape, dtype=torch.float32, device=z_map.device, memory_format=torch.channels_last)
-            adjoint = torch.ops.aten.avg_pool2d_backward(pooled, like, [k, k], [s, s], [p, p], False, False, None)
+            adjoint = avg_pool_means_adjoint(pooled, z_map.shape[-2:], geometry)
             weighted = _as_map(_split_product(z, low), z_map.shape)
             grad_z = torch.empty(z_map.shape, dtype=z_map.dtype, device=z_map.device, memory_format=ctx.layouts[0])
             torch.addcmul(adjoint, weighted, coverage.view(1, 1, *z_map.shape[-2:]), out=grad_z)  # rounded once

@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         result = config_report(args.config, args.gpu, args.top, args.epoch_images)
     elif args.rows:
         sizes = {"backbone": args.backbone, "batch_size": args.batch_size, "views": args.views}
-        result = rows_report(args.gpu, args.code, {**sizes, "image_size": args.image_size})
+        result = rows_report(args.gpu, {**sizes, "image_size": args.image_size})
     else:
-        result = calibration_report(args.code, args.report, args.commit)
+        result = calibration_report(args.report, args.commit)
     print("\n".join(result["lines"]))
     print(f"\n(traced on this CPU in {time.perf_counter() - began:.0f} s)")
     if args.json is not None:
@@ -204,13 +204,13 @@ def precisions_report(config: Path) -> dict[str, Any]:
     return {"lines": lines, "data": milliseconds}
 
 
-def rows_report(gpu_name: str, code: Path | None, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+def rows_report(gpu_name: str, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
     from kernel_trace.gpus import GPUS
     from kernel_trace.predict import predict
     from kernel_trace.steps import trace_rows_of_checkout
 
     gpu = GPUS[gpu_name]
-    predictions = {name: predict(trace) for name, trace in trace_rows_of_checkout(gpu, code, **(sizes or {})).items()}
+    predictions = {name: predict(trace) for name, trace in trace_rows_of_checkout(gpu, **(sizes or {})).items()}
     fastest = min(p.milliseconds for name, p in predictions.items() if name.startswith("backbone alone"))
     lines = [
         f"# Step rows of make gpu-check on the {gpu.name} (predicted)",
@@ -228,16 +228,11 @@ def rows_report(gpu_name: str, code: Path | None, sizes: dict[str, Any] | None =
     return {"lines": lines, "data": {name: p.milliseconds for name, p in predictions.items()}}
 
 
-def calibration_report(code: Path | None, report: Path, commit: str) -> dict[str, Any]:
+def calibration_report(report: Path, commit: str) -> dict[str, Any]:
     from kernel_trace.calibrate import calibration_lines
-    from kernel_trace.gpus import gpu_key
 
-    device = report.read_text().splitlines()[0].removeprefix("# GPU check: ")
-    gpu = gpu_key(device)
-    if gpu is None:
-        raise SystemExit(f"roofline: {report} measured {device}, which the roofline does not model")
     try:
-        lines, data = calibration_lines(code, report, commit, gpu)
+        lines, data = calibration_lines(report, commit)
     except ValueError as error:
         raise SystemExit(f"roofline: {error}") from None
     return {"lines": lines, "data": data}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .gpus import GPUS, Calibration
+from .gpus import GPUS, Calibration, gpu_key
 from .predict import operation_cost, predict
 from .steps import trace_rows_of_checkout
 from .trace import Trace
@@ -65,7 +65,7 @@ def measured_rows(report: str) -> tuple[str, dict[str, float]]:
     """The GPU's name and the milliseconds per step of the six step rows (:data:`ROWS`) of a ``make gpu-check``
     report (``docs/benchmarks/gpu-<device>.md``): the ``ms / step`` column of its training-step table."""
     lines = report.splitlines()
-    name = lines[0].removeprefix("# GPU check: ").strip()
+    name = lines[0].removeprefix("# GPU check: ").strip() if lines else "an empty report"
     header = next((line for line in lines if line.startswith("| row |") and "ms / step" in line), None)
     if header is None:
         raise ValueError(f"the report of {name} has no training-step table (a '| row | ... ms / step' header)")
@@ -78,12 +78,21 @@ def measured_rows(report: str) -> tuple[str, dict[str, float]]:
     return name, rows
 
 
-def calibration_lines(code: Path | None, report: Path, commit: str, gpu_name: str) -> tuple[list[str], dict[str, Any]]:
-    """Trace the step rows of the checkout ``code`` (the commit the report measured) on ``gpu_name``, fit the constants
-    to the report's six step rows, and the table of measured against predicted rows."""
-    gpu = GPUS[gpu_name]
+def calibration_lines(report: Path, commit: str) -> tuple[list[str], dict[str, Any]]:
+    """Trace the step rows of the code on the import path (a checkout of ``commit``, the commit the report measured)
+    on the report's GPU, fit the constants to the report's six step rows, and the table of measured against predicted
+    rows.
+
+    Raises:
+        ValueError: when the roofline does not model the report's GPU, the report has no step rows, or they fit no
+            constants.
+    """
     device, measured_ms = measured_rows(report.read_text())
-    traces = trace_rows_of_checkout(gpu, code)
+    key = gpu_key(device)
+    if key is None:
+        raise ValueError(f"{report} measured {device}, which the roofline does not model")
+    gpu = GPUS[key]
+    traces = trace_rows_of_checkout(gpu)
     rows = {name: (*work_and_kernels(traces[name]), ms / 1e3) for name, ms in measured_ms.items()}
     efficiency, floor = fit(rows)
     source = f"{report.name}, code of commit {commit}"

@@ -146,6 +146,13 @@ def trace_config(
     return trace
 
 
+@contextlib.contextmanager
+def _on_host() -> Iterator[None]:
+    """Real tensors, and a ``torch.cuda`` that says there is no GPU (a data loader's work, which runs on the host)."""
+    with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
+        yield
+
+
 class _HostLoader:
     """A data loader whose batches are made on the host, outside the fake tensors: real CPU work that the step then
     copies to the modelled GPU (as a data loader's batches reach ``transfer_batch_to_device``)."""
@@ -160,10 +167,10 @@ class _HostLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
+        with _on_host():
             iterator = iter(self.loader)
         while True:
-            with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
+            with _on_host():
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -192,7 +199,7 @@ def _draw_on_host(datamodule: Any, source: Any) -> None:
     def host_train_dataloader() -> Any:
         making_loader[0] = True
         try:
-            with _disable_current_modes(), mock.patch.object(torch.cuda, "is_available", lambda: False):
+            with _on_host():
                 return _HostLoader(train_dataloader())
         finally:
             making_loader[0] = False
@@ -253,9 +260,9 @@ def trace_rows(
     return traces
 
 
-def trace_rows_of_checkout(gpu: GPUSpec, code: Path | None = None, **sizes: Any) -> dict[str, Trace]:
+def trace_rows_of_checkout(gpu: GPUSpec, **sizes: Any) -> dict[str, Trace]:
     """:func:`trace_rows` with the ``build`` and ``training_step`` of the ``benchmarks/throughput.py`` on the import
-    path (that of the checkout ``code`` when given): its own rows, with the optimizer update where its
+    path (``roofline.py --code`` puts a checkout's there): its own rows, with the optimizer update where its
     ``training_step`` has one (as its ``make gpu-check`` timed them); ``sizes`` as :func:`trace_rows` takes them."""
     import throughput
 

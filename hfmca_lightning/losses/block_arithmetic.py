@@ -117,8 +117,10 @@ def avg_pool_means(maps: Tensor, geometry: WindowGeometry) -> Tensor:
 def avg_pool_means_adjoint(d_means: Tensor, input_size: tuple[int, int], geometry: WindowGeometry) -> Tensor:
     """The adjoint of :func:`avg_pool_means`: ``(B, K, H', W')`` -> ``(B, K, H, W)``, in the layout of ``d_means``."""
     k, s, p = geometry.kernel, geometry.stride, geometry.padding
-    like = torch.empty((*d_means.shape[:-2], *input_size), dtype=d_means.dtype, device=d_means.device).contiguous(
-        memory_format=torch.channels_last if is_channels_last(d_means) else torch.contiguous_format
+    layout = torch.channels_last if is_channels_last(d_means) else torch.contiguous_format
+    # only its shape and strides are read: made in place, not copied into its layout
+    like = torch.empty(
+        (*d_means.shape[:-2], *input_size), dtype=d_means.dtype, device=d_means.device, memory_format=layout
     )
     return torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [p, p], False, False, None)
 

@@ -103,8 +103,6 @@ class Phases:
             return f"internal/{pair.log_name}" if pair is not None else "internal"
         if "/torch/optim/" in filename:
             return "optimizer"
-        if "/hfmca_lightning/callbacks/" in filename:
-            return "callbacks"
         if name == "objective" and filename.endswith("methods/hfmca.py"):
             return "cost path"
         if name == "group_statistics":
@@ -165,8 +163,9 @@ class Recorder(TorchDispatchMode):
         if func in _SCALAR_READS:
             if gpu_inputs:
                 self.host_sync(f"aten.{name} (a device value read on the host)")
-            if healthy_value(args[0]) is not None:
-                return healthy_value(args[0])
+            healthy = healthy_value(args[0])
+            if healthy is not None:
+                return healthy
             try:
                 return func(*args, **kwargs)
             except DataDependentOutputException:

@@ -42,7 +42,7 @@ class HealthyChecks(TorchFunctionMode):
 def _rule(name: str, args: tuple[Any, ...]) -> bool | None:
     if name in _HEALTHY:
         return _HEALTHY[name]
-    known = [healthy_value(arg) for arg in args if healthy_value(arg) is not None]
+    known = [value for value in map(healthy_value, args) if value is not None]
     if not known:
         return None
     if name in _SAME:

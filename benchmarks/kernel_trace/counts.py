@@ -212,8 +212,6 @@ def _conv_tf32() -> bool:
 
 def compute_dtype(args: tuple[Any, ...], out: Any) -> torch.dtype | None:
     """The dtype an operation computes in: its first floating tensor argument's, else its first result's."""
-    for tensor in tensors(args) + tensors([out]):
-        if tensor.is_floating_point():
-            return tensor.dtype
     found = tensors(args) + tensors([out])
-    return found[0].dtype if found else None
+    floating = next((tensor for tensor in found if tensor.is_floating_point()), None)
+    return floating.dtype if floating is not None else found[0].dtype if found else None

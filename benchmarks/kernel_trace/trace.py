@@ -72,19 +72,7 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
     the GPU, and :meth:`Tracing.record` records what runs. Build the model inside (its parameters are then fake)."""
     recorder = Recorder(Phases())
     autocast = AutocastEmulation()
-    original_backward = torch.autograd.backward
-    original_grad = torch.autograd.grad
     original_clear = torch.clear_autocast_cache
-
-    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        for root in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
-            tag_graph(root)
-        return original_backward(tensors, *args, **kwargs)
-
-    def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        for root in outputs if isinstance(outputs, (list, tuple)) else [outputs]:
-            tag_graph(root)
-        return original_grad(outputs, *args, **kwargs)
 
     def clear_autocast_cache() -> None:
         autocast.clear()
@@ -115,8 +103,8 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
         cache.cache_clear()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     stack_patches = [
-        mock.patch.object(torch.autograd, "backward", backward),
-        mock.patch.object(torch.autograd, "grad", grad),
+        mock.patch.object(torch.autograd, "backward", _tagging_roots(torch.autograd.backward)),
+        mock.patch.object(torch.autograd, "grad", _tagging_roots(torch.autograd.grad)),
         mock.patch.object(torch, "clear_autocast_cache", clear_autocast_cache),
         mock.patch.object(torch.nn.Module, "_apply", _apply),
         mock.patch.object(torch, "compile", compile),
@@ -138,6 +126,18 @@ def tracing(gpu: GPUSpec) -> Iterator[Tracing]:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         for cache in _tensor_caches():  # the fake tensors of this trace
             cache.cache_clear()
+
+
+def _tagging_roots(differentiate: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.backward`` / ``grad`` that first give the graph of each root the phases (:func:`tag_graph`)."""
+
+    @functools.wraps(differentiate)
+    def tagged(roots: Any, *args: Any, **kwargs: Any) -> Any:
+        for root in roots if isinstance(roots, (list, tuple)) else [roots]:
+            tag_graph(root)
+        return differentiate(roots, *args, **kwargs)
+
+    return tagged
 
 
 def _tensor_caches() -> list[Any]:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from .counts import tensors
+
 Tensor = torch.Tensor
 
 LOWER_PRECISION = {
@@ -82,17 +84,7 @@ class AutocastEmulation(TorchFunctionMode):
             if isinstance(first, Tensor) and first.dtype in _HALF:
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif func in PROMOTE:
-            floats = [value for value in _flat_tensors(args) if value.is_floating_point()]
+            floats = [value for value in tensors(args) if value.is_floating_point()]
             if floats and any(value.dtype == torch.float32 for value in floats):
                 args, kwargs = tree_map(lambda value: self._cast(value, torch.float32, _HALF), (args, kwargs))
         return func(*args, **kwargs)
-
-
-def _flat_tensors(values: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    for value in values:
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(_flat_tensors(value))
-    return found

@@ -71,14 +71,7 @@ def _step_lines(result: GpuCheckResult) -> list[str]:
         + (f" ({base.label}, {base.seconds * 1000:.1f} ms)" if base and base.seconds else "")
         + f". Host syncs: host synchronisations per step, counted by {result.sync_counter}. Kernels: launched per "
         "step. GPU busy: kernel time per step (profiled) over the step's median time. Predicted: "
-        + (
-            f"the roofline's milliseconds per step for the {result.predicted_for} (benchmarks/roofline.py --rows; "
-            "predicted / measured is the tracer's error on this GPU)."
-            if result.predicted_for
-            else f"none (the roofline failed: {result.prediction_failure})."
-            if result.prediction_failure
-            else "none (the roofline models no GPU of this name)."
-        ),
+        + _prediction_note(result),
         "",
         "| row | views/s | ms / step | predicted ms | predicted / measured | vs fastest backbone row | "
         "step memory (GiB) | host syncs | kernels | GPU busy |",
@@ -117,6 +110,18 @@ def _step_lines(result: GpuCheckResult) -> list[str]:
             for row in compiled
         ]
     return lines
+
+
+def _prediction_note(result: GpuCheckResult) -> str:
+    """What the step table's predicted columns hold."""
+    if result.predicted_for:
+        return (
+            f"the roofline's milliseconds per step for the {result.predicted_for} (benchmarks/roofline.py --rows; "
+            "predicted / measured is the tracer's error on this GPU)."
+        )
+    if result.prediction_failure:
+        return f"none (the roofline failed: {result.prediction_failure})."
+    return "none (the roofline models no GPU of this name)."
 
 
 def _precision_lines(result: GpuCheckResult) -> list[str]:

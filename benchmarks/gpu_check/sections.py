@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import re
 import subprocess
 import sys
@@ -57,7 +58,11 @@ def run_cuda_tests(timeout: float) -> CudaTests:
     """The ``cuda`` tests in a subprocess (the repository's tests/cuda), stopped after ``timeout`` seconds."""
     began = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, *CUDA_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        # wide lines: pytest's summary keeps each failure's message only where the terminal has room for it
+        environment = {**os.environ, "COLUMNS": "300"}
+        done = subprocess.run(
+            [sys.executable, *CUDA_TESTS], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environment
+        )
     except subprocess.TimeoutExpired as expired:
         output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
         tests = parse_pytest(output, None, time.perf_counter() - began)

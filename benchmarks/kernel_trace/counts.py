@@ -137,6 +137,10 @@ def flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, 
     """FLOPs of one operation (multiply and add counted apart)."""
     packet = func._overloadpacket
     if packet in flop_registry:
+        if func._schema.name.split("::")[-1] in MATRIX_PRODUCTS:
+            # the rules read the factors' shapes alone; the scalars and ``out_dtype`` of an overload (mm.dtype, ...)
+            # do not fit every torch's rule signature
+            args, kwargs = tuple(tensors(args)), {}
         return float(flop_registry[packet](*args, **kwargs, out_val=out))
     name = func._schema.name.split("::")[-1]
     first = next(iter(tensors(args)), None)

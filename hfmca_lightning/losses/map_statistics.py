@@ -392,27 +392,21 @@ class ChannelsLastStatistics(torch.autograd.Function):
         return as_maps[0], as_maps[1], None, None
 
 
-# torch.mm / bmm / addmm / baddbmm(..., out_dtype=): bf16 in, float32 out (torch >= 2.8)
-_OUT_DTYPE_PRODUCTS = all(
-    hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm,
-                                                  torch.ops.aten.baddbmm)
-)  # fmt: skip
+# torch.mm / bmm(..., out_dtype=): bf16 in, float32 out (torch >= 2.8). Their accumulating forms (addmm / baddbmm
+# with out_dtype) are not used: on one H200 (torch 2.11, CUDA 13.0) they gave backward passes 74 % off float64.
+_OUT_DTYPE_PRODUCTS = all(hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm))
 
 
-def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None, beta: float = 1.0) -> Tensor:
-    """``beta * accumulator + left @ right`` of bfloat16 matrices (2-D, or batched 3-D),
-    accumulated and returned in float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are
-    exact in float32), the same exact products in float32 elsewhere (CPUs have no bf16 product with a float32
-    result)."""
+def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None) -> Tensor:
+    """``accumulator + left @ right`` of bfloat16 matrices (2-D, or batched 3-D), accumulated and returned in
+    float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are exact in float32), the same
+    exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
     if left.device.type == "cuda" and _OUT_DTYPE_PRODUCTS:
-        batched = left.dim() == 3
-        if accumulator is None:
-            return (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
-        add = torch.baddbmm if batched else torch.addmm
-        return add(accumulator, left, right, beta=beta, out_dtype=torch.float32)
-    with float32_products(left.device):
-        product = torch.matmul(left.float(), right.float())
-        return product if accumulator is None else product.add_(accumulator, alpha=beta)
+        product = (torch.bmm if left.dim() == 3 else torch.mm)(left, right, out_dtype=torch.float32)
+    else:
+        with float32_products(left.device):
+            product = torch.matmul(left.float(), right.float())
+    return product if accumulator is None else product.add_(accumulator)
 
 
 def _split_bfloat16(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -421,12 +415,10 @@ def _split_bfloat16(x: Tensor) -> tuple[Tensor, Tensor]:
     return hi, (x - hi).to(torch.bfloat16)
 
 
-def _split_product(
-    left: Tensor, right: tuple[Tensor, Tensor], accumulator: Tensor | None = None, beta: float = 1.0
-) -> Tensor:
-    """``beta * accumulator + left @ (hi + lo)`` in float32 from the bfloat16 parts of ``right``: two exact products."""
+def _split_product(left: Tensor, right: tuple[Tensor, Tensor], accumulator: Tensor | None = None) -> Tensor:
+    """``accumulator + left @ (hi + lo)`` in float32 from the bfloat16 parts of ``right``: two exact products."""
     hi, lo = right
-    return float32_product(left, lo, float32_product(left, hi, accumulator, beta))
+    return float32_product(left, lo, float32_product(left, hi, accumulator))
 
 
 def _position_major(map_: Tensor) -> Tensor:

@@ -63,6 +63,34 @@ def test_matrix_product_flops_bytes_and_rate_follow_dtype_and_tf32_setting() -> 
     assert (exact.rate, tf32.rate, half.rate) == ("fp32", "tf32_tensor", "bf16_tensor")
 
 
+def test_products_with_a_float32_result_are_counted_from_their_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``out_dtype`` overloads (bf16 factors, float32 result) and the scalars of the accumulating forms: FLOPs from the
+    factors' shapes alone, whatever torch's rule signatures take beside them (rules that take the factors and nothing
+    else, as some torch versions' do, stand in for torch's here)."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+
+    def factors_only(*factors: torch.Tensor, out_val: object = None) -> int:
+        *_, a, b = factors
+        return 2 * a.shape[:-2].numel() * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+    for packet in (aten.mm, aten.addmm, aten.baddbmm):
+        monkeypatch.setitem(flop_registry, packet, factors_only)
+    m, k, n = 48, 80, 24
+    with tracing(H100) as live:
+        a, b = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((m, k), (k, n)))
+        accumulator = torch.zeros(m, n, device="cuda")
+        with live.record() as trace:
+            product = torch.mm(a, b, out_dtype=torch.float32)
+            torch.addmm(accumulator, a.float(), b.float(), beta=0.5, alpha=2.0)
+            torch.baddbmm(accumulator[None], a[None].float(), b[None].float(), beta=0.5)
+    assert product.dtype == torch.float32
+    (mm,), (addmm,), (baddbmm,) = recorded("mm", trace), recorded("addmm", trace), recorded("baddbmm", trace)
+    assert mm.flops == addmm.flops == baddbmm.flops == 2 * m * k * n
+    assert mm.read == 2 * (m * k + k * n) and mm.written == 4 * m * n and mm.rate == "bf16_tensor"
+
+
 def test_cholesky_flops_are_n_cubed_over_three_per_matrix() -> None:
     with tracing(H100) as live:
         matrices = torch.randn(5, 48, 48, device="cuda", dtype=torch.float64)

@@ -111,9 +111,15 @@ def test_views_drawn_on_the_gpu_equal_the_cpu_workers_views(pipeline):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def test_split_tf32_statistics_meet_the_fast_paths_tolerance_on_tensor_cores():
+# docs/conventions.md §3: tensor cores accumulate float32 with truncation, so tf32x3's rounding errors add up where
+# IEEE float32's average out; its GPU tolerance is ten times the fast path's
+TF32X3_TENSOR_CORE_COST_TOLERANCE = 1e-4
+TF32X3_TENSOR_CORE_GRADIENT_TOLERANCE = 5e-4
+
+
+def test_split_tf32_statistics_meet_their_tolerance_on_tensor_cores():
     from hfmca_lightning.losses import WindowGeometry, cost_from_statistics, feature_map_statistics
-    from tests.losses.test_statistics import FAST_COST_TOLERANCE, FAST_GRADIENT_TOLERANCE, realistic_pair
+    from tests.losses.test_statistics import realistic_pair
 
     for k1, k2, size, geometry in ((64, 64, 32, WindowGeometry(5, 1, 2)), (256, 512, 8, WindowGeometry(7, 2, 3))):
         low, high = (x.detach().to(CUDA).requires_grad_() for x in realistic_pair(12, k1, k2, size, geometry, seed=1))
@@ -122,9 +128,13 @@ def test_split_tf32_statistics_meet_the_fast_paths_tolerance_on_tensor_cores():
             cost = cost_from_statistics(feature_map_statistics(low, high, geometry, precision=precision), reg=0.1)
             results[precision] = (float(cost.detach()), torch.autograd.grad(cost, (low, high)))
         (exact, exact_grads), (split, split_grads) = results["float64"], results["tf32x3"]
-        assert abs(split - exact) <= FAST_COST_TOLERANCE * abs(exact)
-        for got, want in zip(split_grads, exact_grads):
-            assert float((got.double() - want.double()).norm() / want.double().norm()) <= FAST_GRADIENT_TOLERANCE
+        cost_error = abs(split - exact) / abs(exact)
+        gradient_errors = [
+            float((got.double() - want.double()).norm() / want.double().norm())
+            for got, want in zip(split_grads, exact_grads)
+        ]
+        assert cost_error <= TF32X3_TENSOR_CORE_COST_TOLERANCE, (k1, k2, cost_error)
+        assert max(gradient_errors) <= TF32X3_TENSOR_CORE_GRADIENT_TOLERANCE, (k1, k2, gradient_errors)
 
 
 def test_bf16_statistics_on_tensor_cores_meet_their_tolerance_where_auto_takes_them():
@@ -150,8 +160,8 @@ def test_bf16_statistics_on_tensor_cores_meet_their_tolerance_where_auto_takes_t
         assert resolved_precision(low, high, geometry) == "bf16"
         exact = cost_and_gradients(low, high, geometry, "float64")
         cost_error, gradient_errors = relative_errors(cost_and_gradients(low, high, geometry, "auto"), exact)
-        assert cost_error <= FAST_COST_TOLERANCE, cost_error
-        assert max(gradient_errors) <= BF16_GRADIENT_TOLERANCE, gradient_errors
+        assert cost_error <= FAST_COST_TOLERANCE, (k1, k2, cost_error)
+        assert max(gradient_errors) <= BF16_GRADIENT_TOLERANCE, (k1, k2, gradient_errors)
 
 
 def instantiate(node):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hfmca_lightning.losses.window_geometry import WindowGeometry
-from hfmca_lightning.losses.window_pooling import WindowPooling
+from hfmca_lightning.losses.window_pooling import WindowPooling, window_reciprocal_sizes
 
 __all__ = ["BlockArithmetic", "float32_products", "is_channels_last", "split_tf32", "tensor_cores"]
 
@@ -87,7 +87,9 @@ class BlockArithmetic:
         if self.pooling == "banded":
             return _window_means(d_means, self.rows.T, self.columns.T, self, out)
         adjoint = avg_pool_means_adjoint(d_means, input_size, self.geometry)
-        return adjoint if out is None else out.copy_(adjoint)
+        if out is None:
+            return adjoint.contiguous(memory_format=_layout(d_means))
+        return out.copy_(adjoint)
 
     def pooled_rows(
         self, rows_: Tensor, images: int, size: tuple[int, int], out: Tensor | None = None, adjoint: bool = False
@@ -100,11 +102,15 @@ class BlockArithmetic:
         channels = rows_.shape[1]
         maps = rows_.view(images, *size, channels).permute(0, 3, 1, 2)  # channels-last (B, K, H, W), no copy
         if adjoint:
-            pooled = self.means_adjoint(maps, (self.rows.shape[1], self.columns.shape[1]))
+            pooled_size = (self.rows.shape[1], self.columns.shape[1])
+            pooled = avg_pool_means_adjoint(maps, pooled_size, self.geometry)
         else:
-            pooled = self.means(maps)
-        flat = pooled.permute(0, 2, 3, 1).reshape(-1, channels)
-        return flat if out is None else out.copy_(flat)
+            pooled_size = (self.rows.shape[0], self.columns.shape[0])
+            pooled = avg_pool_means(maps, self.geometry)
+        if out is None:
+            return pooled.permute(0, 2, 3, 1).reshape(-1, channels)
+        out.view(images, *pooled_size, channels).permute(0, 3, 1, 2).copy_(pooled)
+        return out
 
 
 def avg_pool_means(maps: Tensor, geometry: WindowGeometry) -> Tensor:
@@ -115,14 +121,31 @@ def avg_pool_means(maps: Tensor, geometry: WindowGeometry) -> Tensor:
 
 
 def avg_pool_means_adjoint(d_means: Tensor, input_size: tuple[int, int], geometry: WindowGeometry) -> Tensor:
-    """The adjoint of :func:`avg_pool_means`: ``(B, K, H', W')`` -> ``(B, K, H, W)``, in the layout of ``d_means``."""
+    """The adjoint of :func:`avg_pool_means`: ``(B, K, H', W')`` -> ``(B, K, H, W)``, in the layout of ``d_means``
+    (with padding, a cropped view).
+
+    With padding, the adjoint of sum pooling on the zero-padded map, cropped, of ``d_means`` weighted by each window's
+    ``1 / |W_q|``: ``avg_pool2d_backward`` without padding, since with padding CUDA's channels-last kernel put the
+    gradients in the wrong windows (pytorch/pytorch#188344; on one H200, torch 2.11: the bf16 statistics' backward
+    pass 74 % off float64, its forward exact)."""
     k, s, p = geometry.kernel, geometry.stride, geometry.padding
-    layout = torch.channels_last if is_channels_last(d_means) else torch.contiguous_format
+    height, width = input_size
+    layout = _layout(d_means)
+    if p:
+        d_means = d_means * window_reciprocal_sizes(input_size, geometry, d_means.device, d_means.dtype)
     # only its shape and strides are read: made in place, not copied into its layout
     like = torch.empty(
-        (*d_means.shape[:-2], *input_size), dtype=d_means.dtype, device=d_means.device, memory_format=layout
+        (*d_means.shape[:-2], height + 2 * p, width + 2 * p),
+        dtype=d_means.dtype,
+        device=d_means.device,
+        memory_format=layout,
     )
-    return torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [p, p], False, False, None)
+    adjoint = torch.ops.aten.avg_pool2d_backward(d_means, like, [k, k], [s, s], [0, 0], False, True, 1 if p else None)
+    return adjoint[..., p : p + height, p : p + width] if p else adjoint
+
+
+def _layout(maps: Tensor) -> torch.memory_format:
+    return torch.channels_last if is_channels_last(maps) else torch.contiguous_format
 
 
 def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -392,9 +392,11 @@ class ChannelsLastStatistics(torch.autograd.Function):
         return as_maps[0], as_maps[1], None, None
 
 
-# torch.mm / bmm(..., out_dtype=): bf16 in, float32 out (torch >= 2.8). Their accumulating forms (addmm / baddbmm
-# with out_dtype) are not used: on one H200 (torch 2.11, CUDA 13.0) they gave backward passes 74 % off float64.
-_OUT_DTYPE_PRODUCTS = all(hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm))
+# torch.mm / bmm / addmm / baddbmm(..., out_dtype=): bf16 in, float32 out (torch >= 2.8)
+_OUT_DTYPE_PRODUCTS = all(
+    hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm,
+                                                  torch.ops.aten.baddbmm)
+)  # fmt: skip
 
 
 def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None) -> Tensor:
@@ -402,11 +404,13 @@ def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = No
     float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are exact in float32), the same
     exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
     if left.device.type == "cuda" and _OUT_DTYPE_PRODUCTS:
-        product = (torch.bmm if left.dim() == 3 else torch.mm)(left, right, out_dtype=torch.float32)
-    else:
-        with float32_products(left.device):
-            product = torch.matmul(left.float(), right.float())
-    return product if accumulator is None else product.add_(accumulator)
+        batched = left.dim() == 3
+        if accumulator is None:
+            return (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
+        return (torch.baddbmm if batched else torch.addmm)(accumulator, left, right, out_dtype=torch.float32)
+    with float32_products(left.device):
+        product = torch.matmul(left.float(), right.float())
+        return product if accumulator is None else product.add_(accumulator)
 
 
 def _split_bfloat16(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -95,6 +95,17 @@ def window_constants(
         )
 
 
+@functools.lru_cache(maxsize=128)
+def window_reciprocal_sizes(
+    input_size: tuple[int, int], geometry: WindowGeometry, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """``(H', W')``: ``1 / |W_q|`` of each window, ``|W_q|`` the number of input positions it covers (the divisor of
+    ``avg_pool2d`` with ``count_include_pad=False``), made once per shape, device and dtype. Never written to."""
+    with torch.inference_mode(False):  # usable in training even if first made under inference mode
+        rows, columns = (_real_members(size, geometry, device).sum(dim=1) for size in input_size)
+        return torch.outer(rows, columns).reciprocal().to(dtype)
+
+
 def window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
     """``(out, size)`` matrix with ``1 / n_o`` where output position ``o`` 's window covers input position ``i``,
     ``n_o`` the number of input positions it covers (``kernel`` inside, fewer at a padded border), zero elsewhere: the

@@ -111,6 +111,25 @@ def test_views_drawn_on_the_gpu_equal_the_cpu_workers_views(pipeline):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["channels-last", "plain"])
+def test_window_means_adjoint_on_the_gpu_is_autograds_on_the_cpu(layout):
+    """The statistics' ``avg_pool2d`` adjoint in both layouts, with padding (where CUDA's channels-last
+    ``avg_pool2d_backward`` misplaced windows, pytorch/pytorch#188344), against float64 autograd on the CPU."""
+    import torch.nn.functional as F
+
+    from hfmca_lightning.losses import WindowGeometry
+    from hfmca_lightning.losses.block_arithmetic import avg_pool_means_adjoint
+
+    for geometry in (WindowGeometry(5, 1, 2), WindowGeometry(7, 2, 3)):
+        maps = torch.randn(4, 16, 12, 12, dtype=torch.float64).requires_grad_()
+        means = F.avg_pool2d(maps, geometry.kernel, geometry.stride, geometry.padding, count_include_pad=False)
+        d_means = torch.randn_like(means)
+        (expected,) = torch.autograd.grad(means, maps, d_means)
+        on_gpu = d_means.float().to(CUDA).contiguous(memory_format=layout)
+        got = avg_pool_means_adjoint(on_gpu, (12, 12), geometry).cpu().double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # float32 sums of a few terms of size ~1
+
+
 # docs/conventions.md §3: tensor cores accumulate float32 with truncation, so tf32x3's rounding errors add up where
 # IEEE float32's average out; its GPU tolerance is ten times the fast path's
 TF32X3_TENSOR_CORE_COST_TOLERANCE = 1e-4

@@ -4,7 +4,7 @@
     python benchmarks/roofline.py --config configs/cifar10_ss.yaml --gpu h200 --top 20
     python benchmarks/roofline.py --rows --gpu h200                     # the step rows of make gpu-check
     python benchmarks/roofline.py --precisions --config configs/cifar10_ss_internal.yaml  # what `auto` chooses
-    python benchmarks/roofline.py --calibrate --code /tmp/code-39fede7   # fit the constants on the H200 report
+    python benchmarks/roofline.py --calibrate --code /tmp/code-9fe80ea   # fit the constants on the H200 report
     python benchmarks/roofline.py --calibrate --report docs/benchmarks/gpu-<device>.md --commit <its commit> --code .
 
 Runs one whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
 # The report the shipped constants are fitted on, and the commit whose code it measured.
 CALIBRATION_REPORT = ROOT / "docs" / "benchmarks" / "gpu-nvidia-h200.md"
-CALIBRATION_COMMIT = "39fede7"
+CALIBRATION_COMMIT = "9fe80ea"
 
 
 def _use_code(code: Path | None) -> None:
@@ -126,6 +126,17 @@ def input_problem(args: argparse.Namespace, gpus: dict[str, Any]) -> str | None:
             return (
                 f"--code {args.code} is at {head[:7] or 'no git commit'}, not at {args.commit}, the commit "
                 f"{args.report.name} measured; give a checkout of {args.commit}, or --commit"
+            )
+        changed = subprocess.run(
+            ["git", "-C", str(args.code), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if changed:
+            return (
+                f"--code {args.code} has changes not committed at {args.commit}: give a clean checkout "
+                f"(git worktree add /tmp/code-{args.commit} {args.commit})"
             )
     return None
 

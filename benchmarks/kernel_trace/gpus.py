@@ -101,13 +101,13 @@ class Calibration:
 
 # A short kernel replayed in a CUDA graph: the per-kernel time of the graph-launched ~3 us kernels in NVIDIA's "Getting
 # Started with CUDA Graphs" (https://developer.nvidia.com/blog/cuda-graphs/), 3.4 us. Published, not fitted: the H200
-# report has no row whose cost path ran as CUDA graphs.
+# report's compiled-costs rows are not traced (inductor's fusion is not modelled).
 GRAPH_KERNEL_FLOOR = 3.4e-6
 
 # Fitted by ``python benchmarks/roofline.py --calibrate`` on the six step rows of docs/benchmarks/gpu-nvidia-h200.md
-# (code of commit 39fede7); the table and the fit are in docs/benchmarks/roofline.md.
+# (code of commit 9fe80ea); the table and the fit are in docs/benchmarks/roofline.md.
 CALIBRATION = Calibration(
-    efficiency=0.503,
-    launch_floor=26.2e-6,
-    fitted_on="fitted on the H200 report's six step rows, code of commit 39fede7",
+    efficiency=0.732,
+    launch_floor=34.67e-6,
+    fitted_on="fitted on the H200 report's six step rows, code of commit 9fe80ea",
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-REPORT_COMMIT = "39fede7"
+REPORT_COMMIT = "9fe80ea"
 
 
 def roofline(*args: str, cwd: Path = ROOT) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -98,10 +98,11 @@ def test_auto_chooses_the_fastest_statistics_of_the_cifar_internal_config(tmp_pa
     ("args", "message"),
     [
         (("--config", "configs/no-such.yaml"), "roofline: --config configs/no-such.yaml is not a file"),
-        (("--calibrate",), "roofline: --calibrate needs --code: a checkout of the commit 39fede7 that"),
+        (("--calibrate",), "roofline: --calibrate needs --code: a checkout of the commit 9fe80ea that"),
         (("--calibrate", "--code", "."), "roofline: --code . is at "),
         (("--calibrate", "--report", "README.md", "--code", "."), "roofline: --code . is at "),
         (("--rows", "--code", "docs"), "roofline: --code docs is not a checkout of this project"),
+        (("--calibrate", "--commit", "{head}", "--code", "{changed}"), "roofline: --code {changed} has changes not"),
         (("--precisions", "--config", "configs/demo.yaml"), "roofline: --precisions needs --config with internal"),
     ],
     ids=[
@@ -110,12 +111,21 @@ def test_auto_chooses_the_fastest_statistics_of_the_cifar_internal_config(tmp_pa
         "code at another commit",
         "other report",
         "not a checkout",
+        "code with changes",
         "precisions without internal costs",
     ],
 )
-def test_bad_input_is_one_line_before_any_tracing(args: tuple[str, ...], message: str) -> None:
+def test_bad_input_is_one_line_before_any_tracing(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
     """Calibrating the current code against rows measured on another commit would fit wrong constants without a
-    word: the commit of ``--code`` must be the report's."""
+    word: ``--code`` must be a clean checkout of the report's commit."""
+    if any("{changed}" in arg for arg in args):  # a clone of this commit with one tracked file changed
+        changed = tmp_path / "changed"
+        subprocess.run(["git", "clone", "-q", "--no-checkout", str(ROOT), str(changed)], check=True)
+        subprocess.run(["git", "-C", str(changed), "checkout", "-q", "HEAD"], check=True)
+        (changed / "README.md").write_text("changed\n")
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        args = tuple(arg.format(changed=changed, head=head) for arg in args)
+        message = message.format(changed=changed)
     done, _ = roofline(*args)
     assert done.returncode == 2, done.stdout[-2000:]
     lines = done.stderr.strip().splitlines()

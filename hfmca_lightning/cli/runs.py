@@ -7,11 +7,14 @@ package is accepted (:class:`~hfmca_lightning.methods.HFMCAModule` and every bas
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from hfmca_lightning.callbacks.stored_config import saved_config
@@ -20,20 +23,120 @@ from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
 
-__all__ = ["load_run", "run_config", "backbone_of"]
+__all__ = ["TRUSTED_PACKAGES", "backbone_of", "load_run", "run_config", "untrusted_config_problem"]
+
+
+# Where the classes of a config stored in a checkpoint may come from: a checkpoint from someone else names classes
+# to import, and importing a module runs it. A config the user gives (--config) is the user's own, and trusted.
+TRUSTED_PACKAGES = ("hfmca_lightning", "torch", "torchvision", "timm", "lightly", "lightning")
+# Trainer settings a stored config may carry (how to build the run's model and data does not depend on the others);
+# any other only at its default.
+HARMLESS_TRAINER_KEYS = frozenset(
+    {
+        "accelerator", "devices", "num_nodes", "precision", "max_epochs", "min_epochs", "max_steps", "min_steps",
+        "max_time", "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+        "overfit_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
+        "log_every_n_steps", "accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm",
+        "deterministic", "benchmark", "inference_mode", "use_distributed_sampler", "sync_batchnorm",
+        "reload_dataloaders_every_n_epochs", "enable_checkpointing", "enable_progress_bar", "enable_model_summary",
+        "barebones", "detect_anomaly", "fast_dev_run", "default_root_dir", "logger", "callbacks", "strategy",
+        "plugins", "profiler", "model_registry",
+    }
+)  # fmt: skip
+# Of those, the ones whose value may name classes: only None, False or a plain name (no class_path) from a stored
+# config; logger and callbacks are replaced by the commands anyway.
+_CLASS_VALUED_TRAINER_KEYS = ("strategy", "plugins", "profiler")
+# A class named by a dotted string without class_path (jsonargparse reads ``model: package.Class`` so), where its
+# top-level module exists.
+_DOTTED_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.[A-Z]\w*$")
 
 
 def run_config(
     ckpt_path: str | Path, checkpoint: dict[str, Any], config_path: str | Path | None = None
 ) -> dict[str, Any]:
-    """The run's config: the YAML ``hfmca fit`` stored in ``checkpoint``, or ``config_path`` for checkpoints written
-    elsewhere."""
-    text = Path(config_path).read_text() if config_path else saved_config(checkpoint)
+    """The run's config: ``config_path`` (the user's own YAML), or the YAML ``hfmca fit`` stored in ``checkpoint``,
+    which is data from whoever wrote the file: its classes must come from :data:`TRUSTED_PACKAGES` and its trainer
+    settings from :data:`HARMLESS_TRAINER_KEYS`, or it is refused in one line naming the key, before anything is
+    imported."""
+    if config_path:
+        return yaml.safe_load(Path(config_path).read_text())
+    text = saved_config(checkpoint)
     if text is None:
         raise ConfigurationError(
             f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML"
         )
-    return yaml.safe_load(text)
+    config = yaml.safe_load(text)
+    problem = untrusted_config_problem(config)
+    if problem is not None:
+        raise ConfigurationError(
+            f"{ckpt_path}: the config stored in the checkpoint is refused: {problem}. If you trust it, pass it as "
+            "your own with --config <the run's YAML>"
+        )
+    return config
+
+
+def untrusted_config_problem(config: Any) -> str | None:
+    """What a stored config may not carry: a class outside :data:`TRUSTED_PACKAGES` (``class_path`` or a dotted class
+    name anywhere), a trainer setting outside :data:`HARMLESS_TRAINER_KEYS`, or a class-valued trainer setting;
+    ``None`` when there is nothing."""
+    if not isinstance(config, dict):
+        return "it is not a mapping of settings"
+    trainer = config.get("trainer") or {}
+    if isinstance(trainer, dict):
+        defaults = _trainer_defaults()
+        for key, value in trainer.items():
+            if key not in HARMLESS_TRAINER_KEYS and (key not in defaults or value != defaults[key]):
+                return f"trainer.{key} is not a setting a stored config may carry"
+            if key in _CLASS_VALUED_TRAINER_KEYS and value not in (None, False, "auto") and not _plain_name(value):
+                return f"trainer.{key} names {_shown(value)}; a stored config may only leave it unset"
+    return _untrusted_class(config, "")
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    """``Trainer``'s arguments and their defaults (a stored config lists every one)."""
+    parameters = inspect.signature(Trainer.__init__).parameters.values()
+    return {parameter.name: parameter.default for parameter in parameters if parameter.default is not parameter.empty}
+
+
+def _untrusted_class(node: Any, where: str) -> str | None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            at = f"{where}.{key}" if where else str(key)
+            if key == "class_path" and not _trusted(value):
+                return f"{at} names {_shown(value)}, outside {', '.join(TRUSTED_PACKAGES)}"
+            found = _untrusted_class(value, at)
+            if found is not None:
+                return found
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            found = _untrusted_class(value, f"{where}[{index}]")
+            if found is not None:
+                return found
+    elif isinstance(node, str) and _DOTTED_CLASS.match(node) and not _trusted(node) and _importable(node):
+        return f"{where} names the class {_shown(node)}, outside {', '.join(TRUSTED_PACKAGES)}"
+    return None
+
+
+def _trusted(path: Any) -> bool:
+    return isinstance(path, str) and path.split(".", 1)[0] in TRUSTED_PACKAGES and "." in path
+
+
+def _importable(path: str) -> bool:
+    """Whether the top-level module of a dotted path could be imported (found, not imported: module names of a
+    model, ``blocks.L1``, are no modules)."""
+    try:
+        return importlib.util.find_spec(path.split(".", 1)[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _plain_name(value: Any) -> bool:
+    return isinstance(value, str) and "." not in value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_run(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     target (``os.replace``, atomic on POSIX file systems) and the folder is fsynced. Partial files left by a
     process killed while saving are removed by the next save. Remote URLs (``s3://``) use Lightning's writer.
     """
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's own loads (``--ckpt_path``) as :func:`read_checkpoint` reads local files: tensors and plain data
+        only, whatever ``weights_only`` Lightning asks for, on the CPU (Lightning copies them into the module)."""
+        if not _is_local(path):
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        return read_checkpoint(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local(path):
@@ -88,6 +98,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         checkpoint = _load(path)
+    except ConfigurationError:
+        raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigurationError(
@@ -108,14 +120,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def _load(path: Path) -> Any:
-    # mmap reads only what is used (checkpoints with optimiser state are large); files in torch's legacy
-    # format cannot be mapped.
-    mmap = zipfile.is_zipfile(path)
+    """The file's contents, unpickling nothing but tensors and plain containers (``weights_only``): a checkpoint from
+    someone else cannot run code. mmap reads only what is used (checkpoints with optimiser state are large); files
+    in torch's legacy format cannot be mapped."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as error:
         if "Weights only load failed" not in str(error):
             raise
-    # A complete file holding objects beyond tensors and containers (e.g. custom hyper-parameters): load it
-    # as Lightning does when resuming.
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        raise ConfigurationError(
+            f"{path} is refused: it holds pickled Python objects ({found.group(1) if found else 'beyond tensors'}), "
+            "and loading it could run any code. Checkpoints written by `hfmca fit` hold tensors and plain data only; "
+            "if you trust the file's author, ask them for a checkpoint of plain data (numbers, strings, tensors)."
+        ) from None

@@ -1,0 +1,113 @@
+"""Checkpoints and the configs stored in them come from others: every command that reads one loads tensors and plain
+data only, and imports only classes of the trusted packages, or stops in one line before anything runs."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import DEMO, finish_hfmca, start_hfmca
+
+
+class _WritesMarker:
+    """Unpickled, calls ``open(marker, "w")``: a payload that leaves a file behind when it runs."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return builtins.open, (str(self.marker), "w")
+
+
+def lightning_checkpoint(path: Path, extra: dict | None = None, config: str | None = None) -> Path:
+    """A file with the keys of a Lightning checkpoint (what ``hfmca fit`` writes), optionally a stored config."""
+    checkpoint = {"state_dict": {}, "pytorch-lightning_version": "2.6.0", "epoch": 0, "global_step": 0}
+    if config is not None:
+        checkpoint["callbacks"] = {"StoredConfig": {"config": config}}
+    torch.save({**checkpoint, **(extra or {})}, path)
+    return path
+
+
+def commands_reading(checkpoint: Path, out: Path) -> dict[str, list[str]]:
+    """Every ``hfmca`` command that takes a checkpoint, given ``checkpoint``."""
+    ckpt = str(checkpoint)
+    return {
+        "fit": ["fit", "--config", str(DEMO), "--ckpt_path", ckpt],
+        "validate": ["validate", "--config", str(DEMO), "--ckpt_path", ckpt],
+        "test": ["test", "--config", str(DEMO), "--ckpt_path", ckpt],
+        "export": ["export", "--ckpt_path", ckpt, "--out", str(out / "export")],
+        "analyze": ["analyze", "--ckpt_path", ckpt, "--out", str(out / "analysis")],
+        "compare": ["compare", "--ckpt_a", ckpt, "--ckpt_b", ckpt, "--out", str(out / "compare")],
+        "linear": ["linear", "--ckpt_path", ckpt, "--out", str(out / "linear"), "--device", "cpu"],
+        "knn": ["knn", "--ckpt_path", ckpt, "--out", str(out / "knn"), "--device", "cpu"],
+    }
+
+
+def run_all(commands: dict[str, list[str]], cwd: Path) -> dict[str, tuple[int, list[str]]]:
+    """Each command's exit status and the lines of its output, the commands started together."""
+    started = {name: start_hfmca(cwd, *args, log_name=f"{name}.log") for name, args in commands.items()}
+    results = {}
+    for name, process in started.items():
+        done = finish_hfmca(process, cwd, timeout=120, log_name=f"{name}.log")
+        results[name] = (done.returncode, [line for line in done.stdout.splitlines() if line.strip()])
+    return results
+
+
+def test_a_pickled_checkpoint_is_refused_by_every_command_and_its_payload_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "payload-ran"
+    checkpoint = lightning_checkpoint(tmp_path / "evil.ckpt", {"hyper_parameters": _WritesMarker(marker)})
+    assert not marker.exists()
+    results = run_all(commands_reading(checkpoint, tmp_path), tmp_path)
+    for name, (status, lines) in results.items():
+        assert status == 2, (name, lines)
+        assert lines == [lines[-1]] and lines[-1].startswith(f"hfmca: error: {checkpoint} is refused"), (name, lines)
+        assert "pickled Python objects (io.open)" in lines[-1] and "could run any code" in lines[-1], (name, lines)
+    assert not marker.exists()
+
+
+def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_before_its_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class's module records its import in a file: it is never imported."""
+    modules, marker = tmp_path / "modules", tmp_path / "imported"
+    (modules / "recording_module").mkdir(parents=True)
+    (modules / "recording_module" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n\nclass Model:\n    pass\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")]))
+    config = yaml.safe_load(DEMO.read_text())
+    config["model"] = {"class_path": "recording_module.Model"}
+    checkpoint = lightning_checkpoint(tmp_path / "stored.ckpt", config=yaml.safe_dump(config))
+    shorthand = dict(config, model="recording_module.Model")  # jsonargparse's class_path shorthand
+    short_checkpoint = lightning_checkpoint(tmp_path / "short.ckpt", config=yaml.safe_dump(shorthand))
+    plugins = dict(yaml.safe_load(DEMO.read_text()), trainer={"plugins": {"class_path": "torch.nn.Identity"}})
+    plugin_checkpoint = lightning_checkpoint(tmp_path / "plugins.ckpt", config=yaml.safe_dump(plugins))
+    commands = {
+        name: args
+        for name, args in commands_reading(checkpoint, tmp_path).items()
+        if name not in ("fit", "validate", "test")  # these take the user's --config, not the stored one
+    }
+    commands["export (shorthand)"] = ["export", "--ckpt_path", str(short_checkpoint), "--out", str(tmp_path / "e2")]
+    commands["analyze (plugins)"] = ["analyze", "--ckpt_path", str(plugin_checkpoint), "--out", str(tmp_path / "a2")]
+    results = run_all(commands, tmp_path)
+    for name, (status, lines) in results.items():
+        assert status == 2, (name, lines)
+        assert lines == [lines[-1]] and "the config stored in the checkpoint is refused" in lines[-1], (name, lines)
+        assert "pass it as your own with --config" in lines[-1], (name, lines)
+    assert "model.class_path names 'recording_module.Model'" in results["export"][1][-1]
+    assert "model names the class 'recording_module.Model'" in results["export (shorthand)"][1][-1]
+    assert "trainer.plugins names" in results["analyze (plugins)"][1][-1]
+    assert not marker.exists()
+
+
+def test_the_configs_hfmca_fit_stores_are_trusted() -> None:
+    """Every shipped config, as a stored config, passes the check (its classes come from the trusted packages)."""
+    from hfmca_lightning.cli.runs import untrusted_config_problem
+
+    for path in sorted((DEMO.parent).glob("*.yaml")):
+        assert untrusted_config_problem(yaml.safe_load(path.read_text())) is None, path.name

@@ -40,6 +40,7 @@ import hfmca_lightning.cli.verbosity as verbosity
 from hfmca_lightning.cli.config_errors import describe_parser_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
+from hfmca_lightning.methods.update_guard import NonFiniteStepError
 from hfmca_lightning.runtime.cpu_memory import keep_freed_memory_for_cpu_runs
 from hfmca_lightning.runtime.workers import shutdown_workers
 
@@ -147,7 +148,7 @@ def main(args: list[str] | None = None) -> None:
         _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
         _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
-    except CostFactorisationError as error:
+    except (CostFactorisationError, NonFiniteStepError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
     except (SIGTERMException, Terminated):
@@ -155,6 +156,27 @@ def main(args: list[str] | None = None) -> None:
         _exit(f"hfmca: stopped by SIGTERM; {after}." if _is_rank_zero() else "", EXIT_SIGTERM)
     except KeyboardInterrupt:
         _exit(_interrupted_line(command), EXIT_INTERRUPTED)
+    except Exception as error:
+        from hfmca_lightning.runtime.ranks import a_child_failed, processes, stop_other_ranks
+
+        if command not in LIGHTNING_COMMANDS or processes() < 2:
+            raise
+        # One process of a multi-process run failed alone: it says why, and every process stops
+        # (hfmca_lightning.runtime.ranks). Process 0 whose collective failed because a child failed says nothing.
+        child_failed = _rank() == 0 and a_child_failed()
+        stop_other_ranks()
+        if child_failed:
+            _exit("", EXIT_FAILED)
+        first = (_original_message(error).strip().splitlines() or [""])[0]
+        after = (
+            "; continue from the last checkpoint with the same command and `--ckpt_path last`"
+            if command == "fit"
+            else ""
+        )
+        _exit(
+            f"hfmca: error: process {_rank()} of {processes()} failed: {type(error).__name__}: {first}{after}.",
+            EXIT_FAILED,
+        )
     except SystemExit:
         if signals.interrupted:  # Lightning's graceful shutdown after Ctrl-C ends in SystemExit(1)
             _exit(_interrupted_line(command), EXIT_INTERRUPTED)
@@ -211,6 +233,12 @@ def _distributed() -> bool:
     import torch.distributed
 
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return int(getattr(rank_zero_only, "rank", 0))
 
 
 def _is_rank_zero() -> bool:

@@ -24,6 +24,7 @@ from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from hfmca_lightning.runtime.ranks import watch_ranks
 
 __all__ = ["HFMCACLI"]
 
@@ -108,6 +109,7 @@ class HFMCACLI(LightningCLI):
             raise ConfigurationError(f"trainer: {error}") from None
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        watch_ranks(trainer, failed_exit_status=1)  # the hfmca command's status for a failed run
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:

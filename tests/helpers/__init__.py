@@ -10,6 +10,7 @@ from tests.helpers.callbacks import (
     CountHostReads,
     PoisonBatchAt,
     PoisonWeightsAtStep,
+    RaiseAtStep,
 )
 from tests.helpers.data_writers import (
     write_cifar,
@@ -85,6 +86,7 @@ __all__ = [
     "PER_RANK_BATCH",
     "PoisonBatchAt",
     "PoisonWeightsAtStep",
+    "RaiseAtStep",
     "REPO",
     "ReleaseProcessGroup",
     "SHRUNK_DATA",

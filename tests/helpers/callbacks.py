@@ -23,6 +23,18 @@ class PoisonWeightsAtStep(Callback):
                 next(pl_module.backbone.parameters()).fill_(float("nan"))
 
 
+class RaiseAtStep(Callback):
+    """Simulates one process failing alone (a corrupt image, out of memory): raises before training step ``step`` on
+    process ``rank``."""
+
+    def __init__(self, step: int = 2, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise OSError(f"image 17 of the batch is unreadable (simulated on process {self.rank})")
+
+
 class PoisonBatchAt(Callback):
     """NaN images in the batch of step ``step``; records the weights after every step and which steps ran."""
 

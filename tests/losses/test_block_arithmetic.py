@@ -58,7 +58,9 @@ def test_pooled_rows_into_out_are_the_means_and_adjoint_of_the_maps(geometry):
     windows = BlockArithmetic(geometry, rows, columns, "avg_pool")
     maps = torch.randn(images, channels, *size).contiguous(memory_format=torch.channels_last)
     maps_rows = maps.permute(0, 2, 3, 1).reshape(-1, channels)
-    means_rows = windows.pooled_rows(maps_rows, images, size, out=torch.empty(images * output_size[0] * output_size[1], channels))
+    means_rows = windows.pooled_rows(
+        maps_rows, images, size, out=torch.empty(images * output_size[0] * output_size[1], channels)
+    )
     means = avg_pool_means(maps, geometry)
     torch.testing.assert_close(means_rows, means.permute(0, 2, 3, 1).reshape(-1, channels), rtol=0, atol=0)
     out = torch.empty_like(maps_rows)

@@ -9,11 +9,13 @@ from lightly.models.utils import deactivate_requires_grad, update_momentum
 from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
+from hfmca_lightning.methods.update_guard import NonFiniteUpdateGuard
 
 __all__ = ["SSLBaseline", "ProjectedPairBaseline", "MomentumBaseline"]
 
@@ -22,7 +24,9 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     """Base of the baselines: consumes ``MultiViewDataModule`` batches ``(views (B, L, C, H, W), target)``
     unchanged, logs ``train/loss``, returns backbone features for :class:`KNNEvaluation`.
 
-    Subclasses implement :meth:`views_loss` on the list of ``L`` view batches and set ``min_views``.
+    Subclasses implement :meth:`views_loss` on the list of ``L`` view batches and set ``min_views``. Every update is
+    guarded (:mod:`~hfmca_lightning.methods.update_guard`): a step whose loss or gradients are not finite is skipped
+    on the device and stops the run a step later with one line, before any checkpoint is written.
     """
 
     min_views = 2
@@ -38,6 +42,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
+        self._update_guard = NonFiniteUpdateGuard(type(self).__name__)
 
     @property
     def feature_dim(self) -> int:
@@ -80,6 +85,30 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self, self.optimizer_factory, self.scheduler_factory)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        self._update_guard.add_loss(loss)
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        scaler = getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+        self._update_guard.before_update(
+            optimizer, self.global_step, self.current_epoch, gradient_scaler=scaler is not None
+        )
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().optimizer_step(*args, **kwargs)
+        finally:
+            self._update_guard.after_update()
+
+    def on_validation_start(self) -> None:
+        self._update_guard.raise_if_a_step_failed()
+
+    def on_train_end(self) -> None:
+        self._update_guard.raise_if_a_step_failed()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._update_guard.raise_if_a_step_failed()  # never a checkpoint after a failed step
 
 
 class ProjectedPairBaseline(SSLBaseline):

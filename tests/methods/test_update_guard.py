@@ -1,0 +1,62 @@
+"""Baselines that diverge stop with one line and keep their good checkpoints (hfmca_lightning.methods.update_guard),
+as ``hfmca fit`` runs them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, checkpoint_tensors, run_hfmca, tiny_overrides
+
+TINY_BACKBONE = {
+    "class_path": "hfmca_lightning.models.SpectrumCNN",
+    "init_args": {"channels": 6, "hidden_dim": 12, "noise_channels": 2},
+}
+# a diverging learning rate: the first update leaves weights of ~1e29, the next forward pass overflows
+DIVERGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30}}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("config", "method"),
+    [
+        ("baselines/simclr_cifar10.yaml", {"hidden_dim": 12, "output_dim": 6}),
+        ("baselines/byol_cifar10.yaml", {"hidden_dim": 12, "output_dim": 6}),
+    ],
+    ids=["SimCLR", "BYOL"],
+)
+def test_a_diverging_baseline_stops_in_one_line_and_every_checkpoint_on_disk_is_finite(
+    config: str, method: dict, tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    every_step = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(checkpoints), "save_last": True, "every_n_train_steps": 1, "save_top_k": 1},
+    }
+    overrides = tiny_overrides(
+        tmp_path,
+        model={"init_args": {"backbone": TINY_BACKBONE, **method, "optimizer": DIVERGING}},
+        **{"trainer.callbacks": [every_step], "trainer.limit_val_batches": 0, "trainer.max_epochs": 3},
+    )
+    done = run_hfmca(tmp_path, "fit", "--config", str(REPO / "configs" / config), "--config", str(overrides))
+    errors = [line for line in done.stdout.splitlines() if line.startswith("hfmca: error: ")]
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert len(errors) == 1 and "Traceback" not in done.stdout, done.stdout[-3000:]
+    stopped = re.search(r"training stopped at step (\d+) \(epoch \d+\): \w+'s loss or gradients are not", errors[0])
+    assert stopped is not None, errors[0]
+    files = sorted(checkpoints.glob("*.ckpt"))
+    assert files, "no checkpoint was written before the failure"
+    for path in files:
+        tensors = {  # weights, buffers, optimiser state (ModelCheckpoint's kth_value is inf by design)
+            key: value
+            for key, value in checkpoint_tensors(path).items()
+            if key.startswith(("/state_dict", "/optimizer_states")) and value.is_floating_point()
+        }
+        assert tensors and all(torch.isfinite(value).all() for value in tensors.values()), path.name
+    # the last good checkpoint is the step before the failed one, and nothing was written after it
+    last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == int(stopped.group(1))
+    assert max(torch.load(path, weights_only=True)["global_step"] for path in files) == last["global_step"]

@@ -277,13 +277,80 @@ def read_image(path: str) -> Tensor:
         return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
 
 
+def _contains(directory: str, path: str) -> bool:
+    """Whether the real path ``directory`` is ``path`` or a folder above it."""
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
 def _image_files(folder: Path) -> list[str]:
-    """Every image file under ``folder`` (recursively, links followed), sorted; no file is opened."""
-    found = []
-    for parent, directories, files in os.walk(folder, followlinks=True):
-        directories.sort()
-        found += [os.path.join(parent, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    """Every image file under ``folder`` (recursively, links followed), each file once, in walk order (a folder's
+    files by name, then its sub-folders by name); no file is opened.
+
+    Each directory is entered at most once (by its ``(st_dev, st_ino)``), and a link to a directory that holds
+    ``folder`` (``up -> ..``: the folder's siblings, other classes or splits) is not followed, so a link loop
+    (``self -> .``) neither lists an image many times nor walks forever. A file reached under several names (hard
+    links, links to a file) is listed under its first name: names of plain files are told apart by their inode
+    number from the directory listing (no call per file), links to files by their target's ``(st_dev, st_ino)``.
+    """
+    try:
+        top = os.stat(folder)
+    except OSError:
+        return []
+    root = os.path.realpath(folder)
+    visited = {(top.st_dev, top.st_ino)}
+    seen: set[tuple[int, int]] = set()
+    found: list[str] = []
+    pending = [(os.fspath(folder), top.st_dev)]
+    while pending:
+        directory, device = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+        except OSError:  # unreadable, or gone since it was listed: skipped, as os.walk does
+            continue
+        subdirectories = []
+        for entry in entries:
+            try:
+                is_directory = entry.is_dir()
+            except OSError:
+                is_directory = False
+            if is_directory:
+                try:
+                    status = entry.stat()
+                except OSError:
+                    continue
+                key = (status.st_dev, status.st_ino)
+                if key in visited or (entry.is_symlink() and _contains(os.path.realpath(entry.path), root)):
+                    continue
+                visited.add(key)
+                subdirectories.append((entry.path, status.st_dev))
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                identity: tuple[int, int] | None = (device, entry.inode())
+                if entry.is_symlink():
+                    try:
+                        status = entry.stat()
+                        identity = (status.st_dev, status.st_ino)
+                    except OSError:  # a broken link: listed, and named when it cannot be read
+                        identity = None
+                if identity is not None:
+                    if identity in seen:
+                        continue
+                    seen.add(identity)
+                found.append(entry.path)
+        pending.extend(reversed(subdirectories))
     return found
+
+
+def _class_folders(folder: Path) -> list[str]:
+    """The names of ``folder``'s sub-folders, sorted, without links back to ``folder`` or above it (``self -> .``,
+    ``up -> ..``: not classes, but the split again)."""
+    split = os.path.realpath(folder)
+    with os.scandir(folder) as listing:
+        return sorted(
+            entry.name
+            for entry in listing
+            if entry.is_dir() and not (entry.is_symlink() and _contains(os.path.realpath(entry.path), split))
+        )
 
 
 def _read_class_list(path: str) -> list[str]:
@@ -301,7 +368,8 @@ class ImageFolderSource(ImageSource):
 
     Start-up only lists the files (no image is opened: 100k files take well under a second); images are
     decoded when read, an unreadable one handled by ``on_bad_image``. Classes are the folder names,
-    sorted; both splits must have the same classes, none of them empty.
+    sorted; both splits must have the same classes, none of them empty. Links are followed, each folder and
+    each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
     Args:
         root: folder with one sub-folder per split.
@@ -379,7 +447,7 @@ class ImageFolderSource(ImageSource):
         return None if self.test_dir is None else (self.split(True), self.split(False))
 
     def _scan(self, folder: Path) -> FolderImages:
-        present = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+        present = _class_folders(folder)
         if self.classes is None:
             self.classes = present
             self.num_classes = len(present)
@@ -412,6 +480,7 @@ class UnlabelledFolderSource(ImageSource):
 
     kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
     labelled subset) for its bank and queries; without it, training runs and kNN is skipped with a warning.
+    Links are followed as in :class:`ImageFolderSource`: each folder and each image once.
 
     Args:
         root: folder searched recursively for image files.

@@ -448,6 +448,11 @@ class ImageFolderSource(ImageSource):
 
     def _scan(self, folder: Path) -> FolderImages:
         present = _class_folders(folder)
+        if not present:
+            raise ConfigurationError(
+                f"{folder} has no class folders: ImageFolderSource expects one sub-folder of images per class, "
+                f"{folder}/<class name>/<image file> (for images without classes, use UnlabelledFolderSource)"
+            )
         if self.classes is None:
             self.classes = present
             self.num_classes = len(present)

@@ -16,7 +16,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -141,7 +141,8 @@ class ImageSource(ABC):
 class CIFAR(ImageSource):
     """CIFAR10 / CIFAR100 from torchvision's on-disk layout (``cifar-10-batches-py`` / ``cifar-100-python``).
 
-    The pickles are read directly. With ``verify`` (default) each file's md5 is checked against
+    The pickles are read directly, by an unpickler that builds dicts, lists and numpy arrays and refuses
+    anything else (a pickle can run code). With ``verify`` (default) each file's md5 is checked against
     torchvision's published checksums, so a truncated download is an error, not silent garbage; set
     ``verify: false`` only for data you wrote yourself in the same layout (as the tests do).
 
@@ -216,11 +217,63 @@ class CIFAR(ImageSource):
         images, targets = [], []
         label_key = "labels" if self.name == "cifar10" else "fine_labels"
         for name, _ in self._spec.train_list if train else self._spec.test_list:
-            with open(self.folder / name, "rb") as handle:
-                entry = pickle.load(handle, encoding="latin1")
+            entry = _read_cifar_batch(self.folder / name)
             images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             targets.extend(entry[label_key])
         return ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
+
+
+# The only globals a CIFAR batch (python format) refers to: its arrays, as numpy (1.x: numpy.core, 2.x: numpy._core)
+# pickles them with protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), and bytes as Python 3 writes
+# them with protocols 0-2 (_codecs.encode).
+CIFAR_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
+)
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global that a CIFAR batch never holds."""
+
+
+class _CIFARUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that builds dicts, lists, strings, numbers and numpy arrays, and nothing else: a pickle
+    can call any function it names, so every other global is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path) -> dict:
+    """One CIFAR batch file (python format), read with :class:`_CIFARUnpickler`; one clear error for anything else."""
+    try:
+        with open(path, "rb") as handle:
+            entry = _CIFARUnpickler(handle, encoding="latin1").load()
+    except _RefusedGlobal as error:
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: its pickle refers to {error}, which CIFAR batches never do (a pickle can "
+            "run code, so it was not read). Replace it with the file of the official release, checked by `verify: "
+            "true`."
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+        raise ConfigurationError(
+            f"{path} is not a readable CIFAR batch (truncated or corrupt?): {error}. Replace it with the file of the "
+            "official release."
+        ) from None
+    if not isinstance(entry, dict):
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: it holds a {type(entry).__name__}, not a dict of arrays and labels"
+        )
+    return entry
 
 
 class FolderImages(LabelledImages):

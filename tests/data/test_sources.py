@@ -1,4 +1,5 @@
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator
@@ -58,6 +59,61 @@ def test_cifar_pixels_are_decoded_in_channel_order(tmp_path):
     image, _ = CIFAR(root=str(tmp_path), verify=False).split(train=False)[3]
     expected = torch.from_numpy(np.asarray(raw["data"][3]).reshape(3, 32, 32))
     assert torch.equal(image, expected)
+
+
+def rewrite_cifar_batches(folder: Path, protocol: int, numpy_module: bytes | None = None) -> None:
+    """Write every batch of ``folder`` again with pickle ``protocol``; ``numpy_module``: the module name numpy 1.x
+    (and the official release) pickles ``_reconstruct`` under (protocols 0-2 name it in plain text)."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            entry = pickle.load(handle)
+        payload = pickle.dumps(entry, protocol=protocol)
+        if numpy_module is not None:
+            assert b"numpy._core.multiarray\n_reconstruct" in payload or "data" not in entry
+            payload = payload.replace(b"numpy._core.multiarray\n", numpy_module + b"\n")
+        path.write_bytes(payload)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "numpy_module"), [(2, None), (2, b"numpy.core.multiarray"), (5, None)], ids=["2", "2-numpy1", "5"]
+)
+def test_cifar_batches_load_whichever_protocol_and_numpy_wrote_them(tmp_path, protocol, numpy_module):
+    reference = CIFAR(root=str(write_cifar(tmp_path / "reference", per_class=1).parent), verify=False)
+    folder = write_cifar(tmp_path / "rewritten", per_class=1)
+    rewrite_cifar_batches(folder, protocol, numpy_module)
+    source = CIFAR(root=str(folder.parent), verify=False)
+    for train in (True, False):
+        expected, got = reference.split(train), source.split(train)
+        assert torch.equal(got.images, expected.images) and got.targets == expected.targets
+
+
+class WritesFile:
+    """Unpickled, runs code that creates ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return exec, (f"open({str(self.path)!r}, 'w').close()",)
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_in_one_line_and_never_runs(cifar10_on_disk, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    payload = pickle.dumps({"data": WritesFile(marker), "labels": [0]})
+    pickle.loads(payload)  # the payload works: plain pickle runs it
+    assert marker.is_file()
+    marker.unlink()
+    batch = cifar10_on_disk / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(payload)
+    source = {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": str(cifar10_on_disk), "verify": False}}
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, **{"data.init_args.source": source})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
+    assert f"{batch} is not a CIFAR batch: its pickle refers to builtins.exec" in line, err
+    assert "Traceback" not in err and not marker.exists()
+    assert not (tmp_path / "checkpoints").exists(), "training started"
 
 
 def test_cifar_checksums_are_verified_by_default(tmp_path):

@@ -1,25 +1,26 @@
 """Figures of the paper's analysis (docs/conventions.md §4), as matplotlib figures a person can read without the code.
 
-Every function returns a ``matplotlib.figure.Figure`` (Agg backend, no display needed); :func:`save_figure`
-writes it as PNG. Inputs are plain tensors / arrays.
+Every function returns a ``matplotlib.figure.Figure`` drawn by its own Agg canvas: no display is needed, the
+process's matplotlib backend is left as it is (a notebook keeps showing its figures inline) and the figure is not
+registered with ``pyplot`` (nothing to close; a notebook shows it where it is displayed). :func:`save_figure` writes
+it as PNG. Inputs are plain tensors / arrays.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from hfmca_lightning.losses.window_geometry import WindowGeometry  # noqa: E402
+from hfmca_lightning.losses.window_geometry import WindowGeometry
 
 __all__ = [
     "learning_dynamics_figure",
@@ -30,6 +31,13 @@ __all__ = [
     "external_cost_curves_figure",
     "save_figure",
 ]
+
+
+def _figure(width: float, height: float) -> Figure:
+    """An empty figure of ``width`` x ``height`` inches (constrained layout) with its own Agg canvas."""
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
 
 
 def _array(values: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
@@ -49,9 +57,8 @@ def learning_dynamics_figure(
     names = list(history)
     columns = min(5, max(1, len(names)))
     rows = math.ceil(len(names) / columns)
-    figure, axes = plt.subplots(
-        rows, columns, figsize=(3.4 * columns, 2.9 * rows), squeeze=False, constrained_layout=True
-    )
+    figure = _figure(3.4 * columns, 2.9 * rows)
+    axes = figure.subplots(rows, columns, squeeze=False)
     image = None
     for ax, name in zip(axes.flat, names):
         steps, values = history[name]
@@ -86,7 +93,8 @@ def layer_spectra_figure(
 ) -> Figure:
     """One column of eigenvalue dots per layer (darker = higher rank), with the mean of the ``top_mean``
     largest eigenvalues as a red dotted line (paper Fig. 4, "Spectrum across layers")."""
-    figure, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(spectra) + 2), 4.2), constrained_layout=True)
+    figure = _figure(max(4.0, 0.9 * len(spectra) + 2), 4.2)
+    ax = figure.subplots()
     _draw_layer_spectra(ax, spectra, title, top_mean)
     return figure
 
@@ -99,9 +107,8 @@ def layer_spectra_panels(
     """:func:`layer_spectra_figure` side by side, one panel per ``{panel title: spectra}`` (the paper's Fig. 4 for
     three scenarios, Fig. 5 for three pairs of them)."""
     width = max(4.0, 0.9 * max((len(spectra) for spectra in panels.values()), default=1) + 2)
-    figure, axes = plt.subplots(
-        1, len(panels), figsize=(width * len(panels), 4.2), squeeze=False, constrained_layout=True, sharey=True
-    )
+    figure = _figure(width * len(panels), 4.2)
+    axes = figure.subplots(1, len(panels), squeeze=False, sharey=True)
     for ax, (name, spectra) in zip(axes.flat, panels.items()):
         _draw_layer_spectra(ax, spectra, name, top_mean)
     if title:
@@ -113,7 +120,7 @@ def _draw_layer_spectra(
     ax: Any, spectra: Mapping[str, torch.Tensor | np.ndarray | Sequence[float]], title: str, top_mean: int
 ) -> None:
     names = list(spectra)
-    colour = plt.get_cmap("Blues")
+    colour = colormaps["Blues"]
     means = []
     for column, name in enumerate(names):
         values = np.sort(_array(spectra[name]))[::-1]
@@ -148,13 +155,8 @@ def heatmap_overlay_figure(
     """
     names = list(heatmaps)
     count = images.shape[0]
-    figure, axes = plt.subplots(
-        count,
-        len(names) + 1,
-        figsize=(1.9 * (len(names) + 1) + 0.8, 1.9 * count),
-        squeeze=False,
-        constrained_layout=True,
-    )
+    figure = _figure(1.9 * (len(names) + 1) + 0.8, 1.9 * count)
+    axes = figure.subplots(count, len(names) + 1, squeeze=False)
     pictures = images.detach().cpu().float().clamp(0, 1).permute(0, 2, 3, 1).numpy()
     height, width = pictures.shape[1:3]
     mappable = None
@@ -214,9 +216,8 @@ def basis_functions_figure(
     count = maps.shape[0]
     columns = max(1, min(columns, count))
     rows = math.ceil(count / columns)
-    figure, axes = plt.subplots(
-        rows, columns, figsize=(1.5 * columns + 0.8, 1.6 * rows + 0.6), squeeze=False, constrained_layout=True
-    )
+    figure = _figure(1.5 * columns + 0.8, 1.6 * rows + 0.6)
+    axes = figure.subplots(rows, columns, squeeze=False)
     values = _array(maps)
     limit = np.abs(values).max() + 1e-12
     mappable = None
@@ -247,10 +248,11 @@ def external_cost_curves_figure(
         smoothing: moving-average window in steps (1 = raw values).
     """
     names = list(curves)
-    figure, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False, constrained_layout=True)
+    figure = _figure(4.2 * len(names), 3.4)
+    axes = figure.subplots(1, len(names), squeeze=False)
     for ax, name in zip(axes[0], names):
         strengths = sorted(curves[name])
-        colours = plt.get_cmap("viridis_r")(np.linspace(0.15, 0.95, max(len(strengths), 2)))
+        colours = colormaps["viridis_r"](np.linspace(0.15, 0.95, max(len(strengths), 2)))
         for colour, strength in zip(colours, strengths):
             values, first_step = _array(curves[name][strength]), 1
             if smoothing > 1 and len(values) >= smoothing:
@@ -267,9 +269,11 @@ def external_cost_curves_figure(
 
 
 def save_figure(figure: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``figure`` as a PNG (parents created) and close it."""
+    """Write ``figure`` as a PNG (parents created); a figure made with ``pyplot`` is closed there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=dpi)
-    plt.close(figure)
+    pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: the figure cannot be registered there
+    if pyplot is not None:
+        pyplot.close(figure)
     return path

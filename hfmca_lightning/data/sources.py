@@ -16,7 +16,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -141,7 +141,8 @@ class ImageSource(ABC):
 class CIFAR(ImageSource):
     """CIFAR10 / CIFAR100 from torchvision's on-disk layout (``cifar-10-batches-py`` / ``cifar-100-python``).
 
-    The pickles are read directly. With ``verify`` (default) each file's md5 is checked against
+    The pickles are read directly, by an unpickler that builds dicts, lists and numpy arrays and refuses
+    anything else (a pickle can run code). With ``verify`` (default) each file's md5 is checked against
     torchvision's published checksums, so a truncated download is an error, not silent garbage; set
     ``verify: false`` only for data you wrote yourself in the same layout (as the tests do).
 
@@ -216,11 +217,63 @@ class CIFAR(ImageSource):
         images, targets = [], []
         label_key = "labels" if self.name == "cifar10" else "fine_labels"
         for name, _ in self._spec.train_list if train else self._spec.test_list:
-            with open(self.folder / name, "rb") as handle:
-                entry = pickle.load(handle, encoding="latin1")
+            entry = _read_cifar_batch(self.folder / name)
             images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             targets.extend(entry[label_key])
         return ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
+
+
+# The only globals a CIFAR batch (python format) refers to: its arrays, as numpy (1.x: numpy.core, 2.x: numpy._core)
+# pickles them with protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), and bytes as Python 3 writes
+# them with protocols 0-2 (_codecs.encode).
+CIFAR_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
+)
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global that a CIFAR batch never holds."""
+
+
+class _CIFARUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that builds dicts, lists, strings, numbers and numpy arrays, and nothing else: a pickle
+    can call any function it names, so every other global is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path) -> dict:
+    """One CIFAR batch file (python format), read with :class:`_CIFARUnpickler`; one clear error for anything else."""
+    try:
+        with open(path, "rb") as handle:
+            entry = _CIFARUnpickler(handle, encoding="latin1").load()
+    except _RefusedGlobal as error:
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: its pickle refers to {error}, which CIFAR batches never do (a pickle can "
+            "run code, so it was not read). Replace it with the file of the official release, checked by `verify: "
+            "true`."
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+        raise ConfigurationError(
+            f"{path} is not a readable CIFAR batch (truncated or corrupt?): {error}. Replace it with the file of the "
+            "official release."
+        ) from None
+    if not isinstance(entry, dict):
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: it holds a {type(entry).__name__}, not a dict of arrays and labels"
+        )
+    return entry
 
 
 class FolderImages(LabelledImages):
@@ -277,13 +330,80 @@ def read_image(path: str) -> Tensor:
         return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
 
 
+def _contains(directory: str, path: str) -> bool:
+    """Whether the real path ``directory`` is ``path`` or a folder above it."""
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
 def _image_files(folder: Path) -> list[str]:
-    """Every image file under ``folder`` (recursively, links followed), sorted; no file is opened."""
-    found = []
-    for parent, directories, files in os.walk(folder, followlinks=True):
-        directories.sort()
-        found += [os.path.join(parent, name) for name in sorted(files) if name.lower().endswith(IMAGE_EXTENSIONS)]
+    """Every image file under ``folder`` (recursively, links followed), each file once, in walk order (a folder's
+    files by name, then its sub-folders by name); no file is opened.
+
+    Each directory is entered at most once (by its ``(st_dev, st_ino)``), and a link to a directory that holds
+    ``folder`` (``up -> ..``: the folder's siblings, other classes or splits) is not followed, so a link loop
+    (``self -> .``) neither lists an image many times nor walks forever. A file reached under several names (hard
+    links, links to a file) is listed under its first name: names of plain files are told apart by their inode
+    number from the directory listing (no call per file), links to files by their target's ``(st_dev, st_ino)``.
+    """
+    try:
+        top = os.stat(folder)
+    except OSError:
+        return []
+    root = os.path.realpath(folder)
+    visited = {(top.st_dev, top.st_ino)}
+    seen: set[tuple[int, int]] = set()
+    found: list[str] = []
+    pending = [(os.fspath(folder), top.st_dev)]
+    while pending:
+        directory, device = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+        except OSError:  # unreadable, or gone since it was listed: skipped, as os.walk does
+            continue
+        subdirectories = []
+        for entry in entries:
+            try:
+                is_directory = entry.is_dir()
+            except OSError:
+                is_directory = False
+            if is_directory:
+                try:
+                    status = entry.stat()
+                except OSError:
+                    continue
+                key = (status.st_dev, status.st_ino)
+                if key in visited or (entry.is_symlink() and _contains(os.path.realpath(entry.path), root)):
+                    continue
+                visited.add(key)
+                subdirectories.append((entry.path, status.st_dev))
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                identity: tuple[int, int] | None = (device, entry.inode())
+                if entry.is_symlink():
+                    try:
+                        status = entry.stat()
+                        identity = (status.st_dev, status.st_ino)
+                    except OSError:  # a broken link: listed, and named when it cannot be read
+                        identity = None
+                if identity is not None:
+                    if identity in seen:
+                        continue
+                    seen.add(identity)
+                found.append(entry.path)
+        pending.extend(reversed(subdirectories))
     return found
+
+
+def _class_folders(folder: Path) -> list[str]:
+    """The names of ``folder``'s sub-folders, sorted, without links back to ``folder`` or above it (``self -> .``,
+    ``up -> ..``: not classes, but the split again)."""
+    split = os.path.realpath(folder)
+    with os.scandir(folder) as listing:
+        return sorted(
+            entry.name
+            for entry in listing
+            if entry.is_dir() and not (entry.is_symlink() and _contains(os.path.realpath(entry.path), split))
+        )
 
 
 def _read_class_list(path: str) -> list[str]:
@@ -301,7 +421,8 @@ class ImageFolderSource(ImageSource):
 
     Start-up only lists the files (no image is opened: 100k files take well under a second); images are
     decoded when read, an unreadable one handled by ``on_bad_image``. Classes are the folder names,
-    sorted; both splits must have the same classes, none of them empty.
+    sorted; both splits must have the same classes, none of them empty. Links are followed, each folder and
+    each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
     Args:
         root: folder with one sub-folder per split.
@@ -379,7 +500,12 @@ class ImageFolderSource(ImageSource):
         return None if self.test_dir is None else (self.split(True), self.split(False))
 
     def _scan(self, folder: Path) -> FolderImages:
-        present = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+        present = _class_folders(folder)
+        if not present:
+            raise ConfigurationError(
+                f"{folder} has no class folders: ImageFolderSource expects one sub-folder of images per class, "
+                f"{folder}/<class name>/<image file> (for images without classes, use UnlabelledFolderSource)"
+            )
         if self.classes is None:
             self.classes = present
             self.num_classes = len(present)
@@ -412,6 +538,7 @@ class UnlabelledFolderSource(ImageSource):
 
     kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
     labelled subset) for its bank and queries; without it, training runs and kNN is skipped with a warning.
+    Links are followed as in :class:`ImageFolderSource`: each folder and each image once.
 
     Args:
         root: folder searched recursively for image files.

@@ -33,6 +33,14 @@ def image_folder(root: Path, damage: Callable[[Path], None]) -> dict:
     }
 
 
+def without_class_folders(root: Path) -> None:
+    """Every image straight in its split folder, the class folders gone."""
+    for folder in root.glob("*/class_*"):
+        for image in folder.iterdir():
+            image.rename(folder.parent / f"{folder.name}_{image.name}")
+        folder.rmdir()
+
+
 def truncated(checkpoint: Path, tmp: Path) -> Path:
     data = checkpoint.read_bytes()
     (tmp / "truncated.ckpt").write_bytes(data[: len(data) // 2])
@@ -152,6 +160,12 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
             tmp / "images", lambda root: [p.unlink() for p in (root / "test" / "class_2").iterdir()]
         ),
         "Found no valid file for the classes class_2",
+    ),
+    (
+        "image root without class folders",
+        lambda tmp, ckpt: [],
+        lambda tmp: image_folder(tmp / "images", without_class_folders),
+        "images/train has no class folders: ImageFolderSource expects one sub-folder of images per class, ",
     ),
     (
         "train/test class mismatch",

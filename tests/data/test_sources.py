@@ -1,10 +1,38 @@
+import os
+import pickle
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from hfmca_lightning.data import CIFAR, STL10, UNLABELLED, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
 from hfmca_lightning.errors import ConfigurationError
-from tests.helpers import write_cifar, write_image_folder, write_stl10
+from tests.helpers import fit, write_cifar, write_image_folder, write_stl10
+
+
+class TookTooLong(Exception):
+    """Not an ``OSError`` (as ``TimeoutError`` is), which ``os.walk`` would swallow."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Fail with :class:`TookTooLong` after ``seconds`` instead of hanging (SIGALRM: main thread, Python code)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TookTooLong(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize(("name", "classes"), [("cifar10", 10), ("cifar100", 100)])
@@ -31,6 +59,61 @@ def test_cifar_pixels_are_decoded_in_channel_order(tmp_path):
     image, _ = CIFAR(root=str(tmp_path), verify=False).split(train=False)[3]
     expected = torch.from_numpy(np.asarray(raw["data"][3]).reshape(3, 32, 32))
     assert torch.equal(image, expected)
+
+
+def rewrite_cifar_batches(folder: Path, protocol: int, numpy_module: bytes | None = None) -> None:
+    """Write every batch of ``folder`` again with pickle ``protocol``; ``numpy_module``: the module name numpy 1.x
+    (and the official release) pickles ``_reconstruct`` under (protocols 0-2 name it in plain text)."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            entry = pickle.load(handle)
+        payload = pickle.dumps(entry, protocol=protocol)
+        if numpy_module is not None:
+            assert b"numpy._core.multiarray\n_reconstruct" in payload or "data" not in entry
+            payload = payload.replace(b"numpy._core.multiarray\n", numpy_module + b"\n")
+        path.write_bytes(payload)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "numpy_module"), [(2, None), (2, b"numpy.core.multiarray"), (5, None)], ids=["2", "2-numpy1", "5"]
+)
+def test_cifar_batches_load_whichever_protocol_and_numpy_wrote_them(tmp_path, protocol, numpy_module):
+    reference = CIFAR(root=str(write_cifar(tmp_path / "reference", per_class=1).parent), verify=False)
+    folder = write_cifar(tmp_path / "rewritten", per_class=1)
+    rewrite_cifar_batches(folder, protocol, numpy_module)
+    source = CIFAR(root=str(folder.parent), verify=False)
+    for train in (True, False):
+        expected, got = reference.split(train), source.split(train)
+        assert torch.equal(got.images, expected.images) and got.targets == expected.targets
+
+
+class WritesFile:
+    """Unpickled, runs code that creates ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return exec, (f"open({str(self.path)!r}, 'w').close()",)
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_in_one_line_and_never_runs(cifar10_on_disk, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    payload = pickle.dumps({"data": WritesFile(marker), "labels": [0]})
+    pickle.loads(payload)  # the payload works: plain pickle runs it
+    assert marker.is_file()
+    marker.unlink()
+    batch = cifar10_on_disk / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(payload)
+    source = {"class_path": "hfmca_lightning.data.CIFAR", "init_args": {"root": str(cifar10_on_disk), "verify": False}}
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, **{"data.init_args.source": source})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
+    assert f"{batch} is not a CIFAR batch: its pickle refers to builtins.exec" in line, err
+    assert "Traceback" not in err and not marker.exists()
+    assert not (tmp_path / "checkpoints").exists(), "training started"
 
 
 def test_cifar_checksums_are_verified_by_default(tmp_path):
@@ -63,6 +146,54 @@ def test_image_folder_tree(tmp_path):
     assert sorted(set(train.targets)) == [0, 1]
     image, target = train[0]
     assert image.dtype == torch.uint8 and image.shape == (3, 40, 40) and target == 0
+
+
+def looped_image_folder(root: Path, per_class: int) -> Path:
+    """``write_image_folder`` with links that loop: ``self -> .`` and ``up -> ..`` in every class folder, ``loop ->
+    .`` in every split folder, and in each class folder a second name for its first image (a hard link and a
+    symbolic link)."""
+    write_image_folder(root, per_class=per_class, num_classes=3, size=40)
+    for split in ("train", "test"):
+        (root / split / "loop").symlink_to(".")
+        for folder in (root / split).glob("class_*"):
+            first = sorted(folder.glob("*.png"))[0]
+            os.link(first, folder / "hard_link.png")
+            (folder / "symbolic_link.png").symlink_to(first.name)
+            (folder / "self").symlink_to(".")
+            (folder / "up").symlink_to("..")
+    return root
+
+
+def written_images(folder: Path) -> list[tuple[str, int]]:
+    """``(path, class)`` of every image ``write_image_folder`` wrote in a split folder (``class_<k>/<n>.png``)."""
+    return sorted((str(path), int(path.parent.name[6:])) for path in folder.glob("class_*/[0-9]*.png"))
+
+
+def test_link_loops_in_an_image_folder_list_each_image_once_in_well_under_a_second(tmp_path):
+    root = looped_image_folder(tmp_path, per_class=4)
+    with time_limit(10):
+        start = time.perf_counter()
+        source = ImageFolderSource(root=str(root))
+        bank, queries = source.evaluation_splits()
+        unlabelled = UnlabelledFolderSource(root=str(root / "train")).training_split()
+        elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert source.classes == ["class_0", "class_1", "class_2"]  # "loop" is the split again, not a class
+    assert sorted(bank.samples) == written_images(root / "train") and len(bank) == 12
+    assert sorted(queries.samples) == written_images(root / "test") and len(queries) == 12
+    assert sorted(path for path, _ in unlabelled.samples) == [path for path, _ in written_images(root / "train")]
+
+
+@pytest.mark.integration  # a training run
+def test_fit_on_an_image_folder_with_link_loops_trains_on_each_image_once(tmp_path):
+    root = looped_image_folder(tmp_path / "images", per_class=6)  # 18 training images: 2 batches of 8
+    source = {
+        "class_path": "hfmca_lightning.data.ImageFolderSource",
+        "init_args": {"root": str(root), "image_size": 32},
+    }
+    with time_limit(60):
+        fit(tmp_path, **{"data.init_args.source": source, "data.init_args.num_workers": 2})
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
 def test_listing_a_folder_opens_no_image(tmp_path, monkeypatch):

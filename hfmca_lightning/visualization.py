@@ -1,7 +1,7 @@
 """Figures of the paper's analysis (docs/conventions.md §4), as matplotlib figures a person can read without the code.
 
 Every function returns a ``matplotlib.figure.Figure`` (Agg backend, no display needed); :func:`save_figure`
-writes it as PNG. Inputs are plain tensors / arrays.
+writes it as PNG (atomically), :func:`write_figure` into an open file. Inputs are plain tensors / arrays.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import matplotlib
 
@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from hfmca_lightning.losses.window_geometry import WindowGeometry  # noqa: E402
+from hfmca_lightning.runtime.files import write_atomically  # noqa: E402
 
 __all__ = [
     "learning_dynamics_figure",
@@ -29,6 +30,7 @@ __all__ = [
     "basis_functions_figure",
     "external_cost_curves_figure",
     "save_figure",
+    "write_figure",
 ]
 
 
@@ -267,9 +269,15 @@ def external_cost_curves_figure(
 
 
 def save_figure(figure: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``figure`` as a PNG (parents created) and close it."""
+    """Write ``figure`` as a PNG (or the format of ``path``'s suffix; parents created; the previous file replaced
+    whole or not at all) and close it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi)
-    plt.close(figure)
-    return path
+    return write_atomically(path, lambda handle: write_figure(figure, handle, dpi, path.suffix.lstrip(".") or "png"))
+
+
+def write_figure(figure: Figure, handle: BinaryIO, dpi: int = 110, format: str = "png") -> None:
+    """Write ``figure`` into ``handle`` (a binary file) as a PNG (or ``format``) and close it."""
+    try:
+        figure.savefig(handle, format=format, dpi=dpi)
+    finally:
+        plt.close(figure)

@@ -8,6 +8,7 @@ are in conftest.py."""
 from tests.helpers.callbacks import (
     COUNTED_STEPS,
     CountHostReads,
+    PauseBeforeStep,
     PoisonBatchAt,
     PoisonWeightsAtStep,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "HFMCA",
     "HFMCATimeout",
     "PER_RANK_BATCH",
+    "PauseBeforeStep",
     "PoisonBatchAt",
     "PoisonWeightsAtStep",
     "REPO",

@@ -3,7 +3,7 @@
 Every function returns a ``matplotlib.figure.Figure`` drawn by its own Agg canvas: no display is needed, the
 process's matplotlib backend is left as it is (a notebook keeps showing its figures inline) and the figure is not
 registered with ``pyplot`` (nothing to close; a notebook shows it where it is displayed). :func:`save_figure` writes
-it as PNG. Inputs are plain tensors / arrays.
+it as PNG (atomically), :func:`write_figure` into an open file. Inputs are plain tensors / arrays.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from hfmca_lightning.losses.window_geometry import WindowGeometry
+from hfmca_lightning.runtime.files import write_atomically
 
 __all__ = [
     "learning_dynamics_figure",
@@ -30,6 +31,7 @@ __all__ = [
     "basis_functions_figure",
     "external_cost_curves_figure",
     "save_figure",
+    "write_figure",
 ]
 
 
@@ -269,11 +271,19 @@ def external_cost_curves_figure(
 
 
 def save_figure(figure: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``figure`` as a PNG (parents created); a figure made with ``pyplot`` is closed there."""
+    """Write ``figure`` as a PNG (or the format of ``path``'s suffix; parents created; the previous file replaced
+    whole or not at all); a figure made with ``pyplot`` is closed there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi)
-    pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: the figure cannot be registered there
-    if pyplot is not None:
-        pyplot.close(figure)
-    return path
+    return write_atomically(path, lambda handle: write_figure(figure, handle, dpi, path.suffix.lstrip(".") or "png"))
+
+
+def write_figure(figure: Figure, handle: BinaryIO, dpi: int = 110, format: str = "png") -> None:
+    """Write ``figure`` into ``handle`` (a binary file) as a PNG (or ``format``); a figure made with ``pyplot`` is
+    closed there."""
+    try:
+        figure.savefig(handle, format=format, dpi=dpi)
+    finally:
+        pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: the figure cannot be registered there
+        if pyplot is not None:
+            pyplot.close(figure)

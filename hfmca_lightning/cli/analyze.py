@@ -6,7 +6,9 @@
 
 The model and data are rebuilt from the config that ``hfmca fit`` stores in every checkpoint (or from
 ``--config`` for checkpoints written elsewhere). Outputs: PNG figures, JSON numbers and an ``index.html``
-that shows them all.
+that shows them all. A non-empty ``--out`` is refused unless ``--overwrite`` is given; every file is written in
+full beside its target before any is renamed into place, ``index.html`` last, so a failure mid-way (a full disk)
+leaves the previous report as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_input_file, check_out
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
@@ -44,11 +47,12 @@ from hfmca_lightning.methods.inspection import (
     paper_order,
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
+from hfmca_lightning.runtime.files import StagedFiles
 from hfmca_lightning.visualization import (
     basis_functions_figure,
     heatmap_overlay_figure,
     layer_spectra_figure,
-    save_figure,
+    write_figure,
 )
 
 __all__ = ["load_run", "analysis_module", "analyze", "compare", "run_analysis_command"]
@@ -140,7 +144,13 @@ FIGURES_LOADED_SCRIPT = (
 )
 
 
-def _write_index(out: Path, title: str, notes: list[str], figures: list[tuple[str, str]], summary: dict) -> Path:
+def _save_figure(files: StagedFiles, figure: Any, path: Path) -> None:
+    files.write(path, lambda handle: write_figure(figure, handle))
+
+
+def _write_index(
+    files: StagedFiles, out: Path, title: str, notes: list[str], figures: list[tuple[str, str]], summary: dict
+) -> Path:
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{pair['groups']}</td><td>{pair['trivial']:.3f}</td>"
         f"<td>{(pair['eigenvalues'] or [float('nan')])[0]:.3f}</td>"
@@ -164,7 +174,7 @@ def _write_index(out: Path, title: str, notes: list[str], figures: list[tuple[st
         f"{rows}</table>{body}{FIGURES_LOADED_SCRIPT}</body></html>"
     )
     path = out / "index.html"
-    path.write_text(page)
+    files.write_text(path, page)
     return path
 
 
@@ -216,59 +226,62 @@ def analyze(
     module = analysis_module(run_module, internal_layers)
     norm, notes = _batch_norm_for([module], batch_norm)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    statistics = _enough_batches(
-        _training_batches(datamodule, module.device),
-        lambda batch: collect_statistics(module, [batch], batch_norm=norm),
-        num_batches,
-        groups_per_feature,
-        "statistics of the training groups",
-    )
-    summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
-    (out / "spectra.json").write_text(json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
-    save_figure(
-        layer_spectra_figure(
-            {name: pair["eigenvalues"] for name, pair in summary.items()},
-            title=f"Spectrum per layer pair ({Path(ckpt_path).name})",
-        ),
-        out / "spectra.png",
-    )
-    figures = [
-        (
-            "spectra.png",
-            "Eigenvalues of every pair after the constant function's; red: mean of the 10 largest "
-            "(spectra.json has the numbers).",
+    with StagedFiles() as files:  # renamed into place together at the end, index.html last
+        statistics = _enough_batches(
+            _training_batches(datamodule, module.device),
+            lambda batch: collect_statistics(module, [batch], batch_norm=norm),
+            num_batches,
+            groups_per_feature,
+            "statistics of the training groups",
         )
-    ]
-    if module.internal_costs is not None:
-        stage(f"density-ratio heatmaps and basis functions of {num_images} test images")
-        images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
-        pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
-        heatmaps = telescoping_response(list(pairs.values()))
-        chosen = layers or default_figure_layers(list(heatmaps))
-        unknown = set(chosen) - set(heatmaps)
-        if unknown:
-            raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
-        overlay = heatmap_overlay_figure(
-            datamodule.denormalise(images),
-            {name: heatmaps[name] for name in chosen},
-            placements=heatmap_placements(module),
+        summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
+        files.write_text(out / "spectra.json", json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
+        _save_figure(
+            files,
+            layer_spectra_figure(
+                {name: pair["eigenvalues"] for name, pair in summary.items()},
+                title=f"Spectrum per layer pair ({Path(ckpt_path).name})",
+            ),
+            out / "spectra.png",
         )
-        save_figure(overlay, out / "density_ratio.png")
-        figures.append(
-            ("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}.")
-        )
-        for name in chosen:
-            maps, values = (
-                basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0]),
-                pairs[name].decomposition.eigenvalues,
+        figures = [
+            (
+                "spectra.png",
+                "Eigenvalues of every pair after the constant function's; red: mean of the 10 largest "
+                "(spectra.json has the numbers).",
             )
-            file = f"basis_{name.replace('/', '_')}.png"
-            save_figure(
-                basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"), out / file
+        ]
+        if module.internal_costs is not None:
+            stage(f"density-ratio heatmaps and basis functions of {num_images} test images")
+            images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
+            pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
+            heatmaps = telescoping_response(list(pairs.values()))
+            chosen = layers or default_figure_layers(list(heatmaps))
+            unknown = set(chosen) - set(heatmaps)
+            if unknown:
+                raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
+            overlay = heatmap_overlay_figure(
+                datamodule.denormalise(images),
+                {name: heatmaps[name] for name in chosen},
+                placements=heatmap_placements(module),
             )
-            figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
-    return _write_index(out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
+            _save_figure(files, overlay, out / "density_ratio.png")
+            figures.append(
+                ("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}.")
+            )
+            for name in chosen:
+                maps, values = (
+                    basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0]),
+                    pairs[name].decomposition.eigenvalues,
+                )
+                file = f"basis_{name.replace('/', '_')}.png"
+                _save_figure(
+                    files,
+                    basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"),
+                    out / file,
+                )
+                figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
+        return _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
 
 
 def _training_batches(datamodule: MultiViewDataModule, device: torch.device) -> Iterator[Tensor | list[Tensor]]:
@@ -388,18 +401,19 @@ def compare(
             )
     summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cross_spectra.json").write_text(json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
     title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
-    save_figure(
-        layer_spectra_figure({name: pair["eigenvalues"] for name, pair in summary.items()}, title=title),
-        out / "cross_spectra.png",
-    )
     caption = (
         "Eigenvalues between the features of the two models at each layer after the constant function's "
         "(1: same subspace, 0: orthogonal)."
     )
-    return _write_index(out, title, notes, [("cross_spectra.png", caption)], summary)
+    with StagedFiles() as files:  # renamed into place together at the end, index.html last
+        files.write_text(out / "cross_spectra.json", json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
+        _save_figure(
+            files,
+            layer_spectra_figure({name: pair["eigenvalues"] for name, pair in summary.items()}, title=title),
+            out / "cross_spectra.png",
+        )
+        return _write_index(files, out, title, notes, [("cross_spectra.png", caption)], summary)
 
 
 def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:
@@ -412,7 +426,9 @@ def run_analysis_command(argv: list[str]) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("analyze", help="spectra, density-ratio heatmaps and basis functions of one checkpoint")
     one.add_argument("--ckpt_path", required=True)
-    one.add_argument("--out", required=True, help="output folder (index.html, PNG, JSON)")
+    one.add_argument(
+        "--out", required=True, help="output folder (index.html, PNG, JSON); must be empty unless --overwrite"
+    )
     one.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
     one.add_argument(
         "--num_batches",
@@ -434,7 +450,9 @@ def run_analysis_command(argv: list[str]) -> None:
     two = commands.add_parser("compare", help="cross-model eigenvalues per layer of two checkpoints")
     two.add_argument("--ckpt_a", required=True)
     two.add_argument("--ckpt_b", required=True)
-    two.add_argument("--out", required=True)
+    two.add_argument(
+        "--out", required=True, help="output folder (index.html, PNG, JSON); must be empty unless --overwrite"
+    )
     two.add_argument(
         "--num_batches",
         type=int,
@@ -458,7 +476,11 @@ def run_analysis_command(argv: list[str]) -> None:
         command.add_argument(
             "--groups_per_feature", type=int, default=100, help="groups per feature the statistics need at least"
         )
+        command.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
+    if args.command == "analyze":
+        check_input_file(args.config, "--config")
+    check_out(args.out, args.overwrite)
     if args.command == "analyze":
         index = analyze(
             args.ckpt_path,

@@ -11,8 +11,11 @@
     hfmca -q fit ... / hfmca -v analyze ...                          # quieter / more talkative
 
 Exit status: 0 after the command's output; 2 for a mistake in the command line, the configuration, the data or a
-checkpoint (one line ``hfmca: error: <what, where, how to fix>``, before any training); 1 for a run that fails
-mid-way (a NaN, a failed factorisation: one line); 130 after Ctrl-C (SIGINT: one line ``hfmca: interrupted``; ``fit``
+checkpoint, an input file that is missing, an output folder that cannot be written or (without ``--overwrite``)
+already holds files, or a checkpoint folder another live ``fit`` writes into (one line ``hfmca: error: <what, where,
+how to fix>``, before any training or other work); 1 for a command that fails mid-way (a NaN, a failed
+factorisation, a full disk or another operating-system error: one line naming the file; files are replaced whole,
+so what was there before stays); 130 after Ctrl-C (SIGINT: one line ``hfmca: interrupted``; ``fit``
 first shuts down as Lightning does); 143 after SIGTERM (``fit`` first writes a checkpoint). In every case the
 command's data-loader workers are stopped before it exits (:mod:`hfmca_lightning.runtime.workers`).
 
@@ -38,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import hfmca_lightning.cli.verbosity as verbosity
 from hfmca_lightning.cli.config_errors import describe_parser_error
+from hfmca_lightning.cli.paths import describe_os_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 from hfmca_lightning.methods.update_guard import NonFiniteStepError
@@ -151,6 +155,8 @@ def main(args: list[str] | None = None) -> None:
     except (CostFactorisationError, NonFiniteStepError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
+    except OSError as error:  # mid-way: a full disk, a file size limit, a file removed under the command
+        _exit(f"hfmca: error: {describe_os_error(error)}", EXIT_FAILED)
     except (SIGTERMException, Terminated):
         after = "continue with the same command and `--ckpt_path last`" if command == "fit" else "nothing was written"
         _exit(f"hfmca: stopped by SIGTERM; {after}." if _is_rank_zero() else "", EXIT_SIGTERM)

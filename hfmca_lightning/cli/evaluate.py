@@ -7,7 +7,8 @@
 
 Both use the run's DataModule evaluation splits (the labelled train split and the test split, without
 augmentation, exactly what :class:`~hfmca_lightning.callbacks.KNNEvaluation` uses) and write a JSON file
-and a Markdown table to ``--out`` (default: ``<run dir>/evaluation``).
+and a Markdown table to ``--out`` (default: ``<run dir>/evaluation``), each file atomically, the JSON last. Both
+commands may share a folder; a command whose own files are already there is refused unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 
+from hfmca_lightning.cli.paths import check_input_file, check_out
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
@@ -31,6 +33,7 @@ from hfmca_lightning.evaluation import (
     topk_accuracies,
     train_linear_classifier,
 )
+from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["split_features", "frozen_linear_accuracy", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
 
@@ -90,9 +93,10 @@ def frozen_linear_accuracy(
 
 
 def _write(out: Path, name: str, result: dict[str, Any], table: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{name}.md").write_text(table)
+    """``<name>.md`` and ``<name>.json`` (last), both or neither."""
+    with StagedFiles() as files:
+        files.write_text(out / f"{name}.md", table)
+        files.write_text(out / f"{name}.json", json.dumps(result, indent=1))
     return out / f"{name}.json"
 
 
@@ -236,6 +240,9 @@ def run_evaluation_command(argv: list[str]) -> None:
     for sub in (linear, knn):
         sub.add_argument("--ckpt_path", required=True)
         sub.add_argument("--out", default=None, help="output folder (default: <run dir>/evaluation)")
+        sub.add_argument(
+            "--overwrite", action="store_true", help="replace this command's files of an earlier run in --out"
+        )
         sub.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
         sub.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     linear.add_argument(
@@ -263,6 +270,10 @@ def run_evaluation_command(argv: list[str]) -> None:
             raise ConfigurationError(f"--label_fraction must be in (0, 1]; got {args.label_fraction}")
         if args.epochs < 1:
             raise ConfigurationError(f"--epochs must be >= 1; got {args.epochs}")
+    check_input_file(args.config, "--config")
+    name = ("finetune" if args.finetune else "linear") if args.command == "linear" else "knn"
+    check_out(args.out or default_out(args.ckpt_path), args.overwrite, outputs=(f"{name}.json", f"{name}.md"))
+    if args.command == "linear":
         lr = args.lr if args.lr is not None else (0.05 if args.finetune else 0.1)
         result = linear_evaluation(
             args.ckpt_path,

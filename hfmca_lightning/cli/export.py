@@ -2,11 +2,16 @@
 
     hfmca export --ckpt_path runs/cifar10_ss/checkpoints/last.ckpt --out exported/cifar10_ss
     hfmca export --ckpt_path ... --out ... --embeddings train test     # + features and labels (npz)
+    hfmca export --ckpt_path ... --out exported/cifar10_ss --overwrite  # replace an earlier export there
 
 Writes ``backbone.pt`` (a ``state_dict``: tensors and plain extra state such as SpectrumCNN's layout;
 ``torch.load(..., weights_only=True)``), ``backbone.json`` (library, architecture, stem, feature dimension, input
-normalisation, how to load it) and, with ``--embeddings``, ``embeddings_<split>.npz`` (``features (N, D)`` float32,
-``labels (N,)``).
+normalisation, how to load it, the SHA-256 of each file written with it) and, with ``--embeddings``,
+``embeddings_<split>.npz`` (``features (N, D)`` float32, ``labels (N,)``).
+
+A non-empty ``--out`` is refused unless ``--overwrite`` is given. Every file is written in full beside its target
+before any is renamed into place, ``backbone.json`` last: a full disk or a crash mid-way leaves the previous export
+as it was (:class:`~hfmca_lightning.runtime.files.StagedFiles`).
 
 torchvision backbones (``CIFARResNet18``, ``TorchvisionBackbone``) load into the stock torchvision model
 with its classifier replaced by ``nn.Identity()`` (and, for the CIFAR stem, a 3x3 stride-1 ``conv1`` and
@@ -17,7 +22,9 @@ backbones (``SmallConvNet``, ``SpectrumCNN``) into their class with the ``init_a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +32,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_input_file, check_out
 from hfmca_lightning.cli.runs import backbone_of, load_run, run_config
 from hfmca_lightning.cli.verbosity import progress
 from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import extract_features
 from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
+from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["export_backbone", "backbone_description", "run_export_command"]
 
@@ -127,7 +136,8 @@ def export_backbone(
     config_path: str | Path | None = None,
 ) -> Path:
     """Write ``backbone.pt``, ``backbone.json`` and, for each split in ``embeddings`` (``train``: the labelled
-    training split; ``test``), ``embeddings_<split>.npz``. Returns the JSON's path."""
+    training split; ``test``), ``embeddings_<split>.npz``; all of them or, on failure, none (the files there before
+    stay). Returns the JSON's path."""
     ckpt_path, out = Path(ckpt_path), Path(out)
     checkpoint = read_checkpoint(ckpt_path)
     module, datamodule = load_run(ckpt_path, config_path, checkpoint=checkpoint)
@@ -151,22 +161,33 @@ def export_backbone(
         global_step=checkpoint.get("global_step"),
         torch_version=torch.__version__,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out / "backbone.pt")
-    (out / "backbone.json").write_text(json.dumps(description, indent=1))
-    if embeddings:
-        loaders = datamodule.val_dataloader()
-        if not loaders:
-            raise ConfigurationError(
-                "the run's data has no labelled evaluation splits to embed; leave out --embeddings"
-            )
-        module.to(device)
-        for split in embeddings:
-            loader = loaders[{"train": BANK, "test": QUERIES}[split]]
-            batches = progress(loader, f"embeddings of the {split} split", total=len(loader))
-            features, labels = extract_features(module, batches, device)
-            np.savez(out / f"embeddings_{split}.npz", features=features.numpy(), labels=labels.numpy())
+    with StagedFiles() as files:
+        written = {"backbone.pt": files.write(out / "backbone.pt", lambda handle: torch.save(state, handle))}
+        if embeddings:
+            loaders = datamodule.val_dataloader()
+            if not loaders:
+                raise ConfigurationError(
+                    "the run's data has no labelled evaluation splits to embed; leave out --embeddings"
+                )
+            module.to(device)
+            for split in embeddings:
+                loader = loaders[{"train": BANK, "test": QUERIES}[split]]
+                batches = progress(loader, f"embeddings of the {split} split", total=len(loader))
+                features, labels = extract_features(module, batches, device)
+                name = f"embeddings_{split}.npz"
+                save = partial(np.savez, features=features.numpy(), labels=labels.numpy())
+                written[name] = files.write(out / name, save)
+        description["sha256"] = {name: _sha256(path) for name, path in written.items()}
+        files.write_text(out / "backbone.json", json.dumps(description, indent=1))  # last: it describes the others
     return out / "backbone.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def run_export_command(argv: list[str]) -> None:
@@ -176,8 +197,11 @@ def run_export_command(argv: list[str]) -> None:
     )
     parser.add_argument("--ckpt_path", required=True)
     parser.add_argument(
-        "--out", required=True, help="output folder (backbone.pt, backbone.json, embeddings_<split>.npz)"
+        "--out",
+        required=True,
+        help="output folder (backbone.pt, backbone.json, embeddings_<split>.npz); must be empty unless --overwrite",
     )
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument(
         "--embeddings",
         nargs="*",
@@ -188,6 +212,8 @@ def run_export_command(argv: list[str]) -> None:
     parser.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    check_input_file(args.config, "--config")
+    check_out(args.out, args.overwrite)
     splits = ["train", "test"] if args.embeddings == [] else args.embeddings
     path = export_backbone(args.ckpt_path, args.out, embeddings=splits, device=args.device, config_path=args.config)
     print(f"wrote {path.parent}")

@@ -1,18 +1,22 @@
 """``HFMCACLI``: LightningCLI with the project's defaults, used by ``hfmca fit`` and by ``hfmca analyze``.
 
 Any LightningModule / LightningDataModule by ``class_path``; exact resume (:class:`RunState`), the resolved
-config in every checkpoint (:class:`StoredConfig`), atomic checkpoint files; configuration mistakes come
+config in every checkpoint (:class:`StoredConfig`), atomic checkpoint files and ``config.yaml``, one ``fit`` per
+checkpoint folder at a time (:class:`~hfmca_lightning.runtime.run_lock.RunFolderLock`); configuration mistakes come
 out as :class:`~hfmca_lightning.errors.ConfigurationError` naming the config key.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -24,9 +28,11 @@ from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
+from hfmca_lightning.runtime.run_lock import RunFolderLock
 
-__all__ = ["HFMCACLI"]
+__all__ = ["HFMCACLI", "AtomicSaveConfig", "checkpoint_folders"]
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 NAMED_CHECKPOINTS = ("last", "best", "hpc")
@@ -52,18 +58,77 @@ def integers_first(typehint: Any) -> Any:
     return Union.__getitem__(ordered)  # a union of types known at run time only
 
 
+class AtomicSaveConfig(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` in the run's log folder, written atomically (a temporary file beside it,
+    flushed to disk, renamed over it): a kill while it is written leaves the previous file or the new one."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.already_saved:
+            return
+        log_dir = trainer.log_dir  # broadcasts rank 0's folder: every process calls it
+        if log_dir is None or self.multifile or "file" not in (get_filesystem(log_dir).protocol or ("file",)):
+            super().setup(trainer, pl_module, stage)
+            return
+        config_path = Path(log_dir) / self.config_filename
+        if not self.overwrite:
+            exists = trainer.strategy.broadcast(config_path.is_file() if trainer.is_global_zero else False)
+            if exists:
+                raise ConfigurationError(
+                    f"{config_path} exists: this log folder belongs to an earlier run; give the logger another "
+                    "version or save_dir"
+                )
+        if trainer.is_global_zero:
+            write_text_atomically(config_path, self.parser.dump(self.config, skip_none=False))
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+
+def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, ModelCheckpoint]:
+    """The local checkpoint folders the run's ``ModelCheckpoint`` callbacks write into, known before training (with
+    ``last_only``: those of the callbacks that write ``last.ckpt``): each callback's ``dirpath``; without one,
+    ``<default_root_dir>/checkpoints`` when the trainer has no logger. (With a logger and no ``dirpath``,
+    Lightning writes into the logger's new version folder, which no other run shares and none resumes from.)"""
+    folders: dict[Path, ModelCheckpoint] = {}
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or (last_only and not callback.save_last):
+            continue
+        if callback.dirpath is not None:
+            folder = str(callback.dirpath)
+        elif not trainer.loggers:
+            folder = os.path.join(trainer.default_root_dir, "checkpoints")
+        else:
+            continue
+        if "file" in (get_filesystem(folder).protocol or ("file",)):
+            folders.setdefault(Path(os.path.abspath(folder)), callback)
+    return folders
+
+
+def _is_last_checkpoint(path: Path, callback: ModelCheckpoint) -> bool:
+    """Whether ``path`` is a ``last.ckpt`` the callback writes: its last name, or that name with the version
+    Lightning adds when the name is taken (``last-v1.ckpt``)."""
+    if path.suffix != callback.FILE_EXTENSION or not path.is_file():
+        return False
+    name = re.escape(callback.CHECKPOINT_NAME_LAST)
+    name = re.sub(r"\\\{.*?\\\}", ".*", name)  # a name with metrics in it: {epoch}-last
+    return re.fullmatch(rf"{name}(?:{re.escape(callback.CHECKPOINT_JOIN_CHAR)}v\d+)?", path.stem) is not None
+
+
 class HFMCACLI(LightningCLI):
     """LightningCLI with the project's defaults: any module / data module by ``class_path``, exact resume,
-    atomic checkpoint files, and configuration mistakes raised as :class:`ConfigurationError`."""
+    atomic checkpoint files, one ``fit`` per checkpoint folder at a time, and configuration mistakes raised as
+    :class:`ConfigurationError`."""
 
     def __init__(self, args: list[str] | dict[str, Any] | None = None, run: bool = True) -> None:
         no_exit = {"exit_on_error": False}
+        self.run_folders = RunFolderLock()
         super().__init__(
             LightningModule,
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
             trainer_defaults={"callbacks": [RunState(), StoredConfig()]},
+            save_config_callback=AtomicSaveConfig,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={**no_exit, **{name: no_exit for name in SUBCOMMANDS}},
             auto_configure_optimizers=False,
@@ -122,13 +187,21 @@ class HFMCACLI(LightningCLI):
             callbacks = [*callbacks, CostProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        finally:
+            self.run_folders.release()  # in-process runs (tests, notebooks): the next run may use the folder
+
     def before_fit(self) -> None:
-        """Resolve and check the checkpoint to resume, store the resolved config in checkpoints (for
-        ``hfmca analyze``), and point W&B at the checkpoint's run before Lightning starts a new one."""
+        """Lock the run's checkpoint folders, resolve and check the checkpoint to resume, store the resolved config in
+        checkpoints (for ``hfmca analyze``), and point W&B at the checkpoint's run before Lightning starts a new
+        one."""
         config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
         for callback in self.trainer.callbacks:
             if isinstance(callback, StoredConfig):
                 callback.config = config
+        self._lock_checkpoint_folders()
         checkpoint_path = self._resume_checkpoint()
         if checkpoint_path is None:
             return
@@ -140,23 +213,36 @@ class HFMCACLI(LightningCLI):
                 if isinstance(logger, OfflineSafeWandbLogger):
                     logger.resume_run(run_id)
 
+    def _lock_checkpoint_folders(self) -> None:
+        """One ``fit`` per checkpoint folder: process 0 (the one that launches the others under DDP) locks every
+        folder the run writes checkpoints into, or the command ends in one line if a live run holds one."""
+        if not self.trainer.is_global_zero:
+            return
+        for folder in sorted(checkpoint_folders(self.trainer)):
+            self.run_folders.acquire(folder)
+
     def _resume_checkpoint(self) -> Path | None:
-        """The file ``--ckpt_path`` names; for ``last``, the newest ``last*.ckpt`` of the checkpoint folders."""
+        """The file ``--ckpt_path`` names; for ``last``, the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders
+        of this run's callbacks that write one (``save_last``), never another folder's."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt_path is None or str(ckpt_path) in ("best", "hpc"):
             return None
         if str(ckpt_path) != "last":
             return Path(ckpt_path)
-        folders = {
-            Path(c.dirpath) for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath
-        }
+        folders = checkpoint_folders(self.trainer, last_only=True)
         candidates = [
             path
-            for folder in folders
-            for path in folder.glob(f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}*{ModelCheckpoint.FILE_EXTENSION}")
+            for folder, callback in folders.items()
+            if folder.is_dir()
+            for path in folder.iterdir()
+            if _is_last_checkpoint(path, callback)
         ]
         if not candidates:
-            where = ", ".join(str(folder) for folder in sorted(folders)) or "no ModelCheckpoint dirpath is configured"
+            where = (
+                ", ".join(str(folder) for folder in sorted(folders))
+                or "no checkpoint folder of this run: none of its ModelCheckpoint callbacks has both a dirpath and "
+                "save_last: true"
+            )
             rank_zero_info(f"hfmca: no last checkpoint in {where}; starting a new run.")
             self.config_init[self.subcommand]["ckpt_path"] = None
             return None

@@ -119,7 +119,17 @@ class TimmBackbone(nn.Module):
                 f"{name!r} is not a timm model{'; did you mean ' + ' / '.join(close) + '?' if close else ''}",
                 parameter="name",
             )
-        self.net = timm.create_model(name, pretrained=pretrained, num_classes=0, **(model_kwargs or {}))
+        try:
+            self.net = timm.create_model(name, pretrained=pretrained, num_classes=0, **(model_kwargs or {}))
+        except TypeError as error:
+            unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+            if unexpected is None or unexpected.group(1) not in (model_kwargs or {}):
+                raise
+            raise ConfigurationError(
+                f"timm model {name!r} takes no argument {unexpected.group(1)!r}; remove it from model_kwargs "
+                "(they go to timm.create_model and the model's constructor)",
+                parameter="model_kwargs",
+            ) from None
         self.feature_dim = int(self.net.num_features)  # type: ignore[arg-type]  # timm models set it to an int
         self.architecture, self.model_kwargs = name, dict(model_kwargs or {})  # what `hfmca export` writes down
 

@@ -1,1 +1,2 @@
-"""What a run needs besides the maths: atomic checkpoint files, per-step seeds, the process's malloc setting."""
+"""What a run needs besides the maths: files written whole (checkpoints, exports, reports), one run per checkpoint
+folder, per-step seeds, the process's malloc setting."""

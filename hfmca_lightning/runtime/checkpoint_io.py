@@ -10,7 +10,6 @@ one, never a part.
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import zipfile
@@ -23,18 +22,19 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.runtime.files import write_atomically
 
 __all__ = ["AtomicCheckpointIO", "read_checkpoint"]
-
-_TEMPORARY_SUFFIX = ".partial"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic on local and network file systems.
 
-    The checkpoint is written to ``.<name>.<pid>.partial`` in the target's folder, fsynced, renamed over the
-    target (``os.replace``, atomic on POSIX file systems) and the folder is fsynced. Partial files left by a
-    process killed while saving are removed by the next save. Remote URLs (``s3://``) use Lightning's writer.
+    The checkpoint is written to ``.<name>.<host>.<pid>.partial`` in the target's folder, fsynced, renamed over
+    the target (``os.replace``, atomic on POSIX file systems) and the folder is fsynced
+    (:func:`~hfmca_lightning.runtime.files.write_atomically`). A partial file left by a process killed while saving
+    is removed by a later save once that process is gone; another live writer's is left alone. Remote URLs
+    (``s3://``) use Lightning's writer.
     """
 
     def load_checkpoint(
@@ -50,37 +50,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not _is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for stale in target.parent.glob(f".{target.name}.*{_TEMPORARY_SUFFIX}"):
-            stale.unlink(missing_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}{_TEMPORARY_SUFFIX}")
-        try:
-            with open(partial, "wb") as handle:
-                torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-        _fsync_directory(target.parent)
+        write_atomically(Path(path), lambda handle: torch.save(checkpoint, handle))
 
 
 def _is_local(path: _PATH) -> bool:
     return "file" in (get_filesystem(path).protocol or ("file",))
-
-
-def _fsync_directory(folder: Path) -> None:
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open folders
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -176,6 +176,21 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "have different class folders (only in train: ['class_2']; only in test: ['class_9'])",
     ),
     (
+        "a keyword timm's model does not take",
+        lambda tmp, ckpt: [],
+        lambda tmp: (
+            pytest.importorskip("timm")
+            and {
+                "model.init_args.backbone": {
+                    "class_path": "hfmca_lightning.models.TimmBackbone",
+                    "init_args": {"name": "resnet18", "model_kwargs": {"drop_rate": 0.0, "bogus_key": 3}},
+                }
+            }
+        ),
+        "model.init_args.backbone.init_args.model_kwargs: timm model 'resnet18' takes no argument 'bogus_key'; "
+        "remove it from model_kwargs",
+    ),
+    (
         "old key worker_augmentation",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.worker_augmentation": "batched"},

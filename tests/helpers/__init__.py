@@ -8,6 +8,7 @@ are in conftest.py."""
 from tests.helpers.callbacks import (
     COUNTED_STEPS,
     CountHostReads,
+    PauseBeforeStep,
     PoisonBatchAt,
     PoisonWeightsAtStep,
     RaiseAtStep,
@@ -84,6 +85,7 @@ __all__ = [
     "HFMCA",
     "HFMCATimeout",
     "PER_RANK_BATCH",
+    "PauseBeforeStep",
     "PoisonBatchAt",
     "PoisonWeightsAtStep",
     "RaiseAtStep",

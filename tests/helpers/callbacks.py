@@ -1,7 +1,10 @@
-"""Callbacks the tests insert into runs (configs name them ``tests.helpers.<Class>``): simulated failures and host-read
-counters."""
+"""Callbacks the tests insert into runs (configs name them ``tests.helpers.<Class>``): simulated failures, host-read
+counters and a pause mid-training."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -77,3 +80,19 @@ class CountHostReads(Callback):
         if trainer.fit_loop.epoch_loop.batch_idx in COUNTED_STEPS:
             self._step.__exit__(None, None, None)
             self.until_optimizer += self._step.reads or ["(none)"]
+
+
+class PauseBeforeStep(Callback):
+    """Holds the run before training step ``step`` until the file ``resume`` exists (a test acts on a run known to be
+    mid-training, then lets it go on); creates ``<resume>.waiting`` when it starts to wait."""
+
+    def __init__(self, resume: str, step: int = 1, timeout_s: float = 120.0) -> None:
+        self.resume, self.step, self.timeout_s = Path(resume), step, timeout_s
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        if trainer.global_step != self.step or self.resume.exists():
+            return
+        self.resume.with_name(self.resume.name + ".waiting").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.resume.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import csv
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -148,10 +149,17 @@ def write_overrides(folder: Path, name: str, overrides: dict) -> Path:
     return path
 
 
-def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log", test_classes: bool = False) -> subprocess.Popen:
+def start_hfmca(
+    cwd: Path,
+    *args: str,
+    log_name: str = "hfmca.log",
+    test_classes: bool = False,
+    file_size_limit: int | None = None,
+) -> subprocess.Popen:
     """Start ``hfmca <args>`` in ``cwd`` (relative paths of the shipped configs land there) in its own process
     group, output to ``cwd/<log_name>``; ``test_classes``: configs may name classes of this test suite
-    (``tests.<module>.<class>``)."""
+    (``tests.<module>.<class>``); ``file_size_limit``: the largest file in bytes the command may write
+    (``RLIMIT_FSIZE``, as ``ulimit -f``; a write past it fails with EFBIG, as on a full disk; its log counts too)."""
     # A fresh shell's environment: a WANDB_SERVICE or MASTER_PORT inherited from this process (tests that ran
     # W&B or DDP in-process leave them behind) would make every subprocess share one W&B service or one
     # rendezvous port, unlike separate runs of the command.
@@ -166,8 +174,20 @@ def start_hfmca(cwd: Path, *args: str, log_name: str = "hfmca.log", test_classes
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(cwd / log_name, "w")
     return subprocess.Popen(
-        [str(HFMCA), *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        [str(HFMCA), *args],
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=None if file_size_limit is None else lambda: _limit_file_size(file_size_limit),
     )
+
+
+def _limit_file_size(limit: int) -> None:
+    """In the child before it runs the command: writes past ``limit`` bytes fail with EFBIG instead of killing it."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # stays ignored across exec
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 class HFMCATimeout(AssertionError):
@@ -175,15 +195,20 @@ class HFMCATimeout(AssertionError):
 
 
 def run_hfmca(
-    cwd: Path, *args: str, timeout: float = 240, log_name: str = "hfmca.log", test_classes: bool = False
+    cwd: Path,
+    *args: str,
+    timeout: float = 240,
+    log_name: str = "hfmca.log",
+    test_classes: bool = False,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``hfmca <args>`` to completion; returns the process with ``stdout`` = its whole output.
+    """Run ``hfmca <args>`` to completion (``file_size_limit``: as :func:`start_hfmca`); returns the process with
+    ``stdout`` = its whole output.
 
     On time-out every process of the run (DDP ranks, data-loader workers) gets SIGABRT, which makes it print
     its Python stacks (faulthandler), then SIGKILL; :class:`HFMCATimeout` carries the output."""
-    return finish_hfmca(
-        start_hfmca(cwd, *args, log_name=log_name, test_classes=test_classes), cwd, timeout=timeout, log_name=log_name
-    )
+    process = start_hfmca(cwd, *args, log_name=log_name, test_classes=test_classes, file_size_limit=file_size_limit)
+    return finish_hfmca(process, cwd, timeout=timeout, log_name=log_name)
 
 
 def finish_hfmca(

@@ -143,6 +143,7 @@ def test_ctrl_c_and_sigterm_end_the_command_with_one_line(trained, command, sign
         config.write_text(yaml.safe_dump(merged(yaml.safe_load(DEMO.read_text()), yaml.safe_load(larger.read_text()))))
         option = "--config" if command == "analyze" else None
         arguments += ["--groups_per_feature", "100000"] + ([option, str(config)] if option else [])
+        arguments[arguments.index("--out") + 1] = str(folder / log.removesuffix(".log"))  # a folder of its own
         if command == "compare":  # compare reads model A's data from its checkpoint: give it one with the larger data
             arguments[arguments.index("--ckpt_a") + 1] = str(larger_checkpoint(folder, config, checkpoint))
         ready = lambda: "statistics of" in (folder / log).read_text()  # noqa: E731

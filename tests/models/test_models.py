@@ -123,6 +123,13 @@ def test_timm_vit_is_a_backbone_and_refuses_internal_costs_clearly():
         TimmBackbone("vit_tiny_patch16_22")
 
 
+def test_a_keyword_the_timm_model_does_not_take_is_named():
+    pytest.importorskip("timm")
+    with pytest.raises(ConfigurationError, match="timm model 'resnet18' takes no argument 'bogus_key'") as raised:
+        TimmBackbone("resnet18", model_kwargs={"drop_rate": 0.1, "bogus_key": 3})
+    assert raised.value.parameter == "model_kwargs"
+
+
 def test_internal_costs_on_resnet50_bottlenecks():
     backbone = TorchvisionBackbone("resnet50")
     internal = InternalCosts(["net.layer1.0", "net.layer2.0", "net.layer3.1"])

@@ -15,6 +15,7 @@ import torch
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from hfmca_lightning.runtime.files import partial_path
 
 # Saves a ~16 MB checkpoint to argv[1] over and over, with the writer named in argv[2].
 WRITER = """
@@ -89,6 +90,28 @@ def test_a_failed_save_keeps_the_previous_file_and_cleans_up(tmp_path, monkeypat
     monkeypatch.undo()
     assert read_checkpoint(target)["global_step"] == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_save_leaves_the_partial_file_of_a_live_writer_and_removes_a_killed_ones(tmp_path):
+    """Two processes saving into one folder: neither deletes the file the other is writing; a killed writer's file
+    goes with the first save after its death."""
+    target = tmp_path / "last.ckpt"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = partial_path(target).name.split(".")[-3]  # .last.ckpt.<host>.<pid>.partial
+        being_written = tmp_path / f".last.ckpt.{host}.{writer.pid}.partial"
+        being_written.write_bytes(b"the first half of another process's checkpoint")
+        io = AtomicCheckpointIO()
+        io.save_checkpoint({"state_dict": {}, "pytorch-lightning_version": "2", "global_step": 1}, target)
+        assert being_written.exists()
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        io.save_checkpoint({"state_dict": {}, "pytorch-lightning_version": "2", "global_step": 2}, target)
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
+        assert read_checkpoint(target)["global_step"] == 2
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_every_hfmca_fit_writes_with_the_atomic_writer(tmp_path):

@@ -1,0 +1,119 @@
+"""``hfmca fit`` and its run folders: one run per checkpoint folder at a time (a live run's folder refused, a killed
+run's lock taken over), ``--ckpt_path last`` from this run's folder only, ``config.yaml`` replaced whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import DEMO, finish_hfmca, fit, run_hfmca, start_hfmca, tiny_overrides, wait_for
+
+
+def fit_args(folder: Path, **extra: object) -> list[str]:
+    return ["fit", "--config", str(DEMO), "--config", str(tiny_overrides(folder, **extra))]
+
+
+def paused_run_args(folder: Path, step: int, max_epochs: int = 1) -> list[str]:
+    """The tiny demo (4 steps per epoch), held before training step ``step`` until ``folder / "go"`` exists."""
+    callbacks = yaml.safe_load((tiny_overrides(folder)).read_text())["trainer"]["callbacks"]
+    pause = {"class_path": "tests.helpers.PauseBeforeStep", "init_args": {"resume": str(folder / "go"), "step": step}}
+    return fit_args(folder, **{"trainer.callbacks": [*callbacks, pause], "trainer.max_epochs": max_epochs})
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"])
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("hfmca: error: ")]
+
+
+@pytest.mark.integration  # subprocess runs
+def test_a_second_fit_into_a_running_runs_folder_is_refused_and_the_first_finishes(tmp_path):
+    args = paused_run_args(tmp_path, step=2)
+    first = start_hfmca(tmp_path, *args, log_name="first.log", test_classes=True)
+    try:
+        wait_for((tmp_path / "go.waiting").exists, first)  # mid-training, its folder locked
+        assert (tmp_path / ".checkpoints.lock").is_file()
+        second = run_hfmca(tmp_path, *args, log_name="second.log", test_classes=True, timeout=120)
+    finally:
+        (tmp_path / "go").touch()
+    first_run = finish_hfmca(first, tmp_path, log_name="first.log")
+
+    assert second.returncode == 2, second.stdout[-3000:]
+    [line] = error_lines(second.stdout)
+    assert f"checkpoint folder {tmp_path / 'checkpoints'} is in use by another `hfmca fit` (pid {first.pid}" in line
+    assert "Traceback" not in second.stdout
+    assert first_run.returncode == 0, first_run.stdout[-3000:]
+    assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 4  # the whole epoch, undisturbed
+    assert [path.name for path in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]  # the second wrote nothing
+
+
+@pytest.mark.integration  # subprocess runs
+def test_the_lock_of_a_killed_run_is_taken_over_by_its_resume(tmp_path):
+    args = paused_run_args(tmp_path, step=6, max_epochs=2)  # held after the first epoch's checkpoint (step 4)
+    killed = start_hfmca(tmp_path, *args, log_name="killed.log", test_classes=True)
+    wait_for((tmp_path / "go.waiting").exists, killed)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert (tmp_path / ".checkpoints.lock").read_text().split()[0] == str(killed.pid)  # left behind
+    assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 4
+
+    (tmp_path / "go").touch()
+    resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log", test_classes=True)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert error_lines(resumed.stdout) == []
+    assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 8
+
+
+@pytest.mark.integration  # a subprocess run
+def test_resume_with_last_reads_only_this_runs_folder(tmp_path):
+    """Run A keeps its best checkpoints in a folder that run B, of another model, writes its ``last.ckpt`` into;
+    B's newer ``last.ckpt`` there is not A's to resume."""
+    shared = tmp_path / "shared"
+    run_a = tmp_path / "a"
+    own = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}
+    own["init_args"]["dirpath"] = str(run_a / "checkpoints")
+    best = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(shared), "filename": "a-{epoch}", "every_n_train_steps": 4},
+    }
+    fit(run_a, **{"trainer.callbacks": [own, best]})  # one epoch
+    assert step_of(run_a / "checkpoints" / "last.ckpt") == 4
+    other = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(shared)}}
+    other["init_args"]["save_last"] = True
+    smaller = {"width": 4, "num_stages": 3}  # another architecture, with the same feature size
+    fit(
+        tmp_path / "b",
+        "--trainer.max_epochs",
+        "2",
+        **{"trainer.callbacks": [other], "model.init_args.backbone.init_args": smaller},
+    )
+    assert step_of(shared / "last.ckpt") == 8
+    assert (shared / "last.ckpt").stat().st_mtime > (run_a / "checkpoints" / "last.ckpt").stat().st_mtime
+
+    a_args = fit_args(run_a, **{"trainer.callbacks": [own, best], "trainer.max_epochs": 2})  # one epoch more
+    resumed = run_hfmca(tmp_path, *a_args, "--ckpt_path", "last", log_name="resumed.log")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert step_of(run_a / "checkpoints" / "last.ckpt") == 8  # A's epoch 2, trained from A's step 4
+    assert step_of(shared / "last.ckpt") == 8 and list(shared.glob("a-epoch=1*.ckpt"))
+
+
+@pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty")
+def test_config_yaml_is_replaced_whole(tmp_path):
+    """The run's ``config.yaml`` is a new file renamed over the old one, never the old file rewritten in place (what a
+    kill mid-write would leave truncated): a hard link to the old file keeps the old text."""
+    log_dir = tmp_path / "logs" / "run" / "fixed"
+    log_dir.mkdir(parents=True)
+    (log_dir / "config.yaml").write_text("old: true\n")
+    os.link(log_dir / "config.yaml", tmp_path / "old_config.yaml")
+    fit(tmp_path, **{"trainer.logger.init_args.version": "fixed"})
+    written = yaml.safe_load((log_dir / "config.yaml").read_text())
+    assert written["model"]["init_args"]["backbone"]["init_args"]["width"] == 8
+    assert (tmp_path / "old_config.yaml").read_text() == "old: true\n"
+    assert [path.name for path in log_dir.iterdir() if path.name.endswith(".partial")] == []

@@ -11,7 +11,10 @@ __all__ = ["StoredConfig", "saved_config"]
 
 def saved_config(checkpoint: dict[str, Any]) -> str | None:
     """The resolved YAML config that :class:`StoredConfig` put in ``checkpoint``, if any."""
-    return checkpoint.get("callbacks", {}).get(StoredConfig.__name__, {}).get("config")
+    callbacks = checkpoint.get("callbacks")
+    entry = callbacks.get(StoredConfig.__name__) if isinstance(callbacks, dict) else None
+    config = entry.get("config") if isinstance(entry, dict) else None
+    return config if isinstance(config, str) else None
 
 
 class StoredConfig(Callback):

@@ -156,6 +156,7 @@ def main(args: list[str] | None = None) -> None:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
     except OSError as error:  # mid-way: a full disk, a file size limit, a file removed under the command
+        _stop_if_one_process_failed(error, command)
         _exit(f"hfmca: error: {describe_os_error(error)}", EXIT_FAILED)
     except (SIGTERMException, Terminated):
         after = "continue with the same command and `--ckpt_path last`" if command == "fit" else "nothing was written"
@@ -163,26 +164,8 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _exit(_interrupted_line(command), EXIT_INTERRUPTED)
     except Exception as error:
-        from hfmca_lightning.runtime.ranks import a_child_failed, processes, stop_other_ranks
-
-        if command not in LIGHTNING_COMMANDS or processes() < 2:
-            raise
-        # One process of a multi-process run failed alone: it says why, and every process stops
-        # (hfmca_lightning.runtime.ranks). Process 0 whose collective failed because a child failed says nothing.
-        child_failed = _rank() == 0 and a_child_failed()
-        stop_other_ranks()
-        if child_failed:
-            _exit("", EXIT_FAILED)
-        first = (_original_message(error).strip().splitlines() or [""])[0]
-        after = (
-            "; continue from the last checkpoint with the same command and `--ckpt_path last`"
-            if command == "fit"
-            else ""
-        )
-        _exit(
-            f"hfmca: error: process {_rank()} of {processes()} failed: {type(error).__name__}: {first}{after}.",
-            EXIT_FAILED,
-        )
+        _stop_if_one_process_failed(error, command)
+        raise
     except SystemExit:
         if signals.interrupted:  # Lightning's graceful shutdown after Ctrl-C ends in SystemExit(1)
             _exit(_interrupted_line(command), EXIT_INTERRUPTED)
@@ -218,6 +201,27 @@ def _run(command: str, argv: list[str], args: list[str] | None) -> None:
             HFMCACLI(args=argv)
 
 
+def _stop_if_one_process_failed(error: Exception, command: str) -> None:
+    """In a multi-process run that one process failed alone: it says why in one line, and every process stops
+    (:mod:`hfmca_lightning.runtime.ranks`); process 0 whose collective failed because a child failed says nothing.
+    Elsewhere, nothing."""
+    from hfmca_lightning.runtime.ranks import a_child_failed, processes, stop_other_ranks
+
+    if command not in LIGHTNING_COMMANDS or processes() < 2:
+        return
+    child_failed = _rank() == 0 and a_child_failed()
+    stop_other_ranks()
+    if child_failed:
+        _exit("", EXIT_FAILED)
+    first = (_original_message(error).strip().splitlines() or [""])[0]
+    after = (
+        "; continue from the last checkpoint with the same command and `--ckpt_path last`" if command == "fit" else ""
+    )
+    _exit(
+        f"hfmca: error: process {_rank()} of {processes()} failed: {type(error).__name__}: {first}{after}.", EXIT_FAILED
+    )
+
+
 def _interrupted_line(command: str) -> str:
     if command == "fit":
         return "hfmca: interrupted; continue from the last checkpoint with the same command and `--ckpt_path last`."
@@ -248,9 +252,7 @@ def _rank() -> int:
 
 
 def _is_rank_zero() -> bool:
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-    return getattr(rank_zero_only, "rank", 0) == 0
+    return _rank() == 0
 
 
 def _exit(message: str, status: int) -> None:

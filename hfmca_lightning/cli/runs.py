@@ -46,9 +46,13 @@ HARMLESS_TRAINER_KEYS = frozenset(
 # Of those, the ones whose value may name classes: only None, False or a plain name (no class_path) from a stored
 # config; logger and callbacks are replaced by the commands anyway.
 _CLASS_VALUED_TRAINER_KEYS = ("strategy", "plugins", "profiler")
-# A class named by a dotted string without class_path (jsonargparse reads ``model: package.Class`` so), where its
-# top-level module exists.
-_DOTTED_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.[A-Z]\w*$")
+# A class or function named by a dotted string without class_path (jsonargparse reads ``model: package.Class`` and
+# callables so), where its top-level module exists; file names are not names of code.
+_DOTTED_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+_FILE_SUFFIXES = frozenset(
+    {"png", "jpg", "jpeg", "yaml", "yml", "json", "ckpt", "pt", "pth", "csv", "txt", "npz", "npy", "tar", "gz",
+     "zip", "html", "log", "md", "bin"}
+)  # fmt: skip
 
 
 def run_config(
@@ -65,7 +69,11 @@ def run_config(
         raise ConfigurationError(
             f"{ckpt_path} holds no config (it was not written by `hfmca fit`); pass --config with the run's YAML"
         )
-    config = yaml.safe_load(text)
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        first = str(error).strip().splitlines()[0]
+        raise ConfigurationError(f"{ckpt_path}: the config stored in the checkpoint is not YAML ({first})") from None
     problem = untrusted_config_problem(config)
     if problem is not None:
         raise ConfigurationError(
@@ -81,6 +89,11 @@ def untrusted_config_problem(config: Any) -> str | None:
     ``None`` when there is nothing."""
     if not isinstance(config, dict):
         return "it is not a mapping of settings"
+    for section in ("trainer", "model", "data"):
+        if config.get(section) is not None and not isinstance(config[section], (dict, str)):
+            return f"{section} is a {type(config[section]).__name__}, not a mapping of settings"
+    if isinstance(config.get("trainer"), str):
+        return "trainer is a string, not a mapping of settings"
     trainer = config.get("trainer") or {}
     if isinstance(trainer, dict):
         defaults = _trainer_defaults()
@@ -112,8 +125,21 @@ def _untrusted_class(node: Any, where: str) -> str | None:
             found = _untrusted_class(value, f"{where}[{index}]")
             if found is not None:
                 return found
-    elif isinstance(node, str) and _DOTTED_CLASS.match(node) and not _trusted(node) and _importable(node):
-        return f"{where} names the class {_shown(node)}, outside {', '.join(TRUSTED_PACKAGES)}"
+    elif isinstance(node, str):
+        text = node.strip()
+        if text[:1] in ("{", "["):  # jsonargparse parses such strings as YAML / JSON: what they hold is checked
+            try:
+                parsed = yaml.safe_load(text)
+            except yaml.YAMLError:
+                return None
+            return _untrusted_class(parsed, where) if isinstance(parsed, (dict, list)) else None
+        if (
+            _DOTTED_NAME.match(text)
+            and text.rsplit(".", 1)[-1].lower() not in _FILE_SUFFIXES
+            and not _trusted(text)
+            and _importable(text)
+        ):
+            return f"{where} names {_shown(node)}, code outside {', '.join(TRUSTED_PACKAGES)}"
     return None
 
 

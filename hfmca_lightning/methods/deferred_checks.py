@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from hfmca_lightning.diagnostics import host_buffer
 from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError
 
-__all__ = ["DeferredChecks", "FailedStep", "SkipUpdateIfFailed"]
+__all__ = ["DeferredChecks", "FailedStep", "SkipUpdateIfFailed", "copy_to_host"]
 
 
 @dataclass
@@ -41,6 +41,19 @@ class _Pending:
     event: Any
 
 
+def copy_to_host(value: Tensor) -> tuple[Tensor, Any]:
+    """``(host, event)``: an asynchronous copy of a CUDA tensor into pinned memory and the CUDA event after which
+    ``host`` holds it (``event.synchronize()`` waits for the copy, not for the device's queue); on other devices the
+    value itself and no event."""
+    if value.device.type != "cuda":
+        return host_buffer(value), None
+    host = host_buffer(torch.empty(value.shape, dtype=value.dtype, pin_memory=True))
+    host.copy_(value, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(value.device))
+    return host, event
+
+
 class DeferredChecks:
     """Checks of optimizer steps on their way to the host: :meth:`push` starts an asynchronous copy of a step's
     packed checks (``non_blocking`` into pinned memory, with a CUDA event; on other devices the values are on the
@@ -55,13 +68,7 @@ class DeferredChecks:
 
     def push(self, checks: CostChecks, packed: Tensor, step: int, epoch: int) -> None:
         """Start bringing ``packed`` (``checks.packed()``, possibly reduced over processes) to the host."""
-        if packed.device.type == "cuda":
-            host = host_buffer(torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True))
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(packed.device))
-        else:
-            host, event = host_buffer(packed), None
+        host, event = copy_to_host(packed)
         self._pending.append(_Pending(step, epoch, checks, host, event))
 
     def first_failure(self) -> FailedStep | None:

@@ -17,9 +17,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from hfmca_lightning.diagnostics import host_buffer
 from hfmca_lightning.losses.distributed import all_reduce_max
-from hfmca_lightning.methods.deferred_checks import SkipUpdateIfFailed
+from hfmca_lightning.methods.deferred_checks import SkipUpdateIfFailed, copy_to_host
 
 __all__ = ["NonFiniteStepError", "NonFiniteUpdateGuard"]
 
@@ -60,16 +59,12 @@ class NonFiniteUpdateGuard:
                 if parameter.grad is not None
             ]
             if gradients:
-                values.append(torch.stack([norm.float() for norm in torch._foreach_norm(gradients)]))
+                # the largest magnitude of each gradient: finite wherever its values are (a 2-norm of finite float16
+                # values can overflow)
+                largest = torch._foreach_norm(gradients, float("inf"))
+                values.append(torch.stack([value.float() for value in largest]))
         failed = all_reduce_max((~torch.isfinite(torch.cat(values))).any().to(torch.int32)).bool()
-        if failed.device.type == "cuda":
-            host = host_buffer(torch.empty((), dtype=torch.bool, pin_memory=True))
-            host.copy_(failed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(failed.device))
-        else:
-            host, event = host_buffer(failed), None
-        self._pending.append((step, epoch, host, event))
+        self._pending.append((step, epoch, *copy_to_host(failed)))
         self._skip.arm(optimizer, failed, in_kernel=not gradient_scaler)
 
     def after_update(self) -> None:

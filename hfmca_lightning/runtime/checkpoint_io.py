@@ -43,7 +43,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Lightning's own loads (``--ckpt_path``) as :func:`read_checkpoint` reads local files: tensors and plain data
         only, whatever ``weights_only`` Lightning asks for, on the CPU (Lightning copies them into the module)."""
         if not _is_local(path):
-            return super().load_checkpoint(path, map_location, weights_only=True)
+            return super().load_checkpoint(path, map_location)  # torch >= 2.6 loads weights only by default
         return read_checkpoint(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

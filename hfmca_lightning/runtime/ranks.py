@@ -37,7 +37,8 @@ def watch_ranks(trainer: Trainer, failed_exit_status: int) -> None:
         return
     _exit_status = failed_exit_status
     _watched[:] = [launcher]
-    _ChildProcessObserver._terminate_all = _end_after_a_failed_child  # type: ignore[method-assign]
+    if hasattr(_ChildProcessObserver, "_terminate_all"):  # Lightning's private hook; without it, Lightning's own end
+        _ChildProcessObserver._terminate_all = _end_after_a_failed_child  # type: ignore[method-assign]
 
 
 def processes() -> int:

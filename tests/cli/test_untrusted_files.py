@@ -85,6 +85,10 @@ def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_
     checkpoint = lightning_checkpoint(tmp_path / "stored.ckpt", config=yaml.safe_dump(config))
     shorthand = dict(config, model="recording_module.Model")  # jsonargparse's class_path shorthand
     short_checkpoint = lightning_checkpoint(tmp_path / "short.ckpt", config=yaml.safe_dump(shorthand))
+    as_json = dict(config, model='{"class_path": "recording_module.Model"}')  # a string jsonargparse parses
+    json_checkpoint = lightning_checkpoint(tmp_path / "json.ckpt", config=yaml.safe_dump(as_json))
+    function = dict(config, model="recording_module.build")  # a callable's dotted name
+    function_checkpoint = lightning_checkpoint(tmp_path / "function.ckpt", config=yaml.safe_dump(function))
     plugins = dict(yaml.safe_load(DEMO.read_text()), trainer={"plugins": {"class_path": "torch.nn.Identity"}})
     plugin_checkpoint = lightning_checkpoint(tmp_path / "plugins.ckpt", config=yaml.safe_dump(plugins))
     commands = {
@@ -94,14 +98,18 @@ def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_
     }
     commands["export (shorthand)"] = ["export", "--ckpt_path", str(short_checkpoint), "--out", str(tmp_path / "e2")]
     commands["analyze (plugins)"] = ["analyze", "--ckpt_path", str(plugin_checkpoint), "--out", str(tmp_path / "a2")]
+    commands["knn (JSON string)"] = ["knn", "--ckpt_path", str(json_checkpoint), "--out", str(tmp_path / "k2")]
+    commands["linear (function)"] = ["linear", "--ckpt_path", str(function_checkpoint), "--out", str(tmp_path / "l2")]
     results = run_all(commands, tmp_path)
     for name, (status, lines) in results.items():
         assert status == 2, (name, lines)
         assert lines == [lines[-1]] and "the config stored in the checkpoint is refused" in lines[-1], (name, lines)
         assert "pass it as your own with --config" in lines[-1], (name, lines)
     assert "model.class_path names 'recording_module.Model'" in results["export"][1][-1]
-    assert "model names the class 'recording_module.Model'" in results["export (shorthand)"][1][-1]
+    assert "model names 'recording_module.Model', code outside" in results["export (shorthand)"][1][-1]
     assert "trainer.plugins names" in results["analyze (plugins)"][1][-1]
+    assert "model.class_path names 'recording_module.Model'" in results["knn (JSON string)"][1][-1]
+    assert "model names 'recording_module.build', code outside" in results["linear (function)"][1][-1]
     assert not marker.exists()
 
 
@@ -109,5 +117,5 @@ def test_the_configs_hfmca_fit_stores_are_trusted() -> None:
     """Every shipped config, as a stored config, passes the check (its classes come from the trusted packages)."""
     from hfmca_lightning.cli.runs import untrusted_config_problem
 
-    for path in sorted((DEMO.parent).glob("*.yaml")):
+    for path in sorted(DEMO.parent.rglob("*.yaml")):
         assert untrusted_config_problem(yaml.safe_load(path.read_text())) is None, path.name

@@ -60,3 +60,31 @@ def test_a_diverging_baseline_stops_in_one_line_and_every_checkpoint_on_disk_is_
     last = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == int(stopped.group(1))
     assert max(torch.load(path, weights_only=True)["global_step"] for path in files) == last["global_step"]
+
+
+def test_the_guard_skips_a_non_finite_update_and_passes_large_finite_float16_gradients() -> None:
+    """A float16 gradient of a million values of 100 has an overflowing 2-norm but is finite: its update is made. A
+    NaN in the gradient skips the update (weights as they were) and the next read raises."""
+    from hfmca_lightning.methods.update_guard import NonFiniteStepError, NonFiniteUpdateGuard
+
+    weights = torch.nn.Parameter(torch.zeros(1_000_000, dtype=torch.float16))
+    optimizer = torch.optim.SGD([weights], lr=1e-3)
+    guard = NonFiniteUpdateGuard("Method")
+
+    def step(gradient: torch.Tensor) -> None:
+        weights.grad = gradient
+        guard.add_loss(torch.tensor(1.0))
+        guard.before_update(optimizer, step=0, epoch=0)
+        optimizer.step()
+        guard.after_update()
+
+    step(torch.full_like(weights, 100.0))
+    guard.raise_if_a_step_failed()
+    assert bool((weights.float() - (-0.1)).abs().max() < 1e-3)  # the update was made (float16 rounding aside)
+    before = weights.detach().clone()
+    poisoned = torch.full_like(weights, 1.0)
+    poisoned[7] = float("nan")
+    step(poisoned)
+    assert torch.equal(weights.detach(), before)
+    with pytest.raises(NonFiniteStepError, match=r"training stopped at step 0 \(epoch 0\): Method's loss or gradients"):
+        guard.raise_if_a_step_failed()

@@ -49,7 +49,7 @@ class NonFiniteUpdateGuard:
         self.raise_if_a_step_failed()
         if not self._losses:
             return
-        losses, self._losses = torch.stack([loss.float() for loss in self._losses]), []
+        losses, self._losses = torch.cat([loss.float().reshape(-1) for loss in self._losses]), []
         values = [losses]
         if not gradient_scaler:
             gradients = [

@@ -5,6 +5,7 @@ previous export, report or checkpoint exactly as it was."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -17,22 +18,12 @@ import pytest
 import torch
 
 from hfmca_lightning.cli import main
-from tests.helpers import DEMO, fit, run_hfmca, tiny_overrides
+from tests.helpers import DEMO, DEMO_TINY_MODEL, fit, run_hfmca, tiny_overrides
 
 # A backbone of ~80 KB of weights: large enough that a limit below it leaves room for the command's own log.
-WIDER_MODEL = {
-    "init_args": {
-        "backbone": {"class_path": "hfmca_lightning.models.SmallConvNet", "init_args": {"width": 32, "num_stages": 2}},
-        "projector": {
-            "class_path": "hfmca_lightning.models.ViewProjector",
-            "init_args": {"input_dim": 64, "output_dim": 16, "hidden_dim": 32},
-        },
-        "external_head": {
-            "class_path": "hfmca_lightning.models.GridExternalHead",
-            "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16, "noise_channels": 0},
-        },
-    }
-}
+WIDER_MODEL = copy.deepcopy(DEMO_TINY_MODEL)
+WIDER_MODEL["init_args"]["backbone"]["init_args"]["width"] = 32  # 64 features
+WIDER_MODEL["init_args"]["projector"]["init_args"]["input_dim"] = 64
 ANALYZE_OPTIONS = ("--num_batches", "1", "--num_images", "2")
 
 

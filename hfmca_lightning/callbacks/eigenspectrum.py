@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import numpy as np
@@ -268,8 +267,7 @@ class EigenspectrumCallback(FigureCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` gave, or the older layout that kept the window's ``open`` and ``chunks``
-        sums beside the history.
+        """Restore what :meth:`state_dict` gave.
 
         Args:
             state_dict: the callback's entry of a checkpoint.
@@ -279,16 +277,8 @@ class EigenspectrumCallback(FigureCallback):
             for name, entries in state_dict["history"].items()
         }
         self._internal_steps = state_dict.get("internal_steps")
-        self._steps_seen = int(state_dict.get("steps_seen", 0))
-        self.window.load_state_dict(state_dict.get("window", state_dict))
-
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Checkpoints written before the state key named the settings kept the state under the class name; a
-        callback whose own key is missing takes that state, so resuming them keeps the history and window."""
-        states = checkpoint.get("callbacks", {})
-        legacy_key = type(self).__qualname__  # Lightning's default state key, which those checkpoints used
-        if self.state_key not in states and legacy_key in states:
-            self.load_state_dict(copy.deepcopy(states[legacy_key]))
+        self._steps_seen = int(state_dict["steps_seen"])
+        self.window.load_state_dict(state_dict["window"])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Restored sums go to the module's device (checkpoints may be loaded on the CPU)."""

@@ -427,27 +427,3 @@ def test_a_resumed_run_has_the_spectrum_state_of_an_uninterrupted_one(tmp_path):
     assert resumed.history == straight.history and len(straight.history["external"]) == 3  # steps 3, 5, 7
     assert straight.latest and straight.window_groups
     assert_same_window(resumed, straight)
-
-
-def test_a_checkpoint_of_the_older_layout_resumes_with_its_history_and_window(tmp_path):
-    """Older checkpoints kept the state under the class name, with the window's ``open`` and ``chunks`` sums beside
-    the history: Lightning finds no state under the new key, and the callback takes the old entry itself."""
-    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=5)
-    trainer = quiet_trainer(max_epochs=1, callbacks=[spectrum], limit_val_batches=0)
-    trainer.fit(tiny_spectrum_module(), tiny_data())
-    trainer.save_checkpoint(tmp_path / "run.ckpt")
-    checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=False)
-    state = checkpoint["callbacks"].pop(spectrum.state_key)
-    window = state.pop("window")
-    state.pop("steps_seen")
-    checkpoint["callbacks"]["EigenspectrumCallback"] = {**state, "open": window["open"], "chunks": window["chunks"]}
-    torch.save(checkpoint, tmp_path / "older.ckpt")
-
-    resumed = EigenspectrumCallback(every_n_steps=2, top_k=5)
-    quiet_trainer(max_epochs=2, callbacks=[resumed], limit_val_batches=0).fit(
-        tiny_spectrum_module(), tiny_data(), ckpt_path=tmp_path / "older.ckpt"
-    )
-    assert set(resumed.history) == set(spectrum.history) != set()
-    for name, entries in spectrum.history.items():
-        assert resumed.history[name][: len(entries)] == entries
-        assert len(resumed.history[name]) > len(entries)  # the second epoch logged on top of the first

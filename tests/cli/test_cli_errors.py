@@ -224,6 +224,13 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "TorchvisionViews, init_args: {grids: G}",
     ),
     (
+        "a view pipeline class that does not exist",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.views": {"class_path": "hfmca_lightning.data.NoSuchViews", "init_args": {}}},
+        "data.init_args.views: class_path hfmca_lightning.data.NoSuchViews names no class "
+        "(module 'hfmca_lightning.data' has no attribute 'NoSuchViews')",
+    ),
+    (
         "a pipeline that cannot serve the mode",
         lambda tmp, ckpt: [],
         lambda tmp: {

@@ -33,13 +33,13 @@ _MAX_LISTED = 12
 # Keys of earlier versions, by name: what replaced them.
 _REPLACED_KEYS = {
     "worker_augmentation": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews} (was batched), KorniaViews (was kornia) or "
-        "TorchvisionViews (was torchvision, the default)"
+        "views: {class_path: hfmca_lightning.data.BatchedViews} (was batched or kornia; the kornia pipeline was "
+        "removed) or TorchvisionViews (was torchvision, the default)"
     ),
     "augment_on_device": "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}}",
     "device_pipeline": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched) or "
-        "KorniaViews with on: device (was kornia)"
+        "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
+        "the kornia pipeline was removed)"
     ),
     "images_on_device": "views: {class_path: hfmca_lightning.data.ResidentViews}",
     "view_grids": "views: {class_path: hfmca_lightning.data.TorchvisionViews, init_args: {grids: G}}",

@@ -215,7 +215,8 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "old key device_pipeline",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.device_pipeline": "kornia"},
-        "KorniaViews with on: device (was kornia)",
+        "{class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
+        "the kornia pipeline was removed)",
     ),
     (
         "old key view_grids",

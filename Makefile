@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-fast test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check gpu-wheels clean
+.PHONY: install test test-fast test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml
@@ -65,13 +65,6 @@ notebooks: $(STAMP)
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check $(GPU_CHECK_ARGS)
-
-## Wheels that a GPU machine without network needs for `make gpu-check` (kornia for the kornia rows; 7 MB), into
-## the git-ignored .whl/ (see docs/benchmarks/index.md, "Measuring a GPU").
-gpu-wheels:
-	$(PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl kornia==0.9.0 kornia_rs==0.2.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build site *.egg-info

@@ -29,11 +29,6 @@ Step = Callable[[], object]
 SYNC_WARNING = "synchronizing CUDA operation"  # what CUDA's sync debug mode ("warn") says at each synchronisation
 
 
-class RowSkipped(Exception):
-    """Raised by a row's constructor when the row cannot be measured here (a missing package): the reason is
-    reported in the row instead of an error."""
-
-
 def add_malloc_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--default-malloc",
@@ -111,8 +106,8 @@ def measure_rows(
 
     A row whose construction or warm-up raises reports the error's first line and is skipped, so one
     unsupported combination (say ``torch.compile`` with forward hooks on an old PyTorch) does not lose the
-    other rows; a constructor that raises :class:`RowSkipped` reports its reason. Rows not yet built when
-    ``deadline`` (a ``time.perf_counter()`` value) has passed are skipped with that reason.
+    other rows. Rows not yet built when ``deadline`` (a ``time.perf_counter()`` value) has passed are skipped with
+    that reason.
     """
     results: list[StepRow] = []
     steps: list[Step | None] = []
@@ -136,8 +131,6 @@ def measure_rows(
                 _sync(device)
                 row.step_memory_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
             steps[-1] = step
-        except RowSkipped as reason:
-            row.skipped = str(reason)
         except Exception as error:  # noqa: BLE001 - reported in the table, the other rows go on
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
         if compilation:

@@ -5,20 +5,18 @@
     python benchmarks/throughput.py --device cuda --backbone resnet50 --image-size 224 --batch-size 32 --precision bf16
     python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
 
-Prints views/s for: the data path (every view pipeline of ``hfmca_lightning.data.views``: torchvision per view,
-kornia per image and batched per batch in CPU workers, kornia and batched on the device after the transfer of uint8
-images, and the training set kept on the device; the kornia rows are skipped without kornia), the training step
-(backbone forward/backward alone vs HFMCA external cost with the views as one batch or one backbone call per view,
-with activation checkpointing, with checkpointing in chunks, vs external + internal costs on every block) and the
-kNN pass; ratios are to the first row of each section, and on CUDA each step row's memory. The step rows are built
-first and timed in interleaved rounds (medians; benchmarks/step_timing.py), so that a machine whose speed drifts
-during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
+Prints views/s for: the data path (every view pipeline of ``hfmca_lightning.data.views``: torchvision per view and
+batched per batch in CPU workers, batched on the device after the transfer of uint8 images, and the training set kept
+on the device), the training step (backbone forward/backward alone vs HFMCA external cost with the views as one batch
+or one backbone call per view, with activation checkpointing, with checkpointing in chunks, vs external + internal
+costs on every block) and the kNN pass; ratios are to the first row of each section, and on CUDA each step row's
+memory. The step rows are built first and timed in interleaved rounds (medians; benchmarks/step_timing.py), so that a
+machine whose speed drifts during the run moves all rows alike. Uses the embedded SyntheticShapes data (no download).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import sys
 import time
@@ -36,7 +34,6 @@ from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc
 
 from hfmca_lightning.data import (
     BatchedViews,
-    KorniaViews,
     MultiViewDataModule,
     ResidentViews,
     SyntheticShapes,
@@ -149,12 +146,10 @@ def training_step(
 
 @dataclass(frozen=True)
 class DataPath:
-    """One way of drawing the training views: a ``label``, the pipeline (made anew for every data module) and the
-    optional packages it ``needs``."""
+    """One way of drawing the training views: a ``label`` and the pipeline (made anew for every data module)."""
 
     label: str
     make: Callable[[], ViewPipeline]
-    needs: tuple[str, ...] = ()
     batches_per_call: int = 1
 
 
@@ -173,11 +168,7 @@ def data_paths(workers: int, output_dtype: str = "float32", channels_last: bool 
     device_output: dict[str, object] = {"output_dtype": output_dtype, "channels_last": channels_last}
     return {
         "torchvision-workers": DataPath(f"torchvision per view on {workers} CPU workers", TorchvisionViews),
-        "kornia-workers": DataPath(
-            f"kornia per image on {workers} CPU workers", partial(KorniaViews, on="workers"), ("kornia",)
-        ),
         "batched-workers": DataPath(f"batched per batch on {workers} CPU workers", partial(BatchedViews, on="workers")),
-        "kornia-device": DataPath("uint8 + kornia on device", partial(KorniaViews, on="device"), ("kornia",)),
         "batched-device": DataPath(
             "uint8 + batched on device",
             partial(BatchedViews, on="device", **device_output),  # type: ignore[arg-type]
@@ -192,19 +183,6 @@ def data_paths(workers: int, output_dtype: str = "float32", channels_last: bool 
             batches_per_call=8,
         ),
     }
-
-
-def missing_packages(names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` that cannot be imported here."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 def view_stream(data: MultiViewDataModule, device: torch.device) -> Generator[ViewBatch, None, None]:
@@ -228,7 +206,7 @@ def data_path_rows(
     """Seconds per batch of ``views``-view groups delivered on ``device`` by each data path of :func:`data_paths`
     (``names``: those only): SyntheticShapes images of side ``image_size``, ``steps`` batches (rounded up to whole
     calls of paths that draw several batches per call) after warm-up batches (the loader's prefetch, or one call).
-    A path that needs a missing package, or fails, gets a note instead of a number; the others are still measured."""
+    A path that fails gets a note instead of a number; the others are still measured."""
     paths = data_paths(workers, output_dtype, channels_last)
     warmup = workers + 1
     most_per_call = max(path.batches_per_call for path in paths.values())
@@ -238,10 +216,6 @@ def data_path_rows(
     for name in names or list(paths):
         path = paths[name]
         label = f"data: {path.label}"
-        missing = missing_packages(path.needs)
-        if missing:
-            rows.append(DataRow(label, note=f"skipped: needs {', '.join(missing)}"))
-            continue
         batches: Generator[ViewBatch, None, None] | None = None
         try:
             data = MultiViewDataModule(

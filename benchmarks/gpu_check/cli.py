@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from step_timing import format_rows
-from throughput import data_path_rows, data_paths, missing_packages
+from throughput import data_path_rows, data_paths
 
 from gpu_check.predicted import gpu_key, predicted_rows
 from gpu_check.report import device_slug, write_report
@@ -107,7 +107,6 @@ def _check(argv: list[str] | None) -> int:
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else f"{platform.machine()} CPU (script test, not a measurement)"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    kornia = "not installed" if missing_packages(("kornia",)) else "installed"
     environment = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
@@ -115,7 +114,6 @@ def _check(argv: list[str] | None) -> int:
         "python": platform.python_version(),
         "CPU cores": str(os.cpu_count()),
         **({"GPU memory": f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"} if cuda else {}),
-        "kornia": kornia,
         "command": "python benchmarks/gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     views = f"{args.batch_size} images x {args.views} views of {args.image_size} px"

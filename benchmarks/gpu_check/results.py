@@ -44,7 +44,6 @@ IN_STEP_PATHS = {
     "resident": "ResidentViews",
     "resident-8": "ResidentViews, 8 batches per call",
     "batched-device": "BatchedViews on device",
-    "kornia-device": "KorniaViews on device",
 }
 
 
@@ -207,18 +206,14 @@ def targets(result: GpuCheckResult) -> list[Target]:
         )
     )
     counted = [row for row in rows if row.host_syncs is not None]
-    kornia = [row for row in counted if "Kornia" in row.label]
-    ours = [row for row in counted if row not in kornia]
-    worst = max(ours, key=lambda row: row.host_syncs or 0.0, default=None)
+    worst = max(counted, key=lambda row: row.host_syncs or 0.0, default=None)
     if worst is None:
         measured = "—"
     elif not worst.host_syncs:
-        measured = f"0 in all {len(ours)} step rows"
+        measured = f"0 in all {len(counted)} step rows"
     else:
-        syncing = [row for row in ours if row.host_syncs]
-        measured = f"{count(worst.host_syncs, 2)} ({worst.label}; {len(syncing)} of {len(ours)} rows sync)"
-    if kornia and worst is not None:
-        measured += "; " + ", ".join(f"{row.label}: {count(row.host_syncs, 2)}" for row in kornia) + " (kornia's)"
+        syncing = [row for row in counted if row.host_syncs]
+        measured = f"{count(worst.host_syncs, 2)} ({worst.label}; {len(syncing)} of {len(counted)} rows sync)"
     found.append(
         Target(
             f"host syncs per training step ({result.sync_counter}) = 0",

@@ -16,8 +16,8 @@ from functools import partial
 from typing import Any
 
 import torch
-from step_timing import RowSkipped, Step, StepRow, measure_rows, repeated
-from throughput import build, data_paths, missing_packages, training_step, view_stream
+from step_timing import Step, StepRow, measure_rows, repeated
+from throughput import build, data_paths, training_step, view_stream
 
 from gpu_check.results import (
     BACKBONE,
@@ -140,9 +140,6 @@ def in_step_rows(
 
     def in_step(name: str) -> Step:
         path = paths[name]
-        missing = missing_packages(path.needs)
-        if missing:
-            raise RowSkipped(f"needs {', '.join(missing)}")
         data = MultiViewDataModule(
             source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, views=path.make()
         )
@@ -342,9 +339,6 @@ def training_run(
     )
     cuda = device.type == "cuda"
     path = data_paths(args.workers, "bfloat16" if cuda else "float32", cuda)[data_path_name or "resident"]
-    missing = missing_packages(path.needs)
-    if missing:
-        raise RuntimeError(f"the data path {path.label} needs {', '.join(missing)}")
     data = MultiViewDataModule(
         source,
         num_views=args.views,

@@ -20,6 +20,7 @@ __all__ = ["describe_parser_error", "describe_instantiation_error"]
 _PARSER_KEY = re.compile(r'^-?\s*Parser key "([^"]+)":\s*(.*)$')
 _CLASS_PATH = re.compile(r"^-?\s*Problem with given class_path '([^']+)':$")
 _UNKNOWN_OPTION = re.compile(r"^Option '([^']+)' is not accepted$")
+_NOT_IMPORTABLE = re.compile(r"^(?:module '[\w.]+' has no attribute '\w+'|No module named '[\w.]+')$")
 _UNRECOGNISED = re.compile(r"^(?:unrecognized arguments: --|Subcommand '\w+' does not accept option ')([\w.\[\]-]+)")
 _NOISE = (
     "Does not validate against any of the Union subtypes",
@@ -32,13 +33,13 @@ _MAX_LISTED = 12
 # Keys of earlier versions, by name: what replaced them.
 _REPLACED_KEYS = {
     "worker_augmentation": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews} (was batched), KorniaViews (was kornia) or "
-        "TorchvisionViews (was torchvision, the default)"
+        "views: {class_path: hfmca_lightning.data.BatchedViews} (was batched or kornia; the kornia pipeline was "
+        "removed) or TorchvisionViews (was torchvision, the default)"
     ),
     "augment_on_device": "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}}",
     "device_pipeline": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched) or "
-        "KorniaViews with on: device (was kornia)"
+        "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
+        "the kornia pipeline was removed)"
     ),
     "images_on_device": "views: {class_path: hfmca_lightning.data.ResidentViews}",
     "view_grids": "views: {class_path: hfmca_lightning.data.TorchvisionViews, init_args: {grids: G}}",
@@ -72,6 +73,8 @@ def describe_parser_error(message: str) -> str:
             continue
         leaf = line.removeprefix("- ")
         break
+    if class_path and path[-1:] == ["init_args"] and _NOT_IMPORTABLE.match(leaf):
+        return f"{'.'.join(path[:-1])}: class_path {class_path} names no class ({leaf})"
     key = ".".join(path)
     if match := _UNKNOWN_OPTION.match(leaf):
         return _unknown_key(key, match.group(1), _parameters_of(class_path) if class_path else [], class_path)

@@ -24,7 +24,6 @@ from hfmca_lightning.data.sources import (
 from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform, view_transforms
 from hfmca_lightning.data.views import (
     BatchedViews,
-    KorniaViews,
     MultiCrop,
     ResidentViews,
     TorchvisionViews,
@@ -35,7 +34,6 @@ from hfmca_lightning.data.views import (
 __all__ = [
     "BATCH_FORMATS",
     "BatchedViews",
-    "KorniaViews",
     "MultiCrop",
     "ResidentViews",
     "TorchvisionViews",

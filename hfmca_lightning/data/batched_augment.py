@@ -1,8 +1,7 @@
 """SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations.
 
-kornia draws the same distributions per sample, but at CIFAR size its cost is dispatch, not arithmetic (about
-1,400 tensor operations for the 9 views of one image). Here every step is a handful of operations on all ``B * L``
-views at once, whatever their number:
+At CIFAR size the cost of per-sample augmentation is dispatch, not arithmetic. Here every step is a handful of
+operations on all ``B * L`` views at once, whatever their number:
 
 * crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its
   centre-crop fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one

@@ -89,7 +89,7 @@ class MultiViewDataModule(LightningDataModule):
     """Multi-view batches for HFMCA and any other SSL method.
 
     * ``train_dataloader``: ``mode='views'``: ``L`` views of each image, drawn by the ``views`` pipeline (module
-      :mod:`hfmca_lightning.data.views`: torchvision, kornia or batched, in CPU workers or on the device, the
+      :mod:`hfmca_lightning.data.views`: torchvision in CPU workers, batched in CPU workers or on the device, the
       training set kept on the device, multi-crop, or any transform such as lightly's); ``mode='same_class'``: ``L``
       different images of the same class (each through the same view transform; set the strengths to 0 for plain
       images); ``mode='single'`` (``num_views: 1``): one augmented image per sample, e.g. for internal costs alone.

@@ -186,8 +186,8 @@ def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ..
 def view_transform(
     spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
 ) -> v2.Compose:
-    """The transform of one random view, drawn from ``spec`` (the distribution :class:`DeviceViewAugmentation`
-    draws from on the device).
+    """The transform of one random view, drawn from ``spec`` (the distribution
+    :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` draws from for whole batches).
 
     Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter, greyscale, blur, solarisation,
     normalisation.

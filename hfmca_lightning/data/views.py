@@ -10,7 +10,6 @@
 pipeline                  draws
 ========================  ==========================================================================================
 :class:`TorchvisionViews` one torchvision call per view in CPU workers (the default; every mode; VICRegL's grids)
-:class:`KorniaViews`      all ``L`` views of an image in one kornia call, in CPU workers or on the device
 :class:`BatchedViews`     the views of a whole batch in a fixed number of tensor operations, in CPU workers or on the
                           device (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`)
 :class:`ResidentViews`    the training set kept on the device, the views of ``batches_per_call`` batches per call
@@ -20,7 +19,7 @@ pipeline                  draws
 
 Each sample's views come from its seed alone (the sampler's, :class:`~hfmca_lightning.data.SeededRandomSampler`), so
 runs do not depend on the number of workers, resume exactly and shard the same under DDP, on every pipeline.
-The SimCLR distribution (the data module's ``crop_strength``, ``color_strength``, ... knobs) is what the first five
+The SimCLR distribution (the data module's ``crop_strength``, ``color_strength``, ... knobs) is what the first four
 draw; :class:`TransformViews` draws its transform's own.
 """
 
@@ -48,7 +47,6 @@ from hfmca_lightning.data.datasets import (
     SeededRandomSampler,
     SingleViewDataset,
 )
-from hfmca_lightning.data.device_augment import DeviceViewAugmentation, SampleViews
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.stored_images import StoredImages
 from hfmca_lightning.data.transforms import ViewAugmentation, resize_transform, view_transform, view_transforms
@@ -57,7 +55,6 @@ from hfmca_lightning.errors import ConfigurationError
 __all__ = [
     "BatchedViews",
     "ImageBatch",
-    "KorniaViews",
     "MultiCrop",
     "ResidentBatch",
     "ResidentViews",
@@ -363,58 +360,6 @@ class _DeviceOutput:
             )
         self.output_dtype: OutputDtype = output_dtype  # type: ignore[assignment]
         self.channels_last = channels_last
-
-
-class KorniaViews(ViewPipeline):
-    """All ``L`` views of an image in one kornia call (:class:`~hfmca_lightning.data.device_augment.
-    DeviceViewAugmentation`): in the CPU workers (``on: workers``, about twice the torchvision pipeline's speed on
-    CIFAR-sized images) or on the device after the transfer of uint8 images (``on: device``, its random numbers
-    seeded per batch from ``(seed, batch index, rank)``). Needs kornia (``pip install 'hfmca_lightning[kornia]'``).
-
-    Args:
-        on: ``workers`` or ``device``.
-
-    Raises:
-        ConfigurationError: when ``on`` is neither, or, when the data module binds it, kornia is not installed.
-
-    Example::
-
-        data = MultiViewDataModule(SyntheticShapes(), num_views=4, views=KorniaViews(on="device"))
-    """
-
-    def __init__(self, on: Where = "workers") -> None:
-        super().__init__()
-        if on not in ("workers", "device"):
-            raise ConfigurationError(f"KorniaViews: on must be 'workers' or 'device'; got {on!r}", parameter=_PARAMETER)
-        self.on = on
-        self._augmentation: DeviceViewAugmentation | None = None
-
-    @property
-    def draws_on_device(self) -> bool:
-        return self.on == "device"
-
-    def check(self, setup: ViewSetup) -> None:
-        self._augmentation = DeviceViewAugmentation(setup.spec, setup.mean, setup.std)  # one line without kornia
-
-    def dataset(self, split: LabelledImages) -> Dataset:
-        setup = self.setup
-        if self.on == "device":
-            return _ImagesToDraw(split, setup.spec.image_size)
-        assert self._augmentation is not None
-        views = MultiViewDataset(split, [], setup.num_views, all_views=SampleViews(self._augmentation))
-        return _Samples(views)
-
-    def collate(self, samples: list[Any]) -> Any:
-        return _image_batch(samples) if self.on == "device" else _collate_samples(samples)
-
-    def draw(self, batch: ImageBatch, seed: int) -> ViewBatch:
-        assert self._augmentation is not None
-        device = batch.images.device
-        self._augmentation.to(device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            torch.manual_seed(seed)
-            views = self._augmentation(batch.images, self.setup.num_views)
-        return ViewBatch([views], batch.targets, batch.indices, batch.names)
 
 
 class BatchedViews(_DeviceOutput, ViewPipeline):

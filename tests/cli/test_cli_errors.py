@@ -215,13 +215,21 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "old key device_pipeline",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.device_pipeline": "kornia"},
-        "KorniaViews with on: device (was kornia)",
+        "{class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
+        "the kornia pipeline was removed)",
     ),
     (
         "old key view_grids",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.view_grids": 4},
         "TorchvisionViews, init_args: {grids: G}",
+    ),
+    (
+        "a view pipeline class that does not exist",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"data.init_args.views": {"class_path": "hfmca_lightning.data.NoSuchViews", "init_args": {}}},
+        "data.init_args.views: class_path hfmca_lightning.data.NoSuchViews names no class "
+        "(module 'hfmca_lightning.data' has no attribute 'NoSuchViews')",
     ),
     (
         "a pipeline that cannot serve the mode",

@@ -157,15 +157,13 @@ def test_callbacks_find_the_first_view_and_the_targets_in_every_format():
 def _pipelines() -> dict[str, Any]:
     from lightly.transforms import SimCLRTransform
 
-    from hfmca_lightning.data import BatchedViews, KorniaViews, MultiCrop, ResidentViews, TransformViews
+    from hfmca_lightning.data import BatchedViews, MultiCrop, ResidentViews, TransformViews
 
     return {
         "torchvision": lambda: TorchvisionViews(),
         "torchvision with grids": lambda: TorchvisionViews(grids=2),
         "batched, workers": lambda: BatchedViews(),
         "batched, device": lambda: BatchedViews(on="device"),
-        "kornia, workers": lambda: KorniaViews(),
-        "kornia, device": lambda: KorniaViews(on="device"),
         "resident, 2 per call": lambda: ResidentViews(batches_per_call=2),
         "multi-crop": lambda: MultiCrop(global_crops=2, local_crops=3),
         "lightly transform": lambda: TransformViews(SimCLRTransform(input_size=16, gaussian_blur=0.0)),

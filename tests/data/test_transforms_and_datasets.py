@@ -215,7 +215,7 @@ def test_imagenet_augmentations_match_lightlys(preset):
 def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     """Kind 0 blurred, kind 1 solarised, every time: a flat image of 200 stays 200 when blurred and becomes
     255 - 200 = 55 when solarised; views 0, 2, ... are kind 0 and 1, 3, ... kind 1."""
-    from hfmca_lightning.data.device_augment import DeviceViewAugmentation
+    from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
 
     spec = ViewAugmentation.from_strengths(
         32,
@@ -229,7 +229,7 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     flat = torch.full((3, 32, 32), 200, dtype=torch.uint8)
     images = ArrayImages(flat.permute(1, 2, 0)[None].numpy(), [0])
     cpu_views, _ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
-    device_views = DeviceViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)(flat[None], num_views=4)[0]
+    device_views = BatchedViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)(flat[None], num_views=4)[0]
     for views in (cpu_views, device_views):
         means = [float(view.mean()) * 255 for view in views]
         # a flat grey image: blurred it stays 200, solarised 255 - 200; uint8 rounding on the CPU path (+-0.5) and

@@ -20,7 +20,6 @@ import torch
 
 from hfmca_lightning.data import (
     BatchedViews,
-    KorniaViews,
     MultiCrop,
     MultiViewDataModule,
     ResidentViews,
@@ -59,7 +58,6 @@ CASES: dict[str, Callable[[], MultiViewDataModule]] = {
     "batched in workers, strengths": _module(views=BatchedViews(), color_strength=0.8, blur=0.5, solarize=0.2),
     "batched on the device": _module(views=BatchedViews(on="device")),
     "resident": _module(views=ResidentViews(batches_per_call=2)),
-    "kornia in workers": _module(views=KorniaViews()),
     "multi-crop": _module(views=MultiCrop(global_crops=2, local_crops=2, global_size=16, local_size=8)),
     "same class": _module(mode="same_class"),
     "single": _module(mode="single", num_views=1),
@@ -96,8 +94,6 @@ def fingerprint(build: Callable[[], MultiViewDataModule]) -> list[dict[str, Any]
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_pipeline_draws_the_views_it_drew_when_recorded(case: str) -> None:
-    if case.startswith("kornia"):
-        pytest.importorskip("kornia")
     recorded = json.loads(FINGERPRINTS.read_text())[case]
     drawn = fingerprint(CASES[case])
     assert len(drawn) == len(recorded)

@@ -13,7 +13,6 @@ import torch
 from hfmca_lightning.data import (
     CIFAR,
     BatchedViews,
-    KorniaViews,
     MultiCrop,
     MultiViewDataModule,
     ResidentViews,
@@ -23,7 +22,7 @@ from hfmca_lightning.data import (
     ViewBatch,
 )
 from hfmca_lightning.data.datamodule import TrainingPosition
-from hfmca_lightning.data.views import ImageBatch, ResidentBatch
+from hfmca_lightning.data.views import ResidentBatch
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
 from tests.helpers.views import CPU, drawn, epoch_batches
@@ -66,7 +65,7 @@ def test_batched_views_are_the_same_in_workers_on_the_device_and_alone(cifar10_o
 
 
 def test_views_do_not_depend_on_the_workers_or_the_batch_composition():
-    for views in (TorchvisionViews(), BatchedViews(), KorniaViews(), MultiCrop(1, 3)):
+    for views in (TorchvisionViews(), BatchedViews(), MultiCrop(1, 3)):
         count = 4
         serial = next(iter(data(views, num_views=count).train_dataloader()))
         parallel = next(iter(data(type(views)(**_arguments(views)), num_views=count, workers=2).train_dataloader()))
@@ -130,21 +129,10 @@ def test_device_pipelines_emit_bf16_channels_last_views_when_asked():
         torch.testing.assert_close(images.float(), expected, rtol=2**-8, atol=2**-8 * float(expected.abs().max()))
 
 
-def test_kornia_on_the_device_draws_from_the_batch_index_not_the_global_generator():
-    module = data(KorniaViews(on="device"), num_views=3)
-    batch = next(iter(module.train_dataloader()))
-    assert isinstance(batch, ImageBatch) and batch.images.dtype == torch.uint8
-    views, targets = drawn(module, batch, 7)
-    assert views.shape == (4, 3, 3, 32, 32) and targets is batch.targets
-    torch.manual_seed(123)
-    assert torch.equal(drawn(module, batch, 7)[0], views)
-    assert not torch.equal(drawn(module, batch, 8)[0], views)
-
-
 @pytest.mark.parametrize(
     "views",
-    [None, BatchedViews(), BatchedViews(on="device"), KorniaViews(on="device"), ResidentViews(2), MultiCrop(2, 2)],
-    ids=["torchvision", "batched workers", "batched device", "kornia device", "resident", "multi-crop"],
+    [None, BatchedViews(), BatchedViews(on="device"), ResidentViews(2), MultiCrop(2, 2)],
+    ids=["torchvision", "batched workers", "batched device", "resident", "multi-crop"],
 )
 def test_analysis_gets_view_batches_from_every_pipeline(views):
     """``view_batches`` (what ``hfmca analyze`` reads) draws through the configured pipeline, on the device, whatever
@@ -268,7 +256,7 @@ def test_lightlys_simclr_transform_gives_the_same_views_with_0_and_2_workers():
         (lambda: data(BatchedViews(on="gpu")), "BatchedViews: on must be 'workers' or 'device'; got 'gpu'"),
         (lambda: data(BatchedViews(output_dtype="bfloat16")), "output_dtype and channels_last apply to views drawn"),
         (lambda: data(BatchedViews(output_dtype="float16")), "output_dtype must be 'float32' or 'bfloat16'"),
-        (lambda: data(KorniaViews(), mode="same_class"), "KorniaViews draws augmented views of one image per sample"),
+        (lambda: data(BatchedViews(), mode="same_class"), "BatchedViews draws augmented views of one image per sample"),
         (lambda: data(ResidentViews(), mode="single", num_views=1), "does not serve mode 'single'"),
         (lambda: data(ResidentViews(batches_per_call=0)), "batches_per_call must be >= 1"),
         (lambda: data(MultiCrop(2, 6), num_views=4), r"MultiCrop makes 8 views per image; set data num_views: 8"),
@@ -286,7 +274,7 @@ def test_lightlys_simclr_transform_gives_the_same_views_with_0_and_2_workers():
         "where",
         "workers in bf16",
         "float16",
-        "kornia same_class",
+        "batched same_class",
         "resident single",
         "batches per call",
         "multi-crop count",

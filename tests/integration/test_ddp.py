@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import BatchedViews, KorniaViews, MultiCrop, ResidentViews, TransformViews
+from hfmca_lightning.data import BatchedViews, MultiCrop, ResidentViews, TransformViews
 from tests.helpers import FLOAT32_UNIT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
 
 
@@ -64,18 +64,17 @@ def _mmcr_views() -> TransformViews:
         (False, _mmcr_views),
         pytest.param(False, lambda: BatchedViews(), marks=pytest.mark.slow),
         pytest.param(False, lambda: BatchedViews(on="device"), marks=pytest.mark.slow),
-        pytest.param(False, lambda: KorniaViews(), marks=pytest.mark.slow),
     ],
     ids=[
         *("external", "external+internal", "images-on-device", "multi-crop", "user-transform"),
-        *("batched", "batched-on-device", "kornia"),
+        *("batched", "batched-on-device"),
     ],
 )
 def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, views, tmp_path):
-    """With every pipeline whose views come from per-sample seeds (torchvision's, the batched one in the workers and
-    on the device, kornia's in the workers, the training split kept on the device (the CPU here), multi-crop groups
-    of two sizes, a user transform: lightly's MMCRTransform), the processes' shards and the views drawn from their
-    seeds are those of one process with the doubled batch. (``KorniaViews(on: device)`` draws per batch and rank.)"""
+    """With every pipeline (torchvision's, the batched one in the workers and on the device, the training split kept
+    on the device (the CPU here), multi-crop groups of two sizes, a user transform: lightly's MMCRTransform), the
+    processes' shards and the views drawn from their per-sample seeds are those of one process with the doubled
+    batch."""
     single = bn_free_module(internal)
     ddp_trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(
         single, ddp_data(2 * PER_RANK_BATCH, views())

@@ -28,8 +28,8 @@ from gpu_check import (  # noqa: E402
 from step_timing import StepRow  # noqa: E402
 from throughput import DataRow  # noqa: E402
 
-# What a GPU machine without network may lack (kornia unless carried as a wheel: make gpu-wheels).
-MISSING_ON_GPU_MACHINES = ("jsonargparse", "wandb", "lightly", "kornia")
+# What a GPU machine without network may lack.
+MISSING_ON_GPU_MACHINES = ("jsonargparse", "wandb", "lightly")
 
 BLOCKING_RUNNER = """
 import importlib.abc, runpy, sys
@@ -136,8 +136,6 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
         assert predicted > 0 and abs(ratio - predicted / float(steps[row][1])) <= 0.006 + 0.05 * ratio, steps[row]
     assert steps[BEFOREHAND][2:4] == ["—", "—"]
     assert "Predicted: the roofline's milliseconds per step for the H100 SXM (a script test on a CPU)" in text
-    # kornia is missing: only its rows are dropped, with the reason
-    assert steps[f"{IN_STEP} (KorniaViews on device): channels_last"][0] == "skipped: needs kornia"
     # a training step reads nothing on the host: its checks are read one step later
     for row in ("backbone alone: plain", "external: plain", "external + internal: channels_last", BEFOREHAND):
         assert steps[row][6] == "0", (row, steps[row])
@@ -166,8 +164,6 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
         "training set on device, 8 batches per call",
     ):
         assert re.fullmatch(r"[\d,]+", data[f"data: {path}"][0]), path
-    for path in ("kornia per image on 1 CPU workers", "uint8 + kornia on device"):
-        assert data[f"data: {path}"][0] == "skipped: needs kornia"
 
     # The fast and split statistics agree with float64 on the real model's maps, as the library promises (1e-6 cost)
     precision = table(text, "## Precision")
@@ -214,7 +210,9 @@ def fake_result() -> GpuCheckResult:
         StepRow(BEFOREHAND, 0.019, 1.0, host_syncs=0),
         StepRow(f"{IN_STEP} (ResidentViews): channels_last", 0.0198, 1.0, host_syncs=0),
         StepRow(f"{IN_STEP} (ResidentViews, 8 batches per call): channels_last", 0.0194, 1.0, host_syncs=0.125),
-        StepRow(f"{IN_STEP} (KorniaViews on device): channels_last", skipped="needs kornia"),
+        StepRow(
+            f"{IN_STEP} (BatchedViews on device): channels_last", skipped="the time budget ran out before this row"
+        ),
         StepRow("backbone alone: compiled + channels_last", 0.017, 0.9, host_syncs=0, graphs=2, recompiles=0),
         StepRow("external + internal: compiled + channels_last", None, None, "Unsupported: hooks", graphs=1),
         StepRow(
@@ -241,7 +239,7 @@ def fake_result() -> GpuCheckResult:
         rows,
         [
             DataRow("data: torchvision per view on 16 CPU workers", 0.050),
-            DataRow("data: kornia per image on 16 CPU workers", note="skipped: needs kornia"),
+            DataRow("data: batched per batch on 16 CPU workers", note="failed: RuntimeError: bus error"),
             DataRow("data: training set on device (ResidentViews)", 0.004),
         ],
         [AgreementRow("external", 2e-3, None, None), AgreementRow("internal/layer1.0", 3e-3, 4e-8, 5e-8)],
@@ -293,13 +291,13 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     assert "Predicted: the roofline's milliseconds per step for the H100 SXM (benchmarks/roofline.py --rows" in text
     eight = f"| {IN_STEP} (ResidentViews, 8 batches per call): channels_last"
     assert f"{eight} | 29,691 | 19.4 | — | — | 1.21x | 1.00 | 0.12 |" in text  # 1 host sync in 8 steps
-    assert f"| {IN_STEP} (KorniaViews on device): channels_last | skipped: needs kornia |" in text
+    assert f"| {IN_STEP} (BatchedViews on device): channels_last | skipped: the time budget ran out" in text
     assert "| external + internal: compiled + channels_last | failed: Unsupported: hooks |" in text
     assert "| backbone alone: compiled + channels_last | 2 | 0 | — |" in text  # the compilation table
     assert "| external + internal: channels_last + compiled costs | 1 | 0 | 0 |" in text
     # the data path against the fastest external step's consumption (0.0185 s per step)
     assert "| data: training set on device (ResidentViews) | 144,000 | 4.62x |" in text
-    assert "| data: kornia per image on 16 CPU workers | skipped: needs kornia | |" in text
+    assert "| data: batched per batch on 16 CPU workers | failed: RuntimeError: bus error | |" in text
     assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 | 5.00e-08 | — |" in text
     assert "| external | 2.00e-03 | — | — | — |" in text
     assert "relative difference: fast 2.00e-07, tf32x3 3.00e-07, fast twice 1.00e-08." in text
@@ -315,7 +313,7 @@ def test_pytest_summaries_are_read_with_their_first_failures():
     output = (
         "..F.s\n"
         "FAILED tests/cuda/test_gpu_paths.py::test_split - AssertionError: 3e-5 > 1e-5\n"
-        "SKIPPED [1] tests/cuda/test_gpu_paths.py:80: no kornia\n"
+        "SKIPPED [1] tests/cuda/test_gpu_paths.py:80: needs two GPUs\n"
         "1 failed, 3 passed, 1 skipped in 41.20s\n"
     )
     tests = parse_pytest(output, 1, 41.2)

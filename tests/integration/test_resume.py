@@ -68,8 +68,7 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
     workers not persistent; views drawn by ``BatchedViews`` in 2 workers (``batched-workers``), after the transfer
-    by kornia (``on-device``: ``KorniaViews(on=device)``, seeded per batch) or by the batched pipeline
-    (``batched-on-device``), by kornia in the workers (``kornia-workers``), by the shipped pipeline (``shipped``:
+    by the batched pipeline (``batched-on-device``), by the shipped pipeline (``shipped``:
     ``ResidentViews``, 8 batches per call, bf16 channels-last views; the device being the CPU here), from the
     training split kept on the device in chunks of 3 batches (``images-on-device``), as 2 global and 7 local crops
     (``multi-crop``) or by lightly's ``MMCRTransform`` (``user-transform``).
@@ -97,12 +96,8 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     }
     if data_path == "batched-workers":
         data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews"}
-    elif data_path == "on-device":
-        data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews", "init_args": {"on": "device"}}
     elif data_path == "batched-on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}}
-    elif data_path == "kornia-workers":
-        data["views"] = {"class_path": "hfmca_lightning.data.KorniaViews"}
     elif data_path == "images-on-device":
         data["views"] = {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 3}}
     elif data_path == "multi-crop":  # 9 views for the 3x3 head: 2 global crops, 7 local ones of 16 px
@@ -186,7 +181,7 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 @pytest.mark.parametrize(
     "data_path",
     [
-        *("batched-workers", "on-device", "images-on-device", "batched-on-device", "kornia-workers"),
+        *("batched-workers", "images-on-device", "batched-on-device"),
         *("multi-crop", "user-transform", "shipped"),
     ],
 )

@@ -30,20 +30,6 @@ _NOISE = (
     "- Expected a <class 'NoneType'>",
 )
 _MAX_LISTED = 12
-# Keys of earlier versions, by name: what replaced them.
-_REPLACED_KEYS = {
-    "worker_augmentation": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews} (was batched or kornia; the kornia pipeline was "
-        "removed) or TorchvisionViews (was torchvision, the default)"
-    ),
-    "augment_on_device": "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}}",
-    "device_pipeline": (
-        "views: {class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
-        "the kornia pipeline was removed)"
-    ),
-    "images_on_device": "views: {class_path: hfmca_lightning.data.ResidentViews}",
-    "view_grids": "views: {class_path: hfmca_lightning.data.TorchvisionViews, init_args: {grids: G}}",
-}
 
 
 def describe_parser_error(message: str) -> str:
@@ -84,9 +70,6 @@ def describe_parser_error(message: str) -> str:
 def _unknown_key(parent: str, name: str, valid: list[str], class_path: str | None = None) -> str:
     where = f" of {class_path.rsplit('.', 1)[-1]}" if class_path else ""
     prefix = f"{parent}." if parent else ""
-    if name in _REPLACED_KEYS and "views" in valid:
-        replacement = _REPLACED_KEYS[name]
-        return f"{prefix}{name} was replaced by one view pipeline setting: {prefix}{replacement} (docs/training.md)"
     text = f"unknown key {prefix}{name}{where}"
     close = difflib.get_close_matches(name, valid, n=1)
     if close:

@@ -191,38 +191,10 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "remove it from model_kwargs",
     ),
     (
-        "old key worker_augmentation",
-        lambda tmp, ckpt: [],
-        lambda tmp: {"data.init_args.worker_augmentation": "batched"},
-        "data.init_args.worker_augmentation was replaced by one view pipeline setting: data.init_args.views: "
-        "{class_path: hfmca_lightning.data.BatchedViews}",
-    ),
-    (
-        "old key images_on_device",
+        "a key the DataModule does not take",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.images_on_device": True},
-        "data.init_args.images_on_device was replaced by one view pipeline setting: data.init_args.views: "
-        "{class_path: hfmca_lightning.data.ResidentViews}",
-    ),
-    (
-        "old key augment_on_device",
-        lambda tmp, ckpt: [],
-        lambda tmp: {"data.init_args.augment_on_device": True},
-        "data.init_args.augment_on_device was replaced by one view pipeline setting: data.init_args.views: "
-        "{class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}}",
-    ),
-    (
-        "old key device_pipeline",
-        lambda tmp, ckpt: [],
-        lambda tmp: {"data.init_args.device_pipeline": "kornia"},
-        "{class_path: hfmca_lightning.data.BatchedViews, init_args: {on: device}} (was batched or kornia; "
-        "the kornia pipeline was removed)",
-    ),
-    (
-        "old key view_grids",
-        lambda tmp, ckpt: [],
-        lambda tmp: {"data.init_args.view_grids": 4},
-        "TorchvisionViews, init_args: {grids: G}",
+        "unknown key data.init_args.images_on_device",
     ),
     (
         "a view pipeline class that does not exist",

@@ -17,11 +17,11 @@ operations on all ``B * L`` views at once, whatever their number:
 
 Random numbers come from each sample's seed through a counter-based hash
 (:meth:`BatchedViewAugmentation.views_from_seeds`: :class:`~hfmca_lightning.data.BatchedViews` in the CPU workers or on
-the device, and :class:`~hfmca_lightning.data.ResidentViews`), so views stay a function of each sample's seed
-(calling the module itself draws from torch's generator of the images' device instead). Nothing in it reads a device value on the host or copies a Python
-constant to the device. Pixels stay float32 throughout: the CPU torchvision path works on uint8 and its blends
-truncate after every jitter step, which leaves its views about 1/255 darker per step (0.01-0.03 of the normalised mean
-on the demo's images; the only difference seen in pixel statistics).
+the device, and :class:`~hfmca_lightning.data.ResidentViews`), so views stay a function of each sample's seed (calling
+the module itself draws from torch's generator of the images' device instead). Nothing in it reads a device value on the
+host or copies a Python constant to the device. Pixels stay float32 throughout: the CPU torchvision path works on uint8
+and its blends truncate after every jitter step, which leaves its views about 1/255 darker per step (0.01-0.03 of the
+normalised mean on the demo's images; the only difference seen in pixel statistics).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class MultiViewDataModule(LightningDataModule):
         color_strength: Table 2 colour-jitter knob in [0, 1]; null = SimCLR CIFAR default.
         gray_strength: Table 2 greyscale knob in [0, 1]; null = SimCLR CIFAR default.
         horizontal_flip: random horizontal flips in the views.
-        color_jitter: ``[brightness, contrast, saturation, hue]`` instead of the jitter of ``color_strength``.
+        color_jitter: ``[brightness, contrast, saturation, hue]``, replacing the jitter of ``color_strength``.
         blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the ``L`` views (BYOL:
             ``blur: [1.0, 0.1]``).
         solarize: probability of a solarisation, as ``blur`` (BYOL: ``solarize: [0.0, 0.2]``).
@@ -200,10 +200,18 @@ class MultiViewDataModule(LightningDataModule):
             solarize,
         )
         self.augmentation = spec
-        knobs = (crop_strength, color_strength, gray_strength, color_jitter)
-        custom = any(knob is not None for knob in knobs) or not horizontal_flip or bool(blur) or bool(solarize)
+        given = {
+            "crop_strength": crop_strength is not None,
+            "color_strength": color_strength is not None,
+            "gray_strength": gray_strength is not None,
+            "color_jitter": color_jitter is not None,
+            "horizontal_flip": not horizontal_flip,
+            "blur": bool(blur),
+            "solarize": bool(solarize),
+        }
+        given_settings = tuple(name for name, is_given in given.items() if is_given)
         self.views: ViewPipeline = views if views is not None else TorchvisionViews()
-        self.views.bind(ViewSetup(spec, source.mean, source.std, num_views, mode, seed, custom))
+        self.views.bind(ViewSetup(spec, source.mean, source.std, num_views, mode, given_settings))
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None

@@ -134,7 +134,7 @@ class ViewAugmentation:
             color_strength: colour knob in [0, 1]; None: SimCLR default.
             gray_strength: greyscale knob in [0, 1]; None: SimCLR default.
             horizontal_flip: random horizontal flips.
-            color_jitter: ``(brightness, contrast, saturation, hue)``, replaces the jitter that ``color_strength``
+            color_jitter: ``(brightness, contrast, saturation, hue)``, instead of the jitter that ``color_strength``
                 gives (BYOL's is (0.4, 0.4, 0.2, 0.1)).
             blur: probability of a Gaussian blur, or one per view kind.
             solarize: probability of a solarisation, or one per view kind.
@@ -163,6 +163,12 @@ class ViewAugmentation:
         gray = DEFAULT_GRAY_STRENGTH if gray_strength is None else gray_strength
         jitter = (0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
         if color_jitter is not None:
+            if color_strength is not None:
+                raise ConfigurationError(
+                    f"color_jitter {list(color_jitter)} replaces the jitter of color_strength ({color_strength}): "
+                    "set one of them",
+                    parameter="color_jitter",
+                )
             if len(color_jitter) != 4 or any(value < 0 for value in color_jitter):
                 raise ConfigurationError(
                     f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}",

@@ -72,16 +72,16 @@ _PARAMETER = "views"
 
 @dataclass(frozen=True)
 class ViewSetup:
-    """What a pipeline draws for (given by the data module): the SimCLR view distribution ``spec`` and whether its
-    knobs were set (``custom_augmentation``), the normalisation, ``L`` views per sample, the mode and the run's seed."""
+    """What a pipeline draws for (given by the data module): the SimCLR view distribution ``spec`` and the names of
+    the data module's augmentation settings given to make it (``given_settings``, so that a pipeline refuses those it
+    does not use), the normalisation, ``L`` views per sample and the mode."""
 
     spec: ViewAugmentation
     mean: tuple[float, ...]
     std: tuple[float, ...]
     num_views: int
     mode: Mode = "views"
-    seed: int = 0
-    custom_augmentation: bool = False
+    given_settings: tuple[str, ...] = ()
 
 
 class ViewPipeline:
@@ -771,6 +771,14 @@ class MultiCrop(ViewPipeline):
     def view_count(self) -> int:
         return self.global_crops + self.local_crops
 
+    def check(self, setup: ViewSetup) -> None:
+        if "crop_strength" in setup.given_settings:
+            raise ConfigurationError(
+                "MultiCrop crops at its own scales (global_scale, local_scale); the data module's crop_strength does "
+                "not apply to it: remove crop_strength, or set MultiCrop's scales",
+                parameter=_PARAMETER,
+            )
+
     def groups(self) -> list[CropGroup]:
         """The crop groups for the bound source's image size.
 
@@ -834,11 +842,10 @@ class TransformViews(ViewPipeline):
         self.transform = transform
 
     def check(self, setup: ViewSetup) -> None:
-        if setup.custom_augmentation:
+        if setup.given_settings:
             raise ConfigurationError(
                 f"TransformViews draws the views of its transform ({type(self.transform).__name__}); the data "
-                "module's augmentation settings (crop_strength, color_strength, gray_strength, color_jitter, blur, "
-                "solarize, horizontal_flip) do not apply to it: remove them",
+                f"module's augmentation settings ({', '.join(setup.given_settings)}) do not apply to it: remove them",
                 parameter=_PARAMETER,
             )
 

@@ -263,7 +263,18 @@ def test_lightlys_simclr_transform_gives_the_same_views_with_0_and_2_workers():
         (lambda: data(MultiCrop(2, 6, local_scale=(0.3, 0.1))), "local_scale is .smallest, largest."),
         (lambda: data(TorchvisionViews(grids=-1)), "grids must be >= 0"),
         (lambda: data(TransformViews(object())), "TransformViews needs a callable"),
-        (lambda: data(TransformViews(lambda image: [image]), crop_strength=0.5), "do not apply to it: remove them"),
+        (
+            lambda: data(TransformViews(lambda image: [image]), crop_strength=0.5, blur=0.5),
+            r"settings \(crop_strength, blur\) do not apply to it: remove them",
+        ),
+        (
+            lambda: data(MultiCrop(2, 2), num_views=4, crop_strength=0.5),
+            "the data module's crop_strength does not apply to it",
+        ),
+        (
+            lambda: data(color_strength=0.5, color_jitter=[0.4, 0.4, 0.2, 0.1]),
+            r"color_jitter \[0.4, 0.4, 0.2, 0.1\] replaces the jitter of color_strength \(0.5\): set one of them",
+        ),
         (
             lambda: data(TransformViews(lambda image: [torch.zeros(3, 8, 8)] * 3)).setup(),
             "TransformViews makes 3 views per image; set data num_views: 3",
@@ -282,6 +293,8 @@ def test_lightlys_simclr_transform_gives_the_same_views_with_0_and_2_workers():
         "grids",
         "not callable",
         "transform with knobs",
+        "multi-crop with crop_strength",
+        "color_jitter with color_strength",
         "transform count",
         "batch format",
     ],

@@ -51,7 +51,18 @@ OPTIONS: dict[str, dict[str, Overrides]] = {
         "bf16": {"trainer.precision": "bf16-mixed"},
         "fp64": {"trainer.precision": "64-true"},
     },
-    "data": {name: ({} if views is None else {"data.init_args.views": views}) for name, views in VIEWS.items()},
+    "data": {
+        name: (
+            {}
+            if views is None
+            # MultiCrop crops at its own scales: the demo's crop_strength would be refused
+            else {
+                "data.init_args.views": views,
+                **({"data.init_args.crop_strength": None} if name == "multicrop" else {}),
+            }
+        )
+        for name, views in VIEWS.items()
+    },
     "compile": {"eager": {}, "compiled": {"model.init_args.compile_costs": "aot_eager"}},
     "internal": {"external": {}, "internal": {"model.init_args.internal_costs": _TINY_INTERNAL}},
     "beta": {

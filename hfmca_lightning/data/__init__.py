@@ -2,6 +2,7 @@
 
 from hfmca_lightning.data.batch_formats import BATCH_FORMATS, ViewBatch, first_views, format_batch
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
+from hfmca_lightning.data.dataset_source import DatasetSource
 from hfmca_lightning.data.datasets import (
     EvalDataset,
     MultiViewDataset,
@@ -45,6 +46,7 @@ __all__ = [
     "BANK",
     "QUERIES",
     "CIFAR",
+    "DatasetSource",
     "STL10",
     "UNLABELLED",
     "ArrayImages",

@@ -53,7 +53,7 @@ CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def _channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
+def channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
     """Per-channel normalisation values (RGB) as a triple; one clear error for anything else."""
     if len(values) != 3:
         raise ConfigurationError(
@@ -462,7 +462,7 @@ class ImageFolderSource(ImageSource):
         self.class_list = class_list
         self.image_size = image_size
         self.eval_resize = eval_resize
-        self.mean, self.std = _channel_values(mean, "mean"), _channel_values(std, "std")
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
         self.on_bad_image = on_bad_image
         self.classes: list[str] | None = None
         self.num_classes = 0
@@ -566,7 +566,7 @@ class UnlabelledFolderSource(ImageSource):
         self.root = Path(root).expanduser()
         self.image_size = image_size
         self.eval_resize = eval_resize
-        self.mean, self.std = _channel_values(mean, "mean"), _channel_values(std, "std")
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
         self.on_bad_image = on_bad_image
         self.evaluation = evaluation
         self.num_classes = evaluation.num_classes if evaluation is not None else 0

@@ -1,0 +1,142 @@
+"""Any torch ``Dataset`` of ``(image, target)`` pairs as an image source: torchvision's data sets, a user's own.
+
+The images may be PIL images, ``(H, W, 3)`` uint8 arrays, or ``(C, H, W)`` / ``(H, W)`` tensors (uint8, or floats in
+``[0, 1]``); every view pipeline gets them as the ``(3, H, W)`` uint8 tensors the other sources give (greyscale
+repeated over the three channels). From YAML, the data sets are ``class_path`` / ``init_args`` as any class::
+
+    source:
+      class_path: hfmca_lightning.data.DatasetSource
+      init_args:
+        train: {class_path: torchvision.datasets.CIFAR10, init_args: {root: data, train: true, download: true}}
+        test: {class_path: torchvision.datasets.CIFAR10, init_args: {root: data, train: false, download: true}}
+        image_size: 32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision.transforms.v2.functional import pil_to_tensor
+
+from hfmca_lightning.data.sources import ImageSource, LabelledImages, channel_values
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["DatasetSource", "as_uint8_image"]
+
+
+class DatasetSource(ImageSource):
+    """Training (and optionally test) images from torch ``Dataset``\\ s of ``(image, target)`` pairs.
+
+    Args:
+        train: the training split; its targets are its ``targets`` attribute where it has one (torchvision's data
+            sets do), else read once from its samples.
+        test: the test split, for the evaluation protocols (kNN, probes) with ``train`` as the bank; ``None``: no
+            evaluation.
+        num_classes: ``None``: one more than the largest training target.
+        image_size: side of the square views.
+        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``).
+        std: the per-channel standard deviation the views are normalised by.
+        eval_resize: the shorter side evaluation images are resized to before the centre crop.
+
+    Raises:
+        ConfigurationError: when a split is not a sized data set, or a setting is out of its range.
+    """
+
+    def __init__(
+        self,
+        train: Dataset,
+        test: Dataset | None = None,
+        num_classes: int | None = None,
+        image_size: int = 32,
+        mean: Sequence[float] = (0.5, 0.5, 0.5),
+        std: Sequence[float] = (0.25, 0.25, 0.25),
+        eval_resize: int | None = None,
+    ) -> None:
+        for name, split in (("train", train), ("test", test)):
+            if split is not None and not (hasattr(split, "__len__") and hasattr(split, "__getitem__")):
+                raise ConfigurationError(
+                    f"DatasetSource: {name} must be a data set with a length and indexing; got {type(split).__name__}",
+                    parameter=name,
+                )
+        if image_size < 8:
+            raise ConfigurationError(f"DatasetSource needs image_size >= 8; got {image_size}", parameter="image_size")
+        self.train, self.test = train, test
+        self.image_size, self.eval_resize = image_size, eval_resize
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
+        self._train_images = DatasetImages(train)
+        largest = max(self._train_images.targets, default=-1)
+        self.num_classes = largest + 1 if num_classes is None else num_classes
+        if self.num_classes < 1 or self.num_classes <= largest:
+            raise ConfigurationError(
+                f"DatasetSource: num_classes {self.num_classes} does not hold the training targets (largest {largest})",
+                parameter="num_classes",
+            )
+
+    def split(self, train: bool) -> LabelledImages:
+        if train:
+            return self._train_images
+        if self.test is None:
+            raise ConfigurationError("DatasetSource has no test split; give `test` for the evaluation protocols")
+        return DatasetImages(self.test)
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        return None if self.test is None else (self._train_images, DatasetImages(self.test))
+
+
+class DatasetImages(LabelledImages):
+    """A data set of ``(image, target)`` pairs as a split: ``split[i] -> ((3, H, W) uint8 tensor, target)``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        found = getattr(dataset, "targets", None)
+        if found is not None and len(found) == len(dataset):  # type: ignore[arg-type]
+            self.targets = [int(target) for target in found]
+        else:
+            self.targets = [int(self._pair(index)[1]) for index in range(len(dataset))]  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image, target = self._pair(index)
+        return as_uint8_image(image), int(target)
+
+    def _pair(self, index: int) -> tuple[Any, Any]:
+        sample = self.dataset[index]
+        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise ConfigurationError(
+                f"{type(self.dataset).__name__}[{index}] is a {type(sample).__name__}; DatasetSource needs "
+                "(image, target) pairs"
+            )
+        return sample[0], sample[1]
+
+
+def as_uint8_image(image: Any) -> Tensor:
+    """``(3, H, W)`` uint8 from a PIL image, an ``(H, W, 3)`` / ``(H, W)`` uint8 array, or a ``(C, H, W)`` / ``(H, W)``
+    tensor (uint8, or floats in ``[0, 1]``, rounded); one channel is repeated over three."""
+    if isinstance(image, Image.Image):
+        return pil_to_tensor(image.convert("RGB"))
+    if isinstance(image, np.ndarray):
+        image = torch.from_numpy(np.ascontiguousarray(image))
+        image = image.permute(2, 0, 1) if image.dim() == 3 else image
+    if not isinstance(image, Tensor):
+        raise ConfigurationError(
+            f"DatasetSource: an image is a {type(image).__name__}; give PIL images, arrays or tensors"
+        )
+    if image.dim() == 2:
+        image = image.unsqueeze(0)
+    if image.dim() != 3 or image.shape[0] not in (1, 3):
+        raise ConfigurationError(
+            f"DatasetSource: an image has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)"
+        )
+    if image.is_floating_point():
+        image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+    elif image.dtype != torch.uint8:
+        raise ConfigurationError(f"DatasetSource: an image is {image.dtype}; give uint8 or floats in [0, 1]")
+    return image.expand(3, -1, -1).contiguous() if image.shape[0] == 1 else image

@@ -69,6 +69,7 @@ def setting_config(base: dict, setting: str, per_class: int | None) -> dict:
             "class_path": "hfmca_lightning.data.MultiCrop",
             "init_args": {"global_crops": 2, "local_crops": 6},
         }
+        data.pop("crop_strength", None)  # MultiCrop crops at its own scales
         model["external_head"]["init_args"].update(grid_height=2, grid_width=4, noise_channels=0)
         return config
     views, grid, noise = SETTINGS[setting]

@@ -55,6 +55,7 @@ def test_hfmca_on_multi_crop_views_beats_the_randomly_initialised_backbone(tmp_p
     monkeypatch.chdir(tmp_path)
     multi_crop = ["--data.init_args.views", "hfmca_lightning.data.MultiCrop"]
     multi_crop += ["--data.init_args.views.global_crops", "2", "--data.init_args.views.local_crops", "2"]
+    multi_crop += ["--data.init_args.crop_strength", "null"]  # MultiCrop crops at its own scales
     cli = _demo(*multi_crop, epochs=4)
     batch = next(iter(cli.datamodule.train_dataloader()))
     assert [tuple(group.shape[1:]) for group in batch[0]] == [(2, 3, 32, 32), (2, 3, 16, 16)]

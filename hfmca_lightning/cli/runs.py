@@ -89,19 +89,16 @@ def untrusted_config_problem(config: Any) -> str | None:
     ``None`` when there is nothing."""
     if not isinstance(config, dict):
         return "it is not a mapping of settings"
-    for section in ("trainer", "model", "data"):
-        if config.get(section) is not None and not isinstance(config[section], (dict, str)):
-            return f"{section} is a {type(config[section]).__name__}, not a mapping of settings"
-    if isinstance(config.get("trainer"), str):
-        return "trainer is a string, not a mapping of settings"
-    trainer = config.get("trainer") or {}
-    if isinstance(trainer, dict):
-        defaults = _trainer_defaults()
-        for key, value in trainer.items():
-            if key not in HARMLESS_TRAINER_KEYS and (key not in defaults or value != defaults[key]):
-                return f"trainer.{key} is not a setting a stored config may carry"
-            if key in _CLASS_VALUED_TRAINER_KEYS and value not in (None, False, "auto") and not _plain_name(value):
-                return f"trainer.{key} names {_shown(value)}; a stored config may only leave it unset"
+    for section, forms in (("trainer", dict), ("model", (dict, str)), ("data", (dict, str))):  # model: pkg.Class
+        value = config.get(section)
+        if value is not None and not isinstance(value, forms):
+            return f"{section} is a {type(value).__name__}, not a mapping of settings"
+    defaults = _trainer_defaults()
+    for key, value in (config.get("trainer") or {}).items():
+        if key not in HARMLESS_TRAINER_KEYS and (key not in defaults or value != defaults[key]):
+            return f"trainer.{key} is not a setting a stored config may carry"
+        if key in _CLASS_VALUED_TRAINER_KEYS and value not in (None, False, "auto") and not _plain_name(value):
+            return f"trainer.{key} names {_shown(value)}; a stored config may only leave it unset"
     return _untrusted_class(config, "")
 
 

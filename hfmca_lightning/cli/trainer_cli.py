@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -27,7 +26,7 @@ from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
-from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, read_checkpoint
+from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
 from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
 from hfmca_lightning.runtime.run_lock import RunFolderLock
@@ -66,7 +65,7 @@ class AtomicSaveConfig(SaveConfigCallback):
         if self.already_saved:
             return
         log_dir = trainer.log_dir  # broadcasts rank 0's folder: every process calls it
-        if log_dir is None or self.multifile or "file" not in (get_filesystem(log_dir).protocol or ("file",)):
+        if log_dir is None or self.multifile or not is_local(log_dir):
             super().setup(trainer, pl_module, stage)
             return
         config_path = Path(log_dir) / self.config_filename
@@ -99,7 +98,7 @@ def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, 
             folder = os.path.join(trainer.default_root_dir, "checkpoints")
         else:
             continue
-        if "file" in (get_filesystem(folder).protocol or ("file",)):
+        if is_local(folder):
             folders.setdefault(Path(os.path.abspath(folder)), callback)
     return folders
 

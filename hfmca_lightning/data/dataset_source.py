@@ -14,6 +14,7 @@ repeated over the three channels). From YAML, the data sets are ``class_path`` /
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,12 +82,17 @@ class DatasetSource(ImageSource):
     def split(self, train: bool) -> LabelledImages:
         if train:
             return self._train_images
-        if self.test is None:
+        if self._test_images is None:
             raise ConfigurationError("DatasetSource has no test split; give `test` for the evaluation protocols")
-        return DatasetImages(self.test)
+        return self._test_images
 
     def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
-        return None if self.test is None else (self._train_images, DatasetImages(self.test))
+        return None if self._test_images is None else (self._train_images, self._test_images)
+
+    @functools.cached_property
+    def _test_images(self) -> DatasetImages | None:
+        """The test split, its targets read once, when first asked for."""
+        return None if self.test is None else DatasetImages(self.test)
 
 
 class DatasetImages(LabelledImages):

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.files import write_atomically
 
-__all__ = ["AtomicCheckpointIO", "read_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "is_local", "read_checkpoint"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -42,18 +42,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         """Lightning's own loads (``--ckpt_path``) as :func:`read_checkpoint` reads local files: tensors and plain data
         only, whatever ``weights_only`` Lightning asks for, on the CPU (Lightning copies them into the module)."""
-        if not _is_local(path):
+        if not is_local(path):
             return super().load_checkpoint(path, map_location)  # torch >= 2.6 loads weights only by default
         return read_checkpoint(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or not is_local(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         write_atomically(Path(path), lambda handle: torch.save(checkpoint, handle))
 
 
-def _is_local(path: _PATH) -> bool:
+def is_local(path: _PATH) -> bool:
+    """Whether ``path`` is on a local (or mounted) file system, not a remote URL such as ``s3://``."""
     return "file" in (get_filesystem(path).protocol or ("file",))
 
 

@@ -13,6 +13,7 @@ disk or a crash while writing leaves every previous file in place.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import re
 import socket
@@ -64,17 +65,12 @@ def remove_abandoned_partials(target: Path) -> None:
     """Remove the partial files of ``target`` whose writer is gone (killed while writing); leave those of live
     writers and of other hosts."""
     pattern = re.compile(re.escape(f".{target.name}") + _WRITER)
-    for candidate in target.parent.glob(f".{glob_escape(target.name)}.*{PARTIAL_SUFFIX}"):
+    for candidate in target.parent.glob(f".{glob.escape(target.name)}.*{PARTIAL_SUFFIX}"):
         match = pattern.fullmatch(candidate.name)
         if match is None:
             continue
         if _writer_is_gone(match["host"], int(match["pid"])):
             candidate.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    """``name`` with the glob's special characters matched literally."""
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 class _RecordingFile:

@@ -33,7 +33,7 @@ from common import (
     write_table,
 )  # noqa: E402
 
-KNOBS = {"crop": "crop_strength", "color": "color_strength", "gray": "gray_strength"}
+KNOBS = {"crop": "crop_strength", "color": "color_strength", "gray": "gray_strength"}  # the SimCLRViews setting of each
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -15,7 +15,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from hfmca_lightning.callbacks import KNNEvaluation, LinearProbe
-from hfmca_lightning.data import CIFAR, MultiViewDataModule, SyntheticShapes, TorchvisionViews
+from hfmca_lightning.data import CIFAR, MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.inspection import analysis_layers
@@ -134,17 +134,18 @@ def build_data(
     view_grids: int = 0,
     **strengths: float | None,
 ) -> MultiViewDataModule:
+    """``views`` SimCLR views of each image (with crop grids of side ``view_grids`` where > 0; ``strengths``: the
+    other settings of :class:`~hfmca_lightning.data.SimCLRViews`, such as its Table 2 knobs), drawn in ``workers``
+    CPU workers."""
     if dataset == "synthetic":
         source = SyntheticShapes(num_classes=10, train_per_class=per_class, test_per_class=max(10, per_class // 4))
     else:
         source = CIFAR(name=dataset, root=root, download=True)
     return MultiViewDataModule(
         source,
-        num_views=views,
+        views=SimCLRViews(count=views, grids=view_grids, **strengths),
         batch_size=batch_size,
         num_workers=workers,
-        views=TorchvisionViews(grids=view_grids) if view_grids else None,
-        **strengths,
     )
 
 

@@ -19,14 +19,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from hfmca_lightning.data import (
-    ImageFolderSource,
-    MultiViewDataModule,
-    MultiViewDataset,
-    ViewAugmentation,
-    view_transforms,
-)
-from hfmca_lightning.data.sources import read_image
+from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule
+from hfmca_lightning.data.datasets import MultiViewDataset
+from hfmca_lightning.data.folder_sources import read_image
+from hfmca_lightning.data.transforms import ViewAugmentation, view_transforms
 
 
 def write_tree(root: Path, files: int, classes: int = 1000) -> None:

@@ -46,11 +46,15 @@ LABELS = {
 
 
 def setting_config(base: dict, setting: str, per_class: int | None) -> dict:
-    """The demo config with the views / LF grid / noise of ``setting`` (or SimCLR on the demo's backbone)."""
+    """The demo config with the views / LF grid / noise of ``setting`` (or SimCLR on the demo's backbone); the views
+    keep the demo's other settings (its greyscale strength; multi-crop crops at its own scales, without the demo's
+    crop strength)."""
     config = copy.deepcopy(base)
     model, data = config["model"]["init_args"], config["data"]["init_args"]
     if per_class:
         data["source"]["init_args"]["train_per_class"] = per_class
+    views = data.setdefault("views", {"class_path": "hfmca_lightning.data.SimCLRViews"})
+    settings = views.setdefault("init_args", {})
     if setting == "simclr":
         config["model"] = {
             "class_path": "hfmca_lightning.methods.baselines.SimCLR",
@@ -61,19 +65,18 @@ def setting_config(base: dict, setting: str, per_class: int | None) -> dict:
                 "optimizer": model["optimizer"],
             },
         }
-        data["num_views"] = 2
+        settings["count"] = 2
         return config
     if setting == "multicrop":
-        data["num_views"] = 8
+        kept = {key: value for key, value in settings.items() if key not in ("count", "crop_strength", "grids")}
         data["views"] = {
             "class_path": "hfmca_lightning.data.MultiCrop",
-            "init_args": {"global_crops": 2, "local_crops": 6},
+            "init_args": {"global_crops": 2, "local_crops": 6, **kept},
         }
-        data.pop("crop_strength", None)  # MultiCrop crops at its own scales
         model["external_head"]["init_args"].update(grid_height=2, grid_width=4, noise_channels=0)
         return config
-    views, grid, noise = SETTINGS[setting]
-    data["num_views"] = views
+    count, grid, noise = SETTINGS[setting]
+    settings["count"] = count
     model["external_head"]["init_args"].update(grid_height=grid, grid_width=grid, noise_channels=noise)
     return config
 

@@ -8,7 +8,7 @@
     python benchmarks/roofline.py --calibrate --report docs/benchmarks/gpu-<device>.md --commit <its commit> --code .
 
 Runs one whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
-transfer and the views a device pipeline draws) through Lightning's Trainer on fake tensors: no arithmetic, seconds
+transfer and the views a device drawer draws) through Lightning's Trainer on fake tensors: no arithmetic, seconds
 on a CPU, and the code takes the branches it takes on the modelled CUDA GPU (its compute capability, the precision
 and memory format of the run). Every ATen operation that launches a kernel is recorded with its FLOPs, bytes, dtype,
 tensor-core eligibility and source line, and predicted to take ``max(FLOPs / peak, bytes / bandwidth)`` at the fitted

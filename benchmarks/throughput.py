@@ -5,7 +5,7 @@
     python benchmarks/throughput.py --device cuda --backbone resnet50 --image-size 224 --batch-size 32 --precision bf16
     python benchmarks/throughput.py --backbone small --batch-size 8 --steps 3   # quick CPU check
 
-Prints views/s for: the data path (every view pipeline of ``hfmca_lightning.data.views``: torchvision per view and
+Prints views/s for: the data path (SimCLR views by every drawer of ``hfmca_lightning.data``: torchvision per view and
 batched per batch in CPU workers, batched on the device after the transfer of uint8 images, and the training set kept
 on the device), the training step (backbone forward/backward alone vs HFMCA external cost with the views as one batch
 or one backbone call per view, with activation checkpointing, with checkpointing in chunks, vs external + internal
@@ -33,15 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from step_timing import add_malloc_option, format_rows, measure_rows, set_malloc  # noqa: E402
 
 from hfmca_lightning.data import (
-    BatchedViews,
+    BatchedDrawer,
     MultiViewDataModule,
-    ResidentViews,
+    ResidentDrawer,
+    SimCLRViews,
     SyntheticShapes,
-    TorchvisionViews,
-    ViewBatch,
-    ViewPipeline,
+    TorchvisionDrawer,
 )
+from hfmca_lightning.data.batch_formats import ViewBatch
+from hfmca_lightning.data.drawers import ViewDrawer
 from hfmca_lightning.evaluation import knn_predict
+from hfmca_lightning.evaluation_data import view_batches
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
@@ -146,10 +148,10 @@ def training_step(
 
 @dataclass(frozen=True)
 class DataPath:
-    """One way of drawing the training views: a ``label`` and the pipeline (made anew for every data module)."""
+    """One way of drawing the training views: a ``label`` and the drawer (made anew for every data module)."""
 
     label: str
-    make: Callable[[], ViewPipeline]
+    make: Callable[[], ViewDrawer]
     batches_per_call: int = 1
 
 
@@ -167,19 +169,21 @@ def data_paths(workers: int, output_dtype: str = "float32", channels_last: bool 
     ``channels_last`` (what a bf16 channels-last backbone takes)."""
     device_output: dict[str, object] = {"output_dtype": output_dtype, "channels_last": channels_last}
     return {
-        "torchvision-workers": DataPath(f"torchvision per view on {workers} CPU workers", TorchvisionViews),
-        "batched-workers": DataPath(f"batched per batch on {workers} CPU workers", partial(BatchedViews, on="workers")),
+        "torchvision-workers": DataPath(f"torchvision per view on {workers} CPU workers", TorchvisionDrawer),
+        "batched-workers": DataPath(
+            f"batched per batch on {workers} CPU workers", partial(BatchedDrawer, on="workers")
+        ),
         "batched-device": DataPath(
             "uint8 + batched on device",
-            partial(BatchedViews, on="device", **device_output),  # type: ignore[arg-type]
+            partial(BatchedDrawer, on="device", **device_output),  # type: ignore[arg-type]
         ),
         "resident": DataPath(
-            "training set on device (ResidentViews)",
-            partial(ResidentViews, **device_output),  # type: ignore[arg-type]
+            "training set on device (ResidentDrawer)",
+            partial(ResidentDrawer, **device_output),  # type: ignore[arg-type]
         ),
         "resident-8": DataPath(
             "training set on device, 8 batches per call",
-            partial(ResidentViews, batches_per_call=8, **device_output),  # type: ignore[arg-type]
+            partial(ResidentDrawer, batches_per_call=8, **device_output),  # type: ignore[arg-type]
             batches_per_call=8,
         ),
     }
@@ -189,7 +193,7 @@ def view_stream(data: MultiViewDataModule, device: torch.device) -> Generator[Vi
     """Training batches of ``data`` as :class:`ViewBatch` on ``device``, epoch after epoch (closing the iterator shuts
     the loader's workers down)."""
     while True:
-        yield from data.view_batches(device)
+        yield from view_batches(data, device)
 
 
 def data_path_rows(
@@ -219,13 +223,17 @@ def data_path_rows(
         batches: Generator[ViewBatch, None, None] | None = None
         try:
             data = MultiViewDataModule(
-                source, num_views=views, batch_size=batch_size, num_workers=workers, views=path.make()
+                source,
+                views=SimCLRViews(count=views),
+                drawer=path.make(),
+                batch_size=batch_size,
+                num_workers=workers,
             )
             data.setup()
             batches = view_stream(data, device)
             per_call = path.batches_per_call
             repeats = -(-max(steps, 1) // per_call) * per_call
-            warm = per_call if per_call > 1 or not data.views.uses_workers else warmup
+            warm = per_call if per_call > 1 or not data.drawer.uses_workers else warmup
             rows.append(DataRow(label, timed(partial(next, batches), repeats, device, warmup=warm)))
         except Exception as error:  # noqa: BLE001 - one path's failure is reported, the others still run
             first = str(error).splitlines()[0] if str(error) else ""
@@ -261,7 +269,7 @@ def main() -> None:
         f"{args.precision}; {malloc}"
     )
 
-    # Data path: every view pipeline, views delivered on the device.
+    # Data path: every drawer, views delivered on the device.
     data_rows = data_path_rows(args.views, args.batch_size, args.steps, args.workers, device)
     report([(row.label, row.seconds, row.note) for row in data_rows], args.batch_size * args.views)
 

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.models import SmallConvNet
 
 
@@ -29,7 +29,7 @@ class TwoViewContrastive(LightningModule):
         self.lr = lr
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        views, _ = batch  # (B, L, C, H, W): L augmented views per image; use the first two
+        views, _ = batch  # (B, 2, C, H, W): the two SimCLR views of each image
         z0, z1 = (self.head(self.backbone(views[:, i])) for i in (0, 1))
         loss = self.criterion(z0, z1)
         self.log("train/loss", loss, prog_bar=True)
@@ -50,9 +50,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--limit-train-batches", type=float, default=1.0)
     args = parser.parse_args(argv)
-    data = MultiViewDataModule(
-        SyntheticShapes(train_per_class=50, test_per_class=20), num_views=2, batch_size=64, num_workers=0
-    )
+    source = SyntheticShapes(train_per_class=50, test_per_class=20)
+    data = MultiViewDataModule(source, views=SimCLRViews(count=2), batch_size=64, num_workers=0)
     limit = int(args.limit_train_batches) if args.limit_train_batches > 1 else args.limit_train_batches
     trainer = Trainer(
         max_epochs=args.epochs,

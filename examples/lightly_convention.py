@@ -1,12 +1,12 @@
 """Modules written the way lightly's examples are, trained from MultiViewDataModule (docs/baselines.md).
 
 lightly's examples take ``batch[0]`` as a list of view batches ``(B, C, H, W)`` (with ``LightlyDataset``: the batch
-is ``(views, targets, filenames)``). ``batch_format: lightly`` gives exactly that, from any view pipeline. Two of
+is ``(views, targets, filenames)``). ``batch_format: lightly`` gives exactly that, for any view spec. Two of
 lightly's example modules, with their training steps as lightly writes them (smaller networks):
 
-* MMCR (8 views through lightly's ``MMCRLoss``), the views drawn by lightly's own ``MMCRTransform`` through
-  ``TransformViews``;
-* DINO (2 global + 4 local crops through ``DINOLoss``), the crops drawn by ``MultiCrop``.
+* MMCR (8 views through lightly's ``MMCRLoss``), the views drawn by lightly's own ``MMCRTransform``, given as the
+  data module's ``views`` (the number of views is the transform's);
+* DINO (2 global + 4 local crops through ``DINOLoss``), the crops drawn by the ``MultiCrop`` spec.
 
     python examples/lightly_convention.py --epochs 1 --steps 3
 """
@@ -25,7 +25,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import MultiCrop, MultiViewDataModule, SyntheticShapes, TransformViews
+from hfmca_lightning.data import MultiCrop, MultiViewDataModule, SyntheticShapes
 from hfmca_lightning.models import SmallConvNet
 
 
@@ -108,20 +108,17 @@ class DINO(LightningModule):
 
 
 def mmcr_data(**options) -> MultiViewDataModule:
-    """8 views per image by lightly's own MMCRTransform, in lightly's batch layout."""
+    """8 views per image by lightly's own MMCRTransform (its ``k``), in lightly's batch layout."""
     transform = MMCRTransform(k=8, input_size=32, gaussian_blur=0.0)
     source = SyntheticShapes(train_per_class=8, test_per_class=4)
-    return MultiViewDataModule(
-        source, num_views=8, batch_size=16, views=TransformViews(transform), batch_format="lightly", **options
-    )
+    return MultiViewDataModule(source, views=transform, batch_format="lightly", batch_size=16, **options)
 
 
 def dino_data(**options) -> MultiViewDataModule:
     """2 global crops of 32 px and 4 local crops of 16 px (the project's MultiCrop), in lightly's batch layout."""
     source = SyntheticShapes(train_per_class=8, test_per_class=4)
-    return MultiViewDataModule(
-        source, num_views=6, batch_size=16, views=MultiCrop(2, 4), batch_format="lightly", **options
-    )
+    views = MultiCrop(global_crops=2, local_crops=4)
+    return MultiViewDataModule(source, views=views, batch_format="lightly", batch_size=16, **options)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 solo-learn's methods unpack ``indexes, X, targets = batch`` with ``X`` the list of crops, large crops first, and check
 ``len(X) == num_crops`` (``num_large_crops + num_small_crops``); its SimCLR finds the positives of each crop by the
-samples' indexes. ``batch_format: solo`` gives exactly that, here with 2 large and 2 small crops (``MultiCrop``).
+samples' indexes. ``batch_format: solo`` gives exactly that, here with 2 large and 2 small crops (the ``MultiCrop``
+spec).
 
     python examples/solo_convention.py --epochs 1 --steps 3
 """
@@ -67,9 +68,8 @@ class SoloSimCLR(LightningModule):
 def solo_data(**options) -> MultiViewDataModule:
     """2 large crops of 32 px and 2 small ones of 16 px, in solo-learn's batch layout."""
     source = SyntheticShapes(train_per_class=8, test_per_class=4)
-    return MultiViewDataModule(
-        source, num_views=4, batch_size=16, views=MultiCrop(2, 2), batch_format="solo", **options
-    )
+    views = MultiCrop(global_crops=2, local_crops=2)
+    return MultiViewDataModule(source, views=views, batch_format="solo", batch_size=16, **options)
 
 
 def main(argv: list[str] | None = None) -> float:

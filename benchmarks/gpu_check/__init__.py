@@ -7,7 +7,7 @@ Writes ``docs/benchmarks/gpu-<device>.md``, section by section, in this order (a
 2. ``steps``: training steps at 64 images x 9 views in bf16 (ResNet-18, CIFAR-sized views; forward, backward and the
    fused-SGD update guarded by the step's checks): the backbone alone, the HFMCA external cost, external + internal
    costs on all 8 BasicBlocks, each plain and channels-last; and the external channels-last step with its views drawn
-   on the device inside the step (``ResidentViews``, ``BatchedViews`` on the device) against the
+   on the device inside the step (``ResidentDrawer``, ``BatchedDrawer`` on the device) against the
    same step on views drawn beforehand. Per row: views/s, time relative to the fastest backbone row of the run, the
    memory the step allocates, host synchronisations per step (on CUDA counted by CUDA's sync debug mode, on the CPU
    the device values read on the host), kernels launched and the fraction of the step the GPU is busy, and beside
@@ -17,7 +17,7 @@ Writes ``docs/benchmarks/gpu-<device>.md``, section by section, in this order (a
 4. ``precision``: bf16-vs-float32 agreement of every cost, and fast, tf32x3 and auto (bf16 autocast) vs float64
    internal statistics (costs and backbone gradients);
 5. ``data``: every data path (CPU workers: torchvision per view, batched per batch; uint8 batches drawn on the
-   device by the batched pipeline; the training set on the device, one or 8 batches per call);
+   device by the batched drawer; the training set on the device, one or 8 batches per call);
 6. ``training``: epochs of HFMCA-SS(*) and of HFMCA-SS (internal costs on the 8 BasicBlocks) on a CIFAR-sized
    SyntheticShapes set (50k images) on the fastest data path, training and validation (kNN) seconds apart, and the
    training seconds of one 50,000-image epoch;

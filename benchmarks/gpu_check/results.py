@@ -39,11 +39,11 @@ IN_STEP = "external, views drawn in the step"
 COMPILED_COSTS = " + compiled costs"
 
 
-# The pipelines that draw views inside the step (names of throughput.data_paths) and their row labels.
+# The drawers that draw views inside the step (names of throughput.data_paths) and their row labels.
 IN_STEP_PATHS = {
-    "resident": "ResidentViews",
-    "resident-8": "ResidentViews, 8 batches per call",
-    "batched-device": "BatchedViews on device",
+    "resident": "ResidentDrawer",
+    "resident-8": "ResidentDrawer, 8 batches per call",
+    "batched-device": "BatchedDrawer on device",
 }
 
 

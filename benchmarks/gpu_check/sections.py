@@ -79,7 +79,7 @@ def step_rows(
     deadline: float | None = None,
 ) -> list[StepRow]:
     """The training-step rows: backbone / external / external + internal, each plain and channels-last, then the
-    external channels-last step with its views drawn inside the step by each device pipeline, and the same step on
+    external channels-last step with its views drawn inside the step by each device drawer, and the same step on
     views drawn beforehand; with ``compiled``, instead the three rows with the backbone compiled + channels-last
     and the two cost rows channels-last with the cost path compiled (CUDA graphs on CUDA), with their compilation
     counts, timed as their own group."""
@@ -111,11 +111,12 @@ def step_rows(
 def in_step_rows(
     args: argparse.Namespace, device: torch.device, autocast: AbstractContextManager, open_loaders: ExitStack
 ) -> list[tuple[str, Callable[[], Step]]]:
-    """The external channels-last step on views drawn beforehand (by ``ResidentViews``), and on views drawn inside
-    the step by each device pipeline (its loader's next batch, moved to the device and drawn there, as Lightning's
-    ``on_after_batch_transfer`` does); a pipeline that draws several batches per call is timed over that many steps.
+    """The external channels-last step on views drawn beforehand (by ``ResidentDrawer``), and on views drawn inside
+    the step by each device drawer (its loader's next batch, moved to the device and drawn there, as Lightning's
+    ``on_after_batch_transfer`` does); a drawer that draws several batches per call is timed over that many steps.
     The loaders are closed with ``open_loaders``."""
-    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+    from hfmca_lightning.evaluation_data import view_batches
 
     paths = data_paths(args.workers, "bfloat16", True)
     batches_needed = (args.steps + 8) * max(path.batches_per_call for path in paths.values())
@@ -131,17 +132,25 @@ def in_step_rows(
 
     def beforehand() -> Step:
         data = MultiViewDataModule(
-            source, num_views=args.views, batch_size=args.batch_size, num_workers=0, views=paths["resident"].make()
+            source,
+            views=SimCLRViews(count=args.views),
+            drawer=paths["resident"].make(),
+            batch_size=args.batch_size,
+            num_workers=0,
         )
         data.setup()
-        (first,) = data.view_batches(device, limit=1)
+        (first,) = view_batches(data, device, limit=1)
         drawn = first.groups[0]
         return training_step(module(), drawn, True, autocast, update=True)
 
     def in_step(name: str) -> Step:
         path = paths[name]
         data = MultiViewDataModule(
-            source, num_views=args.views, batch_size=args.batch_size, num_workers=args.workers, views=path.make()
+            source,
+            views=SimCLRViews(count=args.views),
+            drawer=path.make(),
+            batch_size=args.batch_size,
+            num_workers=args.workers,
         )
         data.setup()
         batches = open_loaders.enter_context(closing(view_stream(data, device)))
@@ -196,16 +205,17 @@ def agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[Agre
 
 
 def _agreement(args: argparse.Namespace, device: torch.device) -> tuple[list[AgreementRow], dict[str, float]]:
-    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+    from hfmca_lightning.evaluation_data import view_batches
 
     data = MultiViewDataModule(
         SyntheticShapes(train_per_class=max(2, args.batch_size // 10 + 1), image_size=args.image_size),
-        num_views=args.views,
+        views=SimCLRViews(count=args.views),
         batch_size=args.batch_size,
         num_workers=0,
     )
     data.setup()
-    (first,) = data.view_batches(device, limit=1)
+    (first,) = view_batches(data, device, limit=1)
     views = first.groups[0]
     torch.manual_seed(0)
     module = build(args.backbone, args.views, True).to(device).train()
@@ -331,7 +341,7 @@ def training_run(
     from lightning.pytorch import Trainer
 
     from hfmca_lightning.callbacks import KNNEvaluation
-    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 
     per_class = max(1, args.train_images // 10)
     source = SyntheticShapes(
@@ -341,11 +351,11 @@ def training_run(
     path = data_paths(args.workers, "bfloat16" if cuda else "float32", cuda)[data_path_name or "resident"]
     data = MultiViewDataModule(
         source,
-        num_views=args.views,
+        views=SimCLRViews(count=args.views),
+        drawer=path.make(),
         batch_size=args.batch_size,
         eval_batch_size=512,
         num_workers=args.workers,
-        views=path.make(),
     )
     module = build(args.backbone, args.views, internal, channels_last=cuda)
     clock = _epoch_clock(device)

@@ -36,10 +36,10 @@ TRACED_STEP = 1  # the second step is traced: the first makes the optimizer's st
 
 
 def _steps_per_draw(config: dict[str, Any]) -> int:
-    """How many steps one draw of the config's view pipeline serves (``batches_per_call``): the steps traced, so that
-    a chunk's draw is counted once per its steps."""
-    views = ((config.get("data") or {}).get("init_args") or {}).get("views") or {}
-    return max(1, int((views.get("init_args") or {}).get("batches_per_call", 1)))
+    """How many steps one draw of the config's drawer serves (``batches_per_call``): the steps traced, so that a
+    chunk's draw is counted once per its steps."""
+    drawer = ((config.get("data") or {}).get("init_args") or {}).get("drawer") or {}
+    return max(1, int((drawer.get("init_args") or {}).get("batches_per_call", 1)))
 
 
 class _Traced(Exception):
@@ -60,9 +60,9 @@ def _image_size(source: dict[str, Any]) -> int:
 
 
 def traced_config(config: dict[str, Any], steps: int = TRACED_STEP + 1, spare: int = 1) -> dict[str, Any]:
-    """``config`` as the tracer runs it: its model, optimizer, precision, callbacks' per-step work and view pipeline,
+    """``config`` as the tracer runs it: its model, optimizer, precision, callbacks' per-step work, views and drawer,
     on ``SyntheticShapes`` images of the source's size (nothing read or downloaded), on one CUDA device, for
-    ``steps`` steps (with images for ``spare`` more: a pipeline that draws ahead finds its next batches), with no
+    ``steps`` steps (with images for ``spare`` more: a drawer that draws ahead finds its next batches), with no
     logger, checkpoint, validation or workers."""
     traced = copy.deepcopy(config)
     trainer = traced.setdefault("trainer", {})
@@ -102,8 +102,8 @@ def trace_config(
 ) -> Trace:
     """One whole training step of a config (forward, backward, optimizer step, the callbacks' per-step work, the data
     transfer and views drawn on the device) on the modelled ``gpu``, run by Lightning's Trainer as ``hfmca fit``
-    runs it (:func:`traced_config`): the steps after the first, as many as one draw of the view pipeline serves
-    (``ResidentViews(batches_per_call=8)``: 8, one draw among them; predictions are per step); ``overrides`` are
+    runs it (:func:`traced_config`): the steps after the first, as many as one draw of the drawer serves
+    (``ResidentDrawer(batches_per_call=8)``: 8, one draw among them; predictions are per step); ``overrides`` are
     merged into the config's ``model.init_args`` / ``trainer``."""
     from lightning.pytorch import Callback
 
@@ -180,8 +180,8 @@ class _HostLoader:
 
 def _draw_on_host(datamodule: Any, source: Any) -> None:
     """Give ``datamodule`` the real ``source`` and do its host work on real tensors: the splits and the training
-    batches (the data loader) outside the fake tensors, the data a pipeline keeps on the device (``ResidentViews``)
-    moved to the modelled GPU, and the views of device pipelines drawn there, in the step."""
+    batches (the data loader) outside the fake tensors, the data a drawer keeps on the device (``ResidentDrawer``)
+    moved to the modelled GPU, and the views of device drawers drawn there, in the step."""
     setup, train_dataloader = datamodule.setup, datamodule.train_dataloader
     datamodule.source = source
     making_loader = [False]
@@ -194,7 +194,7 @@ def _draw_on_host(datamodule: Any, source: Any) -> None:
         finally:
             datamodule.trainer = trainer
         if not making_loader[0]:  # (the loader sets up again, on the host)
-            datamodule.views.prepare(datamodule._train_split, torch.device("cuda"))
+            datamodule.drawer.prepare(datamodule.training_split, torch.device("cuda"))
 
     def host_train_dataloader() -> Any:
         making_loader[0] = True

@@ -11,7 +11,7 @@ from .predict import Prediction
 from .report import Target, target_table
 
 # The phases of a plain backbone step: the backbone's forward and backward, the optimizer's update, and the views a
-# device pipeline draws (gpu-check's "backbone alone" row, on the same settings).
+# device drawer draws (gpu-check's "backbone alone" row, on the same settings).
 BACKBONE_PHASES = ("backbone", "optimizer", "data")
 
 
@@ -47,7 +47,7 @@ def config_targets(
             Target("external + internal / backbone step", "<= 1.5x (goal 1.25x)", f"{ratio:.2f}x", ratio <= 1.5)
         )
     data = external.phase_milliseconds("data")
-    if data > 0:  # the transfer and the views a device pipeline draws, against views already on the device
+    if data > 0:  # the transfer and the views a device drawer draws, against views already on the device
         ratio = external.milliseconds / (external.milliseconds - data)
         targets.append(
             Target("step with views drawn on the device / step with views drawn beforehand", "<= 1.05x",

@@ -80,7 +80,7 @@ class EigenspectrumCallback(FigureCallback):
     Example::
 
         model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
-        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4))
         spectra = EigenspectrumCallback(every_n_steps=50, top_k=20)
         Trainer(max_epochs=10, callbacks=[spectra]).fit(model, datamodule=data)
         eigenvalues = spectra.latest["external"]  # the last logged non-trivial eigenvalues, descending

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.evaluation_data import denormalise, figure_batches, figure_images
 from hfmca_lightning.methods.inspection import (
     collect_statistics,
     default_figure_layers,
@@ -36,8 +37,8 @@ class _Counted:
 class DensityRatioHeatmapCallback(FigureCallback):
     """Every ``every_n_epochs``, the telescoping density-ratio response of a fixed set of test images.
 
-    The first ``num_images`` images of the evaluation split (``datamodule.evaluation_images``) go through
-    the backbone; each internal pair is decomposed (Alg. 4) from statistics **accumulated over the first
+    The first ``num_images`` images of the evaluation split (:func:`~hfmca_lightning.evaluation_data.figure_images`) go
+    through the backbone; each internal pair is decomposed (Alg. 4) from statistics **accumulated over the first
     ``statistics_images`` images** of that split (default 2,000; all of them when the split is smaller, with a
     warning), in float64 and eval mode, not from the few drawn images: with 9 images and 64 features the
     decomposition of independent features shows spurious eigenvalues above 0.5. The response is then
@@ -106,8 +107,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
         datamodule = trainer.datamodule
-        images, _ = datamodule.evaluation_images(self.num_images, target=self.image_class, start=self.first_image)
-        counted = _Counted(datamodule.evaluation_batches(self.statistics_images))
+        images, _ = figure_images(datamodule, self.num_images, target=self.image_class, start=self.first_image)
+        counted = _Counted(figure_batches(datamodule, self.statistics_images))
         statistics = collect_statistics(pl_module, counted)
         if counted.images < self.statistics_images and not self._warned:
             rank_zero_warn(
@@ -120,7 +121,7 @@ class DensityRatioHeatmapCallback(FigureCallback):
         heatmaps = density_ratio_heatmaps(pl_module, images, statistics)
         chosen = self.layers or default_figure_layers(list(heatmaps))
         figure = heatmap_overlay_figure(
-            trainer.datamodule.denormalise(images),
+            denormalise(trainer.datamodule, images),
             {name: heatmaps[name] for name in chosen},
             placements=heatmap_placements(pl_module),
         )

@@ -33,7 +33,7 @@ class KNNEvaluation(Callback):
     Example::
 
         model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
-        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4))
         trainer = Trainer(max_epochs=10, callbacks=[KNNEvaluation(k=200, temperature=0.1)])
         trainer.fit(model, datamodule=data)  # logs knn/top1 and knn/top1_max after every epoch
     """

@@ -76,7 +76,7 @@ class LinearProbe(Callback):
     Example::
 
         model = HFMCAModule(SmallConvNet(), external_head=GridExternalHead(128, grid_height=2, grid_width=2))
-        data = MultiViewDataModule(SyntheticShapes(), num_views=4)
+        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4))
         trainer = Trainer(max_epochs=10, callbacks=[LinearProbe(lr=0.1, topk=(1, 5))])
         trainer.fit(model, datamodule=data)  # logs linear/train_loss, linear/top1 and linear/top5
     """

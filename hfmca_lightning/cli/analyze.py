@@ -34,6 +34,7 @@ from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.features import batch_norm_age
+from hfmca_lightning.evaluation_data import denormalise, figure_images, view_batches
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
@@ -253,7 +254,7 @@ def analyze(
         ]
         if module.internal_costs is not None:
             stage(f"density-ratio heatmaps and basis functions of {num_images} test images")
-            images, _ = datamodule.evaluation_images(num_images, target=image_class, start=first_image)
+            images, _ = figure_images(datamodule, num_images, target=image_class, start=first_image)
             pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
             heatmaps = telescoping_response(list(pairs.values()))
             chosen = layers or default_figure_layers(list(heatmaps))
@@ -261,7 +262,7 @@ def analyze(
             if unknown:
                 raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
             overlay = heatmap_overlay_figure(
-                datamodule.denormalise(images),
+                denormalise(datamodule, images),
                 {name: heatmaps[name] for name in chosen},
                 placements=heatmap_placements(module),
             )
@@ -285,9 +286,9 @@ def analyze(
 
 
 def _training_batches(datamodule: MultiViewDataModule, device: torch.device) -> Iterator[Tensor | list[Tensor]]:
-    """The run's training groups, drawn by its own view pipeline (whatever it is), on ``device``: ``(B, L, C, H, W)``
-    or, for views of several sizes, a list of such groups."""
-    with closing(datamodule.view_batches(device)) as batches:
+    """The run's training groups, drawn by its own view spec and drawer (whatever they are), on ``device``:
+    ``(B, L, C, H, W)`` or, for views of several sizes, a list of such groups."""
+    with closing(view_batches(datamodule, device)) as batches:
         for batch in batches:
             yield batch.groups[0] if len(batch.groups) == 1 else batch.groups
 

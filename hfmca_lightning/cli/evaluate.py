@@ -33,6 +33,7 @@ from hfmca_lightning.evaluation import (
     topk_accuracies,
     train_linear_classifier,
 )
+from hfmca_lightning.evaluation_data import finetune_loader, labelled_splits
 from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["split_features", "frozen_linear_accuracy", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
@@ -51,7 +52,7 @@ def split_features(
     module: LightningModule, datamodule: MultiViewDataModule, device: str
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Features and targets of the ``BANK`` (labelled train) and ``QUERIES`` (test) splits, un-augmented."""
-    datamodule.labelled_splits()  # one clear error when the source has no labels
+    labelled_splits(datamodule)  # one clear error when the source has no labels
     module.to(device)
     loaders = datamodule.val_dataloader()
     names = {BANK: "features of the training split", QUERIES: "features of the test split"}
@@ -118,7 +119,7 @@ def linear_evaluation(
     labelled training split (class-balanced). Writes ``linear.json`` / ``linear.md`` (``finetune.*``)."""
     device = device or default_device()
     module, datamodule = load_run(ckpt_path, config_path)
-    train_split, test_split = datamodule.labelled_splits()
+    train_split, test_split = labelled_splits(datamodule)
     train_targets = torch.as_tensor(train_split.targets)
     subset = class_balanced_subset(train_targets, label_fraction, seed)
     seed_everything(seed, verbose=False)
@@ -184,7 +185,7 @@ def _finetune(
     )
     queries = datamodule.val_dataloader()[QUERIES]
     trainer.fit(
-        classifier, train_dataloaders=datamodule.finetune_dataloader(subset.tolist(), seed), val_dataloaders=queries
+        classifier, train_dataloaders=finetune_loader(datamodule, subset.tolist(), seed), val_dataloaders=queries
     )
     metrics = trainer.validate(classifier, dataloaders=queries, verbose=False)[0]
     return {1: float(metrics["finetune/top1"]), 5: float(metrics["finetune/top5"])}

@@ -1,69 +1,33 @@
-"""Data: image sources, SimCLR view transforms, multi-view datasets and the DataModule."""
+"""Data: image sources, view specs (what to draw), drawers (where to draw it) and the DataModule.
 
-from hfmca_lightning.data.batch_formats import BATCH_FORMATS, ViewBatch, first_views, format_batch
-from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
+Internal pieces (datasets, batch formats, transforms) are imported from their modules.
+"""
+
+from hfmca_lightning.data.archive_sources import CIFAR, STL10
+from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.data.dataset_source import DatasetSource
-from hfmca_lightning.data.datasets import (
-    EvalDataset,
-    MultiViewDataset,
-    SameClassDataset,
-    SeededRandomSampler,
-    SingleViewDataset,
-)
-from hfmca_lightning.data.sources import (
-    CIFAR,
-    STL10,
-    UNLABELLED,
-    ArrayImages,
-    FolderImages,
-    ImageFolderSource,
-    ImageSource,
-    LabelledImages,
-    SyntheticShapes,
-    UnlabelledFolderSource,
-)
-from hfmca_lightning.data.transforms import ViewAugmentation, eval_transform, view_transform, view_transforms
-from hfmca_lightning.data.views import (
-    BatchedViews,
-    MultiCrop,
-    ResidentViews,
-    TorchvisionViews,
-    TransformViews,
-    ViewPipeline,
-)
+from hfmca_lightning.data.drawers import BatchedDrawer, TorchvisionDrawer
+from hfmca_lightning.data.folder_sources import ImageFolderSource, UnlabelledFolderSource
+from hfmca_lightning.data.resident import ResidentDrawer
+from hfmca_lightning.data.sources import ImageSource
+from hfmca_lightning.data.synthetic import SyntheticShapes
+from hfmca_lightning.data.view_specs import MultiCrop, SameClassViews, SimCLRViews, SingleView, TransformViews
 
 __all__ = [
-    "BATCH_FORMATS",
-    "BatchedViews",
-    "MultiCrop",
-    "ResidentViews",
-    "TorchvisionViews",
-    "TransformViews",
-    "ViewBatch",
-    "ViewPipeline",
-    "first_views",
-    "format_batch",
-    "BANK",
-    "QUERIES",
     "CIFAR",
-    "DatasetSource",
     "STL10",
-    "UNLABELLED",
-    "ArrayImages",
-    "FolderImages",
-    "EvalDataset",
+    "BatchedDrawer",
+    "DatasetSource",
     "ImageFolderSource",
     "ImageSource",
-    "LabelledImages",
+    "MultiCrop",
     "MultiViewDataModule",
-    "MultiViewDataset",
-    "SameClassDataset",
-    "SeededRandomSampler",
-    "SingleViewDataset",
+    "ResidentDrawer",
+    "SameClassViews",
+    "SimCLRViews",
+    "SingleView",
     "SyntheticShapes",
+    "TorchvisionDrawer",
+    "TransformViews",
     "UnlabelledFolderSource",
-    "ViewAugmentation",
-    "eval_transform",
-    "view_transform",
-    "view_transforms",
 ]

@@ -1,8 +1,8 @@
-"""Training batches in the layouts other SSL code expects (docs/baselines.md, "Batch formats").
+"""Training batches in the layouts other SSL code expects (docs/baselines.md, "Using the DataModule with another SSL
+method").
 
-Every view pipeline produces a :class:`ViewBatch`: the views of ``B`` samples in groups of equal size (one group for
-same-size views; global crops first, then local crops, for multi-crop), with the samples' targets and dataset indices.
-:func:`format_batch` lays it out as
+Every drawer produces a :class:`ViewBatch` (views in groups of equal size: one group for same-size views; global crops,
+then local crops, for multi-crop); :func:`format_batch` lays it out as
 
 * ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``, with several view sizes
   ``([group (B, n_g, C, H_g, W_g), ...], targets)``, with view grids ``(views, targets, grids (B, L, g, g, 2))``;
@@ -49,16 +49,12 @@ class ViewBatch:
         return sum(group.shape[1] for group in self.groups)
 
     def views(self) -> list[Tensor]:
-        """Every view of the samples, one batch per view.
-
-        Returns:
-            ``L`` tensors ``(B, C, H, W)`` in order, global crops first.
-        """
+        """Every view of the samples, one batch per view: ``L`` tensors ``(B, C, H, W)``, global crops first."""
         return [group[:, view] for group in self.groups for view in range(group.shape[1])]
 
 
 def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> tuple[Any, ...]:
-    """A batch laid out in one of the batch formats of the module docstring.
+    """A batch laid out in one of the batch formats (module docstring).
 
     Args:
         batch: the views, targets and indices of ``B`` samples.
@@ -66,8 +62,7 @@ def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = Fal
         single: mode ``single``'s one view per sample (``stacked`` only): ``(images (B, C, H, W), targets)``.
 
     Returns:
-        The batch as ``batch_format`` lays it out: ``stacked`` ``(views, targets[, grids])``, ``lightly``
-        ``(views, targets, names)``, ``solo`` ``(indexes, views, targets)``.
+        The batch as ``batch_format`` lays it out.
 
     Raises:
         ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.

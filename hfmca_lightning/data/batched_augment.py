@@ -3,25 +3,25 @@
 At CIFAR size the cost of per-sample augmentation is dispatch, not arithmetic. Here every step is a handful of
 operations on all ``B * L`` views at once, whatever their number:
 
-* crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its
-  centre-crop fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one
-  ``grid_sample`` (bilinear) resamples every view;
-* colour jitter (probability ``jitter_p``): brightness, contrast and saturation factors and the hue
-  shift of ``torchvision.transforms.v2.ColorJitter``, applied in a random order per view (torchvision
-  draws one order per call, i.e. per view on the CPU path); brightness, contrast and saturation are all
-  blends with a reference image (black, the mean grey, the grey image), so each of the four rounds is one
-  blend plus the hue shift (HSV, as torchvision) where the round's operation is the hue;
+* crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its centre-crop
+  fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one ``grid_sample``
+  (bilinear) resamples every view;
+* colour jitter (probability ``jitter_p``): the factors and hue shift of ``torchvision.transforms.v2.ColorJitter``
+  in a random order per view (torchvision draws one order per call, i.e. per view on the CPU path). Brightness,
+  contrast and saturation are blends ``clamp(f x + (1 - f) reference)`` with black, the mean grey or the grey image,
+  so each of the four rounds is one blend plus the hue shift (HSV, as torchvision) where the round's operation is
+  the hue;
 * greyscale, Gaussian blur (separable kernel of :attr:`ViewAugmentation.blur_kernel`, sigma uniform in
-  ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at
-  ``SOLARIZE_THRESHOLD``, normalisation; blur and solarisation with the probabilities of each view's kind.
+  ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at ``SOLARIZE_THRESHOLD``,
+  normalisation; blur and solarisation with the probabilities of each view's kind.
 
 Random numbers come from each sample's seed through a counter-based hash
-(:meth:`BatchedViewAugmentation.views_from_seeds`: :class:`~hfmca_lightning.data.BatchedViews` in the CPU workers or on
-the device, and :class:`~hfmca_lightning.data.ResidentViews`), so views stay a function of each sample's seed (calling
-the module itself draws from torch's generator of the images' device instead). Nothing in it reads a device value on the
-host or copies a Python constant to the device. Pixels stay float32 throughout: the CPU torchvision path works on uint8
-and its blends truncate after every jitter step, which leaves its views about 1/255 darker per step (0.01-0.03 of the
-normalised mean on the demo's images; the only difference seen in pixel statistics).
+(:meth:`BatchedViewAugmentation.views_from_seeds`: :class:`~hfmca_lightning.data.BatchedDrawer` in the CPU workers or on
+the device, and :class:`~hfmca_lightning.data.ResidentDrawer`), so an image's views depend on its seed only, not on its
+batch, its rank or the device. Nothing here reads a device value on the host or copies a Python constant to the
+device. Pixels stay float32 throughout: the CPU torchvision path works on uint8 and its blends truncate after every
+jitter step, which leaves its views about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's
+images; the only difference seen in pixel statistics).
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hfmca_lightning.data.counter_random import CounterUniforms, TorchUniforms
+from hfmca_lightning.data.counter_random import CounterUniforms
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
 __all__ = ["BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
-
-Uniforms = CounterUniforms | TorchUniforms
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
@@ -50,13 +48,11 @@ def sample_crop_boxes(
     width: int,
     scale: tuple[float, float],
     ratio: tuple[float, float],
-    device: torch.device | None = None,
-    uniforms: Uniforms | None = None,
+    uniforms: CounterUniforms,
 ) -> Tensor:
     """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn as torchvision's
     ``RandomResizedCrop.get_params``: the first of ten tries whose box fits, else its centre-crop fallback.
-    Random numbers from ``uniforms`` (default: torch's generator of ``device``)."""
-    uniforms = uniforms if uniforms is not None else TorchUniforms(device)
+    Random numbers from ``uniforms``."""
     area = height * width
     target = area * uniforms.uniform((count, CROP_TRIES), *scale, dtype=torch.float64)
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -74,15 +70,10 @@ def sample_crop_boxes(
     else:
         fallback_w, fallback_h = width, height
     found = fits.any(dim=1)
-    w = torch.where(found, w, torch.full_like(w, fallback_w))
-    h = torch.where(found, h, torch.full_like(h, fallback_h))
+    w, h = w.where(found, torch.full_like(w, fallback_w)), h.where(found, torch.full_like(h, fallback_h))
     uniform = uniforms.rand((count, 2), dtype=torch.float64)
-    top = torch.where(
-        found, torch.floor(uniform[:, 0] * (height - h + 1)), torch.full_like(h, (height - fallback_h) // 2)
-    )
-    left = torch.where(
-        found, torch.floor(uniform[:, 1] * (width - w + 1)), torch.full_like(w, (width - fallback_w) // 2)
-    )
+    top = torch.floor(uniform[:, 0] * (height - h + 1)).where(found, torch.full_like(h, (height - fallback_h) // 2))
+    left = torch.floor(uniform[:, 1] * (width - w + 1)).where(found, torch.full_like(w, (width - fallback_w) // 2))
     return torch.stack((top, left, h, w), dim=1)
 
 
@@ -119,9 +110,7 @@ def _shift_hue(views: Tensor, shift: Tensor) -> Tensor:
     )
     hue = torch.remainder(hue / 6.0 + 1.0 + shift.view(-1, 1, 1), 1.0)
     # channel n in (5, 3, 1) for (R, G, B): v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6
-    offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(
-        1, 3, 1, 1
-    )  # made on the device
+    offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(1, 3, 1, 1)
     k = torch.remainder(offsets + 6.0 * hue.unsqueeze(1), 6.0)
     return maximum.unsqueeze(1) * (1.0 - saturation.unsqueeze(1) * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0))
 
@@ -138,12 +127,8 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
     weights = torch.where(blurred[:, None], weights, identity).repeat_interleave(channels, dim=0)  # (N*C, k)
     half = kernel // 2
     flat = views.reshape(1, count * channels, *views.shape[2:])
-    flat = F.conv2d(
-        F.pad(flat, (0, 0, half, half), mode="reflect"), weights.view(-1, 1, kernel, 1), groups=count * channels
-    )
-    flat = F.conv2d(
-        F.pad(flat, (half, half, 0, 0), mode="reflect"), weights.view(-1, 1, 1, kernel), groups=count * channels
-    )
+    for padding, shape in (((0, 0, half, half), (kernel, 1)), ((half, half, 0, 0), (1, kernel))):  # along H, then W
+        flat = F.conv2d(F.pad(flat, padding, mode="reflect"), weights.view(-1, 1, *shape), groups=count * channels)
     return flat.view_as(views)
 
 
@@ -166,9 +151,8 @@ class BatchedViewAugmentation(nn.Module):
 
     The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
-    :meth:`draw` and :meth:`apply` split the call. :meth:`views_from_seeds` draws each image's parameters from its
-    own seed (:class:`~hfmca_lightning.data.counter_random.CounterUniforms`) for the whole batch at once: an image's
-    views then depend on its seed only, not on its batch, its rank or the device.
+    :meth:`views_from_seeds` is :meth:`draw` then :meth:`apply`, with each image's parameters from its own seed
+    (:class:`~hfmca_lightning.data.counter_random.CounterUniforms`).
 
     ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
     arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:
@@ -196,11 +180,6 @@ class BatchedViewAugmentation(nn.Module):
         self._any_blur = any(blur for blur, _ in kinds)
         self._any_solarize = any(solarize for _, solarize in kinds)
 
-    def forward(self, images: Tensor, num_views: int) -> Tensor:
-        _check_images(images)
-        batch, _, height, width = images.shape
-        return self.apply(images, self.draw(batch, num_views, height, width, images.device), num_views)
-
     def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
         """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, image ``b``'s parameters from ``seeds[b]``
         (int64, on the images' device) alone."""
@@ -209,22 +188,12 @@ class BatchedViewAugmentation(nn.Module):
         if seeds.shape != (batch,):
             raise ValueError(f"need one seed per image: {batch} images, seeds of shape {tuple(seeds.shape)}")
         return self.apply(
-            images, self.draw(batch, num_views, height, width, uniforms=CounterUniforms(seeds, num_views)), num_views
+            images, self.draw(batch, num_views, height, width, CounterUniforms(seeds, num_views)), num_views
         )
 
-    def draw(
-        self,
-        batch: int,
-        num_views: int,
-        height: int,
-        width: int,
-        device: torch.device | None = None,
-        uniforms: Uniforms | None = None,
-    ) -> ViewParameters:
-        """Parameters of ``batch * num_views`` views of ``height x width`` images (views ``l`` of kind
-        ``l % view_kinds``), random numbers from ``uniforms`` (default: torch's generator of ``device``). Which
-        random numbers are drawn depends only on the arguments."""
-        uniforms = uniforms if uniforms is not None else TorchUniforms(device)
+    def draw(self, batch: int, num_views: int, height: int, width: int, uniforms: CounterUniforms) -> ViewParameters:
+        """Parameters of ``batch * num_views`` views of ``height x width`` images, random numbers from ``uniforms``.
+        Which random numbers are drawn depends only on the arguments."""
         spec, count = self.spec, batch * num_views
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
         device = boxes.device
@@ -254,21 +223,18 @@ class BatchedViewAugmentation(nn.Module):
         )
 
     def apply(self, images: Tensor, parameters: ViewParameters, num_views: int) -> Tensor:
-        """The views of ``images (B, C, H, W)`` uint8 with ``parameters`` of ``B * num_views`` views -> ``(B, L, C, S,
-        S)``."""
+        """The ``(B, L, C, S, S)`` views of uint8 ``images (B, C, H, W)`` with the parameters of ``B * L`` views."""
         _check_images(images)
         spec = self.spec
         batch, channels, height, width = images.shape
         size = spec.image_size
         sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
         grid = _crop_grid(parameters.boxes.to(images.device), parameters.flip.to(images.device), size, height, width)
-        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(
-            0.0, 1.0
-        )
+        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        views = views.clamp_(0.0, 1.0)
         if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
-            select_rows = views.device.type == "cpu" if self.select_rows is None else self.select_rows
             views = jitter_views(
-                views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, select_rows
+                views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, self.select_rows
             )
         if spec.gray_p > 0 and channels == 3:
             views = torch.where(parameters.grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
@@ -292,13 +258,8 @@ def _check_images(images: Tensor) -> None:
 def jitter_views(
     views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor, select_rows: bool | None = None
 ) -> Tensor:
-    """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1] with per-view parameters:
-    ``factors (N, 3)`` brightness, contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged) and
-    ``order (N, 4)`` a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue. Four rounds; in each,
-    brightness, contrast and saturation are one blend ``clamp(f x + (1 - f) reference)`` with reference black,
-    the view's mean grey or its grey image, and the hue shift applies where the round's operation is the hue:
-    computed on those rows only (``select_rows``; their indices are read on the host) or on all rows and
-    selected (default on devices other than the CPU)."""
+    """torchvision's colour jitter (module docstring) of float RGB views ``(N, 3, H, W)`` in [0, 1] with the per-view
+    jitter parameters of :class:`ViewParameters`; ``select_rows`` as :class:`BatchedViewAugmentation`."""
     select_rows = views.device.type == "cpu" if select_rows is None else select_rows
     count = views.shape[0]
     # per round and view: the blend factor (1 in the hue's round) and the reference's weights on the grey image
@@ -312,10 +273,10 @@ def jitter_views(
         grey = _grey(views)
         reference = grey * grey_weight[step] + grey.mean(dim=(2, 3), keepdim=True) * mean_weight[step]
         views = torch.lerp(reference, views, blend[step]).clamp_(0.0, 1.0)
-        if select_rows:  # the round's hue views only (a quarter of the arithmetic)
+        if select_rows:
             rows = hue_round[step].nonzero()[:, 0]
             if len(rows):
                 views = views.index_copy(0, rows, _shift_hue(views.index_select(0, rows), hue_shift[rows]))
-        else:  # all views, selected: no host-device wait for the indices
+        else:
             views = torch.where(hue_round[step].view(-1, 1, 1, 1), _shift_hue(views, hue_shift), views)
     return views

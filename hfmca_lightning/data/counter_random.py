@@ -13,10 +13,12 @@ no intermediate exceeds 2**49: the integers are exact on any CPU or GPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["CounterUniforms", "TorchUniforms", "counter_uniforms", "hash32"]
+__all__ = ["CounterUniforms", "counter_uniforms", "hash32"]
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
@@ -60,9 +62,9 @@ def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
 class CounterUniforms:
     """The uniforms of ``B`` samples with ``L`` views each, for the draws of
     :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.draw`: ``per_view`` numbers per view,
-    made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand` (the
-    interface of :class:`TorchUniforms`). Every request is ``(B * L, ...)``: view ``l`` of sample ``b`` is row
-    ``b * L + l``, and its numbers depend only on ``seeds[b]``, ``l`` and the order of requests."""
+    made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand`. Every request
+    is ``(B * L, ...)``: view ``l`` of sample ``b`` is row ``b * L + l``, and its numbers depend only on ``seeds[b]``,
+    ``l`` and the order of requests."""
 
     def __init__(self, seeds: Tensor, num_views: int, per_view: int = 40) -> None:
         self.rows, self.per_view = seeds.shape[0] * num_views, per_view
@@ -73,9 +75,7 @@ class CounterUniforms:
         """Uniforms in ``[0, 1)`` of ``shape = (B * L, ...)``."""
         if shape[0] != self.rows:
             raise ValueError(f"requests must have one row per view ({self.rows}); got shape {shape}")
-        width = 1
-        for size in shape[1:]:
-            width *= size
+        width = math.prod(shape[1:])
         if self._used + width > self.per_view:
             raise ValueError(f"more than {self.per_view} random numbers per view requested: raise per_view")
         numbers = self._numbers[:, self._used : self._used + width].reshape(shape)
@@ -85,17 +85,3 @@ class CounterUniforms:
     def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
         """Uniforms in ``[low, high)`` of ``shape = (B * L, ...)``."""
         return (self.rand(shape, torch.float64) * (high - low) + low).to(dtype)
-
-
-class TorchUniforms:
-    """Uniforms from torch's generator of ``device``, drawn by ``torch.rand`` and ``Tensor.uniform_`` (the views
-    seeded per batch)."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
-
-    def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.rand(shape, dtype=dtype, device=self.device)
-
-    def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device).uniform_(low, high)

@@ -1,7 +1,7 @@
 """Any torch ``Dataset`` of ``(image, target)`` pairs as an image source: torchvision's data sets, a user's own.
 
 The images may be PIL images, ``(H, W, 3)`` uint8 arrays, or ``(C, H, W)`` / ``(H, W)`` tensors (uint8, or floats in
-``[0, 1]``); every view pipeline gets them as the ``(3, H, W)`` uint8 tensors the other sources give (greyscale
+``[0, 1]``); every drawer gets them as the ``(3, H, W)`` uint8 tensors the other sources give (greyscale
 repeated over the three channels). From YAML, the data sets are ``class_path`` / ``init_args`` as any class::
 
     source:
@@ -91,7 +91,6 @@ class DatasetSource(ImageSource):
 
     @functools.cached_property
     def _test_images(self) -> DatasetImages | None:
-        """The test split, its targets read once, when first asked for."""
         return None if self.test is None else DatasetImages(self.test)
 
 
@@ -124,8 +123,7 @@ class DatasetImages(LabelledImages):
 
 
 def as_uint8_image(image: Any) -> Tensor:
-    """``(3, H, W)`` uint8 from a PIL image, an ``(H, W, 3)`` / ``(H, W)`` uint8 array, or a ``(C, H, W)`` / ``(H, W)``
-    tensor (uint8, or floats in ``[0, 1]``, rounded); one channel is repeated over three."""
+    """The ``(3, H, W)`` uint8 tensor of an image of a kind the module docstring lists (floats are rounded)."""
     if isinstance(image, Image.Image):
         return pil_to_tensor(image.convert("RGB"))
     if isinstance(image, np.ndarray):

@@ -1,41 +1,53 @@
-"""Training and evaluation datasets over a split, and the resumable sampler that drives them.
+"""The per-sample work of the data-loader workers, and the resumable sampler that drives it.
 
-Training datasets take keys ``(index, sample_seed)`` from :class:`SeededRandomSampler`: all randomness
-of a sample (its views' augmentation parameters, its same-class partners) is a function of that seed,
-so runs are identical whatever the number of workers, and a run resumed from a checkpoint sees exactly
-the batches an uninterrupted run would.
+Training datasets take keys ``(index, sample_seed)`` from :class:`SeededRandomSampler`: all randomness of a sample
+(its views' augmentation parameters, its same-class partners) is a function of that seed, so runs are identical
+whatever the number of workers, and a run resumed from a checkpoint sees exactly the batches an uninterrupted run
+would.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
+from hfmca_lightning.data.batch_formats import ViewBatch, stack_samples
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["SeededRandomSampler", "MultiViewDataset", "SingleViewDataset", "SameClassDataset", "EvalDataset"]
+__all__ = [
+    "EvalDataset",
+    "GroupedViews",
+    "MultiViewDataset",
+    "SameClassDataset",
+    "SeededRandomSampler",
+    "collate_samples",
+    "seeded_generators",
+]
 
 SampleKey = tuple[int, int]
+Sample = tuple[list[Tensor], int, int, Tensor | None]  # (groups [(n_g, C, H_g, W_g)], target, index, grids)
 
 
 class SeededRandomSampler(DistributedSampler):
     """Shuffles the data per epoch from ``(seed, epoch)`` and yields ``(index, sample_seed)`` keys.
 
-    One global order is drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th
-    key starting at ``r`` (the tail that does not divide evenly is dropped), so consecutive per-rank
-    batches of ``b`` together hold exactly the samples, with exactly the augmentation seeds, of one
-    single-process batch of ``num_replicas * b``. Lightning calls :meth:`set_epoch` every epoch and,
-    since this is a ``DistributedSampler``, leaves it in place under DDP.
+    One global order is drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th key
+    starting at ``r`` (the tail that does not divide evenly is dropped), so consecutive per-rank batches of ``b``
+    together hold exactly the samples, with exactly the augmentation seeds, of one single-process batch of
+    ``num_replicas * b``. Lightning calls :meth:`set_epoch` every epoch and, since this is a ``DistributedSampler``,
+    leaves it in place under DDP.
 
-    :meth:`resume` makes the next iteration start inside an epoch: at ``epoch``, after the first
-    ``samples_seen`` keys of the global order (what all ranks together consumed before a checkpoint).
-    ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a resumed epoch from where
-    it stopped.
+    :meth:`resume` makes the next iteration start inside an epoch: at ``epoch``, after the first ``samples_seen``
+    keys of the global order (what all ranks together consumed before a checkpoint). ``len()`` stays the full
+    epoch's, as Lightning's loop counts the batches of a resumed epoch from where it stopped.
 
     Args:
         num_samples: the size of the dataset.
@@ -93,18 +105,19 @@ class SeededRandomSampler(DistributedSampler):
 
 
 @contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Run the block on torch's global CPU generator seeded with ``seed`` and restore it afterwards."""
-    if seed is None:
-        yield
-        return
+def seeded_generators(seed: int) -> Iterator[None]:
+    """torch's CPU generator, Python's ``random`` and numpy's global generator seeded with ``seed`` inside the block
+    and restored after it (transforms of other libraries draw from any of them)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        yield
-
-
-def _split_key(key: int | SampleKey) -> tuple[int, int | None]:
-    return (key, None) if isinstance(key, int) else (int(key[0]), int(key[1]))
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
@@ -112,100 +125,37 @@ def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
 
 
 class MultiViewDataset(Dataset):
-    """``L`` augmented views of one image: ``key -> (views (L, C, H, W), target)`` (paper Alg. 1), or
-    ``(views, target, grids (L, g, g, 2))`` when the transforms return views with grids (:class:`ViewWithGrid`).
-
-    ``transform`` is one view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); or
-    ``all_views(image, L) -> (L, C, H, W)`` draws the ``L`` views in one batched call instead. The image is
-    decoded once for its ``L`` views.
-
-    Args:
-        images: the split.
-        transform: one view transform, or one per view kind.
-        num_views: ``L``, views per image.
-        all_views: draws all ``L`` views of an image in one call instead of ``transform``.
+    """``L`` augmented views of one image (paper Alg. 1): ``(index, seed) -> ([views (L, C, H, W)], target, index,
+    grids (L, g, g, 2) or None)``, grids where the transforms return views with grids (VICRegL). ``transform`` is one
+    view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); the image is decoded once.
 
     Raises:
         ValueError: when ``num_views`` is below 1.
     """
 
-    def __init__(
-        self,
-        images: LabelledImages,
-        transform: Callable | Sequence[Callable],
-        num_views: int,
-        all_views: Callable[[Tensor, int], Tensor] | None = None,
-    ) -> None:
+    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
         if num_views < 1:
             raise ValueError(f"num_views must be >= 1; got {num_views}")
-        self.images, self.transforms, self.num_views, self.all_views = (
-            images,
-            _transform_list(transform),
-            num_views,
-            all_views,
-        )
+        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
-        index, seed = _split_key(key)
+    def __getitem__(self, key: SampleKey) -> Sample:
+        index = int(key[0])
         image, target = self.images[index]
-        with _seeded(seed):
-            if self.all_views is not None:
-                return self.all_views(image, self.num_views), target
+        with seeded_generators(key[1]):
             views = [self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)]
-        if isinstance(views[0], tuple):  # ViewWithGrid: (views, target, grids (L, g, g, 2))
-            return torch.stack([view for view, _ in views]), target, torch.stack([grid for _, grid in views])
-        return torch.stack(views), target
-
-
-class SeededImageDataset(Dataset):
-    """One image and the seed of its views: ``key -> (transform(image), target, sample_seed)``; the views are
-    drawn for the whole batch by the collate function (:class:`~hfmca_lightning.data.BatchedViews`)."""
-
-    def __init__(self, images: LabelledImages, transform: Callable) -> None:
-        self.images, self.transform = images, transform
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int, int]:
-        index, seed = _split_key(key)
-        if seed is None:
-            raise ValueError("SeededImageDataset needs (index, seed) keys, as SeededRandomSampler yields")
-        image, target = self.images[index]
-        return self.transform(image), target, seed
-
-
-class SingleViewDataset(MultiViewDataset):
-    """One augmented view of one image: ``key -> (image (C, H, W), target)``.
-
-    Args:
-        images: the split.
-        transform: the view transform (or one per view kind; the first is used).
-        num_views: views drawn per image, of which the first is kept (mode ``single`` has 1).
-        all_views: draws the views of an image in one call instead of ``transform``.
-
-    Raises:
-        ValueError: when ``num_views`` is below 1.
-    """
-
-    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
-        views, target = super().__getitem__(key)
-        return views[0], target
+        if isinstance(views[0], tuple):  # views with grids
+            grids = torch.stack([grid for _, grid in views])
+            return [torch.stack([view for view, _ in views])], int(target), index, grids
+        return [torch.stack(views)], int(target), index, None
 
 
 class SameClassDataset(Dataset):
-    """``L`` different images of one class: ``key -> (members (L, C, H, W), target)`` (supervised scenario).
-
-    Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of its
-    class. Member ``l`` goes through ``transform`` (or ``transform[l % len]``).
-
-    Args:
-        images: the split, labelled.
-        transform: one view transform, or one per member.
-        num_views: ``L``, members per group.
+    """``L`` different images of one class (supervised scenario): ``(index, seed) -> ([members (L, C, H, W)], target,
+    index, None)``. Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of
+    its class. Member ``l`` goes through ``transform`` (or ``transform[l % len]``).
 
     Raises:
         ConfigurationError: when a class has fewer than ``num_views`` images.
@@ -218,38 +168,64 @@ class SameClassDataset(Dataset):
         smallest = min(self.by_class.items(), key=lambda item: len(item[1]))
         if len(smallest[1]) < num_views:
             raise ConfigurationError(
-                f"same_class mode needs at least num_views={num_views} images per class, but class "
-                f"{smallest[0]} has {len(smallest[1])}; lower num_views or use mode 'views'"
+                f"SameClassViews needs at least count={num_views} images per class, but class {smallest[0]} has "
+                f"{len(smallest[1])}; lower the count or use SimCLRViews",
+                parameter="views",
             )
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, key: int | SampleKey) -> tuple[Tensor, int]:
-        index, seed = _split_key(key)
+    def __getitem__(self, key: SampleKey) -> Sample:
+        index, seed = int(key[0]), int(key[1])
         target = self.images.targets[index]
         candidates = self.by_class[target]
         candidates = candidates[candidates != index]
-        generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        generator = torch.Generator().manual_seed(seed)
         partners = candidates[torch.randperm(len(candidates), generator=generator)[: self.num_views - 1]].tolist()
-        with _seeded(seed):
-            members = torch.stack(
-                [
-                    self.transforms[member % len(self.transforms)](self.images[i][0])
-                    for member, i in enumerate([index, *partners])
-                ]
-            )
-        return members, target
+        with seeded_generators(seed):
+            members = [
+                self.transforms[member % len(self.transforms)](self.images[i][0])
+                for member, i in enumerate([index, *partners])
+            ]
+        return [torch.stack(members)], int(target), index, None
+
+
+class GroupedViews(Dataset):
+    """``(index, seed) -> (groups [(n_g, C, S_g, S_g)], target, index, None)``: ``draw(image)``'s views of one image
+    on generators seeded with the sample's seed, consecutive views of equal shape stacked into a group."""
+
+    def __init__(self, split: LabelledImages, draw: Callable[[Any], list[Tensor]]) -> None:
+        self.split, self.draw = split, draw
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, key: SampleKey) -> Sample:
+        index, seed = int(key[0]), int(key[1])
+        image, target = self.split[index]
+        with seeded_generators(seed):
+            views = self.draw(image)
+        groups: list[list[Tensor]] = []
+        for view in views:
+            if groups and groups[-1][0].shape == view.shape:
+                groups[-1].append(view)
+            else:
+                groups.append([view])
+        return [torch.stack(group) for group in groups], int(target), index, None
+
+
+def collate_samples(samples: list[Sample]) -> ViewBatch:
+    """The :class:`ViewBatch` of a batch of per-sample views."""
+    grids = [sample[3] for sample in samples]
+    return stack_samples(
+        [(groups, target, index) for groups, target, index, _ in samples],
+        None if grids[0] is None else [grid for grid in grids if grid is not None],
+    )
 
 
 class EvalDataset(Dataset):
-    """One un-augmented image: ``index -> (image (C, H, W), target)``.
-
-    Args:
-        images: the split.
-        transform: the evaluation transform (:func:`~hfmca_lightning.data.transforms.eval_transform`).
-    """
+    """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``."""
 
     def __init__(self, images: LabelledImages, transform: Callable) -> None:
         self.images, self.transform = images, transform

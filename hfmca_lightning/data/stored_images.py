@@ -1,10 +1,6 @@
-"""The training split kept in the accelerator's memory (:class:`~hfmca_lightning.data.ResidentViews`).
-
-For data sets that fit (CIFAR's 50,000 images are 150 MB as uint8), the images travel to the device once; each
-training batch is then only its samples' indices and seeds (1 KB for 64 images, copied asynchronously from pinned
-memory), and its views are drawn on the device from the seeds (:meth:`BatchedViewAugmentation.views_from_seeds`),
-without data-loader workers. The sampler, its per-sample seeds, exact resume and DDP sharding are those of every
-other data path.
+"""The training split kept in the accelerator's memory for :class:`~hfmca_lightning.data.ResidentDrawer`: for data
+sets that fit (CIFAR's 50,000 images are 150 MB as uint8), the images travel to the device once and each training
+batch is only its samples' indices and seeds.
 """
 
 from __future__ import annotations
@@ -60,12 +56,9 @@ class StoredImages:
             free, _ = torch.cuda.mem_get_info(device)
             if self.images.numel() > DEVICE_MEMORY_SHARE * free:
                 raise ConfigurationError(
-                    f"ResidentViews: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, "
+                    f"ResidentDrawer: the training split takes {self.images.numel() / 2**30:.1f} GiB as uint8, "
                     f"more than half of the {free / 2**30:.1f} GiB free on {device}; draw the views in CPU workers "
-                    "instead (views: BatchedViews)",
-                    parameter="views",
+                    "instead (drawer: BatchedDrawer)",
+                    parameter="drawer",
                 )
         return StoredImages(self.images.to(device), self.targets.to(device))
-
-    def __len__(self) -> int:
-        return self.images.shape[0]

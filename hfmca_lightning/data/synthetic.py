@@ -1,10 +1,13 @@
-"""Procedural shape images: a small, offline, class-structured image data set."""
+"""Procedural shape images: a small, offline, class-structured image data set, and its source."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SHAPES", "generate_shapes"]
+from hfmca_lightning.data.sources import ArrayImages, ImageSource
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["SHAPES", "SyntheticShapes", "generate_shapes"]
 
 SHAPES = ("disk", "square", "triangle", "ring", "cross", "h_stripes", "v_stripes", "checker", "diamond", "two_disks")
 
@@ -65,8 +68,58 @@ def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int
         mask = _mask(SHAPES[target], y, x, radius)
         background = rng.uniform(0, 255, size=3)
         foreground = (background + rng.uniform(80, 175, size=3)) % 255
-        picture = np.where(mask[..., None], foreground, background) + rng.normal(
-            0, 12, size=(image_size, image_size, 3)
-        )
-        images[index] = np.clip(picture, 0, 255).astype(np.uint8)
+        noise = rng.normal(0, 12, size=(image_size, image_size, 3))
+        images[index] = np.clip(np.where(mask[..., None], foreground, background) + noise, 0, 255).astype(np.uint8)
     return images, targets
+
+
+class SyntheticShapes(ImageSource):
+    """The embedded, procedurally generated data set for the offline demo and the tests.
+
+    Each class is a shape (disk, square, triangle, ring, cross, stripes, ...) drawn with random colours,
+    position and size over a noisy background; a representation must see shape, not colour, to
+    separate the classes. Deterministic from ``seed``; nothing is stored on disk.
+
+    Args:
+        num_classes: shapes, hence classes, in ``[2, number of shapes]``.
+        train_per_class: training images per class.
+        test_per_class: test images per class.
+        image_size: side of the square images, ``>= 8``.
+        seed: seeds the generation.
+
+    Raises:
+        ConfigurationError: when a setting is out of its range.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        train_per_class: int = 200,
+        test_per_class: int = 50,
+        image_size: int = 32,
+        seed: int = 0,
+    ) -> None:
+        self.num_classes = num_classes
+        self.train_per_class = train_per_class
+        self.test_per_class = test_per_class
+        self.image_size = image_size
+        self.seed = seed
+        self.mean, self.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+        if not 2 <= num_classes <= len(SHAPES):
+            raise ConfigurationError(
+                f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got "
+                f"{num_classes}",
+                parameter="num_classes",
+            )
+        for name, value, least in (
+            ("train_per_class", train_per_class, 1),
+            ("test_per_class", test_per_class, 1),
+            ("image_size", image_size, 8),
+        ):
+            if value < least:
+                raise ConfigurationError(f"SyntheticShapes needs {name} >= {least}; got {value}", parameter=name)
+
+    def split(self, train: bool) -> ArrayImages:
+        per_class = self.train_per_class if train else self.test_per_class
+        images, targets = generate_shapes(self.num_classes, per_class, self.image_size, self.seed * 2 + int(not train))
+        return ArrayImages(images, targets)

@@ -63,13 +63,10 @@ def _check_strength(name: str, value: float | None) -> None:
 
 @dataclass(frozen=True)
 class ViewAugmentation:
-    """The parameters of the view distribution, shared by the CPU and the on-device pipelines.
-
-    ``blur_p`` and ``solarize_p`` are per view: view ``l`` of a group uses entry ``l % len``, so
-    ``blur_p=(1.0, 0.1), solarize_p=(0.0, 0.2)`` alternates BYOL's two view distributions over the ``L``
-    views. The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the CPU (as lightly), a separable
-    kernel of about 10 % of the image side on the device (SimCLR's). :meth:`from_strengths` makes it from the
-    knobs of the module docstring.
+    """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
+    knobs of the module docstring). ``blur_p`` and ``solarize_p`` are per view kind: view ``l`` of a group uses entry
+    ``l % len`` (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
+    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's).
 
     Args:
         image_size: side of the square views.
@@ -99,14 +96,7 @@ class ViewAugmentation:
         return max(len(self.blur_p), len(self.solarize_p))
 
     def kind(self, view: int) -> tuple[float, float]:
-        """The blur and solarisation probabilities of a view (those of its view kind).
-
-        Args:
-            view: the view's number in its group.
-
-        Returns:
-            ``(blur probability, solarisation probability)`` of that view.
-        """
+        """``(blur probability, solarisation probability)`` of view number ``view`` of a group (its kind's)."""
         return self.blur_p[view % len(self.blur_p)], self.solarize_p[view % len(self.solarize_p)]
 
     @property

@@ -336,13 +336,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         if self.external_head is not None and num_views is not None and num_views != self.external_head.num_views:
             grid = self.external_head.grid
             raise ConfigurationError(
-                f"data.num_views={num_views} does not fit the external head's {grid[0]}x{grid[1]} grid "
-                f"({self.external_head.num_views} views): set data num_views to {self.external_head.num_views} "
-                "or change the head's grid_height / grid_width so that their product is num_views"
+                f"the data's {num_views} views per image do not fit the external head's {grid[0]}x{grid[1]} grid "
+                f"({self.external_head.num_views} views): set the data's views count to "
+                f"{self.external_head.num_views} or change the head's grid_height / grid_width so that their product "
+                "is the count"
             )
-        if self.external_head is not None and getattr(datamodule, "mode", None) == "single":
+        if self.external_head is not None and getattr(datamodule, "single_view", False):
             raise ConfigurationError(
-                "data mode 'single' gives one image per sample, but the external head needs groups of views"
+                "SingleView gives one image per sample, but the external head needs groups of views"
             )
 
     def forward(self, images: Tensor) -> Tensor:

@@ -1,7 +1,7 @@
 """Per-step seeds: the random numbers of a training step as a function of ``(seed, step, rank)``.
 
-Used by :class:`~hfmca_lightning.callbacks.RunState` (model noise) and the data module (views drawn on
-the device), so that a resumed run draws exactly what an uninterrupted one draws.
+Used by :class:`~hfmca_lightning.callbacks.RunState` (model noise), so that a resumed run draws exactly what an
+uninterrupted one draws. (Views never need one: each sample's come from its own seed.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ _MASK64 = 2**64 - 1
 def step_seed(seed: int, step: int, rank: int = 0, stream: int = 0) -> int:
     """A 63-bit seed for training step ``step`` of process ``rank``: SplitMix64 over the four integers.
 
-    Different ``stream`` values give unrelated seeds for the same step (model noise, device augmentation).
+    Different ``stream`` values give unrelated seeds for the same step.
     """
     state = 0
     for value in (seed, step, rank, stream):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 import signal
 import sys
 import weakref
@@ -19,7 +20,14 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["leave_signals_to_the_main_process", "shutdown_workers", "stop_workers_at_exit", "track"]
+__all__ = [
+    "available_cores",
+    "cores_per_process",
+    "leave_signals_to_the_main_process",
+    "shutdown_workers",
+    "stop_workers_at_exit",
+    "track",
+]
 
 _loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 
@@ -28,6 +36,24 @@ def track(loader: DataLoader) -> DataLoader:
     """Register ``loader`` so that :func:`shutdown_workers` stops its persistent workers; returns it."""
     _loaders.add(loader)
     return loader
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform says, else all of them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def cores_per_process(processes: int) -> int:
+    """This process's share of the cores when ``processes`` processes of one machine train together: its affinity
+    divided among them where it spans the whole machine (processes started by Lightning's launcher inherit it),
+    as it is where each process was bound to its own cores (SLURM's ``--cpus-per-task``)."""
+    cores = available_cores()
+    if processes > 1 and cores >= (os.cpu_count() or cores):
+        cores //= processes
+    return max(1, cores)
 
 
 def shutdown_workers() -> None:

@@ -15,8 +15,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation_data import denormalise, figure_images, labelled_splits
 from hfmca_lightning.losses import WindowGeometry
 from hfmca_lightning.methods import HFMCAModule
 from tests.helpers import (
@@ -167,7 +168,7 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
     monkeypatch.setattr(heatmaps_module, "density_ratio_heatmaps", spy)
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=10),
-        num_views=4,
+        views=SimCLRViews(count=4),
         batch_size=6,
         eval_batch_size=7,
         num_workers=0,
@@ -182,7 +183,7 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
     )
     trainer.fit(module, data)
     assert used["images"] == 3 and callback.last_statistics_images == 24
-    images, _ = data.evaluation_images(24)
+    images, _ = figure_images(data, 24)
     expected = collect_statistics(module, [images])
     for name, stats in expected.items():
         got = used["statistics"][name]
@@ -214,7 +215,10 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
 
     monkeypatch.setattr(heatmaps_module, "heatmap_overlay_figure", spy)
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4), num_views=4, batch_size=6, num_workers=0
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=4),
+        views=SimCLRViews(count=4),
+        batch_size=6,
+        num_workers=0,
     )
     callback = DensityRatioHeatmapCallback(
         num_images=3, layers=["L1"], statistics_images=12, image_class=2, first_image=1, output_dir=str(tmp_path)
@@ -226,12 +230,12 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
         callbacks=[callback],
     )
     trainer.fit(tiny_spectrum_module(noise_channels=0), data)
-    images, targets = data.evaluation_images(3, target=2, start=1)
+    images, targets = figure_images(data, 3, target=2, start=1)
     assert targets.tolist() == [2, 2, 2]
-    torch.testing.assert_close(drawn["images"], data.denormalise(images), rtol=0, atol=0)
+    torch.testing.assert_close(drawn["images"], denormalise(data, images), rtol=0, atol=0)
     # maps are placed on the image by their geometry: L1's input carries L0's padding ring, L3's one 2x2 pool more
     assert drawn["placements"]["L1"] == WindowGeometry(1, 1, 1) and drawn["placements"]["L3"] == WindowGeometry(6, 2, 3)
-    split = data.labelled_splits()[1]
+    split = labelled_splits(data)[1]
     expected = [index for index, target in enumerate(split.targets) if target == 2 and index >= 1][:3]
     torch.testing.assert_close(
         images, torch.stack([data.eval_transform(split[index][0]) for index in expected]), rtol=0, atol=0
@@ -240,10 +244,13 @@ def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):
 
 def test_a_class_without_images_is_one_clear_error():
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2), num_views=4, batch_size=6, num_workers=0
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2),
+        views=SimCLRViews(count=4),
+        batch_size=6,
+        num_workers=0,
     )
     with pytest.raises(ConfigurationError, match="no images of class 7"):
-        data.evaluation_images(3, target=7)
+        figure_images(data, 3, target=7)
 
 
 def test_heatmaps_are_drawn_where_their_map_positions_lie_in_the_image():
@@ -275,7 +282,10 @@ def test_a_window_holds_the_newest_logged_intervals_that_reach_min_groups():
     from hfmca_lightning.analysis.spectral import decompose
 
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3), num_views=4, batch_size=6, num_workers=0
+        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3),
+        views=SimCLRViews(count=4),
+        batch_size=6,
+        num_workers=0,
     )
     record = RecordStatistics()
     # external: 6 groups per batch, so more than three batches' worth
@@ -338,7 +348,10 @@ def test_with_gradient_accumulation_windows_hold_every_micro_batch():
     """accumulate_grad_batches 2, a log every step: each logged window holds both micro-batches of its step (12
     groups of the external pair: two batches of 6), the first as every later one."""
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3), num_views=4, batch_size=6, num_workers=0
+        SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=3),
+        views=SimCLRViews(count=4),
+        batch_size=6,
+        num_workers=0,
     )
     spectrum = EigenspectrumCallback(every_n_steps=1, top_k=3, min_groups=1)
 

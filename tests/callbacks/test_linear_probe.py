@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.callbacks import LinearProbe, RunState
 from hfmca_lightning.callbacks.linear_probe import _first_view_features
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.diagnostics import HostReads
@@ -30,7 +30,11 @@ NUM_CLASSES = 4
 def _data() -> MultiViewDataModule:
     source = SyntheticShapes(num_classes=NUM_CLASSES, train_per_class=24, test_per_class=10, image_size=16)
     return MultiViewDataModule(
-        source, num_views=2, batch_size=16, eval_batch_size=32, num_workers=0, crop_strength=0.3, color_strength=0.2
+        source,
+        views=SimCLRViews(count=2, crop_strength=0.3, color_strength=0.2),
+        batch_size=16,
+        eval_batch_size=32,
+        num_workers=0,
     )
 
 

@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.analysis import rankme
 from hfmca_lightning.callbacks import EigenspectrumCallback, LinearProbe
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.losses import group_statistics
 from hfmca_lightning.methods.baselines import SimCLR, SimSiam
 from hfmca_lightning.models import CIFARResNet18, SmallConvNet
@@ -29,7 +29,7 @@ def reference_eigenvalues(stats, reg):
 def data(views: int = 2) -> MultiViewDataModule:
     return MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16),
-        num_views=views,
+        views=SimCLRViews(count=views),
         batch_size=12,
         num_workers=0,
     )

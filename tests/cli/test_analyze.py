@@ -12,6 +12,7 @@ import torch
 from hfmca_lightning.analysis import decompose
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.analyze import load_run
+from hfmca_lightning.evaluation_data import denormalise, figure_images
 from hfmca_lightning.methods.inspection import collect_statistics
 from tests.helpers import DEMO, REPO, eigenvalue_error, tiny_overrides
 
@@ -143,9 +144,9 @@ def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, mo
         ]
     )
     _, datamodule = load_run(checkpoints["selfsupervised"])
-    images, targets = datamodule.evaluation_images(2, target=1)
+    images, targets = figure_images(datamodule, 2, target=1)
     assert targets.tolist() == [1, 1]
-    torch.testing.assert_close(drawn["images"], datamodule.denormalise(images), rtol=0, atol=0)
+    torch.testing.assert_close(drawn["images"], denormalise(datamodule, images), rtol=0, atol=0)
 
 
 def test_loaded_run_has_the_checkpoint_weights(checkpoints):
@@ -416,19 +417,17 @@ def copy_of_tiny_spectrum() -> dict:
 
 
 @pytest.mark.parametrize(
-    "views",
+    "changes",
     [
-        {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 2}},
-        {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"global_crops": 2, "local_crops": 2}},
+        {"drawer": {"class_path": "hfmca_lightning.data.ResidentDrawer", "init_args": {"batches_per_call": 2}}},
+        {"views": {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"global_crops": 2, "local_crops": 2}}},
     ],
     ids=["training set on the device", "multi-crop"],
 )
-def test_analyze_draws_its_groups_through_the_runs_own_view_pipeline(tmp_path, views):
+def test_analyze_draws_its_groups_through_the_runs_own_spec_and_drawer(tmp_path, changes):
     """A run trained with the training set kept on the device (its loader yields indices and seeds) or on multi-crop
     views (groups of two sizes): ``analyze`` draws the training groups as training did and reports every pair."""
-    # MultiCrop crops at its own scales: the demo's crop_strength is unset for it
-    unset = {"data.init_args.crop_strength": None} if "MultiCrop" in views["class_path"] else {}
-    spectra = _two_demo_steps_analysed(tmp_path, **{"data.init_args.views": views, **unset})
+    spectra = _two_demo_steps_analysed(tmp_path, **{f"data.init_args.{key}": value for key, value in changes.items()})
     assert "external" in spectra and len(spectra) >= 2
     assert all(
         pair["eigenvalues"] and all(0 <= value <= 1 for value in pair["eigenvalues"]) for pair in spectra.values()

@@ -80,10 +80,10 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "batch_size=1000 is larger than the training split (32 images",
     ),
     (
-        "num_views off the head's grid",
-        lambda tmp, ckpt: ["--data.init_args.num_views", "3"],
+        "a view count off the head's grid",
+        lambda tmp, ckpt: ["--data.init_args.views.init_args.count", "3"],
         lambda tmp: {},
-        "data.num_views=3 does not fit the external head's 2x2 grid",
+        "the data's 3 views per image do not fit the external head's 2x2 grid",
     ),
     (
         "unknown key",
@@ -197,21 +197,20 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "unknown key data.init_args.images_on_device",
     ),
     (
-        "a view pipeline class that does not exist",
+        "a view spec class that does not exist",
         lambda tmp, ckpt: [],
         lambda tmp: {"data.init_args.views": {"class_path": "hfmca_lightning.data.NoSuchViews", "init_args": {}}},
         "data.init_args.views: class_path hfmca_lightning.data.NoSuchViews names no class "
         "(module 'hfmca_lightning.data' has no attribute 'NoSuchViews')",
     ),
     (
-        "a pipeline that cannot serve the mode",
+        "a drawer that cannot draw the views",
         lambda tmp, ckpt: [],
         lambda tmp: {
-            "data.init_args.mode": "same_class",
-            "data.init_args.views": {"class_path": "hfmca_lightning.data.BatchedViews"},
+            "data.init_args.views": {"class_path": "hfmca_lightning.data.SameClassViews", "init_args": {"count": 4}},
+            "data.init_args.drawer": {"class_path": "hfmca_lightning.data.BatchedDrawer"},
         },
-        "data.init_args.views: BatchedViews draws augmented views of one image per sample; it does not serve mode "
-        "'same_class'",
+        "data.init_args.drawer: BatchedDrawer draws SimCLRViews only; SameClassViews is drawn by TorchvisionDrawer",
     ),
 ]
 

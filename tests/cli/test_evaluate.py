@@ -15,6 +15,7 @@ from hfmca_lightning.callbacks import KNNEvaluation
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.runs import load_run
 from hfmca_lightning.evaluation import extract_features
+from hfmca_lightning.evaluation_data import figure_images
 from tests.helpers import FLOAT32_UNIT, REPO, quiet_trainer, tiny_overrides
 
 SIMCLR_RESNET = {
@@ -71,7 +72,7 @@ def test_exported_weights_give_the_modules_features_in_stock_torchvision(simclr_
     net = stock_resnet18(description)
     net.load_state_dict(torch.load(out / "backbone.pt", weights_only=True))  # strict: every key matches
     module, datamodule = load_run(simclr_run)
-    images, _ = datamodule.evaluation_images(6)
+    images, _ = figure_images(datamodule, 6)
     # the same torchvision layers, weights and images on one machine: the same float32 kernels give the same numbers;
     # 1e-6 (features ~1) allows a kernel chosen by memory layout to sum the last layer's 4,608 terms in another order
     with torch.no_grad():

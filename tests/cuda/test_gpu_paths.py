@@ -73,7 +73,7 @@ def test_compiled_costs_in_cuda_graphs_equal_eager_ones_over_accumulated_micro_b
 
 
 def test_nan_statistics_stop_the_run_in_one_line_and_leave_the_filters_finite():
-    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
     from hfmca_lightning.losses.cost_checks import CostFactorisationError
     from tests.helpers import PoisonBatchAt, quiet_trainer
 
@@ -81,7 +81,7 @@ def test_nan_statistics_stop_the_run_in_one_line_and_leave_the_filters_finite():
     module.optimizer_factory = partial(torch.optim.SGD, lr=0.05, fused=True)
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=2, image_size=16),
-        num_views=4,
+        views=SimCLRViews(count=4),
         batch_size=4,
         num_workers=0,
     )
@@ -93,16 +93,19 @@ def test_nan_statistics_stop_the_run_in_one_line_and_leave_the_filters_finite():
     assert all(torch.equal(a, b) for a, b in zip(poison.weights[2], poison.weights[3]))  # the update was skipped
 
 
-@pytest.mark.parametrize("pipeline", ["batched on the device", "resident, 4 batches per call"])
-def test_views_drawn_on_the_gpu_equal_the_cpu_workers_views(pipeline):
-    from hfmca_lightning.data import BatchedViews, MultiViewDataModule, ResidentViews, SyntheticShapes
+@pytest.mark.parametrize("drawer", ["batched on the device", "resident, 4 batches per call"])
+def test_views_drawn_on_the_gpu_equal_the_cpu_workers_views(drawer):
+    from hfmca_lightning.data import BatchedDrawer, MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
+    from hfmca_lightning.evaluation_data import view_batches
 
     source = SyntheticShapes(num_classes=4, train_per_class=16, test_per_class=2)
-    views = BatchedViews(on="device") if pipeline.startswith("batched") else ResidentViews(batches_per_call=4)
-    gpu = MultiViewDataModule(source, num_views=4, batch_size=4, num_workers=0, views=views, seed=2)
-    cpu = MultiViewDataModule(source, num_views=4, batch_size=4, num_workers=0, views=BatchedViews(), seed=2)
+    on_gpu = BatchedDrawer(on="device") if drawer.startswith("batched") else ResidentDrawer(batches_per_call=4)
+    gpu = MultiViewDataModule(source, views=SimCLRViews(count=4), drawer=on_gpu, batch_size=4, num_workers=0, seed=2)
+    cpu = MultiViewDataModule(
+        source, views=SimCLRViews(count=4), drawer=BatchedDrawer(), batch_size=4, num_workers=0, seed=2
+    )
     gpu.setup()
-    drawn = [batch.groups[0].cpu() for batch in gpu.view_batches(CUDA, limit=6)]
+    drawn = [batch.groups[0].cpu() for batch in view_batches(gpu, CUDA, limit=6)]
     expected = [views for views, _ in list(cpu.train_dataloader())[:6]]
     assert len(drawn) == len(expected) == 6
     for got, want in zip(drawn, expected):
@@ -205,7 +208,7 @@ def test_a_training_step_of_the_shipped_internal_config_makes_no_host_synchronis
     import yaml
     from lightning.pytorch import Callback
 
-    from hfmca_lightning.data import MultiViewDataModule, ResidentViews, SyntheticShapes
+    from hfmca_lightning.data import MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
     from tests.helpers import REPO, quiet_trainer
 
     class NoSyncSteps(Callback):
@@ -228,10 +231,10 @@ def test_a_training_step_of_the_shipped_internal_config_makes_no_host_synchronis
     module.optimizer_factory = partial(torch.optim.SGD, **optimizer["init_args"])
     data = MultiViewDataModule(
         SyntheticShapes(train_per_class=40, test_per_class=2),
-        num_views=9,
+        views=SimCLRViews(count=9),
+        drawer=ResidentDrawer(batches_per_call=2),
         batch_size=32,
         num_workers=0,
-        views=ResidentViews(batches_per_call=2),
     )
     checker = NoSyncSteps()
     trainer = quiet_trainer(

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, TorchvisionViews, ViewBatch, format_batch
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+from hfmca_lightning.data.batch_formats import ViewBatch, first_views, format_batch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -44,10 +45,9 @@ def test_view_grids_follow_the_views_in_lightlys_layout():
     """lightly's VICRegL example splits ``batch[0]`` in half: views, then their grids."""
     module = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=4, image_size=16),
-        num_views=2,
+        views=SimCLRViews(count=2, grids=2),
         batch_size=4,
         num_workers=0,
-        views=TorchvisionViews(grids=2),
         batch_format="lightly",
     )
     views_and_grids, targets, names = next(iter(module.train_dataloader()))
@@ -117,7 +117,7 @@ def test_a_solo_learn_module_gets_indexes_and_its_crops_large_first():
     assert [tuple(crop.shape[-2:]) for crop in crops] == [(32, 32)] * 2 + [(16, 16)] * 2
     data = solo["solo_data"](num_workers=0)
     data.setup()
-    expected_targets = torch.tensor([data._train_split.targets[int(index)] for index in indexes])
+    expected_targets = torch.tensor([data.training_split.targets[int(index)] for index in indexes])
     assert torch.equal(targets, expected_targets)  # the indexes name the samples
     loss = module.training_step(formatted, 0)
     (large, small), _ = stacked
@@ -132,7 +132,7 @@ def test_this_projects_modules_refuse_other_formats_before_training(batch_format
 
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=8),
-        num_views=4,
+        views=SimCLRViews(count=4),
         batch_size=4,
         num_workers=0,
         batch_format=batch_format,
@@ -142,8 +142,6 @@ def test_this_projects_modules_refuse_other_formats_before_training(batch_format
 
 
 def test_callbacks_find_the_first_view_and_the_targets_in_every_format():
-    from hfmca_lightning.data import first_views
-
     batch = _batch()
     expected = batch.groups[0][:, 0]
     for batch_format in ("stacked", "lightly", "solo"):
@@ -155,39 +153,40 @@ def test_callbacks_find_the_first_view_and_the_targets_in_every_format():
 
 
 def _pipelines() -> dict[str, Any]:
+    """``name -> () -> (views, drawer)``: every drawer, and every spec the torchvision drawer draws."""
     from lightly.transforms import SimCLRTransform
 
-    from hfmca_lightning.data import BatchedViews, MultiCrop, ResidentViews, TransformViews
+    from hfmca_lightning.data import BatchedDrawer, MultiCrop, ResidentDrawer, TorchvisionDrawer
 
     return {
-        "torchvision": lambda: TorchvisionViews(),
-        "torchvision with grids": lambda: TorchvisionViews(grids=2),
-        "batched, workers": lambda: BatchedViews(),
-        "batched, device": lambda: BatchedViews(on="device"),
-        "resident, 2 per call": lambda: ResidentViews(batches_per_call=2),
-        "multi-crop": lambda: MultiCrop(global_crops=2, local_crops=3),
-        "lightly transform": lambda: TransformViews(SimCLRTransform(input_size=16, gaussian_blur=0.0)),
+        "torchvision": lambda: (SimCLRViews(count=2), TorchvisionDrawer()),
+        "torchvision with grids": lambda: (SimCLRViews(count=2, grids=2), TorchvisionDrawer()),
+        "batched, workers": lambda: (SimCLRViews(count=2), BatchedDrawer()),
+        "batched, device": lambda: (SimCLRViews(count=2), BatchedDrawer(on="device")),
+        "resident, 2 per call": lambda: (SimCLRViews(count=2), ResidentDrawer(batches_per_call=2)),
+        "multi-crop": lambda: (MultiCrop(global_crops=2, local_crops=3), TorchvisionDrawer()),
+        "lightly transform": lambda: (SimCLRTransform(input_size=16, gaussian_blur=0.0), TorchvisionDrawer()),
     }
 
 
 @pytest.mark.parametrize("pipeline", list(_pipelines()))
 def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
-    """lightly's and solo-learn's batches, on every view pipeline (in the workers or on the device after the transfer),
-    are the stacked batches of the same seed laid out: every view, target and sample of an epoch, in the same order.
-    Exact resume and DDP sharding, tested on the stacked batches, hold for every format."""
+    """lightly's and solo-learn's batches, from every drawer (in the workers or on the device after the transfer) and
+    spec, are the stacked batches of the same seed laid out: every view, target and sample of an epoch, in the same
+    order. Exact resume and DDP sharding, tested on the stacked batches, hold for every format."""
     from tests.helpers import epoch_batches
 
     make_views = _pipelines()[pipeline]
 
     def epoch_in(batch_format: str) -> list[Any]:
         source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16)
-        num_views = 5 if pipeline == "multi-crop" else 2
+        views, drawer = make_views()
         module = MultiViewDataModule(
             source,
-            num_views=num_views,
+            views=views,
+            drawer=drawer,
             batch_size=4,
             num_workers=0,
-            views=make_views(),
             seed=3,
             batch_format=batch_format,
         )

@@ -12,9 +12,10 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from hfmca_lightning.data import DatasetSource, MultiViewDataModule
+from hfmca_lightning.data import DatasetSource, MultiViewDataModule, SimCLRViews
 from hfmca_lightning.data.dataset_source import as_uint8_image
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation_data import view_batches
 
 
 class PairsOfPIL(Dataset):
@@ -32,10 +33,13 @@ class PairsOfPIL(Dataset):
 
 def test_a_dataset_of_pil_images_gives_batches_of_views_and_its_targets() -> None:
     data = MultiViewDataModule(
-        DatasetSource(PairsOfPIL(12), PairsOfPIL(6), image_size=16), num_views=2, batch_size=4, num_workers=0
+        DatasetSource(PairsOfPIL(12), PairsOfPIL(6), image_size=16),
+        views=SimCLRViews(count=2),
+        batch_size=4,
+        num_workers=0,
     )
     data.setup("fit")
-    (batch,) = list(data.view_batches(torch.device("cpu"), limit=1))
+    (batch,) = list(view_batches(data, torch.device("cpu"), limit=1))
     assert batch.groups[0].shape == (4, 2, 3, 16, 16)
     assert batch.targets.tolist() == [int(index) % 3 for index in batch.indices]
     assert data.source.num_classes == 3

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hfmca_lightning.data import CIFAR, STL10, UNLABELLED, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
+from hfmca_lightning.data import CIFAR, STL10, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
+from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError
 from tests.helpers import fit, write_cifar, write_image_folder, write_stl10
 
@@ -131,7 +132,7 @@ def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("network is unreachable")
 
-    monkeypatch.setattr("hfmca_lightning.data.sources.download_and_extract_archive", offline)
+    monkeypatch.setattr("hfmca_lightning.data.archive_sources.download_and_extract_archive", offline)
     with pytest.raises(
         ConfigurationError, match="could not download cifar100.*network is unreachable.*copy the extracted"
     ):
@@ -199,7 +200,7 @@ def test_fit_on_an_image_folder_with_link_loops_trains_on_each_image_once(tmp_pa
 def test_listing_a_folder_opens_no_image(tmp_path, monkeypatch):
     write_image_folder(tmp_path, per_class=3, num_classes=2)
     opened = []
-    monkeypatch.setattr("hfmca_lightning.data.sources.read_image", lambda path: opened.append(path))
+    monkeypatch.setattr("hfmca_lightning.data.folder_sources.read_image", lambda path: opened.append(path))
     train = ImageFolderSource(root=str(tmp_path)).split(train=True)
     assert len(train) == 6 and opened == []
     train[4]
@@ -292,3 +293,10 @@ def test_synthetic_shapes_are_deterministic_and_balanced():
 def test_synthetic_shapes_reject_too_many_classes():
     with pytest.raises(ValueError, match="num_classes must be in"):
         SyntheticShapes(num_classes=11)
+
+
+@pytest.mark.parametrize("source", [ImageFolderSource, UnlabelledFolderSource])
+def test_an_unknown_on_bad_image_is_refused_when_the_source_is_made(source, tmp_path):
+    with pytest.raises(ConfigurationError, match="on_bad_image must be 'error' or 'skip'; got 'ignore'") as error:
+        source(str(tmp_path), on_bad_image="ignore")
+    assert error.value.parameter == "on_bad_image"

@@ -1,5 +1,5 @@
-"""The training split kept on the device (``ResidentViews``): resized folders, and the memory check (the batches it
-gives are tested with the pipelines, tests/data/test_views.py)."""
+"""The training split kept on the device (``ResidentDrawer``'s images): resized folders, and the memory check (the
+batches it gives are tested in tests/data/test_resident.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40_000, 80_000))
     with pytest.raises(
         ConfigurationError,
-        match=r"takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on cuda.*BatchedViews",
-    ):
+        match=r"^ResidentDrawer: the training split takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on "
+        r"cuda.*\(drawer: BatchedDrawer\)$",
+    ) as error:
         stored.to(torch.device("cuda"))
+    assert error.value.parameter == "drawer"

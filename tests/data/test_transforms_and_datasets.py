@@ -2,17 +2,16 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from hfmca_lightning.data import (
-    ArrayImages,
-    MultiViewDataModule,
-    MultiViewDataset,
-    SameClassDataset,
-    SeededRandomSampler,
-    SyntheticShapes,
-    TorchvisionViews,
+from hfmca_lightning.data import SyntheticShapes
+from hfmca_lightning.data.datasets import MultiViewDataset, SameClassDataset, SeededRandomSampler
+from hfmca_lightning.data.sources import ArrayImages
+from hfmca_lightning.data.transforms import (
+    RandomGaussianBlur,
+    ViewAugmentation,
+    eval_transform,
     view_transform,
+    view_transforms,
 )
-from hfmca_lightning.data.transforms import RandomGaussianBlur, ViewAugmentation, eval_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -63,13 +62,6 @@ def test_color_strength_one_doubles_the_default_jitter():
     assert jitter.hue == pytest.approx((-0.2, 0.2))
 
 
-@pytest.mark.parametrize("knob", ["crop_strength", "color_strength", "gray_strength"])
-def test_strength_outside_unit_interval_is_rejected(knob):
-    with pytest.raises(ConfigurationError, match=f"{knob} must be in") as error:
-        MultiViewDataModule(SyntheticShapes(), **{knob: 1.5})
-    assert error.value.parameter == knob
-
-
 def test_every_view_draws_its_own_crop():
     source = SyntheticShapes(num_classes=2, train_per_class=2)
     dataset = MultiViewDataset(
@@ -77,8 +69,8 @@ def test_every_view_draws_its_own_crop():
         view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD),
         num_views=6,
     )
-    views, _ = dataset[(0, 123)]
-    assert views.shape == (6, 3, 32, 32)
+    (views,), target, index, grids = dataset[(0, 123)]
+    assert views.shape == (6, 3, 32, 32) and index == 0 and target == source.split(True).targets[0] and grids is None
     distinct = {tuple(v.flatten()[:50].tolist()) for v in views}
     assert len(distinct) == 6
 
@@ -89,10 +81,10 @@ def test_views_are_a_function_of_the_sample_seed_only():
         view_transform(ViewAugmentation.from_strengths(32), MEAN, STD),
         3,
     )
-    first, _ = dataset[(1, 42)]
+    (first,), *_ = dataset[(1, 42)]
     torch.manual_seed(999)  # global state must not matter
-    again, _ = dataset[(1, 42)]
-    other, _ = dataset[(1, 43)]
+    (again,), *_ = dataset[(1, 42)]
+    (other,), *_ = dataset[(1, 43)]
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
@@ -109,44 +101,17 @@ def test_same_class_members_are_distinct_images_of_one_class():
     images = torch.arange(12, dtype=torch.uint8).reshape(12, 1, 1, 1).expand(12, 4, 4, 3).numpy()
     split = ArrayImages(images, [0, 1, 2] * 4)
     dataset = SameClassDataset(split, lambda image: image[0, 0, 0].clone(), num_views=4)
-    members, target = dataset[(4, 5)]
-    assert target == 1 and int(members[0]) == 4
+    (members,), target, index, _ = dataset[(4, 5)]
+    assert target == 1 and index == 4 and int(members[0]) == 4
     assert len(set(members.tolist())) == 4
     assert all(split.targets[int(m)] == 1 for m in members)
 
 
 def test_same_class_needs_enough_images_per_class():
     split = ArrayImages(torch.zeros(4, 4, 4, 3, dtype=torch.uint8).numpy(), [0, 0, 1, 1])
-    with pytest.raises(ValueError, match="needs at least num_views=3 images per class"):
+    with pytest.raises(ConfigurationError, match="SameClassViews needs at least count=3 images per class") as error:
         SameClassDataset(split, lambda x: x, num_views=3)
-
-
-@pytest.mark.parametrize("mode", ["views", "same_class"])
-def test_datamodule_batches(mode):
-    datamodule = MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=6, test_per_class=2),
-        mode=mode,
-        num_views=4,
-        batch_size=5,
-        eval_batch_size=7,
-        num_workers=0,
-    )
-    datamodule.setup("fit")
-    views, targets = next(iter(datamodule.train_dataloader()))
-    assert views.shape == (5, 4, 3, 32, 32) and views.dtype == torch.float32 and targets.shape == (5,)
-    bank, queries = datamodule.val_dataloader()
-    images, bank_targets = next(iter(bank))
-    assert images.shape == (7, 3, 32, 32)
-    assert len(bank.dataset) == 18 and len(queries.dataset) == 6
-    assert datamodule.num_classes == 3
-
-
-def test_datamodule_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="mode must be"):
-        MultiViewDataModule(SyntheticShapes(), mode="pairs")
-    with pytest.raises(ConfigurationError, match="num_views must be >= 1") as error:
-        MultiViewDataModule(SyntheticShapes(), num_views=0)
-    assert error.value.parameter == "num_views"
+    assert error.value.parameter == "views"
 
 
 def _steps(transform, kind):
@@ -228,8 +193,9 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     )
     flat = torch.full((3, 32, 32), 200, dtype=torch.uint8)
     images = ArrayImages(flat.permute(1, 2, 0)[None].numpy(), [0])
-    cpu_views, _ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
-    device_views = BatchedViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)(flat[None], num_views=4)[0]
+    (cpu_views,), *_ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
+    batched = BatchedViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)
+    device_views = batched.views_from_seeds(flat[None], torch.tensor([123]), num_views=4)[0]
     for views in (cpu_views, device_views):
         means = [float(view.mean()) * 255 for view in views]
         # a flat grey image: blurred it stays 200, solarised 255 - 200; uint8 rounding on the CPU path (+-0.5) and
@@ -269,72 +235,3 @@ def test_view_grids_give_the_source_position_of_every_cell_centre():
         torch.testing.assert_close(seen.permute(1, 2, 0), grid.double(), atol=0.3, rtol=0)
         flips += bool(grid[0, 0, 0] > grid[0, -1, 0])
     assert 0 < flips < 20
-
-
-def test_view_grids_come_with_the_views_in_training_batches():
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=4, image_size=16),
-        num_views=3,
-        batch_size=4,
-        num_workers=0,
-        views=TorchvisionViews(grids=2),
-    )
-    views, targets, grids = next(iter(data.train_dataloader()))
-    assert views.shape == (4, 3, 3, 16, 16) and targets.shape == (4,) and grids.shape == (4, 3, 2, 2, 2)
-    assert float(grids.min()) >= 0 and float(grids.max()) <= 16
-    with pytest.raises(ConfigurationError, match=r"TorchvisionViews\(grids=4\) records crop positions") as error:
-        MultiViewDataModule(
-            SyntheticShapes(num_classes=2, train_per_class=4), mode="same_class", num_views=2, views=TorchvisionViews(4)
-        )
-    assert error.value.parameter == "views"
-
-
-# The test pretends the machine has 3 cores; torch compares the 3 workers with the real count.
-@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-def test_more_workers_than_cores_are_capped_to_the_cores(monkeypatch, caplog):
-    from hfmca_lightning.data import datamodule as datamodule_module
-
-    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
-    )
-    with caplog.at_level("INFO"):
-        assert data.train_dataloader().num_workers == 3
-        assert [loader.num_workers for loader in data.val_dataloader()] == [3, 3]
-    assert (
-        sum("num_workers=8, but this process may use 3 CPU cores" in record.message for record in caplog.records) == 1
-    )
-    few = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=2
-    )
-    assert few.train_dataloader().num_workers == 2
-
-
-@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # pretended core counts, as above
-def test_processes_of_one_machine_share_its_cores_among_their_workers(monkeypatch, caplog):
-    """DDP on one machine: 2 processes of 3 cores' machine each get 1 worker, not 3 (6 workers on 3 cores); processes
-    bound to their own cores keep their share."""
-    from hfmca_lightning.data import datamodule as datamodule_module
-
-    class TwoDevices:
-        num_devices, world_size, global_rank = 2, 2, 0
-
-        class strategy:  # noqa: N801 - an attribute of the trainer
-            root_device = torch.device("cpu")
-
-    monkeypatch.setattr(datamodule_module, "available_cores", lambda: 3)
-    monkeypatch.setattr(datamodule_module.os, "cpu_count", lambda: 3)
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
-    )
-    data.trainer = TwoDevices()  # type: ignore[assignment]
-    with caplog.at_level("INFO"):
-        assert [loader.num_workers for loader in data.val_dataloader()] == [1, 1]
-    assert any("each of 2 processes on this machine may use 1 CPU cores" in record.message for record in caplog.records)
-    # Each process bound to its own 3 of 12 cores (SLURM's --cpus-per-task 3): its affinity is its share already.
-    monkeypatch.setattr(datamodule_module.os, "cpu_count", lambda: 12)
-    bound = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=2, num_workers=8
-    )
-    bound.trainer = TwoDevices()  # type: ignore[assignment]
-    assert [loader.num_workers for loader in bound.val_dataloader()] == [3, 3]

@@ -1,4 +1,4 @@
-"""The views a seed draws, pinned: every view pipeline and setting of the DataModule draws the views it drew when these
+"""The views a seed draws, pinned: every view spec, drawer and setting draws the views it drew when these
 fingerprints were recorded (tests/data/view_fingerprints.json), so that a rework of the data code can show it changed
 no draw. A fingerprint is each batch's shape, sum, sum of squares and a few values at fixed places: the augmentations'
 float32 arithmetic may differ in its last bits from one CPU to another (vectorised resampling and blending), while
@@ -19,14 +19,18 @@ import pytest
 import torch
 
 from hfmca_lightning.data import (
-    BatchedViews,
+    BatchedDrawer,
     MultiCrop,
     MultiViewDataModule,
-    ResidentViews,
+    ResidentDrawer,
+    SameClassViews,
+    SimCLRViews,
+    SingleView,
     SyntheticShapes,
-    TorchvisionViews,
+    TorchvisionDrawer,
 )
 from hfmca_lightning.data.sources import ImageSource
+from hfmca_lightning.evaluation_data import view_batches
 
 FINGERPRINTS = Path(__file__).with_name("view_fingerprints.json")
 PLACES = 12  # values kept per batch, at evenly spaced flat indices
@@ -39,28 +43,29 @@ def _source() -> ImageSource:
 
 def _module(**settings: Any) -> Callable[[], MultiViewDataModule]:
     def build() -> MultiViewDataModule:
-        options = {"num_views": 4, "batch_size": 4, "num_workers": 0, "seed": 3, **settings}
+        options = {"views": SimCLRViews(count=4), "batch_size": 4, "num_workers": 0, "seed": 3, **settings}
         return MultiViewDataModule(_source(), **options)
 
     return build
 
 
+STRENGTHS = {"crop_strength": 0.5, "color_strength": 0.8, "gray_strength": 0.5, "blur": 0.5, "solarize": 0.2}
 CASES: dict[str, Callable[[], MultiViewDataModule]] = {
-    "torchvision": _module(views=TorchvisionViews()),
-    "torchvision, strengths": _module(
-        views=TorchvisionViews(), crop_strength=0.5, color_strength=0.8, gray_strength=0.5, blur=0.5, solarize=0.2
-    ),
+    "torchvision": _module(drawer=TorchvisionDrawer()),
+    "torchvision, strengths": _module(views=SimCLRViews(count=4, **STRENGTHS)),
     "torchvision, color_jitter, no flip": _module(
-        views=TorchvisionViews(), color_jitter=[0.4, 0.4, 0.2, 0.1], horizontal_flip=False
+        views=SimCLRViews(count=4, color_jitter=[0.4, 0.4, 0.2, 0.1], horizontal_flip=False)
     ),
-    "torchvision, crop grids": _module(views=TorchvisionViews(grids=3)),
-    "batched in workers": _module(views=BatchedViews()),
-    "batched in workers, strengths": _module(views=BatchedViews(), color_strength=0.8, blur=0.5, solarize=0.2),
-    "batched on the device": _module(views=BatchedViews(on="device")),
-    "resident": _module(views=ResidentViews(batches_per_call=2)),
+    "torchvision, crop grids": _module(views=SimCLRViews(count=4, grids=3)),
+    "batched in workers": _module(drawer=BatchedDrawer()),
+    "batched in workers, strengths": _module(
+        views=SimCLRViews(count=4, color_strength=0.8, blur=0.5, solarize=0.2), drawer=BatchedDrawer()
+    ),
+    "batched on the device": _module(drawer=BatchedDrawer(on="device")),
+    "resident": _module(drawer=ResidentDrawer(batches_per_call=2)),
     "multi-crop": _module(views=MultiCrop(global_crops=2, local_crops=2, global_size=16, local_size=8)),
-    "same class": _module(mode="same_class"),
-    "single": _module(mode="single", num_views=1),
+    "same class": _module(views=SameClassViews(count=4)),
+    "single": _module(views=SingleView()),
 }
 
 
@@ -70,7 +75,7 @@ def fingerprint(build: Callable[[], MultiViewDataModule]) -> list[dict[str, Any]
     data = build()
     data.setup("fit")
     prints = []
-    for batch in data.view_batches(torch.device("cpu"), limit=2):
+    for batch in view_batches(data, torch.device("cpu"), limit=2):
         for group in batch.groups:
             flat = group.detach().double().flatten()
             places = torch.linspace(0, flat.numel() - 1, PLACES).long()

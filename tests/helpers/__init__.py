@@ -2,7 +2,7 @@
 :mod:`data_writers` (tiny data sets in the real on-disk layouts), :mod:`references` (plain reference
 implementations), :mod:`error_bounds` (tolerances from the arithmetic), :mod:`ddp` (two-process runs),
 :mod:`callbacks` (callbacks runs name as ``tests.helpers.<Class>``), :mod:`models` and :mod:`views` (device
-pipelines' batches without a Trainer). Everything is importable from ``tests.helpers``. Fixtures built on them
+drawers' batches without a Trainer). Everything is importable from ``tests.helpers``. Fixtures built on them
 are in conftest.py."""
 
 from tests.helpers.callbacks import (

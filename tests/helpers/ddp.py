@@ -10,7 +10,9 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch import nn
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, ViewPipeline
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+from hfmca_lightning.data.drawers import ViewDrawer
+from hfmca_lightning.data.view_specs import ViewSpec
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead
@@ -38,16 +40,17 @@ def bn_free_module(internal: bool = False) -> HFMCAModule:
     )
 
 
-def ddp_data(batch_size: int, views: ViewPipeline | None = None) -> MultiViewDataModule:
-    """The DDP tests' data: 24 images of 16 px, 4 views by ``views`` (default: torchvision's), no workers."""
+def ddp_data(batch_size: int, views: ViewSpec | None = None, drawer: ViewDrawer | None = None) -> MultiViewDataModule:
+    """The DDP tests' data: 24 images of 16 px, ``views`` (default: 4 SimCLR views) drawn by ``drawer`` (default:
+    torchvision's), no workers."""
     source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
     return MultiViewDataModule(
         source,
-        num_views=4,
+        views=SimCLRViews(count=4) if views is None else views,
+        drawer=drawer,
         batch_size=batch_size,
         eval_batch_size=4,
         num_workers=0,
-        views=views,
     )
 
 

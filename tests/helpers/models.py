@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.models import GridExternalHead, SpectrumCNN
@@ -23,7 +23,10 @@ def tiny_spectrum_module(noise_channels: int = 2) -> HFMCAModule:
 
 def tiny_data() -> MultiViewDataModule:
     return MultiViewDataModule(
-        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3), num_views=4, batch_size=6, num_workers=0
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3),
+        views=SimCLRViews(count=4),
+        batch_size=6,
+        num_workers=0,
     )
 
 

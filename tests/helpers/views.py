@@ -1,4 +1,4 @@
-"""A device pipeline's batches as a training step gets them, without a Trainer: the data module's
+"""A device drawer's batches as a training step gets them, without a Trainer: the data module's
 ``on_after_batch_transfer`` with a stand-in for the little of a trainer it reads (the device is the CPU)."""
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ class TrainerStandIn:
 
 
 def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:
-    """A device pipeline's batch after the transfer, as the training step of batch ``batch_index`` gets it."""
+    """A device drawer's batch after the transfer, as the training step of batch ``batch_index`` gets it."""
     module.trainer = TrainerStandIn()  # type: ignore[assignment]
     TrainerStandIn.fit_loop.total_batch_idx = batch_index
     return module.on_after_batch_transfer(batch, 0)
 
 
 def epoch_batches(module: MultiViewDataModule) -> list[Any]:
-    """Every training batch of one epoch as the training steps get them, whatever the pipeline."""
+    """Every training batch of one epoch as the training steps get them, whatever the drawer."""
     batches = list(module.train_dataloader())
-    if module.views.draws_on_device:
+    if module.drawer.draws_on_device:
         batches = [drawn(module, batch, number) for number, batch in enumerate(batches)]
     return batches

@@ -1,6 +1,7 @@
-"""The options a user sets, crossed pairwise: a covering array (every pair of levels of every two options in some
-case), each case a tiny ``hfmca fit`` of the demo whose checkpoint then goes through ``analyze``, ``compare``,
-``export`` and ``linear``, or a one-line refusal before training.
+"""The options a user sets, crossed pairwise: a covering array (every pair of levels of every two options in a case
+that trains, or, for a pair the project refuses, in a case of its own), each case a tiny ``hfmca fit`` of the demo
+whose checkpoint then goes through ``analyze``, ``compare``, ``export`` and ``linear``, or a one-line refusal before
+training. The data are two options: the view spec (what the views are) and the drawer (where they are drawn).
 
 A new option is one entry of :data:`OPTIONS` (its levels and what each sets); a combination the project refuses is one
 entry of :data:`REFUSED` (when, and the line it gets), which docs/training.md lists.
@@ -35,12 +36,17 @@ CALLBACKS = {
     ),
 }
 
+# what the views are (the demo's: 4 SimCLR views) and where they are drawn (the demo's: torchvision in the workers)
 VIEWS = {
-    "torchvision": None,
-    "batched": {"class_path": "hfmca_lightning.data.BatchedViews"},
-    "device": {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}},
-    "resident": {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 2}},
+    "simclr": None,
     "multicrop": {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"global_crops": 2, "local_crops": 2}},
+    "sameclass": {"class_path": "hfmca_lightning.data.SameClassViews", "init_args": {"count": 4}},
+}
+DRAWERS = {
+    "torchvision": None,
+    "batched": {"class_path": "hfmca_lightning.data.BatchedDrawer"},
+    "device": {"class_path": "hfmca_lightning.data.BatchedDrawer", "init_args": {"on": "device"}},
+    "resident": {"class_path": "hfmca_lightning.data.ResidentDrawer", "init_args": {"batches_per_call": 2}},
 }
 
 # option -> level -> what it sets: config keys, or the run's ``processes``, ``kill`` or ``callback``
@@ -51,18 +57,8 @@ OPTIONS: dict[str, dict[str, Overrides]] = {
         "bf16": {"trainer.precision": "bf16-mixed"},
         "fp64": {"trainer.precision": "64-true"},
     },
-    "data": {
-        name: (
-            {}
-            if views is None
-            # MultiCrop crops at its own scales: the demo's crop_strength would be refused
-            else {
-                "data.init_args.views": views,
-                **({"data.init_args.crop_strength": None} if name == "multicrop" else {}),
-            }
-        )
-        for name, views in VIEWS.items()
-    },
+    "views": {name: {} if spec is None else {"data.init_args.views": spec} for name, spec in VIEWS.items()},
+    "drawer": {name: {} if drawer is None else {"data.init_args.drawer": drawer} for name, drawer in DRAWERS.items()},
     "compile": {"eager": {}, "compiled": {"model.init_args.compile_costs": "aot_eager"}},
     "internal": {"external": {}, "internal": {"model.init_args.internal_costs": _TINY_INTERNAL}},
     "beta": {
@@ -82,7 +78,8 @@ OPTIONS: dict[str, dict[str, Overrides]] = {
 
 @dataclass(frozen=True)
 class Refusal:
-    """A combination refused before training: ``when`` the case has it, the one line says ``message`` (a regex)."""
+    """A combination refused before training: ``when`` a case (or part of one: a level not yet chosen is missing)
+    has it, the one line says ``message`` (a regex)."""
 
     when: Callable[[dict[str, str]], bool]
     message: str
@@ -91,10 +88,17 @@ class Refusal:
 
 REFUSED: list[Refusal] = [
     Refusal(
-        lambda case: case["callback"] == "heatmaps" and case["internal"] == "external",
+        lambda case: case.get("callback") == "heatmaps" and case.get("internal") == "external",
         r"DensityRatioHeatmapCallback draws the density ratios of internal cost pairs",
         "density-ratio heatmaps propagate the decompositions of internal pairs (paper Alg. 5); a run with the external "
         "cost only has none (`hfmca analyze` draws them for any checkpoint, through the backbone's stages)",
+    ),
+    Refusal(
+        lambda case: case.get("drawer", "torchvision") != "torchvision" and case.get("views", "simclr") != "simclr",
+        r"data\.init_args\.drawer: (BatchedDrawer|ResidentDrawer) draws SimCLRViews only; (MultiCrop|SameClassViews) "
+        r"is drawn by TorchvisionDrawer",
+        "`BatchedDrawer` and `ResidentDrawer` draw the SimCLR views of one image for a whole batch at once; multi-crop "
+        "and same-class views are drawn image by image by `TorchvisionDrawer`",
     ),
 ]
 
@@ -104,12 +108,15 @@ def refusal(case: dict[str, str]) -> Refusal | None:
 
 
 def covering_array(options: dict[str, dict[str, Overrides]], seed: int = 0) -> list[dict[str, str]]:
-    """Cases (option -> level) in which every pair of levels of every two options appears at least once: greedy
-    (each case starts from a pair not yet covered and adds, option by option, the level that covers the most new
-    pairs), deterministic for a seed."""
+    """Cases (option -> level) in which every pair of levels of every two options that can train together appears
+    in a case that trains, and every refused pair in one case of its own (the other options at their first level:
+    the refusal alone is checked): greedy (each case starts from a pair not yet covered and adds, option by option,
+    the level that covers the most new pairs without making the case refused), deterministic for a seed."""
     names = list(options)
     levels = {name: list(options[name]) for name in names}
-    uncovered = {(a, x, b, y) for a, b in itertools.combinations(names, 2) for x in levels[a] for y in levels[b]}
+    pairs = [(a, x, b, y) for a, b in itertools.combinations(names, 2) for x in levels[a] for y in levels[b]]
+    refused_pairs = [pair for pair in pairs if refusal({pair[0]: pair[1], pair[2]: pair[3]}) is not None]
+    uncovered = set(pairs) - set(refused_pairs)
     rng = random.Random(seed)
     cases: list[dict[str, str]] = []
     while uncovered:
@@ -118,12 +125,16 @@ def covering_array(options: dict[str, dict[str, Overrides]], seed: int = 0) -> l
         rest = [name for name in names if name not in case]
         rng.shuffle(rest)
         for name in rest:
-            gains = {level: _gain(uncovered, case, name, level) for level in levels[name]}
+            allowed = [level for level in levels[name] if refusal({**case, name: level}) is None]
+            assert allowed, f"no level of {name} trains with {case}"
+            gains = {level: _gain(uncovered, case, name, level) for level in allowed}
             best = max(gains.values())
-            case[name] = rng.choice([level for level in levels[name] if gains[level] == best])
+            case[name] = rng.choice([level for level in allowed if gains[level] == best])
         ordered = {name: case[name] for name in names}
         uncovered -= {(a, ordered[a], b, ordered[b]) for a, b in itertools.combinations(names, 2)}
         cases.append(ordered)
+    for a, x, b, y in refused_pairs:
+        cases.append({name: {a: x, b: y}.get(name, levels[name][0]) for name in names})
     return cases
 
 
@@ -149,4 +160,5 @@ def case_settings(case: dict[str, str]) -> tuple[Overrides, dict[str, Any]]:
     return overrides, run
 
 
-CASES = covering_array(OPTIONS)
+CASES = covering_array(OPTIONS, seed=35)  # a seed whose cases include three in-process ones for make test that cover
+# every level of the quick options (tests/integration/test_option_matrix.py's IN_MAKE_TEST)

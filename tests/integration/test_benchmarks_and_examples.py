@@ -230,7 +230,7 @@ def test_throughput_benchmark_has_a_row_per_memory_setting(monkeypatch, capsys):
         "data: torchvision per view on 0 CPU workers",
         "data: batched per batch on 0 CPU workers",
         "data: uint8 + batched on device",
-        "data: training set on device (ResidentViews)",
+        "data: training set on device (ResidentDrawer)",
         "data: training set on device, 8 batches per call",
         "step: backbone fwd/bwd alone",
         "activation checkpointing",
@@ -278,25 +278,38 @@ def test_demo_views_settings_change_only_views_grid_and_noise():
 
     namespace = runpy.run_path(str(REPO / "benchmarks" / "demo_views.py"), run_name="benchmark")
     base = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    demo_views = base["data"]["init_args"]["views"]
+    assert demo_views["class_path"] == "hfmca_lightning.data.SimCLRViews"
     l9 = namespace["setting_config"](base, "l9", None)
-    assert l9["data"]["init_args"]["num_views"] == 9
+    assert l9["data"]["init_args"]["views"]["init_args"]["count"] == 9
     head = l9["model"]["init_args"]["external_head"]["init_args"]
     assert (head["grid_height"], head["grid_width"], head["noise_channels"]) == (3, 3, 20)
-    l9["data"]["init_args"]["num_views"], l9["model"]["init_args"]["external_head"] = (
-        base["data"]["init_args"]["num_views"],
+    l9["data"]["init_args"]["views"]["init_args"]["count"], l9["model"]["init_args"]["external_head"] = (
+        demo_views["init_args"]["count"],
         base["model"]["init_args"]["external_head"],
     )
     assert l9 == base
     crops = namespace["setting_config"](base, "multicrop", None)
-    assert crops["data"]["init_args"]["num_views"] == 8
-    assert crops["data"]["init_args"]["views"]["class_path"] == "hfmca_lightning.data.MultiCrop"
+    assert crops["data"]["init_args"]["views"] == {
+        "class_path": "hfmca_lightning.data.MultiCrop",
+        "init_args": {"global_crops": 2, "local_crops": 6, "gray_strength": demo_views["init_args"]["gray_strength"]},
+    }  # 8 views; the demo's greyscale kept, its crop strength (SimCLRViews') not
     head = crops["model"]["init_args"]["external_head"]["init_args"]
     assert (head["grid_height"], head["grid_width"], head["noise_channels"]) == (2, 4, 0)
+    crops["data"]["init_args"]["views"], crops["model"]["init_args"]["external_head"] = (
+        demo_views,
+        base["model"]["init_args"]["external_head"],
+    )
+    assert crops == base
     simclr = namespace["setting_config"](base, "simclr", None)
     assert (
         simclr["model"]["class_path"].endswith("SimCLR")
         and simclr["model"]["init_args"]["backbone"] == base["model"]["init_args"]["backbone"]
     )
+    assert simclr["data"]["init_args"]["views"] == {
+        "class_path": "hfmca_lightning.data.SimCLRViews",
+        "init_args": {**demo_views["init_args"], "count": 2},
+    }
 
 
 def test_external_cost_curves_shorter_than_the_smoothing_window_are_drawn_raw_from_step_one():

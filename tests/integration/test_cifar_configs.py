@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
-from hfmca_lightning.data import ResidentViews
+from hfmca_lightning.data import ResidentDrawer, SimCLRViews
 from tests.helpers import REPO, run_hfmca, write_cifar, write_overrides
 
 CIFAR = ["cifar10_ss.yaml", "cifar100_ss.yaml", "cifar10_ss_internal.yaml", "cifar100_ss_internal.yaml"]
@@ -20,7 +20,7 @@ CIFAR = ["cifar10_ss.yaml", "cifar100_ss.yaml", "cifar10_ss_internal.yaml", "cif
 SETTINGS = {
     "precision: bf16-mixed": "bf16 tensor cores",
     "channels_last: true": "NHWC",
-    "class_path: hfmca_lightning.data.ResidentViews": "",
+    "class_path: hfmca_lightning.data.ResidentDrawer": "",
     "batches_per_call: 8": "",
 }
 
@@ -45,8 +45,9 @@ def test_the_gpu_settings_of_the_cifar_configs(name: str, tmp_path: Path, monkey
     assert model.channels_last and model.compile_costs == ("cuda" if compiled else False)
     # the GPU path where there is one, the CPU's here
     assert model._cuda_graphs(torch.device("cuda")) is compiled and model._compiled(torch.device("cpu")) is False
-    assert isinstance(data.views, ResidentViews)
-    assert (data.views.batches_per_call, data.views.output_dtype, data.views.channels_last) == (8, "bfloat16", True)
+    assert type(data.views) is SimCLRViews and data.num_views == 9
+    assert isinstance(data.drawer, ResidentDrawer)
+    assert (data.drawer.batches_per_call, data.drawer.output_dtype, data.drawer.channels_last) == (8, "bfloat16", True)
     if "internal" in name:
         assert model.internal_costs.precision == "auto"
     # the optimisation of the paper's Table 1

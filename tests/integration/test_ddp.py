@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import BatchedViews, MultiCrop, ResidentViews, TransformViews
+from hfmca_lightning.data import BatchedDrawer, MultiCrop, ResidentDrawer, TransformViews
 from tests.helpers import FLOAT32_UNIT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
 
 
@@ -55,34 +55,34 @@ def _mmcr_views() -> TransformViews:
 
 
 @pytest.mark.parametrize(
-    ("internal", "views"),
+    ("internal", "data"),
     [
-        (False, lambda: None),
-        (True, lambda: None),
-        (False, lambda: ResidentViews(batches_per_call=2)),
-        (True, lambda: MultiCrop(2, 2, local_size=8)),
-        (False, _mmcr_views),
-        pytest.param(False, lambda: BatchedViews(), marks=pytest.mark.slow),
-        pytest.param(False, lambda: BatchedViews(on="device"), marks=pytest.mark.slow),
+        (False, lambda: {}),
+        (True, lambda: {}),
+        (False, lambda: {"drawer": ResidentDrawer(batches_per_call=2)}),
+        (True, lambda: {"views": MultiCrop(2, 2, local_size=8)}),
+        (False, lambda: {"views": _mmcr_views()}),
+        pytest.param(False, lambda: {"drawer": BatchedDrawer()}, marks=pytest.mark.slow),
+        pytest.param(False, lambda: {"drawer": BatchedDrawer(on="device")}, marks=pytest.mark.slow),
     ],
     ids=[
         *("external", "external+internal", "images-on-device", "multi-crop", "user-transform"),
         *("batched", "batched-on-device"),
     ],
 )
-def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, views, tmp_path):
-    """With every pipeline (torchvision's, the batched one in the workers and on the device, the training split kept
-    on the device (the CPU here), multi-crop groups of two sizes, a user transform: lightly's MMCRTransform), the
+def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, data, tmp_path):
+    """With every spec and drawer (torchvision's, the batched one in the workers and on the device, the training split
+    kept on the device (the CPU here), multi-crop groups of two sizes, a user transform: lightly's MMCRTransform), the
     processes' shards and the views drawn from their per-sample seeds are those of one process with the doubled
     batch."""
     single = bn_free_module(internal)
     ddp_trainer(1, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(
-        single, ddp_data(2 * PER_RANK_BATCH, views())
+        single, ddp_data(2 * PER_RANK_BATCH, **data())
     )
     distributed = bn_free_module(internal)
     counting = CountCollectives(str(tmp_path))
     ddp_trainer(2, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[counting]).fit(
-        distributed, ddp_data(PER_RANK_BATCH, views())
+        distributed, ddp_data(PER_RANK_BATCH, **data())
     )
     for rank in range(
         2

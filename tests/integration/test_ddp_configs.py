@@ -124,7 +124,8 @@ def test_shipped_config_runs_under_ddp_with_two_processes(name, tmp_path):
         header = rows[0].split(",")
         assert "rankme/backbone" in header, header
         # the external pair: every scenario but the unsupervised one (one view per image, internal costs only)
-        with_external = config["data"]["init_args"].get("mode", "views") != "single"
+        views = config["data"]["init_args"].get("views") or {}
+        with_external = views.get("class_path") != "hfmca_lightning.data.SingleView"
         assert ("spectrum/external/top10_mean" in header) == with_external, header
         # internal pairs: HFMCA's internal costs, or the blocks a baseline's spectra hook
         with_internal = bool(config["model"].get("init_args", {}).get("internal_costs")) or "baselines" in name

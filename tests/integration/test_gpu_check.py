@@ -118,9 +118,9 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
         "external + internal: plain",
         "external + internal: channels_last",
         BEFOREHAND,
-        f"{IN_STEP} (ResidentViews): channels_last",
-        f"{IN_STEP} (ResidentViews, 8 batches per call): channels_last",
-        f"{IN_STEP} (BatchedViews on device): channels_last",
+        f"{IN_STEP} (ResidentDrawer): channels_last",
+        f"{IN_STEP} (ResidentDrawer, 8 batches per call): channels_last",
+        f"{IN_STEP} (BatchedDrawer on device): channels_last",
         "backbone alone: compiled + channels_last",
         "external: compiled + channels_last",
         "external: channels_last + compiled costs",
@@ -160,7 +160,7 @@ def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lac
         "torchvision per view on 1 CPU workers",
         "batched per batch on 1 CPU workers",
         "uint8 + batched on device",
-        "training set on device (ResidentViews)",
+        "training set on device (ResidentDrawer)",
         "training set on device, 8 batches per call",
     ):
         assert re.fullmatch(r"[\d,]+", data[f"data: {path}"][0]), path
@@ -208,10 +208,10 @@ def fake_result() -> GpuCheckResult:
         StepRow("external + internal: plain", 0.030, 2.0, host_syncs=0),
         StepRow("external + internal: channels_last", 0.028, 1.9, host_syncs=0),
         StepRow(BEFOREHAND, 0.019, 1.0, host_syncs=0),
-        StepRow(f"{IN_STEP} (ResidentViews): channels_last", 0.0198, 1.0, host_syncs=0),
-        StepRow(f"{IN_STEP} (ResidentViews, 8 batches per call): channels_last", 0.0194, 1.0, host_syncs=0.125),
+        StepRow(f"{IN_STEP} (ResidentDrawer): channels_last", 0.0198, 1.0, host_syncs=0),
+        StepRow(f"{IN_STEP} (ResidentDrawer, 8 batches per call): channels_last", 0.0194, 1.0, host_syncs=0.125),
         StepRow(
-            f"{IN_STEP} (BatchedViews on device): channels_last", skipped="the time budget ran out before this row"
+            f"{IN_STEP} (BatchedDrawer on device): channels_last", skipped="the time budget ran out before this row"
         ),
         StepRow("backbone alone: compiled + channels_last", 0.017, 0.9, host_syncs=0, graphs=2, recompiles=0),
         StepRow("external + internal: compiled + channels_last", None, None, "Unsupported: hooks", graphs=1),
@@ -240,7 +240,7 @@ def fake_result() -> GpuCheckResult:
         [
             DataRow("data: torchvision per view on 16 CPU workers", 0.050),
             DataRow("data: batched per batch on 16 CPU workers", note="failed: RuntimeError: bus error"),
-            DataRow("data: training set on device (ResidentViews)", 0.004),
+            DataRow("data: training set on device (ResidentDrawer)", 0.004),
         ],
         [AgreementRow("external", 2e-3, None, None), AgreementRow("internal/layer1.0", 3e-3, 4e-8, 5e-8)],
         {"fast": 2e-7, "tf32x3": 3e-7, "fast twice": 1e-8},
@@ -259,7 +259,7 @@ def test_targets_follow_from_the_rows():
     # compiled costs over the channels-last backbone: 0.0232 / 0.016
     assert internal.measured.startswith("1.45x (external + internal: channels_last + compiled costs / ")
     assert internal.met
-    assert in_step.measured == f"1.02x ({IN_STEP} (ResidentViews, 8 batches per call): channels_last)" and in_step.met
+    assert in_step.measured == f"1.02x ({IN_STEP} (ResidentDrawer, 8 batches per call): channels_last)" and in_step.met
     assert epoch.measured == "9.5 s (epoch 2's pace)" and epoch.met  # 9.5 s for 49,984 images: 9.50 s for 50,000
     assert syncs.measured == "1 (external: plain; 2 of 11 rows sync)" and syncs.met is False
 
@@ -289,14 +289,14 @@ def test_report_writer_on_a_fake_result(tmp_path: Path):
     assert "| external + internal: channels_last | 20,571 | 28.0 | — | — | 1.75x | 1.90 | 0 | — | — |" in text
     assert "| external + internal: channels_last + compiled costs | 24,828 | 23.2 | — | — | 1.45x | 1.90 | 0 |" in text
     assert "Predicted: the roofline's milliseconds per step for the H100 SXM (benchmarks/roofline.py --rows" in text
-    eight = f"| {IN_STEP} (ResidentViews, 8 batches per call): channels_last"
+    eight = f"| {IN_STEP} (ResidentDrawer, 8 batches per call): channels_last"
     assert f"{eight} | 29,691 | 19.4 | — | — | 1.21x | 1.00 | 0.12 |" in text  # 1 host sync in 8 steps
-    assert f"| {IN_STEP} (BatchedViews on device): channels_last | skipped: the time budget ran out" in text
+    assert f"| {IN_STEP} (BatchedDrawer on device): channels_last | skipped: the time budget ran out" in text
     assert "| external + internal: compiled + channels_last | failed: Unsupported: hooks |" in text
     assert "| backbone alone: compiled + channels_last | 2 | 0 | — |" in text  # the compilation table
     assert "| external + internal: channels_last + compiled costs | 1 | 0 | 0 |" in text
     # the data path against the fastest external step's consumption (0.0185 s per step)
-    assert "| data: training set on device (ResidentViews) | 144,000 | 4.62x |" in text
+    assert "| data: training set on device (ResidentDrawer) | 144,000 | 4.62x |" in text
     assert "| data: batched per batch on 16 CPU workers | failed: RuntimeError: bus error | |" in text
     assert "| internal/layer1.0 | 3.00e-03 | 4.00e-08 | 5.00e-08 | — |" in text
     assert "| external | 2.00e-03 | — | — | — |" in text

@@ -51,11 +51,11 @@ def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeyp
 
 def test_hfmca_on_multi_crop_views_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
     """The demo with 2 global crops of 32 px and 2 local crops of 16 px (MultiCrop) instead of 4 same-size views: the
-    external cost groups each image's four views of two sizes, and the backbone learns."""
+    external cost groups each image's four views of two sizes, and the backbone learns. MultiCrop keeps the demo's
+    greyscale setting and crops at its own scales (the demo's crop_strength is SimCLRViews' only)."""
     monkeypatch.chdir(tmp_path)
     multi_crop = ["--data.init_args.views", "hfmca_lightning.data.MultiCrop"]
     multi_crop += ["--data.init_args.views.global_crops", "2", "--data.init_args.views.local_crops", "2"]
-    multi_crop += ["--data.init_args.crop_strength", "null"]  # MultiCrop crops at its own scales
     cli = _demo(*multi_crop, epochs=4)
     batch = next(iter(cli.datamodule.train_dataloader()))
     assert [tuple(group.shape[1:]) for group in batch[0]] == [(2, 3, 32, 32), (2, 3, 16, 16)]

@@ -67,12 +67,12 @@ def demo_overrides(folder: Path) -> Path:
 def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "batched-workers") -> Path:
     """configs/cifar10_ss.yaml shrunk: 100 CIFAR images on disk (12 steps of 8 x 9 views per epoch), 2 epochs, a tiny
     model with a warm-up schedule, its shipped callbacks with checkpoints every ``every_n_train_steps`` steps,
-    workers not persistent; views drawn by ``BatchedViews`` in 2 workers (``batched-workers``), after the transfer
-    by the batched pipeline (``batched-on-device``), by the shipped pipeline (``shipped``:
-    ``ResidentViews``, 8 batches per call, bf16 channels-last views; the device being the CPU here), from the
-    training split kept on the device in chunks of 3 batches (``images-on-device``), as 2 global and 7 local crops
-    (``multi-crop``) or by lightly's ``MMCRTransform`` (``user-transform``).
-    (The default torchvision pipeline: the demo's resume tests.)"""
+    workers not persistent; the shipped 9 SimCLR views drawn by ``BatchedDrawer`` in 2 workers (``batched-workers``),
+    after the transfer by the batched drawer (``batched-on-device``), by the shipped drawer (``shipped``:
+    ``ResidentDrawer``, 8 batches per call, bf16 channels-last views; the device being the CPU here), from the
+    training split kept on the device in chunks of 3 batches (``images-on-device``); or 2 global and 7 local crops
+    (``multi-crop``) or lightly's ``MMCRTransform`` (``user-transform``), drawn by ``TorchvisionDrawer``.
+    (The default torchvision drawer on SimCLR views: the demo's resume tests.)"""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
     callbacks = shipped["trainer"]["callbacks"]
@@ -94,17 +94,23 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
         "num_workers": 2,
         "persistent_workers": False,
     }
-    if data_path == "batched-workers":
-        data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews"}
+    torchvision = {"class_path": "hfmca_lightning.data.TorchvisionDrawer"}
+    if data_path == "batched-workers":  # float32 views in the workers (the shipped drawer's bf16 is for the device)
+        data["drawer"] = {
+            "class_path": "hfmca_lightning.data.BatchedDrawer",
+            "init_args": {"on": "workers", "output_dtype": "float32", "channels_last": False},
+        }
     elif data_path == "batched-on-device":
-        data["views"] = {"class_path": "hfmca_lightning.data.BatchedViews", "init_args": {"on": "device"}}
+        data["drawer"] = {"class_path": "hfmca_lightning.data.BatchedDrawer", "init_args": {"on": "device"}}
     elif data_path == "images-on-device":
-        data["views"] = {"class_path": "hfmca_lightning.data.ResidentViews", "init_args": {"batches_per_call": 3}}
+        data["drawer"] = {"class_path": "hfmca_lightning.data.ResidentDrawer", "init_args": {"batches_per_call": 3}}
     elif data_path == "multi-crop":  # 9 views for the 3x3 head: 2 global crops, 7 local ones of 16 px
         data["views"] = {"class_path": "hfmca_lightning.data.MultiCrop", "init_args": {"local_crops": 7}}
+        data["drawer"] = torchvision
     elif data_path == "user-transform":  # lightly's MMCRTransform, seeded from each sample's seed
         transform = {"class_path": "lightly.transforms.MMCRTransform", "init_args": {"k": 9, "input_size": 32}}
         data["views"] = {"class_path": "hfmca_lightning.data.TransformViews", "init_args": {"transform": transform}}
+        data["drawer"] = torchvision
     overrides = {
         "trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks},
         "model": {"init_args": model},

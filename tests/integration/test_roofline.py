@@ -44,7 +44,7 @@ def test_the_internal_config_is_traced_in_under_two_minutes(tmp_path: Path) -> N
     names = [target["name"] for target in data["targets"]]
     assert names[:2] == ["external / backbone step", "external + internal / backbone step"]
     assert "host syncs per training step" in names
-    assert "step with views drawn on the device / step with views drawn beforehand" in names  # ResidentViews
+    assert "step with views drawn on the device / step with views drawn beforehand" in names  # ResidentDrawer
     assert data["step_ms"] > data["external_ms"] > 0
     # the costliest operations name their source lines
     assert "hfmca_lightning/" in text.split("Costliest operations")[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes, TorchvisionViews
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
 from hfmca_lightning.models import SmallConvNet
@@ -54,10 +54,9 @@ def test_baseline_trains_and_its_loss_decreases(method):
     grids = 4 if method is VICRegL else 0  # SmallConvNet's 2 stages: 16 px -> a 4x4 local map
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=4, train_per_class=16, image_size=16),
-        num_views=views,
+        views=SimCLRViews(count=views, grids=grids),
         batch_size=16,
         num_workers=0,
-        views=TorchvisionViews(grids=grids),
     )
     losses = Losses()
     quiet_trainer(
@@ -75,9 +74,9 @@ def test_baseline_trains_and_its_loss_decreases(method):
 def test_fastsiam_needs_several_views():
     module = FastSiam(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[FastSiam])
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), num_views=2, batch_size=4, num_workers=0
+        SyntheticShapes(num_classes=2, train_per_class=8), views=SimCLRViews(count=2), batch_size=4, num_workers=0
     )
-    with pytest.raises(ConfigurationError, match="FastSiam needs at least 3 views"):
+    with pytest.raises(ConfigurationError, match="FastSiam needs at least 3 views per image; the data gives 2"):
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
 
 
@@ -100,10 +99,9 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        num_views=2,
+        views=SimCLRViews(count=2, grids=4),
         batch_size=8,
         num_workers=0,
-        views=TorchvisionViews(grids=4),
     )
     views, targets, grids = next(iter(data.train_dataloader()))
     loss = module.training_step((views, targets, grids), 0)["loss"]
@@ -122,9 +120,14 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
 def test_vicregl_without_view_grids_fails_before_training():
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
     data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16), num_views=2, batch_size=4, num_workers=0
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        views=SimCLRViews(count=2),
+        batch_size=4,
+        num_workers=0,
     )
-    with pytest.raises(ConfigurationError, match=r"TorchvisionViews, init_args: \{grids: G\}") as error:
+    with pytest.raises(
+        ConfigurationError, match=r"hfmca_lightning\.data\.SimCLRViews, init_args: \{.*grids: G\}"
+    ) as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
     assert error.value.parameter == "views"
     with pytest.raises(ConfigurationError, match="no residual blocks"):
@@ -132,10 +135,9 @@ def test_vicregl_without_view_grids_fails_before_training():
     too_many = VICRegL(SmallConvNet(width=4, num_stages=2), **{**SMALL_HEADS[VICRegL], "num_matches": (20, 4)})
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        num_views=2,
+        views=SimCLRViews(count=2, grids=4),
         batch_size=4,
         num_workers=0,
-        views=TorchvisionViews(grids=4),
     )
     with pytest.raises(ConfigurationError, match="more matches than the 4x4 local map") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(too_many, data)

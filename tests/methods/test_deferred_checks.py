@@ -9,7 +9,7 @@ import torch
 from lightly.utils.lars import LARS
 from torch import nn
 
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses.cost_checks import CHECK_COLUMNS, CostChecks, CostFactorisationError
 from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
@@ -106,7 +106,7 @@ def test_a_failed_step_is_skipped_and_stops_the_run_one_step_later(fused):
     module = bn_free_module(internal=True)
     module.optimizer_factory = partial(torch.optim.SGD, lr=0.5, fused=fused)
     source = SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=2, image_size=16)
-    data = MultiViewDataModule(source, num_views=4, batch_size=4, num_workers=0)
+    data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=4, num_workers=0)
     poison = PoisonBatchAt(step=3)
     trainer = quiet_trainer(max_steps=8, limit_val_batches=0, callbacks=[poison], accelerator="cpu")
     with pytest.raises(CostFactorisationError, match=r"^training stopped at step 3 \(epoch 0\): HFMCA cost") as error:

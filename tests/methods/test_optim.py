@@ -10,7 +10,7 @@ from lightly.utils.scheduler import cosine_warmup_schedule
 from lightning.pytorch import Callback, Trainer
 
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
-from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.methods.optim import parameter_groups
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
@@ -84,7 +84,7 @@ def test_warmup_then_cosine_follows_lightlys_schedule_step_by_step():
     module = small_module(warmup_epochs=1.0, optimizer=lambda params: torch.optim.SGD(params, lr=0.2))
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
-        num_views=4,
+        views=SimCLRViews(count=4),
         batch_size=4,
         num_workers=0,
     )
@@ -118,7 +118,7 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
     module = small_module(warmup_epochs=5.0)
     data = MultiViewDataModule(
         SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
-        num_views=4,
+        views=SimCLRViews(count=4),
         batch_size=4,
         num_workers=0,
     )

@@ -60,7 +60,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         num_views = getattr(datamodule, "num_views", None)
         if num_views is not None and num_views < self.min_views:
             raise ConfigurationError(
-                f"{type(self).__name__} needs at least {self.min_views} views per image; data.num_views is {num_views}"
+                f"{type(self).__name__} needs at least {self.min_views} views per image; the data gives {num_views}"
             )
 
     def forward(self, images: Tensor) -> Tensor:

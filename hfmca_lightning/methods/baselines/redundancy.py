@@ -57,7 +57,7 @@ class VICRegL(SSLBaseline):
     Global features: the backbone output through the 3-layer BN projection MLP (as :class:`VICReg`). Local
     features: the output map ``(B, C, g, g)`` of ``local_layer`` (default: the last residual block), each
     position through lightly's ``VicRegLLocalProjectionHead``. Positions come from the data: the DataModule
-    must draw views with grids (``views: TorchvisionViews(grids=g)``: batches ``(views, target, grids)``). All
+    must draw views with grids (``views: SimCLRViews(count=2, grids=g)``: batches ``(views, target, grids)``). All
     ``L`` views are global views at the data's image size (lightly's example also feeds smaller local crops).
 
     Args:
@@ -124,8 +124,8 @@ class VICRegL(SSLBaseline):
         if stage == "fit" and grids is not None and grids < 1:
             raise ConfigurationError(
                 "VICRegL matches local features by their positions in the image: set data.init_args.views to "
-                "{class_path: hfmca_lightning.data.TorchvisionViews, init_args: {grids: G}}, G the side of the output "
-                f"map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)",
+                "{class_path: hfmca_lightning.data.SimCLRViews, init_args: {count: 2, grids: G}}, G the side of the "
+                f"output map of {self.local_layer} (4 for a CIFAR ResNet-18 on 32 px images)",
                 parameter="views",
             )
         if stage == "fit" and grids and max(self.criterion.num_matches) > grids**2:
@@ -147,7 +147,7 @@ class VICRegL(SSLBaseline):
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]  # batches carry crop grids
         if len(batch) != 3:
             raise ConfigurationError(
-                "VICRegL needs batches (views, target, grids): set data.init_args.views to TorchvisionViews with grids",
+                "VICRegL needs batches (views, target, grids): set data.init_args.views to SimCLRViews with grids",
                 parameter="views",
             )
         views, _, grids = batch

@@ -1,0 +1,271 @@
+"""CIFAR10/100 and STL-10, read from the files of their official release archives in torchvision's on-disk layout.
+
+:meth:`~hfmca_lightning.data.sources.ImageSource.prepare` downloads the archive if asked, names the first missing
+file and, with ``verify``, checks every file's md5 against torchvision's published checksums, so a truncated download
+is an error, not silent garbage.
+"""
+
+from __future__ import annotations
+
+import pickle
+from abc import abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import ConcatDataset
+from torchvision.datasets import CIFAR10 as _TorchvisionCIFAR10
+from torchvision.datasets import CIFAR100 as _TorchvisionCIFAR100
+from torchvision.datasets import STL10 as _TorchvisionSTL10
+from torchvision.datasets.utils import check_integrity, download_and_extract_archive
+
+from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages
+from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
+
+__all__ = ["CIFAR", "STL10"]
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+
+
+class _ReleaseSource(ImageSource):
+    """A source whose files are those of an official release, as the torchvision class ``_spec`` names them."""
+
+    root: Path
+    download: bool
+    verify: bool
+    _spec: Any  # the torchvision data set class: url, filename, tgz_md5, base_folder, train_list, test_list
+    _label: str  # the data set's name in messages
+    _checksum_advice: str  # what the md5 error says after naming the file and the release
+
+    @property
+    def folder(self) -> Path:
+        return self.root / self._spec.base_folder
+
+    def _files(self) -> list[tuple[str, str]]:
+        return [*self._spec.train_list, *self._spec.test_list]
+
+    def _missing(self) -> list[Path]:
+        return [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
+
+    @abstractmethod
+    def _download_failed(self, error: Exception) -> str:
+        """The message of a failed download."""
+
+    def prepare(self) -> None:
+        if self._missing() and self.download:
+            try:
+                download_and_extract_archive(
+                    self._spec.url, str(self.root), filename=self._spec.filename, md5=self._spec.tgz_md5
+                )
+            except Exception as error:  # network errors come in many types; all mean the same to the user
+                raise ConfigurationError(self._download_failed(error)) from error
+        missing = self._missing()
+        if missing:
+            raise DataNotFoundError(
+                f"{self._label} not found: looked for {missing[0]} (and {len(missing) - 1} other files). "
+                f"Set `download: true` to fetch it (needs network), or set `root` to the folder that "
+                f"contains '{self._spec.base_folder}'."
+            )
+        if self.verify:
+            for name, md5 in self._files():
+                if not check_integrity(str(self.folder / name), md5):
+                    raise ConfigurationError(
+                        f"{self.folder / name} does not have the md5 sum of the official {self._label} release "
+                        f"{self._checksum_advice}"
+                    )
+
+
+class CIFAR(_ReleaseSource):
+    """CIFAR10 / CIFAR100 from torchvision's on-disk layout (``cifar-10-batches-py`` / ``cifar-100-python``).
+
+    The pickles are read directly, by an unpickler that builds dicts, lists and numpy arrays and refuses
+    anything else (a pickle can run code).
+
+    Args:
+        name: ``cifar10`` or ``cifar100`` (fine labels).
+        root: folder that holds (or will hold) the extracted data set.
+        download: fetch and extract the archive into ``root`` if it is missing.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
+
+    Raises:
+        ConfigurationError: when ``name`` is neither of the above.
+    """
+
+    image_size = 32
+    _checksum_advice = (
+        "(corrupt or partial download?). Delete it and download again; set `verify: false` only for data you "
+        "generated yourself in this layout."
+    )
+
+    def __init__(
+        self,
+        name: Literal["cifar10", "cifar100"] = "cifar10",
+        root: str = "data",
+        download: bool = False,
+        verify: bool = True,
+    ) -> None:
+        if name not in ("cifar10", "cifar100"):
+            raise ConfigurationError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}", parameter="name")
+        self.name = self._label = name
+        self.root = Path(root).expanduser()
+        self.download = download
+        self.verify = verify
+        self._spec = _TorchvisionCIFAR10 if name == "cifar10" else _TorchvisionCIFAR100
+        self.num_classes = 10 if name == "cifar10" else 100
+        self.mean, self.std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
+
+    def _download_failed(self, error: Exception) -> str:
+        return (
+            f"could not download {self.name} from {self._spec.url} into {self.root}: {error}. "
+            f"Without network access, copy the extracted '{self._spec.base_folder}' folder into {self.root}."
+        )
+
+    def split(self, train: bool) -> ArrayImages:
+        self.prepare()
+        images, targets = [], []
+        label_key = "labels" if self.name == "cifar10" else "fine_labels"
+        for name, _ in self._spec.train_list if train else self._spec.test_list:
+            entry = _read_cifar_batch(self.folder / name)
+            images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            targets.extend(entry[label_key])
+        return ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
+
+
+# The only globals a CIFAR batch (python format) refers to: its arrays, as numpy (1.x: numpy.core, 2.x: numpy._core)
+# pickles them with protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), and bytes as Python 3 writes
+# them with protocols 0-2 (_codecs.encode).
+CIFAR_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
+)
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global that a CIFAR batch never holds."""
+
+
+class _CIFARUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR_PICKLE_GLOBALS:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path) -> dict:
+    """One CIFAR batch file (python format), read with :class:`_CIFARUnpickler`; one clear error for anything else."""
+    try:
+        with open(path, "rb") as handle:
+            entry = _CIFARUnpickler(handle, encoding="latin1").load()
+    except _RefusedGlobal as error:
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: its pickle refers to {error}, which CIFAR batches never do (a pickle can "
+            "run code, so it was not read). Replace it with the file of the official release, checked by `verify: "
+            "true`."
+        ) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+        raise ConfigurationError(
+            f"{path} is not a readable CIFAR batch (truncated or corrupt?): {error}. Replace it with the file of the "
+            "official release."
+        ) from None
+    if not isinstance(entry, dict):
+        raise ConfigurationError(
+            f"{path} is not a CIFAR batch: it holds a {type(entry).__name__}, not a dict of arrays and labels"
+        )
+    return entry
+
+
+class _BinaryImages(LabelledImages):
+    """STL-10's ``*_X.bin`` (uint8, column-major 3 x 96 x 96 per image), memory-mapped, with its labels."""
+
+    def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
+        self.images = images
+        self.targets = [int(t) for t in targets]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        return torch.from_numpy(np.ascontiguousarray(self.images[index].transpose(0, 2, 1))), self.targets[index]
+
+
+class _ConcatImages(ConcatDataset, LabelledImages):
+    def __init__(self, parts: list[LabelledImages]) -> None:
+        super().__init__(parts)
+        self.targets = [target for part in parts for target in part.targets]
+
+
+class STL10(_ReleaseSource):
+    """STL-10 from torchvision's on-disk layout (``stl10_binary``): 100k unlabelled and 5k labelled training
+    images, 8k test images, 96 x 96.
+
+    Training uses the ``unlabeled`` images and, with ``train_on_labelled``, the labelled ones (the usual
+    protocol); kNN uses the labelled training images as bank and the test images as queries. The binaries
+    are memory-mapped, not loaded.
+
+    Args:
+        root: folder that holds (or will hold) ``stl10_binary``.
+        download: fetch and extract the archive (2.6 GB) if it is missing.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
+        train_on_labelled: add the 5k labelled training images to the training split.
+        image_size: side fed to the network (96: no resize).
+    """
+
+    mean, std = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)
+    num_classes = 10
+    _spec = _TorchvisionSTL10
+    _label = "STL-10"
+    _checksum_advice = (
+        "(partial download?). Delete it and download again; set `verify: false` only for data you generated yourself."
+    )
+
+    def __init__(
+        self,
+        root: str = "data",
+        download: bool = False,
+        verify: bool = True,
+        train_on_labelled: bool = True,
+        image_size: int = 96,
+    ) -> None:
+        self.root = Path(root).expanduser()
+        self.download = download
+        self.verify = verify
+        self.train_on_labelled = train_on_labelled
+        self.image_size = image_size
+
+    def _download_failed(self, error: Exception) -> str:
+        return (
+            f"could not download STL-10 into {self.root}: {error}. Copy the extracted stl10_binary folder there "
+            "instead."
+        )
+
+    def _read(self, name: str) -> _BinaryImages:
+        images = np.memmap(self.folder / f"{name}_X.bin", dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
+        labels_file = self.folder / f"{name}_y.bin"
+        targets = (
+            np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1
+            if labels_file.is_file()
+            else np.full(len(images), UNLABELLED)
+        )
+        if len(targets) != len(images):
+            raise ConfigurationError(f"{labels_file} has {len(targets)} labels for {len(images)} images")
+        return _BinaryImages(images, targets)
+
+    def split(self, train: bool) -> LabelledImages:
+        self.prepare()
+        return self._read("train" if train else "test")
+
+    def training_split(self) -> LabelledImages:
+        self.prepare()
+        unlabelled = self._read("unlabeled")
+        return _ConcatImages([unlabelled, self._read("train")]) if self.train_on_labelled else unlabelled

@@ -1,0 +1,258 @@
+"""Drawers: where and how the views of a view spec (:mod:`hfmca_lightning.data.view_specs`) are drawn.
+
+==========================  ===========================================================================  ============
+drawer                      draws                                                                          specs
+==========================  ===========================================================================  ============
+:class:`TorchvisionDrawer`  each sample's views by the spec's per-image transforms, in CPU workers         every spec
+:class:`BatchedDrawer`      a whole batch's views in a fixed number of tensor operations, in CPU workers   SimCLRViews
+                            (``on: workers``) or on the device after the transfer (``on: device``)
+:class:`ResidentDrawer`     the training set kept on the device; views of several batches per call         SimCLRViews
+==========================  ===========================================================================  ============
+
+Each sample's views come from its seed alone (:class:`~hfmca_lightning.data.datasets.SeededRandomSampler`), so runs do
+not depend on the number of workers or processes and resume exactly with every drawer. :func:`check_drawer` decides
+which drawer can draw which spec, and refuses the others in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from hfmca_lightning.data.batch_formats import ViewBatch
+from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
+from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler, collate_samples
+from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.data.transforms import resize_transform
+from hfmca_lightning.data.view_specs import Normalisation, SimCLRViews, ViewSpec
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["BatchedDrawer", "ImageBatch", "TorchvisionDrawer", "ViewDrawer", "check_drawer"]
+
+OutputDtype = Literal["float32", "bfloat16"]
+_PARAMETER = "drawer"
+
+
+@dataclass(frozen=True)
+class DrawTarget:
+    """What a drawer draws: the spec, and the source's image size and normalisation."""
+
+    views: ViewSpec
+    image_size: int
+    normalisation: Normalisation
+
+
+class ViewDrawer:
+    """Where the views of a spec are drawn. A drawer draws in data-loader workers (:meth:`collate` gives the views)
+    or on the device (``draws_on_device``: :meth:`collate` gives images or indices, :meth:`draw` the views after the
+    transfer). The data module calls :meth:`start` once, after :func:`check_drawer`."""
+
+    draws_on_device = False
+    uses_workers = True  # else the training loader runs in the main process
+
+    def __init__(self) -> None:
+        self._target: DrawTarget | None = None
+
+    @property
+    def target(self) -> DrawTarget:
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__} has no views to draw yet: give it to a MultiViewDataModule")
+        return self._target
+
+    def start(self, target: DrawTarget) -> None:
+        """Take the spec to draw, with the source's image size and normalisation."""
+        self._target = target
+
+    def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
+        """Ready for the training split before training starts (so a split too large for the device fails first)."""
+
+    def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
+        """The training loader's ``sampler``, ``batch_size`` and ``drop_last``: ``batch_size`` keys per batch, the
+        short last batch dropped."""
+        return {"sampler": sampler, "batch_size": batch_size, "drop_last": True}
+
+    def dataset(self, split: LabelledImages) -> Dataset:
+        """The per-sample work of the workers: a dataset of ``(index, seed)`` keys -> samples for :meth:`collate`."""
+        raise NotImplementedError
+
+    def collate(self, samples: list[Any]) -> Any:
+        """A :class:`ViewBatch` (drawing in the workers) or the batch :meth:`draw` takes."""
+        raise NotImplementedError
+
+    def draw(self, batch: Any) -> ViewBatch:
+        """Drawing on the device: the views of a transferred batch, each sample's from its own seed."""
+        raise NotImplementedError(f"{type(self).__name__} draws its views in the data-loader workers")
+
+
+class TorchvisionDrawer(ViewDrawer):
+    """Each sample's views by the spec's own per-image transforms (torchvision's, or a user's), in the CPU workers:
+    every spec.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=2, grids=7), drawer=TorchvisionDrawer())
+        views, targets, grids = next(iter(data.train_dataloader()))  # grids (64, 2, 7, 7, 2)
+    """
+
+    def dataset(self, split: LabelledImages) -> Dataset:
+        target = self.target
+        return target.views.samples(split, target.image_size, target.normalisation)
+
+    def collate(self, samples: list[Any]) -> ViewBatch:
+        return collate_samples(samples)
+
+
+@dataclass
+class ImageBatch:
+    """Images whose views are drawn after the transfer: ``images (B, C, H, W)`` uint8 at the views' size, their
+    ``targets``, ``indices`` and per-sample ``seeds`` (int64), and names."""
+
+    images: Tensor
+    targets: Tensor
+    indices: Tensor
+    seeds: Tensor
+    names: list[str] = field(default_factory=list)
+
+    def pin_memory(self) -> ImageBatch:
+        return replace(
+            self, **{name: getattr(self, name).pin_memory() for name in ("images", "targets", "indices", "seeds")}
+        )
+
+
+class _ImagesToDraw(Dataset):
+    """``(index, seed) -> (uint8 image at the view size, target, index, seed)``."""
+
+    def __init__(self, split: LabelledImages, image_size: int) -> None:
+        self.split, self.resize = split, resize_transform(image_size)
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, key: SampleKey) -> tuple[Tensor, int, int, int]:
+        image, target = self.split[key[0]]
+        return self.resize(image), int(target), int(key[0]), int(key[1])
+
+
+def emit(views: Tensor, dtype: OutputDtype, channels_last: bool) -> Tensor:
+    """``(B, L, C, H, W)`` views in ``dtype``, each ``(C, H, W)`` view channels-last if asked (what the backbone of a
+    channels-last, bf16 run takes without another pass)."""
+    if dtype == "bfloat16":
+        views = views.to(torch.bfloat16)
+    if channels_last:
+        batch, count = views.shape[:2]
+        flat = views.reshape(batch * count, *views.shape[2:]).contiguous(memory_format=torch.channels_last)
+        views = flat.view(batch, count, *views.shape[2:])
+    return views
+
+
+def check_output(owner: str, output_dtype: str) -> None:
+    if output_dtype not in ("float32", "bfloat16"):
+        raise ConfigurationError(
+            f"{owner}: output_dtype must be 'float32' or 'bfloat16'; got {output_dtype!r}", parameter="output_dtype"
+        )
+
+
+def batched_augmentation(target: DrawTarget) -> BatchedViewAugmentation:
+    """The whole-batch drawing of a :class:`~hfmca_lightning.data.view_specs.SimCLRViews` target."""
+    assert isinstance(target.views, SimCLRViews)
+    return BatchedViewAugmentation(target.views.augmentation(target.image_size), *target.normalisation)
+
+
+class BatchedDrawer(ViewDrawer):
+    """The views of a whole batch in a fixed number of tensor operations
+    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
+    seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
+    :class:`TorchvisionDrawer` on CIFAR-sized images) or on the device after the transfer of uint8 images (``on:
+    device``, no host-device waits). Both give the same views, from the image resized and centre-cropped to the view
+    size (nothing changes for CIFAR). Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
+
+    Args:
+        on: ``workers`` or ``device``.
+        output_dtype: ``on: device``: ``float32`` or ``bfloat16`` (what a bf16 run's backbone takes).
+        channels_last: ``on: device``: views laid out channels-last.
+
+    Raises:
+        ConfigurationError: when ``on`` or ``output_dtype`` is none of the above, or ``output_dtype`` /
+            ``channels_last`` are set for views drawn in the workers (they travel as float32).
+
+    Example::
+
+        drawer = BatchedDrawer(on="device", output_dtype="bfloat16", channels_last=True)
+        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
+    """
+
+    def __init__(
+        self,
+        on: Literal["workers", "device"] = "workers",
+        output_dtype: OutputDtype = "float32",
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__()
+        if on not in ("workers", "device"):
+            raise ConfigurationError(f"BatchedDrawer: on must be 'workers' or 'device'; got {on!r}", parameter="on")
+        check_output("BatchedDrawer", output_dtype)
+        if on == "workers" and (output_dtype != "float32" or channels_last):
+            raise ConfigurationError(
+                "BatchedDrawer: output_dtype and channels_last apply to views drawn on the device (on: device); the "
+                "workers' views travel as float32",
+                parameter="output_dtype",
+            )
+        self.on, self.output_dtype, self.channels_last = on, output_dtype, channels_last
+        self._augmentation: BatchedViewAugmentation | None = None
+
+    @property
+    def draws_on_device(self) -> bool:  # type: ignore[override]
+        return self.on == "device"
+
+    @property
+    def augmentation(self) -> BatchedViewAugmentation:
+        if self._augmentation is None:
+            self._augmentation = batched_augmentation(self.target)
+        return self._augmentation
+
+    def dataset(self, split: LabelledImages) -> Dataset:
+        return _ImagesToDraw(split, self.target.image_size)
+
+    def collate(self, samples: list[tuple[Tensor, int, int, int]]) -> ImageBatch | ViewBatch:
+        images, targets, indices, seeds = zip(*samples)
+        batch = ImageBatch(
+            torch.stack(images),
+            torch.tensor(targets, dtype=torch.int64),
+            torch.tensor(indices, dtype=torch.int64),
+            torch.tensor(seeds, dtype=torch.int64),
+            [str(index) for index in indices],
+        )
+        return batch if self.on == "device" else self.draw(batch)
+
+    def draw(self, batch: ImageBatch) -> ViewBatch:
+        augmentation = self.augmentation.to(batch.images.device)
+        views = augmentation.views_from_seeds(batch.images, batch.seeds, self.target.views.num_views or 1)
+        return ViewBatch(
+            [emit(views, self.output_dtype, self.channels_last)], batch.targets, batch.indices, batch.names
+        )
+
+
+def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:
+    """Whether ``drawer`` can draw ``views``: the one place that decides it.
+
+    Raises:
+        ConfigurationError: in one line, for a pair that cannot work, naming a drawer that can.
+    """
+    if isinstance(drawer, TorchvisionDrawer):
+        return
+    name = type(drawer).__name__
+    if type(views) is not SimCLRViews:
+        raise ConfigurationError(
+            f"{name} draws SimCLRViews only; {type(views).__name__} is drawn by TorchvisionDrawer (set drawer: "
+            "TorchvisionDrawer, or views: SimCLRViews)",
+            parameter=_PARAMETER,
+        )
+    if views.grids:
+        raise ConfigurationError(
+            f"{name} does not record crop grids; SimCLRViews(grids={views.grids}) is drawn by TorchvisionDrawer",
+            parameter=_PARAMETER,
+        )

@@ -1,0 +1,341 @@
+"""Image files on disk: ``root/<split>/<class>/<image>`` trees (:class:`ImageFolderSource`) and trees of images
+without classes (:class:`UnlabelledFolderSource`), listed at start-up and decoded when read (:class:`FolderImages`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_image
+
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, channel_values
+from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning
+
+__all__ = ["FolderImages", "ImageFolderSource", "UnlabelledFolderSource"]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class FolderImages(LabelledImages):
+    """Image files decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+
+    JPEG, PNG, WebP and GIF go through torchvision's decoders (libjpeg-turbo), anything else through PIL.
+    A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming
+    it; with ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the
+    next readable image of the list in its place, so an epoch keeps its length.
+
+    Args:
+        samples: ``(path, target)`` of every image.
+        on_bad_image: ``error`` or ``skip``.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
+        self.samples = samples
+        self.targets = [target for _, target in samples]
+        self.on_bad_image = on_bad_image
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        for attempt in range(min(len(self.samples), 100)):
+            path, target = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                return read_image(path), target
+            except (OSError, RuntimeError, ValueError, UnidentifiedImageError) as error:
+                if self.on_bad_image == "error":
+                    raise ConfigurationError(
+                        f"cannot read image {path}: {error}. Remove or replace the file, or set on_bad_image: skip."
+                    ) from None
+                self.skipped += 1
+                warnings.warn(
+                    f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process",
+                    HFMCAWarning,
+                    stacklevel=2,
+                )
+        raise ConfigurationError(
+            f"no readable image among 100 files from {self.samples[index][0]}: check the data folder"
+        )
+
+
+def _check_on_bad_image(value: str) -> None:
+    if value not in ("error", "skip"):
+        raise ConfigurationError(f"on_bad_image must be 'error' or 'skip'; got {value!r}", parameter="on_bad_image")
+
+
+def read_image(path: str) -> Tensor:
+    """An image file as an RGB uint8 tensor ``(3, H, W)``."""
+    if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
+        try:
+            return decode_image(path, mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # e.g. CMYK JPEGs, PNGs named .jpg: PIL reads those
+    with Image.open(path) as image:
+        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def _links_up(entry: os.DirEntry, folder: str) -> bool:
+    """Whether ``entry`` is a link to the real path ``folder`` or a folder above it (``self -> .``, ``up -> ..``)."""
+    if not entry.is_symlink():
+        return False
+    target = os.path.realpath(entry.path)
+    return folder == target or folder.startswith(target.rstrip(os.sep) + os.sep)
+
+
+def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
+    """The ``(st_dev, st_ino)`` of what ``entry`` names (a link's target), or None when it cannot be read."""
+    try:
+        status = entry.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _image_files(folder: Path) -> list[str]:
+    """Every image file under ``folder`` (recursively, links followed) in walk order (a folder's files by name, then
+    its sub-folders by name); no file is opened.
+
+    Each directory is entered once (by its ``(st_dev, st_ino)``) and a link to a directory that holds ``folder`` (``up
+    -> ..``: its siblings) is not followed. A file reached under several names (hard links, links) is listed under its
+    first: plain files are told apart by the inode of the directory listing (no call per file), links by their
+    target's ``(st_dev, st_ino)``.
+    """
+    try:
+        top = os.stat(folder)
+    except OSError:
+        return []
+    root = os.path.realpath(folder)
+    visited = {(top.st_dev, top.st_ino)}
+    seen: set[tuple[int, int] | None] = set()
+    found: list[str] = []
+    pending = [(os.fspath(folder), top.st_dev)]
+    while pending:
+        directory, device = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+        except OSError:  # unreadable, or gone since it was listed: skipped, as os.walk does
+            continue
+        subdirectories = []
+        for entry in entries:
+            try:
+                is_directory = entry.is_dir()
+            except OSError:
+                is_directory = False
+            if is_directory:
+                key = _identity(entry)
+                if key is None or key in visited or _links_up(entry, root):
+                    continue
+                visited.add(key)
+                subdirectories.append((entry.path, key[0]))
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                key = _identity(entry) if entry.is_symlink() else (device, entry.inode())
+                if key in seen:
+                    continue
+                if key is not None:  # None: a broken link, listed, and named when it cannot be read
+                    seen.add(key)
+                found.append(entry.path)
+        pending.extend(reversed(subdirectories))
+    return found
+
+
+class ImageFolderSource(ImageSource):
+    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included.
+
+    Start-up only lists the files (no image is opened: 100k files take well under a second); images are
+    decoded when read, an unreadable one handled by ``on_bad_image``. Classes are the folder names,
+    sorted; both splits must have the same classes, none of them empty. Links are followed, each folder and
+    each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
+
+    Args:
+        root: folder with one sub-folder per split.
+        train_dir: name of the training split's folder.
+        test_dir: name of the test split's folder (ImageNet: ``val``); ``test_dir: null`` trains without kNN
+            evaluation.
+        class_list: a text file of class folder names, one per line (``#`` comments); only those classes
+            are used (``configs/imagenet100_classes.txt``: ImageNet-100).
+        image_size: side of the (square) images fed to the network.
+        eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
+        mean: per-channel normalisation mean (default ImageNet's).
+        std: per-channel normalisation standard deviation (default ImageNet's).
+        on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
+
+    Raises:
+        ConfigurationError: when ``on_bad_image`` is neither of the above or ``mean`` / ``std`` are not three values.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        train_dir: str = "train",
+        test_dir: str | None = "test",
+        class_list: str | None = None,
+        image_size: int = 224,
+        eval_resize: int | None = None,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        on_bad_image: Literal["error", "skip"] = "error",
+    ) -> None:
+        _check_on_bad_image(on_bad_image)
+        self.root = Path(root).expanduser()
+        self.train_dir, self.test_dir = train_dir, test_dir
+        self.class_list = class_list
+        self.image_size = image_size
+        self.eval_resize = eval_resize
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
+        self.on_bad_image = on_bad_image
+        self.classes: list[str] | None = None
+        self.num_classes = 0
+        self._splits: dict[bool, FolderImages] = {}
+
+    def prepare(self) -> None:
+        if self.class_list is not None and self.classes is None:
+            path = Path(self.class_list).expanduser()
+            if not path.is_file():
+                raise DataNotFoundError(
+                    f"class_list file not found: {path.resolve()} (relative paths start at the working folder)"
+                )
+            lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+            classes = [line for line in lines if line]
+            if not classes or len(set(classes)) != len(classes):
+                raise ConfigurationError(
+                    f"class_list {self.class_list} must list distinct class folder names, one per line",
+                    parameter="class_list",
+                )
+            self.classes = sorted(classes)
+            self.num_classes = len(classes)
+        splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
+        for split in splits:
+            if not (self.root / split).is_dir():
+                raise DataNotFoundError(
+                    f"image folder split not found: looked for {self.root / split}. Expected the layout "
+                    f"{self.root}/{{{','.join(splits)}}}/<class name>/<image file>."
+                )
+
+    def split(self, train: bool) -> FolderImages:
+        if train not in self._splits:
+            self.prepare()
+            if not train and self.test_dir is None:
+                raise ConfigurationError(f"{self.root} has no test split (test_dir is null)", parameter="test_dir")
+            self._splits[train] = self._scan(self.root / (self.train_dir if train else str(self.test_dir)))
+        return self._splits[train]
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        return None if self.test_dir is None else (self.split(True), self.split(False))
+
+    def _scan(self, folder: Path) -> FolderImages:
+        real = os.path.realpath(folder)
+        with os.scandir(folder) as listing:  # links up the tree are not classes but the split again
+            present = sorted(entry.name for entry in listing if entry.is_dir() and not _links_up(entry, real))
+        if not present:
+            raise ConfigurationError(
+                f"{folder} has no class folders: ImageFolderSource expects one sub-folder of images per class, "
+                f"{folder}/<class name>/<image file> (for images without classes, use UnlabelledFolderSource)"
+            )
+        if self.classes is None:
+            self.classes = present
+            self.num_classes = len(present)
+        missing = sorted(set(self.classes) - set(present))
+        if self.class_list is not None and missing:
+            raise ConfigurationError(
+                f"{folder} lacks {len(missing)} classes of class_list {self.class_list} (e.g. {missing[:3]}); "
+                "kNN and probes need the same classes in every split"
+            )
+        extra = sorted(set(present) - set(self.classes)) if self.class_list is None else []
+        if missing or extra:
+            raise ConfigurationError(
+                f"the splits of {self.root} have different class folders (only in {self.train_dir}: {missing[:5]}; "
+                f"only in {folder.name}: {extra[:5]}); kNN and probes need the same classes in every split"
+            )
+        samples: list[tuple[str, int]] = []
+        for target, name in enumerate(self.classes):
+            files = _image_files(folder / name)
+            if not files:
+                raise ConfigurationError(
+                    f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder "
+                    "or remove it."
+                )
+            samples += [(path, target) for path in files]
+        return FolderImages(samples, self.on_bad_image)
+
+
+class UnlabelledFolderSource(ImageSource):
+    """Any tree of images without classes (every image file under ``root``), for training only.
+
+    kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
+    labelled subset) for its bank and queries; without it, training runs and kNN is skipped with a warning.
+    Links are followed as in :class:`ImageFolderSource`: each folder and each image once.
+
+    Args:
+        root: folder searched recursively for image files.
+        image_size: as :class:`ImageFolderSource`.
+        eval_resize: as :class:`ImageFolderSource`.
+        mean: as :class:`ImageFolderSource`.
+        std: as :class:`ImageFolderSource`.
+        on_bad_image: as :class:`ImageFolderSource`.
+        evaluation: the labelled source whose evaluation splits kNN and probes use.
+
+    Raises:
+        ConfigurationError: when ``on_bad_image`` is not ``error`` or ``skip`` or ``mean`` / ``std`` are not three
+            values.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 224,
+        eval_resize: int | None = None,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+        on_bad_image: Literal["error", "skip"] = "error",
+        evaluation: ImageSource | None = None,
+    ) -> None:
+        _check_on_bad_image(on_bad_image)
+        self.root = Path(root).expanduser()
+        self.image_size = image_size
+        self.eval_resize = eval_resize
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
+        self.on_bad_image = on_bad_image
+        self.evaluation = evaluation
+        self.num_classes = evaluation.num_classes if evaluation is not None else 0
+        self._images: FolderImages | None = None
+
+    def prepare(self) -> None:
+        if not self.root.is_dir():
+            raise DataNotFoundError(f"image folder not found: looked for {self.root}")
+        if self.evaluation is not None:
+            self.evaluation.prepare()
+
+    def split(self, train: bool) -> LabelledImages:
+        if not train:
+            splits = self.evaluation_splits()
+            if splits is None:
+                raise ConfigurationError(
+                    f"{self.root} has no labels: give `evaluation` a labelled source for test images"
+                )
+            return splits[1]
+        if self._images is None:
+            self.prepare()
+            files = _image_files(self.root)
+            if not files:
+                raise ConfigurationError(
+                    f"no image files under {self.root} (extensions: {', '.join(IMAGE_EXTENSIONS)})"
+                )
+            self._images = FolderImages([(path, UNLABELLED) for path in files], self.on_bad_image)
+        return self._images
+
+    def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
+        if self.evaluation is None:
+            return None
+        splits = self.evaluation.evaluation_splits()
+        self.num_classes = self.evaluation.num_classes
+        return splits

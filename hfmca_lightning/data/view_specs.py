@@ -1,0 +1,377 @@
+"""View specs: what the views of a training sample are (docs/conventions.md §5). A spec owns every setting of its
+views and their number; a drawer (:mod:`hfmca_lightning.data.drawers`) says where and how they are drawn.
+
+=======================  ==============================================================================================
+spec                     views of one sample
+=======================  ==============================================================================================
+:class:`SimCLRViews`     ``count`` SimCLR views of one image (Table 2 strengths or raw values; VICRegL's crop grids)
+:class:`MultiCrop`       global and local crops of one image (DINO, SwAV), global first
+:class:`SameClassViews`  ``count`` different images of one class, each through the SimCLR view transform
+:class:`SingleView`      one SimCLR view of one image, batched without a view axis
+:class:`TransformViews`  any callable image -> list of views (lightly's ``SimCLRTransform``, a user's own)
+=======================  ==============================================================================================
+
+The strength knobs map 0 -> no distortion and 1 -> the paper's extreme (Table 2; the table in
+:mod:`hfmca_lightning.data.transforms`); ``None`` keeps the SimCLR CIFAR default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision.transforms.functional import to_pil_image
+
+from hfmca_lightning.data.datasets import GroupedViews, MultiViewDataset, SameClassDataset
+from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.data.transforms import ViewAugmentation, view_transform, view_transforms
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = ["MultiCrop", "SameClassViews", "SimCLRViews", "SingleView", "TransformViews", "ViewSpec"]
+
+Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std) per channel
+_PARAMETER = "views"
+
+
+class ViewSpec:
+    """What to draw for one sample. :attr:`num_views` is the number of views (None where only the output tells,
+    :class:`TransformViews`); :meth:`samples` draws them one sample at a time on the CPU (what every drawer but the
+    batched ones runs)."""
+
+    single_view = False  # batches hold one image per sample, without a view axis
+
+    @property
+    def num_views(self) -> int | None:
+        raise NotImplementedError
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        """The views of each sample of ``split``, drawn on the CPU.
+
+        Args:
+            split: the training split.
+            image_size: the source's image side (the views' side unless the spec sets its own).
+            normalisation: the source's per-channel ``(mean, std)``.
+
+        Returns:
+            A dataset ``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids or None)``.
+        """
+        raise NotImplementedError
+
+
+class _Augmented(ViewSpec):
+    """The SimCLR view distribution of :func:`~hfmca_lightning.data.transforms.view_transform`, from the Table 2
+    strengths or raw values (:meth:`~hfmca_lightning.data.transforms.ViewAugmentation.from_strengths`)."""
+
+    def __init__(
+        self,
+        crop_strength: float | None = None,
+        color_strength: float | None = None,
+        gray_strength: float | None = None,
+        color_jitter: list[float] | None = None,
+        horizontal_flip: bool = True,
+        blur: float | list[float] = 0.0,
+        solarize: float | list[float] = 0.0,
+    ) -> None:
+        self.crop_strength, self.color_strength, self.gray_strength = crop_strength, color_strength, gray_strength
+        self.color_jitter, self.horizontal_flip, self.blur, self.solarize = (
+            color_jitter,
+            horizontal_flip,
+            blur,
+            solarize,
+        )
+        self.augmentation(32)  # every value checked now, in one line
+
+    def augmentation(self, image_size: int) -> ViewAugmentation:
+        """The view distribution at ``image_size`` pixels.
+
+        Raises:
+            ConfigurationError: when a strength or probability is out of range, or ``color_jitter`` and
+                ``color_strength`` are both set.
+        """
+        return ViewAugmentation.from_strengths(
+            image_size,
+            self.crop_strength,
+            self.color_strength,
+            self.gray_strength,
+            self.horizontal_flip,
+            self.color_jitter,
+            self.blur,
+            self.solarize,
+        )
+
+
+def _check_count(owner: str, count: int, least: int = 1, name: str = "count") -> None:
+    if count < least:
+        raise ConfigurationError(f"{owner}: {name} must be >= {least}; got {count}", parameter=name)
+
+
+class SimCLRViews(_Augmented):
+    """``count`` SimCLR views of one image (paper Alg. 1; the Table 2 knobs).
+
+    Args:
+        count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
+        crop_strength: Table 2 crop knob in [0, 1].
+        color_strength: Table 2 colour-jitter knob in [0, 1].
+        gray_strength: Table 2 greyscale knob in [0, 1].
+        color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
+        horizontal_flip: random horizontal flips.
+        blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the views (BYOL:
+            ``[1.0, 0.1]``).
+        solarize: probability of a solarisation, as ``blur`` (BYOL: ``[0.0, 0.2]``).
+        grids: ``g > 0``: each view comes with the source positions of a ``g x g`` grid over it (VICRegL); batches
+            get a grids tensor ``(B, L, g, g, 2)``.
+
+    Raises:
+        ConfigurationError: for a value out of range, or ``color_jitter`` and ``color_strength`` both set.
+
+    Example::
+
+        data = MultiViewDataModule(CIFAR("cifar10"), views=SimCLRViews(count=9, crop_strength=0.5))
+    """
+
+    def __init__(
+        self,
+        count: int = 2,
+        crop_strength: float | None = None,
+        color_strength: float | None = None,
+        gray_strength: float | None = None,
+        color_jitter: list[float] | None = None,
+        horizontal_flip: bool = True,
+        blur: float | list[float] = 0.0,
+        solarize: float | list[float] = 0.0,
+        grids: int = 0,
+    ) -> None:
+        _check_count("SimCLRViews", count)
+        if grids < 0:
+            raise ConfigurationError(f"SimCLRViews: grids must be >= 0; got {grids}", parameter="grids")
+        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+        self.count, self.grids = count, grids
+
+    @property
+    def num_views(self) -> int:
+        return self.count
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=self.grids)
+        return MultiViewDataset(split, transforms, self.count)
+
+
+class SingleView(_Augmented):
+    """One SimCLR view of each image, batched as ``(images (B, C, H, W), targets)`` (internal costs alone, supervised
+    training).
+
+    Args:
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
+
+    Raises:
+        ConfigurationError: for a value out of range.
+    """
+
+    single_view = True
+
+    @property
+    def num_views(self) -> int:
+        return 1
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        return MultiViewDataset(split, view_transforms(self.augmentation(image_size), *normalisation), 1)
+
+
+class SameClassViews(_Augmented):
+    """``count`` different images of one class per sample, each through the SimCLR view transform (the supervised
+    scenario; all strengths 0 for plain images). The training images need labels.
+
+    Args:
+        count: images per group.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
+
+    Raises:
+        ConfigurationError: for a value out of range.
+    """
+
+    def __init__(
+        self,
+        count: int = 2,
+        crop_strength: float | None = None,
+        color_strength: float | None = None,
+        gray_strength: float | None = None,
+        color_jitter: list[float] | None = None,
+        horizontal_flip: bool = True,
+        blur: float | list[float] = 0.0,
+        solarize: float | list[float] = 0.0,
+    ) -> None:
+        _check_count("SameClassViews", count)
+        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+        self.count = count
+
+    @property
+    def num_views(self) -> int:
+        return self.count
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        transforms = view_transforms(self.augmentation(image_size), *normalisation)
+        return SameClassDataset(split, transforms, self.count)
+
+
+class MultiCrop(_Augmented):
+    """Global and local crops of one image, global first (DINO, SwAV, iBOT, MSN): each crop the SimCLR view of its
+    group's size and crop scale, with the colour, greyscale, flip, blur and solarisation settings of all. Stacked
+    batches hold one ``(B, n_g, C, S_g, S_g)`` tensor per group; the list formats give the crops in order.
+
+    Defaults: 2 global crops of the source's size, scale 0.14-1, and 6 local crops of half that size, scale 0.05-0.14
+    (DINO's and SwAV's settings, scaled to CIFAR-like data).
+
+    Args:
+        global_crops: crops in the global group.
+        local_crops: crops in the local group.
+        global_size: side of the global crops (default: the source's image size).
+        local_size: side of the local crops (default: half the source's image size).
+        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
+        local_scale: the same for a local crop.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
+
+    Raises:
+        ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
+            ``0 < smallest <= largest <= 1``, or a colour setting is out of range.
+
+    Example::
+
+        data = MultiViewDataModule(SyntheticShapes(), views=MultiCrop(global_crops=2, local_crops=6))
+        (global_views, local_views), targets = next(iter(data.train_dataloader()))
+        # global_views (64, 2, 3, 32, 32), local_views (64, 6, 3, 16, 16)
+    """
+
+    def __init__(
+        self,
+        global_crops: int = 2,
+        local_crops: int = 6,
+        global_size: int | None = None,
+        local_size: int | None = None,
+        global_scale: tuple[float, float] = (0.14, 1.0),
+        local_scale: tuple[float, float] = (0.05, 0.14),
+        color_strength: float | None = None,
+        gray_strength: float | None = None,
+        color_jitter: list[float] | None = None,
+        horizontal_flip: bool = True,
+        blur: float | list[float] = 0.0,
+        solarize: float | list[float] = 0.0,
+    ) -> None:
+        _check_count("MultiCrop", global_crops, 0, "global_crops")
+        _check_count("MultiCrop", local_crops, 0, "local_crops")
+        if global_crops + local_crops < 1:
+            raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
+        for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
+            low, high = scale
+            if not 0 < low <= high <= 1:
+                raise ConfigurationError(
+                    f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
+                    f"got {tuple(scale)}",
+                    parameter=name,
+                )
+        for name, size in (("global_size", global_size), ("local_size", local_size)):
+            if size is not None and size < 1:
+                raise ConfigurationError(f"MultiCrop: {name} must be >= 1; got {size}", parameter=name)
+        super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+        self.global_crops, self.local_crops = global_crops, local_crops
+        self.global_size, self.local_size = global_size, local_size
+        self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
+
+    @property
+    def num_views(self) -> int:
+        return self.global_crops + self.local_crops
+
+    def groups(self, image_size: int) -> list[tuple[int, int, tuple[float, float]]]:
+        """``(count, size, scale)`` of each non-empty group, global first, for a source of ``image_size`` pixels."""
+        groups = [
+            (self.global_crops, self.global_size or image_size, self.global_scale),
+            (self.local_crops, self.local_size or max(1, image_size // 2), self.local_scale),
+        ]
+        return [group for group in groups if group[0]]  # type: ignore[misc]
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        augmentation = self.augmentation(image_size)
+        transforms: list[Any] = []
+        for count, size, scale in self.groups(image_size):
+            group = replace(augmentation, image_size=size, crop_scale=scale)
+            transforms += [view_transform(group, *normalisation, view=len(transforms) + n) for n in range(count)]
+        return GroupedViews(split, lambda image: [transform(image) for transform in transforms])
+
+
+class TransformViews(ViewSpec):
+    """Any callable that maps an image to a list of views: lightly's ``SimCLRTransform``, ``DINOTransform``, or a
+    user's own. It gets a PIL image (what lightly's transforms take); torch's, Python's and numpy's generators are
+    seeded from the sample's seed before each call, so views do not depend on the number of workers and resume
+    exactly. Consecutive views of equal shape form a group (DINO's global crops, then its local crops). The number of
+    views is counted on the first sample. A callable given as the data module's ``views`` is wrapped in this.
+
+    Args:
+        transform: image -> list of ``(C, H, W)`` tensors.
+
+    Raises:
+        ConfigurationError: when ``transform`` is not callable.
+
+    Example::
+
+        from lightly.transforms import SimCLRTransform
+
+        data = MultiViewDataModule(CIFAR("cifar10"), views=SimCLRTransform(input_size=32), batch_format="lightly")
+    """
+
+    def __init__(self, transform: Callable[[Any], Sequence[Tensor]]) -> None:
+        if not callable(transform):
+            raise ConfigurationError(
+                f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}",
+                parameter="transform",
+            )
+        self.transform = transform
+        self.counted: int | None = None
+
+    @property
+    def num_views(self) -> int | None:
+        return self.counted
+
+    def count_views(self, split: LabelledImages, seed: int) -> int:
+        """Count the views of the first sample (the data module calls it in ``setup``).
+
+        Returns:
+            The number of views per image.
+        """
+        if self.counted is None:
+            groups = self.samples(split, 0, ((), ()))[(0, seed)][0]
+            self.counted = sum(group.shape[0] for group in groups)
+        return self.counted
+
+    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        transform = self.transform
+
+        def draw(image: Any) -> list[Tensor]:
+            views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
+            if isinstance(views, Tensor) or not isinstance(views, Sequence) or not views:
+                raise ConfigurationError(
+                    f"TransformViews: {type(transform).__name__} must return a list of view tensors; got "
+                    f"{type(views).__name__}",
+                    parameter=_PARAMETER,
+                )
+            return list(views)
+
+        return GroupedViews(split, draw)

@@ -143,3 +143,18 @@ def test_only_the_commands_import_the_commands():
         )
         == {}
     )
+
+
+def test_the_data_layer_imports_no_layer_above_it():
+    """data/ (sources, view specs, drawers, the DataModule) serves any method: it imports no Lightning module,
+    callback, command, model or loss, nor the evaluation helpers built on it."""
+    graph = import_graph()
+    upper = (
+        "hfmca_lightning.methods",
+        "hfmca_lightning.callbacks",
+        "hfmca_lightning.cli",
+        "hfmca_lightning.models",
+        "hfmca_lightning.losses",
+        "hfmca_lightning.evaluation_data",
+    )
+    assert reaching(graph, ("hfmca_lightning.data",), upper) == {}

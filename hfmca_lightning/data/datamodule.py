@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hfmca_lightning.data.batch_formats import BATCH_FORMATS, BatchFormat, format_batch
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
-from hfmca_lightning.data.drawers import DrawTarget, TorchvisionDrawer, ViewDrawer, check_drawer
+from hfmca_lightning.data.drawers import DrawSetup, TorchvisionDrawer, ViewDrawer, check_drawer
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import eval_transform
 from hfmca_lightning.data.view_specs import SameClassViews, SimCLRViews, TransformViews, ViewSpec
@@ -87,7 +87,8 @@ class MultiViewDataModule(LightningDataModule):
         seed: seeds shuffling and views.
 
     Raises:
-        ConfigurationError: when a count or the batch format is out of range, or the drawer cannot draw the views.
+        ConfigurationError: when a batch size, ``num_workers`` or the batch format is out of range, ``views`` is a spec
+            class rather than a spec, or the drawer cannot draw the views.
 
     Example::
 
@@ -117,14 +118,18 @@ class MultiViewDataModule(LightningDataModule):
                 f"batch_format must be one of {', '.join(BATCH_FORMATS)}; got {batch_format!r}",
                 parameter="batch_format",
             )
+        if isinstance(views, type) and issubclass(views, ViewSpec):
+            raise ConfigurationError(
+                f"views is the class {views.__name__}; give an instance: {views.__name__}(...)", parameter="views"
+            )
         if views is None:
             views = SimCLRViews()
         elif not isinstance(views, ViewSpec):
             views = TransformViews(views)
+        drawer = drawer if drawer is not None else TorchvisionDrawer()
+        check_drawer(views, drawer)
         self.source, self.views = source, views
-        self.drawer = drawer if drawer is not None else TorchvisionDrawer()
-        check_drawer(self.views, self.drawer)
-        self.drawer.start(DrawTarget(self.views, source.image_size, (source.mean, source.std)))
+        self.drawer = drawer.bind(DrawSetup(views, source.image_size, (source.mean, source.std)))  # this module's copy
         self.batch_format: BatchFormat = batch_format
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_workers, self.persistent_workers, self.seed = num_workers, persistent_workers, seed
@@ -132,6 +137,7 @@ class MultiViewDataModule(LightningDataModule):
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
         self._resume_position: TrainingPosition | None = None
+        self._counted_views: int | None = None  # a transform's, counted in setup
         self._capped_workers = False
 
     @property
@@ -141,7 +147,7 @@ class MultiViewDataModule(LightningDataModule):
     @property
     def num_views(self) -> int | None:
         """Views per sample (for a user transform: None until :meth:`setup` counts them)."""
-        return self.views.num_views
+        return self.views.num_views if self.views.num_views is not None else self._counted_views
 
     @property
     def single_view(self) -> bool:
@@ -168,20 +174,20 @@ class MultiViewDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self._train_split is None:
-            self._train_split = self.source.training_split()
-            self._evaluation = self.source.evaluation_splits()
+            split = self.source.training_split()
+            if isinstance(self.views, SameClassViews) and UNLABELLED in set(split.targets):
+                raise ConfigurationError(
+                    "SameClassViews groups images by class, but the training images have no labels", parameter="views"
+                )
+            if isinstance(self.views, TransformViews):  # its count is known from its output only
+                self._counted_views = self.views.count_views(split, self.seed)
+            self._train_split, self._evaluation = split, self.source.evaluation_splits()
             if self._evaluation is None:
                 rank_zero_warn(
                     f"{type(self.source).__name__} has no labelled evaluation split: training runs, kNN evaluation "
                     "is skipped (give the source labelled evaluation data to get it).",
                     category=HFMCAWarning,
                 )
-            if isinstance(self.views, SameClassViews) and UNLABELLED in set(self._train_split.targets):
-                raise ConfigurationError(
-                    "SameClassViews groups images by class, but the training images have no labels", parameter="views"
-                )
-            if isinstance(self.views, TransformViews):  # its count is known from its output only
-                self.views.count_views(self._train_split, self.seed)
         # errors (device memory for ResidentDrawer) before training starts
         self.drawer.prepare(self._train_split, self.trainer.strategy.root_device if self.trainer is not None else None)
         processes = self.trainer.world_size if self.trainer is not None else 1
@@ -194,7 +200,8 @@ class MultiViewDataModule(LightningDataModule):
             )
 
     def train_dataset(self) -> Dataset:
-        """The dataset of ``(index, seed)`` keys the training loader's workers read: the drawer's per-sample work."""
+        """What the training loader reads: the drawer's dataset
+        (:meth:`~hfmca_lightning.data.drawers.ViewDrawer.dataset`)."""
         return self.drawer.dataset(self.training_split)
 
     def loader(self, dataset: Dataset, batch_size: int | None, workers: int | None = None, **kwargs: Any) -> DataLoader:

@@ -5,17 +5,20 @@ drawer                      draws                                               
 ==========================  ===========================================================================  ============
 :class:`TorchvisionDrawer`  each sample's views by the spec's per-image transforms, in CPU workers         every spec
 :class:`BatchedDrawer`      a whole batch's views in a fixed number of tensor operations, in CPU workers   SimCLRViews
-                            (``on: workers``) or on the device after the transfer (``on: device``)
+                            (``on: workers``) or on the device after the transfer (``on: device``)         (no grids)
 :class:`ResidentDrawer`     the training set kept on the device; views of several batches per call         SimCLRViews
+                                                                                                           (no grids)
 ==========================  ===========================================================================  ============
 
 Each sample's views come from its seed alone (:class:`~hfmca_lightning.data.datasets.SeededRandomSampler`), so runs do
 not depend on the number of workers or processes and resume exactly with every drawer. :func:`check_drawer` decides
-which drawer can draw which spec, and refuses the others in one line.
+which drawer can draw which spec (from each drawer's ``draws`` and ``records_grids``), and refuses the others in one
+line.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -38,7 +41,7 @@ _PARAMETER = "drawer"
 
 
 @dataclass(frozen=True)
-class DrawTarget:
+class DrawSetup:
     """What a drawer draws: the spec, and the source's image size and normalisation."""
 
     views: ViewSpec
@@ -49,23 +52,34 @@ class DrawTarget:
 class ViewDrawer:
     """Where the views of a spec are drawn. A drawer draws in data-loader workers (:meth:`collate` gives the views)
     or on the device (``draws_on_device``: :meth:`collate` gives images or indices, :meth:`draw` the views after the
-    transfer). The data module calls :meth:`start` once, after :func:`check_drawer`."""
+    transfer). ``draws``: the specs it can draw, ``records_grids``: whether it draws crop grids (read by
+    :func:`check_drawer`). A data module draws with its own copy, :meth:`bind`, so one drawer object can configure
+    several data modules."""
 
+    draws: tuple[type[ViewSpec], ...] = (ViewSpec,)
+    records_grids = True
     draws_on_device = False
     uses_workers = True  # else the training loader runs in the main process
 
     def __init__(self) -> None:
-        self._target: DrawTarget | None = None
+        self._setup: DrawSetup | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        """Forget what was drawn or kept for a setup (drawers with caches override it)."""
 
     @property
-    def target(self) -> DrawTarget:
-        if self._target is None:
-            raise RuntimeError(f"{type(self).__name__} has no views to draw yet: give it to a MultiViewDataModule")
-        return self._target
+    def setup(self) -> DrawSetup:
+        if self._setup is None:
+            raise RuntimeError(f"{type(self).__name__} has no views to draw: use the one a MultiViewDataModule holds")
+        return self._setup
 
-    def start(self, target: DrawTarget) -> None:
-        """Take the spec to draw, with the source's image size and normalisation."""
-        self._target = target
+    def bind(self, setup: DrawSetup) -> ViewDrawer:
+        """A copy of this drawer that draws ``setup`` (with nothing cached from another)."""
+        bound = copy.copy(self)
+        bound._setup = setup
+        bound._clear()
+        return bound
 
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
         """Ready for the training split before training starts (so a split too large for the device fails first)."""
@@ -76,7 +90,8 @@ class ViewDrawer:
         return {"sampler": sampler, "batch_size": batch_size, "drop_last": True}
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        """The per-sample work of the workers: a dataset of ``(index, seed)`` keys -> samples for :meth:`collate`."""
+        """What the training loader reads: by default a dataset of ``(index, seed)`` keys -> samples for
+        :meth:`collate` (the items :meth:`batching` gives)."""
         raise NotImplementedError
 
     def collate(self, samples: list[Any]) -> Any:
@@ -99,8 +114,8 @@ class TorchvisionDrawer(ViewDrawer):
     """
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        target = self.target
-        return target.views.samples(split, target.image_size, target.normalisation)
+        setup = self.setup
+        return setup.views.dataset(split, setup.image_size, setup.normalisation)
 
     def collate(self, samples: list[Any]) -> ViewBatch:
         return collate_samples(samples)
@@ -149,17 +164,17 @@ def emit(views: Tensor, dtype: OutputDtype, channels_last: bool) -> Tensor:
     return views
 
 
-def check_output(owner: str, output_dtype: str) -> None:
+def check_output_dtype(owner: str, output_dtype: str) -> None:
     if output_dtype not in ("float32", "bfloat16"):
         raise ConfigurationError(
             f"{owner}: output_dtype must be 'float32' or 'bfloat16'; got {output_dtype!r}", parameter="output_dtype"
         )
 
 
-def batched_augmentation(target: DrawTarget) -> BatchedViewAugmentation:
-    """The whole-batch drawing of a :class:`~hfmca_lightning.data.view_specs.SimCLRViews` target."""
-    assert isinstance(target.views, SimCLRViews)
-    return BatchedViewAugmentation(target.views.augmentation(target.image_size), *target.normalisation)
+def batched_augmentation(setup: DrawSetup) -> BatchedViewAugmentation:
+    """The whole-batch drawing of a :class:`~hfmca_lightning.data.view_specs.SimCLRViews` setup."""
+    assert isinstance(setup.views, SimCLRViews)
+    return BatchedViewAugmentation(setup.views.augmentation(setup.image_size), *setup.normalisation)
 
 
 class BatchedDrawer(ViewDrawer):
@@ -185,6 +200,9 @@ class BatchedDrawer(ViewDrawer):
         data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
+    draws = (SimCLRViews,)
+    records_grids = False
+
     def __init__(
         self,
         on: Literal["workers", "device"] = "workers",
@@ -194,14 +212,16 @@ class BatchedDrawer(ViewDrawer):
         super().__init__()
         if on not in ("workers", "device"):
             raise ConfigurationError(f"BatchedDrawer: on must be 'workers' or 'device'; got {on!r}", parameter="on")
-        check_output("BatchedDrawer", output_dtype)
+        check_output_dtype("BatchedDrawer", output_dtype)
         if on == "workers" and (output_dtype != "float32" or channels_last):
             raise ConfigurationError(
                 "BatchedDrawer: output_dtype and channels_last apply to views drawn on the device (on: device); the "
                 "workers' views travel as float32",
-                parameter="output_dtype",
+                parameter="output_dtype" if output_dtype != "float32" else "channels_last",
             )
         self.on, self.output_dtype, self.channels_last = on, output_dtype, channels_last
+
+    def _clear(self) -> None:
         self._augmentation: BatchedViewAugmentation | None = None
 
     @property
@@ -211,11 +231,11 @@ class BatchedDrawer(ViewDrawer):
     @property
     def augmentation(self) -> BatchedViewAugmentation:
         if self._augmentation is None:
-            self._augmentation = batched_augmentation(self.target)
+            self._augmentation = batched_augmentation(self.setup)
         return self._augmentation
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        return _ImagesToDraw(split, self.target.image_size)
+        return _ImagesToDraw(split, self.setup.image_size)
 
     def collate(self, samples: list[tuple[Tensor, int, int, int]]) -> ImageBatch | ViewBatch:
         images, targets, indices, seeds = zip(*samples)
@@ -230,7 +250,7 @@ class BatchedDrawer(ViewDrawer):
 
     def draw(self, batch: ImageBatch) -> ViewBatch:
         augmentation = self.augmentation.to(batch.images.device)
-        views = augmentation.views_from_seeds(batch.images, batch.seeds, self.target.views.num_views or 1)
+        views = augmentation.views_from_seeds(batch.images, batch.seeds, self.setup.views.num_views)  # type: ignore[arg-type]
         return ViewBatch(
             [emit(views, self.output_dtype, self.channels_last)], batch.targets, batch.indices, batch.names
         )
@@ -242,16 +262,15 @@ def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:
     Raises:
         ConfigurationError: in one line, for a pair that cannot work, naming a drawer that can.
     """
-    if isinstance(drawer, TorchvisionDrawer):
-        return
     name = type(drawer).__name__
-    if type(views) is not SimCLRViews:
+    if not isinstance(views, drawer.draws):
+        what = ", ".join(spec.__name__ for spec in drawer.draws)
         raise ConfigurationError(
-            f"{name} draws SimCLRViews only; {type(views).__name__} is drawn by TorchvisionDrawer (set drawer: "
-            "TorchvisionDrawer, or views: SimCLRViews)",
+            f"{name} draws {what} only; {type(views).__name__} is drawn by TorchvisionDrawer (set drawer: "
+            f"TorchvisionDrawer, or views: {what})",
             parameter=_PARAMETER,
         )
-    if views.grids:
+    if isinstance(views, SimCLRViews) and views.grids and not drawer.records_grids:
         raise ConfigurationError(
             f"{name} does not record crop grids; SimCLRViews(grids={views.grids}) is drawn by TorchvisionDrawer",
             parameter=_PARAMETER,

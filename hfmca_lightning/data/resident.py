@@ -14,9 +14,10 @@ from torch.utils.data import Dataset, DistributedSampler
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
 from hfmca_lightning.data.datasets import SeededRandomSampler
-from hfmca_lightning.data.drawers import OutputDtype, ViewDrawer, batched_augmentation, check_output, emit
+from hfmca_lightning.data.drawers import OutputDtype, ViewDrawer, batched_augmentation, check_output_dtype, emit
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.stored_images import StoredImages
+from hfmca_lightning.data.view_specs import SimCLRViews
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["ResidentBatch", "ResidentDrawer"]
@@ -133,6 +134,8 @@ class ResidentDrawer(ViewDrawer):
         data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
+    draws = (SimCLRViews,)
+    records_grids = False
     draws_on_device = True
     uses_workers = False
 
@@ -145,8 +148,10 @@ class ResidentDrawer(ViewDrawer):
                 f"ResidentDrawer: batches_per_call must be >= 1; got {batches_per_call}", parameter="batches_per_call"
             )
         self.batches_per_call = batches_per_call
-        check_output("ResidentDrawer", output_dtype)
+        check_output_dtype("ResidentDrawer", output_dtype)
         self.output_dtype, self.channels_last = output_dtype, channels_last
+
+    def _clear(self) -> None:
         self._augmentation: BatchedViewAugmentation | None = None
         self._stored: StoredImages | None = None
         self._split: LabelledImages | None = None
@@ -163,7 +168,7 @@ class ResidentDrawer(ViewDrawer):
             The stored images and targets.
         """
         if self._stored is None or self._split is not split:
-            self._stored, self._split = StoredImages.from_split(split, self.target.image_size), split
+            self._stored, self._split = StoredImages.from_split(split, self.setup.image_size), split
             self._drawn.clear()
         if device is not None and self._stored.device != device:
             self._stored = self._stored.to(device)
@@ -208,9 +213,9 @@ class ResidentDrawer(ViewDrawer):
         self, stored: StoredImages, indices: Tensor, seeds: Tensor, side: bool
     ) -> tuple[Tensor, Tensor, Any]:
         if self._augmentation is None:
-            self._augmentation = batched_augmentation(self.target)
+            self._augmentation = batched_augmentation(self.setup)
         augmentation = self._augmentation.to(indices.device)
-        count = self.target.views.num_views or 1
+        count: int = self.setup.views.num_views  # type: ignore[assignment]  # SimCLRViews: known
         if not side:
             views = augmentation.views_from_seeds(stored.images[indices], seeds, count)
             return emit(views, self.output_dtype, self.channels_last), stored.targets[indices], None

@@ -38,7 +38,7 @@ _PARAMETER = "views"
 
 class ViewSpec:
     """What to draw for one sample. :attr:`num_views` is the number of views (None where only the output tells,
-    :class:`TransformViews`); :meth:`samples` draws them one sample at a time on the CPU (what every drawer but the
+    :class:`TransformViews`); :meth:`dataset` draws them one sample at a time on the CPU (what every drawer but the
     batched ones runs)."""
 
     single_view = False  # batches hold one image per sample, without a view axis
@@ -47,7 +47,7 @@ class ViewSpec:
     def num_views(self) -> int | None:
         raise NotImplementedError
 
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         """The views of each sample of ``split``, drawn on the CPU.
 
         Args:
@@ -83,6 +83,13 @@ class _Augmented(ViewSpec):
             solarize,
         )
         self.augmentation(32)  # every value checked now, in one line
+        for name, value in (("blur", blur), ("solarize", solarize)):
+            if isinstance(value, (list, tuple)) and len(value) > (self.num_views or 1):
+                raise ConfigurationError(
+                    f"{type(self).__name__}: {name} gives {len(value)} view kinds for {self.num_views} view(s) per "
+                    f"image; the last {len(value) - (self.num_views or 1)} would never be drawn",
+                    parameter=name,
+                )
 
     def augmentation(self, image_size: int) -> ViewAugmentation:
         """The view distribution at ``image_size`` pixels.
@@ -147,14 +154,14 @@ class SimCLRViews(_Augmented):
         _check_count("SimCLRViews", count)
         if grids < 0:
             raise ConfigurationError(f"SimCLRViews: grids must be >= 0; got {grids}", parameter="grids")
-        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
         self.count, self.grids = count, grids
+        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
     @property
     def num_views(self) -> int:
         return self.count
 
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=self.grids)
         return MultiViewDataset(split, transforms, self.count)
 
@@ -182,7 +189,7 @@ class SingleView(_Augmented):
     def num_views(self) -> int:
         return 1
 
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return MultiViewDataset(split, view_transforms(self.augmentation(image_size), *normalisation), 1)
 
 
@@ -216,14 +223,14 @@ class SameClassViews(_Augmented):
         solarize: float | list[float] = 0.0,
     ) -> None:
         _check_count("SameClassViews", count)
-        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
         self.count = count
+        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
     @property
     def num_views(self) -> int:
         return self.count
 
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         transforms = view_transforms(self.augmentation(image_size), *normalisation)
         return SameClassDataset(split, transforms, self.count)
 
@@ -291,10 +298,10 @@ class MultiCrop(_Augmented):
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None and size < 1:
                 raise ConfigurationError(f"MultiCrop: {name} must be >= 1; got {size}", parameter=name)
-        super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
         self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
+        super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
     @property
     def num_views(self) -> int:
@@ -308,7 +315,7 @@ class MultiCrop(_Augmented):
         ]
         return [group for group in groups if group[0]]  # type: ignore[misc]
 
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         augmentation = self.augmentation(image_size)
         transforms: list[Any] = []
         for count, size, scale in self.groups(image_size):
@@ -344,32 +351,29 @@ class TransformViews(ViewSpec):
                 parameter="transform",
             )
         self.transform = transform
-        self.counted: int | None = None
 
     @property
-    def num_views(self) -> int | None:
-        return self.counted
+    def num_views(self) -> None:
+        return None  # known from the output only: :meth:`count_views`
 
     def count_views(self, split: LabelledImages, seed: int) -> int:
-        """Count the views of the first sample (the data module calls it in ``setup``).
+        """The number of views the transform makes of the first image of ``split`` (the data module counts them in
+        ``setup``)."""
+        groups = self.dataset(split, 0, ((), ()))[(0, seed)][0]
+        return sum(group.shape[0] for group in groups)
 
-        Returns:
-            The number of views per image.
-        """
-        if self.counted is None:
-            groups = self.samples(split, 0, ((), ()))[(0, seed)][0]
-            self.counted = sum(group.shape[0] for group in groups)
-        return self.counted
-
-    def samples(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         transform = self.transform
+        name = getattr(transform, "__name__", type(transform).__name__)
 
         def draw(image: Any) -> list[Tensor]:
             views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
-            if isinstance(views, Tensor) or not isinstance(views, Sequence) or not views:
+            if not isinstance(views, Sequence) or not views or not all(isinstance(view, Tensor) for view in views):
+                what = (
+                    type(views).__name__ if not isinstance(views, Sequence) or not views else "a list with non-tensors"
+                )
                 raise ConfigurationError(
-                    f"TransformViews: {type(transform).__name__} must return a list of view tensors; got "
-                    f"{type(views).__name__}",
+                    f"TransformViews: {name} must return a list of (C, H, W) view tensors; got {what}",
                     parameter=_PARAMETER,
                 )
             return list(views)

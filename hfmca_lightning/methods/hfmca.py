@@ -334,12 +334,12 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         check_batch_format(self, datamodule)
         num_views = getattr(datamodule, "num_views", None)
         if self.external_head is not None and num_views is not None and num_views != self.external_head.num_views:
-            grid = self.external_head.grid
+            grid, wanted = self.external_head.grid, self.external_head.num_views
             raise ConfigurationError(
-                f"the data's {num_views} views per image do not fit the external head's {grid[0]}x{grid[1]} grid "
-                f"({self.external_head.num_views} views): set the data's views count to "
-                f"{self.external_head.num_views} or change the head's grid_height / grid_width so that their product "
-                "is the count"
+                f"data.init_args.views gives {num_views} views per image, but the external head's "
+                f"{grid[0]}x{grid[1]} grid takes {wanted}: make them {wanted} "
+                "(SimCLRViews' count; MultiCrop's global_crops + local_crops) or change the head's grid_height / "
+                "grid_width to match"
             )
         if self.external_head is not None and getattr(datamodule, "single_view", False):
             raise ConfigurationError(

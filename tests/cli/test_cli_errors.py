@@ -83,7 +83,7 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "a view count off the head's grid",
         lambda tmp, ckpt: ["--data.init_args.views.init_args.count", "3"],
         lambda tmp: {},
-        "the data's 3 views per image do not fit the external head's 2x2 grid",
+        "data.init_args.views gives 3 views per image, but the external head's 2x2 grid takes 4",
     ),
     (
         "unknown key",

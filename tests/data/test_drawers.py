@@ -93,14 +93,28 @@ def test_device_drawers_emit_bf16_channels_last_views_when_asked():
 
 
 def test_a_drawer_draws_the_spec_of_its_data_module():
-    """The data module hands its spec to the drawer; a drawer not given to one says so."""
+    """The data module draws with its own copy of the drawer, set up with its spec; the drawer given stays unbound."""
     views, drawer = SimCLRViews(count=3), BatchedDrawer()
-    with pytest.raises(RuntimeError, match="BatchedDrawer has no views to draw yet: give it to a MultiViewDataModule"):
-        _ = drawer.target
     module = data(views, drawer)
-    assert drawer.target.views is views and drawer.target.image_size == 32
-    assert drawer.target.normalisation == (module.source.mean, module.source.std)
+    assert module.drawer is not drawer and type(module.drawer) is BatchedDrawer
+    assert module.drawer.setup.views is views and module.drawer.setup.image_size == 32
+    assert module.drawer.setup.normalisation == (module.source.mean, module.source.std)
+    with pytest.raises(RuntimeError, match="BatchedDrawer has no views to draw: use the one a MultiViewDataModule"):
+        _ = drawer.setup
     assert isinstance(data().drawer, TorchvisionDrawer)  # the default
+
+
+@pytest.mark.parametrize("make", [BatchedDrawer, lambda: BatchedDrawer(on="device"), ResidentDrawer])
+def test_one_drawer_configures_two_data_modules_each_with_its_own_views(make):
+    shared = make()
+    small = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16)
+    modules = [data(SimCLRViews(count=2), shared), MultiViewDataModule(small, views=SimCLRViews(count=5), drawer=shared,
+               batch_size=6, num_workers=0)]  # fmt: skip
+    alone = [data(SimCLRViews(count=2), make()), MultiViewDataModule(small, views=SimCLRViews(count=5), drawer=make(),
+             batch_size=6, num_workers=0)]  # fmt: skip
+    for module, reference in zip(modules, alone):
+        got, want = epoch_batches(module)[0][0], epoch_batches(reference)[0][0]
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -152,13 +166,19 @@ def test_a_drawer_draws_the_spec_of_its_data_module():
         "resident grids",
     ],
 )
-def test_what_a_drawer_cannot_do_is_one_line_before_anything_runs(make, message):
+def test_what_a_drawer_cannot_do_is_one_line_before_anything_runs(make, message, request):
     with pytest.raises(ConfigurationError, match=message) as error:
         make()
     # a drawer's own argument is named by itself (data.init_args.drawer.init_args.<it>); a pair by the drawer
-    own = {"BatchedDrawer: on": "on", "output_dtype": "output_dtype", "batches_per_call": "batches_per_call"}
-    parameter = next((name for key, name in own.items() if key in message), "drawer")
-    assert "\n" not in str(error.value) and error.value.parameter == parameter
+    own = {
+        "where": "on",
+        "workers in bf16": "output_dtype",
+        "workers channels-last": "channels_last",
+        "float16": "output_dtype",
+        "resident float16": "output_dtype",
+        "batches per call": "batches_per_call",
+    }
+    assert "\n" not in str(error.value) and error.value.parameter == own.get(request.node.callspec.id, "drawer")
 
 
 def test_the_torchvision_drawer_draws_every_spec():

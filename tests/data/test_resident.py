@@ -36,8 +36,7 @@ def test_n_batches_per_call_give_the_views_of_one_batch_at_a_time():
         for loader in loaders:
             loader.sampler.set_epoch(epoch_number)
         first, second = [
-            [drawn(module, batch, number) for number, batch in enumerate(loader)]
-            for module, loader in zip((alone, chunked), loaders)
+            [drawn(module, batch) for batch in loader] for module, loader in zip((alone, chunked), loaders)
         ]
         assert len(first) == len(second) == 24 // 3
         for (views, targets), (chunk_views, chunk_targets) in zip(first, second):
@@ -73,7 +72,7 @@ def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_co
         batch_size=6,
         views=SimCLRViews(count=4, blur=[1.0, 0.1], solarize=[0.0, 0.2]),
     )
-    augmentation = batched_augmentation(module.drawer.target)
+    augmentation = batched_augmentation(module.drawer.setup)
     augmentation.select_rows = False
     module.drawer._augmentation = augmentation
     batches = list(module.train_dataloader())
@@ -94,8 +93,8 @@ def test_a_resumed_epoch_in_the_same_process_draws_its_own_chunks_not_the_interr
         return epoch_batches(module)
 
     reused = data(ResidentDrawer(batches_per_call=3), batch_size=3, seed=5)
-    for number, batch in zip(range(5), reused.train_dataloader()):  # the chunks of batches 0-2 and 3-5 drawn
-        drawn(reused, batch, number)
+    for _, batch in zip(range(5), reused.train_dataloader()):  # the chunks of batches 0-2 and 3-5 drawn
+        drawn(reused, batch)
     fresh = data(ResidentDrawer(batches_per_call=3), batch_size=3, seed=5)
     for (views, targets), (expected_views, expected_targets) in zip(resumed_epoch(reused), resumed_epoch(fresh)):
         assert torch.equal(targets, expected_targets)

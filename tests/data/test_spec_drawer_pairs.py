@@ -25,11 +25,12 @@ from hfmca_lightning.data import (
     TorchvisionDrawer,
     TransformViews,
 )
-from hfmca_lightning.data.batch_formats import BATCH_FORMATS, format_batch
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS
 from hfmca_lightning.data.drawers import ViewDrawer
 from hfmca_lightning.data.resident import ResidentBatch
 from hfmca_lightning.data.view_specs import ViewSpec
 from hfmca_lightning.errors import ConfigurationError
+from tests.helpers import drawn
 
 BATCH = 4
 
@@ -70,12 +71,11 @@ def _data(views: ViewSpec, drawer: ViewDrawer, batch_format: str = "stacked") ->
 
 
 def _first_batch(data: MultiViewDataModule) -> Any:
-    """The first training batch as a training step gets it (device drawers: drawn after the transfer)."""
+    """The first training batch as a training step gets it (device drawers: drawn in the data module's
+    ``on_after_batch_transfer``)."""
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    if data.drawer.draws_on_device:
-        batch = format_batch(data.drawer.draw(batch), data.batch_format, data.single_view)
-    return batch
+    return drawn(data, batch) if data.drawer.draws_on_device else batch
 
 
 def _views(batch: Any, batch_format: str) -> list[Tensor]:
@@ -221,6 +221,10 @@ def test_every_drawer_setting_has_its_effect() -> None:
         (lambda: MultiCrop(global_crops=0, local_crops=0), "at least one crop"),
         (lambda: MultiCrop(local_scale=(0.5, 0.2)), "local_scale"),
         (lambda: SingleView(blur=1.5), "blur is a probability"),
+        (lambda: SingleView(blur=[1.0, 0.0]), "blur gives 2 view kinds for 1 view"),
+        (lambda: SimCLRViews(count=2, solarize=[0.0, 0.2, 0.4]), "solarize gives 3 view kinds for 2 view"),
+        (lambda: MultiCrop(1, 1, blur=[1.0, 0.5, 0.0]), "blur gives 3 view kinds for 2 view"),
+        (lambda: _data(SimCLRViews, TorchvisionDrawer()), r"views is the class SimCLRViews; give an instance"),
         (lambda: TransformViews(transform=3), "needs a callable"),  # type: ignore[arg-type]
     ],
 )
@@ -228,3 +232,26 @@ def test_a_bad_setting_is_refused_in_one_line_when_made(make: Callable[[], Any],
     with pytest.raises(ConfigurationError, match=message) as refused:
         make()
     assert "\n" not in str(refused.value)
+
+
+def test_a_transform_that_does_not_return_view_tensors_is_one_line_before_training() -> None:
+    def pil_views(image: Any) -> list[Any]:
+        return [image, image]
+
+    with pytest.raises(ConfigurationError, match="pil_views must return a list of .C, H, W. view tensors") as error:
+        _data(pil_views, TorchvisionDrawer()).setup("fit")
+    assert "\n" not in str(error.value) and error.value.parameter == "views"
+
+
+def test_one_transform_spec_serves_data_modules_of_different_sizes() -> None:
+    def patches(image: Any) -> list[Tensor]:  # as many 8-px patches as the image holds
+        pixels = pil_to_tensor(image).float()
+        return [tile for row in pixels.split(8, dim=1) for tile in row.split(8, dim=2)]
+
+    spec = TransformViews(patches)
+    small = _data(spec, TorchvisionDrawer())
+    large = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=6, image_size=32), views=spec,
+                                batch_size=BATCH, num_workers=0)  # fmt: skip
+    for module, count in ((small, 4), (large, 16)):
+        module.setup("fit")
+        assert module.num_views == count == len(_views(_first_batch(module), "stacked"))

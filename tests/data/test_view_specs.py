@@ -238,7 +238,9 @@ def test_a_user_transform_leaves_the_callers_generators_as_they_were():
 
 def test_a_transform_that_gives_no_list_of_views_is_one_line():
     module = data(lambda image: torch.zeros(3, 8, 8))
-    with pytest.raises(ConfigurationError, match="TransformViews: function must return a list of view tensors; got"):
+    with pytest.raises(
+        ConfigurationError, match=r"TransformViews: <lambda> must return a list of \(C, H, W\) view tensors; got"
+    ):
         module.setup()
 
 

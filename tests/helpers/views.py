@@ -15,9 +15,6 @@ CPU = torch.device("cpu")
 class TrainerStandIn:
     """What ``on_after_batch_transfer`` reads of a trainer."""
 
-    class fit_loop:  # noqa: N801 - an attribute of the trainer
-        total_batch_idx = 0
-
     class strategy:  # noqa: N801 - an attribute of the trainer
         root_device = CPU
 
@@ -29,10 +26,9 @@ class TrainerStandIn:
     training, global_rank, world_size, num_devices = True, 0, 1, 1
 
 
-def drawn(module: MultiViewDataModule, batch: Any, batch_index: int = 0) -> Any:
-    """A device drawer's batch after the transfer, as the training step of batch ``batch_index`` gets it."""
+def drawn(module: MultiViewDataModule, batch: Any) -> Any:
+    """A device drawer's batch after the transfer, as the training step gets it."""
     module.trainer = TrainerStandIn()  # type: ignore[assignment]
-    TrainerStandIn.fit_loop.total_batch_idx = batch_index
     return module.on_after_batch_transfer(batch, 0)
 
 
@@ -40,5 +36,5 @@ def epoch_batches(module: MultiViewDataModule) -> list[Any]:
     """Every training batch of one epoch as the training steps get them, whatever the drawer."""
     batches = list(module.train_dataloader())
     if module.drawer.draws_on_device:
-        batches = [drawn(module, batch, number) for number, batch in enumerate(batches)]
+        batches = [drawn(module, batch) for batch in batches]
     return batches

@@ -1,7 +1,9 @@
-"""Thin Lightning adapters around the pure maths: kNN evaluation, spectra and heatmaps, exact resume and preemption."""
+"""Thin Lightning adapters around the pure maths: kNN evaluation, spectra and heatmaps, label-free health, exact
+resume and preemption."""
 
 from hfmca_lightning.callbacks.checkpoint import PreemptionCheckpoint
 from hfmca_lightning.callbacks.eigenspectrum import EigenspectrumCallback
+from hfmca_lightning.callbacks.health import CollapseError, HealthMetrics
 from hfmca_lightning.callbacks.heatmaps import DensityRatioHeatmapCallback
 from hfmca_lightning.callbacks.knn import KNNEvaluation
 from hfmca_lightning.callbacks.linear_probe import LinearProbe
@@ -10,9 +12,11 @@ from hfmca_lightning.callbacks.run_state import RunState
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 
 __all__ = [
+    "CollapseError",
     "CostProgressBar",
     "DensityRatioHeatmapCallback",
     "EigenspectrumCallback",
+    "HealthMetrics",
     "KNNEvaluation",
     "LinearProbe",
     "PreemptionCheckpoint",

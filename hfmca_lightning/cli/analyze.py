@@ -5,10 +5,10 @@
                   --ckpt_b runs/spectrum_selfsupervised/checkpoints/last.ckpt --out analysis/sup_vs_ss
 
 The model and data are rebuilt from the config that ``hfmca fit`` stores in every checkpoint (or from
-``--config`` for checkpoints written elsewhere). Outputs: PNG figures, JSON numbers and an ``index.html``
-that shows them all. A non-empty ``--out`` is refused unless ``--overwrite`` is given; every file is written in
-full beside its target before any is renamed into place, ``index.html`` last, so a failure mid-way (a full disk)
-leaves the previous report as it was.
+``--config`` for checkpoints written elsewhere). Outputs: PNG figures, JSON numbers (``analyze``: the spectra and the
+label-free health of the backbone, docs/conventions.md §9) and an ``index.html`` that shows them all. A non-empty
+``--out`` is refused unless ``--overwrite`` is given; every file is written in full beside its target before any is
+renamed into place, ``index.html`` last, so a failure mid-way (a full disk) leaves the previous report as it was.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import html
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +27,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
+from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_input_file, check_out
 from hfmca_lightning.cli.runs import backbone_of, load_run
@@ -41,7 +42,7 @@ from hfmca_lightning.methods.inspection import (
     BatchNormStatistics,
     analysis_layers,
     analysis_mode,
-    collect_statistics,
+    collect_for_analysis,
     default_figure_layers,
     heatmap_placements,
     layer_pairs,
@@ -63,6 +64,8 @@ YOUNG_BATCH_NORM = 100  # batches: below this, running statistics still carry th
 # 0.1) and lag the weights of a fast-moving start of training (21 steps into a spectrum run: an L4 top-10 mean of
 # 0.175 with them against 0.673 in training)
 BatchNormChoice = Literal["auto", "running", "batch"]
+HEALTH_SAMPLES_PER_DIM = 2  # samples per embedding dimension the health metrics wait for, as HealthMetrics' default
+# (docs/conventions.md §9): an estimate from N samples shows a rank of at most N
 
 
 def choose_batch_norm(modules: list[LightningModule], choice: BatchNormChoice) -> tuple[BatchNormStatistics, str]:
@@ -96,11 +99,16 @@ def _batch_norm_for(modules: list[LightningModule], choice: BatchNormChoice) -> 
 
 
 def _enough_batches(
-    batches: Iterator[Any], collect: Any, num_batches: int | None, groups_per_feature: int, description: str
+    batches: Iterator[Any],
+    collect: Any,
+    num_batches: int | None,
+    groups_per_feature: int,
+    description: str,
+    also_enough: Callable[[], bool] = lambda: True,
 ) -> dict[str, CorrelationStatistics]:
     """Statistics summed over ``batches``: ``num_batches`` of them, or (``None``) until every pair holds
     ``groups_per_feature`` groups per feature (as the training-time spectra; fewer show dependence that is not there)
-    or the batches run out; the stage shown as ``description``."""
+    and ``also_enough()`` says so, or the batches run out; the stage shown as ``description``."""
     statistics: dict[str, CorrelationStatistics] = {}
     batches = progress(batches, description, total=num_batches)
     try:
@@ -109,9 +117,13 @@ def _enough_batches(
                 break
             for name, stats in collect(batch).items():
                 statistics[name] = statistics[name] + stats if name in statistics else stats
-            if num_batches is None and all(
-                float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
-                for stats in statistics.values()
+            if (
+                num_batches is None
+                and all(
+                    float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
+                    for stats in statistics.values()
+                )
+                and also_enough()
             ):
                 break
     finally:
@@ -137,6 +149,61 @@ def spectrum_summary(statistics: dict[str, CorrelationStatistics], regs: dict[st
     return summary
 
 
+class HealthSums:
+    """The label-free health of a module's backbone over analysed batches: :class:`HealthStatistics` of each batch's
+    ``(B, L, D)`` backbone features (each sample's ``L`` views together; one view for single images), summed."""
+
+    def __init__(self) -> None:
+        self.sums: HealthStatistics | None = None
+
+    def add(self, features: Tensor, batch: Tensor | list[Tensor]) -> None:
+        """Add the backbone ``features (B * L, D)`` of ``batch`` (:attr:`Collected.features`)."""
+        samples = (batch[0] if isinstance(batch, (list, tuple)) else batch).shape[0]
+        added = HealthStatistics.of(features.reshape(samples, -1, features.shape[-1]))
+        self.sums = added if self.sums is None else self.sums.merge(added)
+
+    def enough(self) -> bool:
+        """Whether the sums hold :data:`HEALTH_SAMPLES_PER_DIM` samples per dimension."""
+        return self.sums is not None and float(self.sums.samples) >= HEALTH_SAMPLES_PER_DIM * self.dimension
+
+    @property
+    def dimension(self) -> int:
+        assert self.sums is not None
+        return self.sums.first_sum.shape[0]
+
+    def summary(self) -> dict[str, Any]:
+        """``rankme``, ``effective_rank``, ``alpha_req``, ``lidar`` (``None`` with one view per sample), and the
+        ``samples``, ``views`` and ``dimension`` they come from."""
+        assert self.sums is not None
+        metrics = self.sums.metrics()
+        return {
+            "rankme": metrics["rankme"],
+            "effective_rank": metrics["effective_rank"],
+            "alpha_req": metrics["alpha_req"],
+            "lidar": metrics.get("lidar"),
+            "samples": int(float(self.sums.samples)),
+            "views": self.sums.views,
+            "dimension": self.dimension,
+        }
+
+
+def health_notes(health: dict[str, Any]) -> list[str]:
+    """What the report says of its health numbers: where they come from, and when they are bounded by too few
+    samples."""
+    notes = [
+        f"Label-free health of the backbone features (docs/conventions.md §9): {health['samples']} training samples "
+        f"of {health['views']} view(s), {health['dimension']} dimensions."
+    ]
+    if health["samples"] < HEALTH_SAMPLES_PER_DIM * health["dimension"]:
+        notes.append(
+            f"Health from {health['samples']} samples, fewer than {HEALTH_SAMPLES_PER_DIM} per dimension: no rank "
+            f"above {health['samples']} can show (leave --num_batches out to draw enough)."
+        )
+    if health["lidar"] is None:
+        notes.append("No LiDAR: it needs two or more views per sample.")
+    return notes
+
+
 # After loading, the page records how many of its figures a browser could decode (data-figures-loaded on <body>):
 # a headless browser's DOM dump then tells whether every figure loads.
 FIGURES_LOADED_SCRIPT = (
@@ -149,8 +216,28 @@ def _save_figure(files: StagedFiles, figure: Any, path: Path) -> None:
     files.write(path, lambda handle: write_figure(figure, handle))
 
 
+def _health_table(health: dict[str, Any] | None) -> str:
+    if health is None:
+        return ""
+    cells = "".join(
+        f"<td>{'&mdash;' if health[key] is None else f'{health[key]:.3f}'}</td>"
+        for key in ("rankme", "effective_rank", "alpha_req", "lidar")
+    )
+    return (
+        "<h2>Label-free health of the backbone</h2><table><tr><th>RankMe</th><th>effective rank</th>"
+        "<th>alpha-ReQ</th><th>LiDAR</th><th>samples</th><th>views</th><th>dimension</th></tr>"
+        f"<tr>{cells}<td>{health['samples']}</td><td>{health['views']}</td><td>{health['dimension']}</td></tr></table>"
+    )
+
+
 def _write_index(
-    files: StagedFiles, out: Path, title: str, notes: list[str], figures: list[tuple[str, str]], summary: dict
+    files: StagedFiles,
+    out: Path,
+    title: str,
+    notes: list[str],
+    figures: list[tuple[str, str]],
+    summary: dict,
+    health: dict[str, Any] | None = None,
 ) -> Path:
     rows = "".join(
         f"<tr><td>{html.escape(name)}</td><td>{pair['groups']}</td><td>{pair['trivial']:.3f}</td>"
@@ -172,7 +259,7 @@ def _write_index(
         f"<h1>{html.escape(title)}</h1>{''.join(f'<p>{html.escape(note)}</p>' for note in notes)}"
         "<table><tr><th>pair</th><th>groups</th><th>trivial (constant function)</th><th>top eigenvalue</th>"
         "<th>mean of top 10</th><th>&lt; 0.1</th><th>&gt; 0.5</th><th>eigenvalues</th></tr>"
-        f"{rows}</table>{body}{FIGURES_LOADED_SCRIPT}</body></html>"
+        f"{rows}</table>{_health_table(health)}{body}{FIGURES_LOADED_SCRIPT}</body></html>"
     )
     path = out / "index.html"
     files.write_text(path, page)
@@ -217,8 +304,10 @@ def analyze(
     groups_per_feature: int = 100,
 ) -> Path:
     """Spectra (PNG + JSON) from training batches (``num_batches``, or as many as give every pair
-    ``groups_per_feature`` groups per feature), density-ratio heatmaps and basis functions of ``num_images`` test
-    images at ``layers`` (default: the three lowest internal layers), ``index.html``. BatchNorm: ``batch_norm``
+    ``groups_per_feature`` groups per feature and the health metrics :data:`HEALTH_SAMPLES_PER_DIM` samples per
+    dimension), the label-free health of the backbone on the same batches (RankMe, effective rank, alpha-ReQ, LiDAR:
+    ``health`` in spectra.json, :class:`HealthSums`), density-ratio heatmaps and basis functions of ``num_images``
+    test images at ``layers`` (default: the three lowest internal layers), ``index.html``. BatchNorm: ``batch_norm``
     (:func:`choose_batch_norm`; the choice is printed on the page).
 
     Any checkpoint of the package: baselines, HFMCA runs without internal costs (and any run given
@@ -227,16 +316,28 @@ def analyze(
     module = analysis_module(run_module, internal_layers)
     norm, notes = _batch_norm_for([module], batch_norm)
     out = Path(out)
+    health_sums = HealthSums()
+
+    def collect(batch: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
+        collected = collect_for_analysis(module, batch, batch_norm=norm)
+        health_sums.add(collected.features, batch)
+        return collected.statistics
+
     with StagedFiles() as files:  # renamed into place together at the end, index.html last
         statistics = _enough_batches(
             _training_batches(datamodule, module.device),
-            lambda batch: collect_statistics(module, [batch], batch_norm=norm),
+            collect,
             num_batches,
             groups_per_feature,
             "statistics of the training groups",
+            also_enough=health_sums.enough,
         )
         summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
-        files.write_text(out / "spectra.json", json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
+        health = health_sums.summary()
+        notes += health_notes(health)
+        files.write_text(
+            out / "spectra.json", json.dumps({"batch_norm": norm, "pairs": summary, "health": health}, indent=1)
+        )
         _save_figure(
             files,
             layer_spectra_figure(
@@ -282,7 +383,7 @@ def analyze(
                     out / file,
                 )
                 figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
-        return _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary)
+        return _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary, health)
 
 
 def _training_batches(datamodule: MultiViewDataModule, device: torch.device) -> Iterator[Tensor | list[Tensor]]:

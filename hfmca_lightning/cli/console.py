@@ -40,6 +40,7 @@ from types import FrameType
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import hfmca_lightning.cli.verbosity as verbosity
+from hfmca_lightning.callbacks.health import CollapseError
 from hfmca_lightning.cli.config_errors import describe_parser_error
 from hfmca_lightning.cli.paths import describe_os_error
 from hfmca_lightning.errors import ConfigurationError
@@ -152,7 +153,7 @@ def main(args: list[str] | None = None) -> None:
         _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
         _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
-    except (CostFactorisationError, NonFiniteStepError) as error:
+    except (CostFactorisationError, NonFiniteStepError, CollapseError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
     except OSError as error:  # mid-way: a full disk, a file size limit, a file removed under the command

@@ -15,6 +15,8 @@ view instead of adding another. Its sections follow the keys that ``hfmca fit`` 
   histogram over time;
 * **Spectrum summaries**: ``top1``, ``top10_mean`` and ``num_above_0.5`` of every pair's non-trivial eigenvalues,
   the constant function's eigenvalue (``trivial``), the window's ``groups``, and RankMe (``rankme/*``);
+* **Label-free health**: one panel per metric of ``HealthMetrics`` (``health/rankme``, ``health/effective_rank``,
+  ``health/alpha_req``, ``health/lidar``, and the ``health/samples`` each estimate came from), every run in each;
 * **Figures**: the ``learning_dynamics``, ``layer_spectra`` and ``density_ratio`` images.
 """
 
@@ -34,6 +36,13 @@ __all__ = ["eigenvalue_dynamics_workspace", "pairs_of_config", "run_dashboard_co
 DEFAULT_TITLE = "HFMCA eigenvalue dynamics"
 FIGURE_KEYS = ["learning_dynamics", "layer_spectra", "density_ratio"]
 ALL_PAIRS = r"[^/]+(?:/[^/]+)?"  # external, internal/L3, internal/layer2.0
+HEALTH_PANELS = [  # (key, title): the metrics HealthMetrics logs (docs/conventions.md §9)
+    ("health/rankme", "RankMe (entropy rank of the embeddings)"),
+    ("health/effective_rank", "Effective rank (of the embeddings' covariance)"),
+    ("health/alpha_req", "alpha-ReQ (eigenvalue decay; near 1 healthy)"),
+    ("health/lidar", "LiDAR (rank of the between- over within-sample covariance)"),
+    ("health/samples", "Samples per health estimate"),
+]
 
 
 def _workspaces() -> tuple[Any, Any]:
@@ -95,6 +104,11 @@ def eigenvalue_dynamics_workspace(
                 for summary in ("top1", "top10_mean", "num_above_0.5", "trivial", "groups")
             ]
             + [reports.LinePlot(title="RankMe (effective rank of the backbone features)", metric_regex=r"^rankme/.*$")],
+        ),
+        workspaces.Section(
+            name="Label-free health",
+            is_open=True,
+            panels=[reports.LinePlot(title=title, y=[key]) for key, title in HEALTH_PANELS],
         ),
         workspaces.Section(
             name="Figures", panels=[reports.MediaBrowser(title="Figures", media_keys=FIGURE_KEYS, num_columns=1)]

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from hfmca_lightning.analysis import decompose
+from hfmca_lightning.analysis import HealthStatistics, decompose
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.analyze import load_run
 from hfmca_lightning.evaluation_data import denormalise, figure_images
-from hfmca_lightning.methods.inspection import collect_statistics
+from hfmca_lightning.methods.inspection import collect_for_analysis
 from tests.helpers import DEMO, REPO, eigenvalue_error, tiny_overrides
 
 TINY_SPECTRUM = {
@@ -100,7 +100,8 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
     # The JSON holds the eigenspectrum of the statistics of the same batches, the constant function's apart.
     module, datamodule = load_run(checkpoints["selfsupervised"])
     batches = [batch for batch, _ in list(datamodule.train_dataloader())[:2]]
-    stats = collect_statistics(module, batches, batch_norm="batch")
+    collected = [collect_for_analysis(module, batch, batch_norm="batch") for batch in batches]
+    stats = {name: sum((c.statistics[name] for c in collected[1:]), collected[0].statistics[name]) for name in spectra}
     reg = module.cost_modules()["internal/L4"].reg
     expected = decompose(stats["internal/L4"], reg=reg).eigenvalues
     # the same float64 statistics and decomposition, the batches added in another order: twice the one-computation
@@ -111,9 +112,24 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
         torch.tensor(spectra["internal/L4"]["eigenvalues"], dtype=torch.float64), expected[1:], rtol=0, atol=bound
     )
     assert spectra["internal/L4"]["groups"] == int(stats["internal/L4"].group_count)
+    # ... and the label-free health of the backbone features of the same batches (each image's 9 views together)
+    health = report["health"]
+    sums = HealthStatistics.of(collected[0].features.reshape(4, 9, -1))
+    for batch in collected[1:]:
+        sums = sums.merge(HealthStatistics.of(batch.features.reshape(4, 9, -1)))
+    expected = sums.metrics()
+    assert set(expected) == {"rankme", "effective_rank", "alpha_req", "lidar"}
+    for name, value in expected.items():
+        assert health[name] == pytest.approx(value, rel=1e-9), name
+    dimension = sums.first_sum.shape[0]
+    assert (health["samples"], health["views"], health["dimension"]) == (8, 9, dimension)
+    # valid ranges: no rank above the dimension or, centred, the samples less one (plus RankMe's and LiDAR's epsilon)
+    assert 1 <= health["rankme"] <= dimension + 1e-3 and 1 <= health["effective_rank"] <= min(7, dimension) + 1e-9
+    assert 1 <= health["lidar"] <= min(7, dimension) + 1e-3 and health["alpha_req"] >= 0
     page = (out / "index.html").read_text()
     for name in ("spectra.png", "density_ratio.png", "basis_L1.png", "internal/L9", "BatchNorm: each batch"):
         assert name in page
+    assert "Label-free health of the backbone" in page and f"{health['lidar']:.3f}" in page
 
 
 def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, monkeypatch):
@@ -259,8 +275,12 @@ def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
             "L2",
         ]
     )
-    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    report = json.loads((out / "spectra.json").read_text())
+    spectra = report["pairs"]
     assert list(spectra) == ["internal/L2", "internal/L4", "internal/L6"]
+    # the baseline's backbone outputs of its two views: all four health values, from the one batch's 4 images
+    health = report["health"]
+    assert (health["samples"], health["views"]) == (4, 2) and None not in health.values()
     assert all(0 <= value <= 1 for pair in spectra.values() for value in pair["eigenvalues"])
     assert (out / "density_ratio.png").exists() and (out / "basis_L2.png").exists()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from hfmca_lightning.callbacks import EigenspectrumCallback
+from hfmca_lightning.callbacks import EigenspectrumCallback, HealthMetrics
 from hfmca_lightning.cli import main
 from hfmca_lightning.cli.dashboard import eigenvalue_dynamics_workspace, save_workspace, stable_view_name
 from tests.helpers import quiet_trainer, tiny_data, tiny_spectrum_module
@@ -18,16 +18,17 @@ from tests.helpers import quiet_trainer, tiny_data, tiny_spectrum_module
 pytest.importorskip("wandb_workspaces")
 
 PAIRS = ["external", *(f"internal/L{i}" for i in range(1, 10))]
+HEALTH_METRICS = ["rankme", "effective_rank", "alpha_req", "lidar", "samples"]
 
 
 @pytest.fixture(scope="module")
 def logged_keys(tmp_path_factory) -> list[str]:
-    """Every metric key a short spectrum-CNN run writes (CSV logger: scalars)."""
+    """Every metric key a short spectrum-CNN run writes (CSV logger: scalars), the health metrics included."""
     folder = tmp_path_factory.mktemp("dashboard_run")
     trainer = quiet_trainer(
         max_epochs=1,
         logger=CSVLogger(folder, name="run"),
-        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=20, min_groups=1)],
+        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=20, min_groups=1), HealthMetrics(every_n_steps=2)],
         log_every_n_steps=1,
         limit_val_batches=0,
     )
@@ -53,6 +54,7 @@ def test_every_logged_key_has_its_panel(logged_keys):
         "Eigenvalue dynamics",
         "Spectrum distributions",
         "Spectrum summaries",
+        "Label-free health",
         "Figures",
     ]
     dynamics = panels(workspace, "Eigenvalue dynamics")
@@ -72,6 +74,13 @@ def test_every_logged_key_has_its_panel(logged_keys):
         assert [p.title for p in distributions if matches(p, f"spectrum/{pair}/eigenvalues")] == [
             f"Spectrum over time: {pair}"
         ]
+    health = panels(workspace, "Label-free health")  # one panel per metric, every run in it
+    assert [p.y for p in health] == [[f"health/{name}"] for name in HEALTH_METRICS]
+    logged_health = [key for key in logged_keys if key.startswith("health/")]
+    assert sorted(logged_health) == sorted(f"health/{name}" for name in HEALTH_METRICS)
+    plots = [p for section in workspace.sections for p in section.panels if hasattr(p, "metric_regex")]
+    for key in logged_health:  # in its own panel, and in no other of the view
+        assert [p.title for p in plots if matches(p, key)] == [p.title for p in health if p.y == [key]], key
     assert panels(workspace, "Figures")[0].media_keys == ["learning_dynamics", "layer_spectra", "density_ratio"]
     # The whole view serialises to W&B's format without a network.
     assert "eigenvalues/internal/L9" in workspace._to_model().spec.model_dump_json(by_alias=True)
@@ -129,15 +138,18 @@ def test_dry_run_prints_the_view_without_saving(capsys):
 
 
 def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
-    """A SimCLR run logs its hooked spectra and RankMe under the HFMCA keys: every one of them has its panel in the
-    view that shows HFMCA runs (one view for both)."""
+    """A SimCLR run logs its hooked spectra, RankMe and health metrics under the HFMCA keys: every one of them has its
+    panel in the view that shows HFMCA runs (one view for both)."""
     from hfmca_lightning.methods.baselines import SimCLR
     from hfmca_lightning.models import SmallConvNet
 
     trainer = quiet_trainer(
         max_steps=2,
         logger=CSVLogger(tmp_path, name="run"),
-        callbacks=[EigenspectrumCallback(every_n_steps=1, top_k=5, min_groups=1)],
+        callbacks=[
+            EigenspectrumCallback(every_n_steps=1, top_k=5, min_groups=1),
+            HealthMetrics(every_n_steps=2, samples_per_dim=1),
+        ],
         log_every_n_steps=1,
         limit_val_batches=0,
     )
@@ -148,7 +160,11 @@ def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
     summaries, (dynamics,) = panels(workspace, "Spectrum summaries"), panels(workspace, "Eigenvalue dynamics")
     assert {key.split("/", 1)[1].rsplit("/", 1)[0] for key in keys if key.startswith("spectrum/")} == pairs
     assert "rankme/backbone" in keys
+    assert sorted(key for key in keys if key.startswith("health/")) == sorted(f"health/{n}" for n in HEALTH_METRICS)
+    health = panels(workspace, "Label-free health")
     for key in keys:
+        if key.startswith("health/"):
+            assert sum(matches(p, key) for p in health) == 1, key
         if key.startswith(("spectrum/", "rankme/")):
             assert sum(matches(p, key) for p in summaries) == 1, key
         if key.startswith("eigenvalues/"):

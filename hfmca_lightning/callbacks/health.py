@@ -1,0 +1,215 @@
+"""Label-free health of any SSL run, online: RankMe, effective rank, alpha-ReQ and LiDAR of the embeddings the
+training steps already compute (:mod:`hfmca_lightning.analysis.health`), and a collapse alarm."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from hfmca_lightning.analysis.health import HealthStatistics
+from hfmca_lightning.data.batch_formats import first_views
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+
+__all__ = ["CollapseError", "HealthMetrics"]
+
+
+class CollapseError(RuntimeError):
+    """The run's effective rank fell below the alarm's fraction of its best (``stop_on_collapse``)."""
+
+
+class HealthMetrics(Callback):
+    """Every ``every_n_steps`` optimiser steps (or, where an estimate needs more steps' samples than that, as soon as it
+    has them), the label-free health of the embeddings: logged as ``health/rankme``,
+    ``health/effective_rank``, ``health/alpha_req``, ``health/lidar`` (two or more views per sample) and
+    ``health/samples``, usable by ``ModelCheckpoint(monitor=...)`` as any metric (docs/conventions.md §9).
+
+    The embeddings are the training steps' own, no extra forward pass: a step's ``outputs[output_key]`` (``(B * L,
+    D)`` with each sample's ``L`` views together, as :class:`~hfmca_lightning.methods.HFMCAModule` returns
+    ``features``, or ``(B, L, D)``), else the outputs of ``pl_module.backbone`` during the step (the baselines call
+    it once per view: ``L`` outputs ``(B, D)``). They are summed
+    (:class:`~hfmca_lightning.analysis.health.HealthStatistics`, float64) over the steps just before each logged
+    one, until at least ``samples_per_dim * D`` samples (all processes together: the sums are all-reduced) — an
+    estimate of ``N`` samples can show a rank of at most ``N``.
+
+    The collapse alarm: one warning line when the effective rank falls below ``collapse_fraction`` of the best it
+    reached; with ``stop_on_collapse`` the run then stops with one line (:class:`CollapseError`, exit 1), before any
+    later checkpoint, so the last one written is from before the collapse.
+
+    Args:
+        every_n_steps: log every this many optimiser steps.
+        samples_per_dim: samples per embedding dimension an estimate waits for.
+        output_key: the key of a training step's output that holds its embeddings.
+        collapse_fraction: the alarm's fraction of the best effective rank (0 turns it off).
+        stop_on_collapse: stop the run when the alarm rings.
+
+    Raises:
+        ConfigurationError: when ``every_n_steps`` or ``samples_per_dim`` is below 1, or ``collapse_fraction`` is not
+            in [0, 1).
+
+    Example::
+
+        trainer = Trainer(callbacks=[HealthMetrics(every_n_steps=100, stop_on_collapse=True),
+                                     ModelCheckpoint(monitor="health/lidar", mode="max")])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        samples_per_dim: int = 2,
+        output_key: str = "features",
+        collapse_fraction: float = 0.25,
+        stop_on_collapse: bool = False,
+    ) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("samples_per_dim", samples_per_dim)):
+            if value < 1:
+                raise ConfigurationError(f"HealthMetrics: {name} must be >= 1; got {value}", parameter=name)
+        if not 0 <= collapse_fraction < 1:
+            raise ConfigurationError(
+                f"HealthMetrics: collapse_fraction must be in [0, 1); got {collapse_fraction}",
+                parameter="collapse_fraction",
+            )
+        self.every_n_steps, self.samples_per_dim, self.output_key = every_n_steps, samples_per_dim, output_key
+        self.collapse_fraction, self.stop_on_collapse = collapse_fraction, stop_on_collapse
+        self.sums: HealthStatistics | None = None
+        self.window_steps: int | None = None  # steps an estimate needs, known from the first batch
+        self.best_effective_rank, self.best_step, self.alarmed = 0.0, -1, False
+        self.pending = False  # a logged step passed without enough samples: sum on and log as soon as there are
+        self._hooked: list[Tensor] = []
+        self._handle: Any = None
+        self._from_outputs = False  # the steps return their embeddings: no hook needed
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, samples_per_dim=self.samples_per_dim)
+
+    # --- which steps collect -----------------------------------------------------------------------------------------
+
+    def _collects(self, step: int) -> bool:
+        """Whether the batches of optimiser step ``step`` (counted from 1) are summed: the window before a logged
+        step, or every step until the first window is known or while an estimate still waits for samples."""
+        if self.window_steps is None or self.pending:
+            return True
+        return (-step) % self.every_n_steps < self.window_steps
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._hooked.clear()
+        backbone = getattr(pl_module, "backbone", None)
+        hook = not self._from_outputs and isinstance(backbone, nn.Module) and self._handle is None
+        if hook and self._collects(trainer.global_step + 1):
+            self._handle = backbone.register_forward_hook(self._record)  # type: ignore[union-attr]
+
+    def _record(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        # the training step's own calls only: not another callback's evaluation pass (eval mode, no grad)
+        if isinstance(output, Tensor) and output.dim() == 2 and module.training and torch.is_grad_enabled():
+            self._hooked.append(output.detach())
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _embeddings(self, outputs: Any, batch: Any, trainer: Trainer) -> Tensor | None:
+        """``(B, L, D)`` embeddings of the step, or None where it has none."""
+        batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
+        samples = first_views(batch, batch_format)[1].shape[0]
+        given = outputs.get(self.output_key) if isinstance(outputs, dict) else None
+        self._from_outputs = isinstance(given, Tensor)
+        if isinstance(given, Tensor) and given.dim() == 3:
+            return given.detach()
+        if isinstance(given, Tensor) and given.dim() == 2 and given.shape[0] % samples == 0:
+            return given.detach().reshape(samples, -1, given.shape[-1])
+        calls = [call for call in self._hooked if call.shape[0] == samples]
+        if calls and len({call.shape[1] for call in calls}) == 1:
+            return torch.stack(calls, dim=1)
+        if len(self._hooked) == 1 and self._hooked[0].shape[0] % samples == 0:
+            return self._hooked[0].reshape(samples, -1, self._hooked[0].shape[-1])
+        return None
+
+    # --- summing and logging -----------------------------------------------------------------------------------------
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._release()
+        stepped = self._stepped(trainer, batch_idx)
+        step = trainer.global_step  # after this batch's optimiser step (if it made one)
+        collecting = self._collects(step if stepped else step + 1)
+        embeddings = self._embeddings(outputs, batch, trainer) if collecting else None
+        self._hooked.clear()
+        if embeddings is None:
+            return
+        added = HealthStatistics.of(embeddings)
+        self.sums = added if self.sums is None or self.sums.views != added.views else self.sums.merge(added)
+        if self.window_steps is None:
+            needed = self.samples_per_dim * embeddings.shape[-1]
+            self.window_steps = max(1, math.ceil(needed / (embeddings.shape[0] * max(1, trainer.world_size))))
+            if not self._collects(step if stepped else step + 1):
+                self.sums = None  # the first step, summed to learn the window, is not in it
+                return
+        if not stepped or (step % self.every_n_steps != 0 and not self.pending):
+            return
+        sums = self._reduced(trainer)
+        if float(sums.samples) < self.samples_per_dim * sums.first_sum.shape[0]:
+            self.pending = True
+            return  # wait for more samples (the first window, or a short epoch)
+        self.sums, self.pending = None, False
+        self._log(trainer, pl_module, sums.metrics() | {"samples": float(sums.samples)}, step)
+
+    @staticmethod
+    def _stepped(trainer: Trainer, batch_idx: int) -> bool:
+        """Whether batch ``batch_idx`` ended an optimiser step (the last micro-batch of an accumulation), as
+        Lightning decides it."""
+        accumulate = max(1, trainer.accumulate_grad_batches)
+        return (batch_idx + 1) % accumulate == 0 or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+    def _reduced(self, trainer: Trainer) -> HealthStatistics:
+        assert self.sums is not None
+        if trainer.world_size == 1:
+            return self.sums
+        tensors = [trainer.strategy.reduce(tensor.clone(), reduce_op="sum") for tensor in self.sums.tensors()]
+        return HealthStatistics(*tensors, self.sums.views)
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            pl_module.log(f"health/{name}", value, on_step=True, on_epoch=False)
+        rank = metrics["effective_rank"]
+        if rank > self.best_effective_rank:
+            self.best_effective_rank, self.best_step = rank, step
+        if self.collapse_fraction and not self.alarmed and rank < self.collapse_fraction * self.best_effective_rank:
+            self.alarmed = True
+            line = (
+                f"the representation is collapsing: its effective rank fell to {rank:.3g} at step {step}, below "
+                f"{self.collapse_fraction:g} of its best ({self.best_effective_rank:.3g} at step {self.best_step})"
+            )
+            if self.stop_on_collapse:
+                raise CollapseError(f"{line}; the run stops, its last checkpoint is from before")
+            rank_zero_warn(line, category=HFMCAWarning)
+
+    # --- exact resume ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sums": None if self.sums is None else [tensor.cpu() for tensor in self.sums.tensors()],
+            "views": None if self.sums is None else self.sums.views,
+            "window_steps": self.window_steps,
+            "best": (self.best_effective_rank, self.best_step),
+            "alarmed": self.alarmed,
+            "pending": self.pending,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sums = state_dict.get("sums")
+        self.sums = None if sums is None else HealthStatistics(*sums, state_dict["views"])
+        self.window_steps = state_dict.get("window_steps")
+        self.best_effective_rank, self.best_step = state_dict.get("best", (0.0, -1))
+        self.alarmed = bool(state_dict.get("alarmed", False))
+        self.pending = bool(state_dict.get("pending", False))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.sums is not None:  # restored from a checkpoint on the CPU
+            self.sums = HealthStatistics(*(t.to(pl_module.device) for t in self.sums.tensors()), self.sums.views)

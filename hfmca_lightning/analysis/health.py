@@ -170,9 +170,15 @@ class HealthStatistics:
             raise ValueError(
                 f"cannot merge statistics of {self.first_sum.shape[0]} and {other.first_sum.shape[0]} dimensions"
             )
-        return HealthStatistics(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)[:-1]), self.views
+        return HealthStatistics.from_tensors(
+            [mine + theirs for mine, theirs in zip(self.tensors(), other.tensors())], self.views
         )
+
+    @classmethod
+    def from_tensors(cls, tensors: list[Tensor], views: int) -> HealthStatistics:
+        """The statistics of :meth:`tensors` (after an all-reduce, or from a checkpoint)."""
+        samples, first_sum, first_gram, mean_sum, mean_gram, view_gram = tensors
+        return cls(samples, first_sum, first_gram, mean_sum, mean_gram, view_gram, views)
 
     def tensors(self) -> list[Tensor]:
         """The sums, in field order (what DDP all-reduces)."""

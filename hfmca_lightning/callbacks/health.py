@@ -172,7 +172,7 @@ class HealthMetrics(Callback):
         if trainer.world_size == 1:
             return self.sums
         tensors = [trainer.strategy.reduce(tensor.clone(), reduce_op="sum") for tensor in self.sums.tensors()]
-        return HealthStatistics(*tensors, self.sums.views)
+        return HealthStatistics.from_tensors(tensors, self.sums.views)
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -204,7 +204,7 @@ class HealthMetrics(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sums = state_dict.get("sums")
-        self.sums = None if sums is None else HealthStatistics(*sums, state_dict["views"])
+        self.sums = None if sums is None else HealthStatistics.from_tensors(list(sums), state_dict["views"])
         self.window_steps = state_dict.get("window_steps")
         self.best_effective_rank, self.best_step = state_dict.get("best", (0.0, -1))
         self.alarmed = bool(state_dict.get("alarmed", False))
@@ -212,4 +212,5 @@ class HealthMetrics(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.sums is not None:  # restored from a checkpoint on the CPU
-            self.sums = HealthStatistics(*(t.to(pl_module.device) for t in self.sums.tensors()), self.sums.views)
+            tensors = [tensor.to(pl_module.device) for tensor in self.sums.tensors()]
+            self.sums = HealthStatistics.from_tensors(tensors, self.sums.views)

@@ -9,7 +9,15 @@ then local crops, for multi-crop); :func:`format_batch` lays it out as
   mode ``single``: ``(images (B, C, H, W), targets)``;
 * ``lightly`` (lightly's examples and ``LightlyDataset``): ``([view_0 (B, C, H, W), ..., view_{L-1}], targets,
   names)``, names the samples' indices as strings; view grids follow the views in the list (lightly's VICRegL);
-* ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``, large crops first.
+* ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``, large crops first;
+* ``dict`` (stable-pretraining's symmetric methods): ``{"views": [{"image": view_0 (B, C, H, W), "label", "sample_idx"},
+  ...], "label": (B,), "sample_idx": (B,)}``, global crops first, view grids as each view's ``"grid"``;
+* ``dict_named`` (stable-pretraining's DINO): the same with ``"views"`` a dict ``{"global_0": ..., "global_1": ...,
+  "local_0": ...}`` in that order;
+* a single view (``dict`` / ``dict_named``) and the evaluation batches of both: ``{"image", "label", "sample_idx"}``.
+
+Every batch is a new plain ``dict`` (code that writes into it, as stable-pretraining's ``training_step`` does, changes
+nothing of the next); ``label`` is ``UNLABELLED`` (-1) for images without a class.
 """
 
 from __future__ import annotations
@@ -20,10 +28,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["BATCH_FORMATS", "BatchFormat", "ViewBatch", "first_views", "format_batch"]
+__all__ = ["BATCH_FORMATS", "DICT_FORMATS", "BatchFormat", "ViewBatch", "first_views", "format_batch", "sample_dict"]
 
-BatchFormat = Literal["stacked", "lightly", "solo"]
-BATCH_FORMATS = ("stacked", "lightly", "solo")
+BatchFormat = Literal["stacked", "lightly", "solo", "dict", "dict_named"]
+BATCH_FORMATS = ("stacked", "lightly", "solo", "dict", "dict_named")
+DICT_FORMATS = ("dict", "dict_named")
 
 
 @dataclass
@@ -53,13 +62,14 @@ class ViewBatch:
         return [group[:, view] for group in self.groups for view in range(group.shape[1])]
 
 
-def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> tuple[Any, ...]:
+def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> Any:
     """A batch laid out in one of the batch formats (module docstring).
 
     Args:
         batch: the views, targets and indices of ``B`` samples.
-        batch_format: ``stacked``, ``lightly`` or ``solo``.
-        single: mode ``single``'s one view per sample (``stacked`` only): ``(images (B, C, H, W), targets)``.
+        batch_format: one of :data:`BATCH_FORMATS`.
+        single: one view per sample: ``(images (B, C, H, W), targets)`` (``stacked``), ``{"image", "label",
+            "sample_idx"}`` (``dict``, ``dict_named``).
 
     Returns:
         The batch as ``batch_format`` lays it out.
@@ -72,7 +82,10 @@ def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = Fal
         batch = ViewBatch([torch.randn(8, 2, 3, 32, 32)], torch.zeros(8, dtype=torch.int64), torch.arange(8))
         views, targets = format_batch(batch, "stacked")  # views (8, 2, 3, 32, 32)
         indexes, views, targets = format_batch(batch, "solo")  # views: two (8, 3, 32, 32)
+        format_batch(batch, "dict_named")["views"]["global_1"]["image"]  # (8, 3, 32, 32)
     """
+    if single and batch_format in DICT_FORMATS:
+        return sample_dict(batch.groups[0][:, 0], batch.targets, batch.indices)
     if batch_format == "stacked":
         if single:
             return batch.groups[0][:, 0], batch.targets
@@ -85,7 +98,27 @@ def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = Fal
         return views_list, batch.targets, list(batch.names)
     if batch_format == "solo":
         return batch.indices, views_list, batch.targets
+    if batch_format in DICT_FORMATS:
+        return _dict_batch(batch, views_list, named=batch_format == "dict_named")
     raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
+
+
+def sample_dict(images: Tensor, labels: Tensor, indices: Tensor) -> dict[str, Tensor]:
+    """One view of ``B`` samples as a dict: ``{"image": (B, C, H, W), "label": (B,), "sample_idx": (B,)}``."""
+    return {"image": images, "label": labels, "sample_idx": indices}
+
+
+def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool) -> dict[str, Any]:
+    """``{"views": [...] or {"global_0": ..., "local_0": ...}, "label", "sample_idx"}`` (module docstring)."""
+    per_view = [sample_dict(view, batch.targets, batch.indices) for view in views]
+    if batch.grids is not None:
+        for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
+            view["grid"] = grid
+    if named:
+        globals_ = batch.groups[0].shape[1]
+        names = [f"global_{v}" for v in range(globals_)] + [f"local_{v}" for v in range(len(views) - globals_)]
+        return {"views": dict(zip(names, per_view)), "label": batch.targets, "sample_idx": batch.indices}
+    return {"views": per_view, "label": batch.targets, "sample_idx": batch.indices}
 
 
 def stack_samples(samples: list[tuple[list[Tensor], int, int]], grids: list[Tensor] | None = None) -> ViewBatch:
@@ -107,11 +140,17 @@ def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tens
 
     Args:
         batch: a training batch as :func:`format_batch` lays it out.
-        batch_format: the format of ``batch``: ``stacked``, ``lightly`` or ``solo``.
+        batch_format: the format of ``batch`` (one of :data:`BATCH_FORMATS`).
 
     Returns:
         ``(images (B, C, H, W), targets (B,))``.
     """
+    if batch_format in DICT_FORMATS:
+        views = batch.get("views")
+        if views is None:  # a single view
+            return batch["image"], batch["label"]
+        first = next(iter(views.values())) if isinstance(views, dict) else views[0]
+        return first["image"], batch["label"]
     if batch_format == "solo":
         _, views, targets = batch
     else:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from hfmca_lightning.data.batch_formats import BATCH_FORMATS, BatchFormat, format_batch
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS, DICT_FORMATS, BatchFormat, format_batch, sample_dict
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.drawers import DrawSetup, TorchvisionDrawer, ViewDrawer, check_drawer
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
@@ -21,11 +21,13 @@ from hfmca_lightning.data.view_specs import SameClassViews, SimCLRViews, Transfo
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.runtime.workers import cores_per_process, leave_signals_to_the_main_process, track
 
-__all__ = ["BANK", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
+__all__ = ["BANK", "EVALUATION_LOADERS", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
 
 # Evaluation loaders, by their index in ``val_dataloader()`` / ``test_dataloader()``: the kNN bank (the train split
 # without augmentation) and the queries (the test split).
 BANK, QUERIES = 0, 1
+EvaluationLoaders = Literal["bank_and_queries", "queries"]
+EVALUATION_LOADERS = ("bank_and_queries", "queries")
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,24 @@ class _Collate:
         return batch if self.batch_format is None else format_batch(batch, self.batch_format, self.single_view)
 
 
+def _sample_dicts(samples: list[tuple[Any, int, int]]) -> dict[str, torch.Tensor]:
+    """A dict format's evaluation batch: ``{"image", "label", "sample_idx"}`` (the samples' indices in their split)."""
+    images, targets, indices = zip(*samples)
+    return sample_dict(torch.stack(images), torch.tensor(targets), torch.tensor(indices))
+
+
 class MultiViewDataModule(LightningDataModule):
     """Multi-view batches for HFMCA and any other SSL method: ``views`` says what to draw, ``drawer`` where.
 
     * ``train_dataloader``: the views of ``batch_size`` samples per batch, laid out as ``batch_format`` says
       (:mod:`hfmca_lightning.data.batch_formats`): ``stacked`` ``(views (B, L, C, H, W), targets)`` (this project's
-      modules), ``lightly`` ``([view_0 (B, C, H, W), ...], targets, names)`` or ``solo`` ``(indexes, [view_0, ...],
-      targets)``.
+      modules), ``lightly`` ``([view_0 (B, C, H, W), ...], targets, names)``, ``solo`` ``(indexes, [view_0, ...],
+      targets)``, ``dict`` / ``dict_named`` (stable-pretraining: ``{"views": ..., "label", "sample_idx"}``).
     * ``val_dataloader`` / ``test_dataloader``: ``BANK`` (0) and ``QUERIES`` (1), un-augmented ``(image, target)``
-      batches of the train split (kNN bank) and the test split (kNN queries).
+      batches (``{"image", "label", "sample_idx"}`` in a dict format) of the train split (kNN bank) and the test split
+      (kNN queries); with ``evaluation_loaders="queries"`` the test split's loader alone, for modules whose
+      ``validation_step`` takes no loader index (:class:`~hfmca_lightning.callbacks.KNNEvaluation` then draws its bank
+      from :meth:`evaluation_loader` itself).
 
     Each sample's views come from a seed given by the sampler, so runs do not depend on the number of workers.
     :meth:`state_dict` (in every checkpoint) records how far training got; a run resumed from it starts at the next
@@ -79,7 +90,9 @@ class MultiViewDataModule(LightningDataModule):
         views: what to draw (:mod:`hfmca_lightning.data.view_specs`; default ``SimCLRViews()``: two SimCLR views), or
             any callable image -> list of views, such as lightly's ``SimCLRTransform``.
         drawer: where to draw them (:mod:`hfmca_lightning.data.drawers`; default ``TorchvisionDrawer()``).
-        batch_format: ``stacked``, ``lightly`` or ``solo``.
+        batch_format: one of ``stacked``, ``lightly``, ``solo``, ``dict``, ``dict_named``
+            (:mod:`hfmca_lightning.data.batch_formats`).
+        evaluation_loaders: ``bank_and_queries`` (two loaders) or ``queries`` (the test split's alone).
         batch_size: samples (source images) per training batch and process.
         eval_batch_size: images per evaluation batch.
         num_workers: data-loader worker processes; more than the CPU cores this process may use are capped to them.
@@ -102,6 +115,7 @@ class MultiViewDataModule(LightningDataModule):
         views: ViewSpec | Callable[[Any], Any] | None = None,
         drawer: ViewDrawer | None = None,
         batch_format: BatchFormat = "stacked",
+        evaluation_loaders: EvaluationLoaders = "bank_and_queries",
         batch_size: int = 64,
         eval_batch_size: int = 256,
         num_workers: int = 4,
@@ -113,11 +127,10 @@ class MultiViewDataModule(LightningDataModule):
                                    ("num_workers", num_workers, 0)):  # fmt: skip
             if value < least:
                 raise ConfigurationError(f"{name} must be >= {least}; got {value}", parameter=name)
-        if batch_format not in BATCH_FORMATS:
-            raise ConfigurationError(
-                f"batch_format must be one of {', '.join(BATCH_FORMATS)}; got {batch_format!r}",
-                parameter="batch_format",
-            )
+        for name, value, choices in (("batch_format", batch_format, BATCH_FORMATS),
+                                     ("evaluation_loaders", evaluation_loaders, EVALUATION_LOADERS)):  # fmt: skip
+            if value not in choices:
+                raise ConfigurationError(f"{name} must be one of {', '.join(choices)}; got {value!r}", parameter=name)
         if isinstance(views, type) and issubclass(views, ViewSpec):
             raise ConfigurationError(
                 f"views is the class {views.__name__}; give an instance: {views.__name__}(...)", parameter="views"
@@ -131,6 +144,7 @@ class MultiViewDataModule(LightningDataModule):
         self.source, self.views = source, views
         self.drawer = drawer.bind(DrawSetup(views, source.image_size, (source.mean, source.std)))  # this module's copy
         self.batch_format: BatchFormat = batch_format
+        self.evaluation_loaders: EvaluationLoaders = evaluation_loaders
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_workers, self.persistent_workers, self.seed = num_workers, persistent_workers, seed
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
@@ -272,13 +286,26 @@ class MultiViewDataModule(LightningDataModule):
         # held only uint8 images or indices: the views drawn here get the same conversion.
         return trainer.precision_plugin.convert_input(views)
 
-    def val_dataloader(self) -> list[DataLoader]:
-        """``[BANK, QUERIES]`` loaders of un-augmented ``(image (B, C, H, W), target (B,))``; none without labels."""
+    def evaluation_loader(self, split: int, **kwargs: Any) -> DataLoader:
+        """The un-augmented images of evaluation split ``split`` (``BANK``: the training split, ``QUERIES``: the test
+        split) in batches of ``eval_batch_size``: ``(image (B, C, H, W), target (B,))``, or ``{"image", "label",
+        "sample_idx"}`` in a dict format; ``kwargs`` go to ``DataLoader`` (a ``sampler``)."""
+        splits = self.evaluation_splits
+        if splits is None:
+            raise ValueError(f"{type(self.source).__name__} has no labelled evaluation split")
+        if self.batch_format in DICT_FORMATS:
+            dataset = EvalDataset(splits[split], self.eval_transform, with_index=True)
+            return self.loader(dataset, self.eval_batch_size, collate_fn=_sample_dicts, **kwargs)
+        return self.loader(EvalDataset(splits[split], self.eval_transform), self.eval_batch_size, **kwargs)
+
+    def val_dataloader(self) -> list[DataLoader] | DataLoader:
+        """``[BANK, QUERIES]`` evaluation loaders (:meth:`evaluation_loader`), or with ``evaluation_loaders="queries"``
+        the ``QUERIES`` loader alone; none without labels."""
         if self.evaluation_splits is None:
             return []
-        return [
-            self.loader(EvalDataset(split, self.eval_transform), self.eval_batch_size) for split in self._evaluation
-        ]  # type: ignore[union-attr]
+        if self.evaluation_loaders == "queries":
+            return self.evaluation_loader(QUERIES)
+        return [self.evaluation_loader(BANK), self.evaluation_loader(QUERIES)]
 
-    def test_dataloader(self) -> list[DataLoader]:
+    def test_dataloader(self) -> list[DataLoader] | DataLoader:
         return self.val_dataloader()

@@ -225,14 +225,15 @@ def collate_samples(samples: list[Sample]) -> ViewBatch:
 
 
 class EvalDataset(Dataset):
-    """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``."""
+    """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``, or ``(..., target, index)``
+    ``with_index``."""
 
-    def __init__(self, images: LabelledImages, transform: Callable) -> None:
-        self.images, self.transform = images, transform
+    def __init__(self, images: LabelledImages, transform: Callable, with_index: bool = False) -> None:
+        self.images, self.transform, self.with_index = images, transform, with_index
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | tuple[Tensor, int, int]:
         image, target = self.images[index]
-        return self.transform(image), target
+        return (self.transform(image), target, index) if self.with_index else (self.transform(image), target)

@@ -35,6 +35,7 @@ def check_batch_format(module: object, datamodule: Any) -> None:
     if batch_format != "stacked":
         raise ConfigurationError(
             f"{type(module).__name__} takes stacked batches (views, targets), but the data's batch_format is "
-            f"{batch_format!r} (for modules written for lightly or solo-learn): set data batch_format: stacked",
+            f"{batch_format!r} (for modules written for lightly, solo-learn or stable-pretraining): set data "
+            "batch_format: stacked",
             parameter="batch_format",
         )

@@ -125,7 +125,71 @@ def test_a_solo_learn_module_gets_indexes_and_its_crops_large_first():
         _close(loss.detach(), module.loss(indexes, [*large.unbind(1), *small.unbind(1)]))
 
 
-@pytest.mark.parametrize("batch_format", ["lightly", "solo"])
+def test_the_dict_formats_lay_out_the_same_views_in_new_plain_dicts():
+    """stable-pretraining's layouts: a list of view dicts, or the same by name (global crops, then local ones)."""
+    batch = _batch()
+    expected = [batch.groups[0][:, 0], batch.groups[0][:, 1], *batch.groups[1].unbind(1)]
+    listed, named = format_batch(batch, "dict"), format_batch(batch, "dict_named")
+    assert type(listed) is dict and type(named) is dict and type(named["views"]) is dict
+    assert list(named["views"]) == ["global_0", "global_1", "local_0", "local_1", "local_2", "local_3"]
+    for views in (listed["views"], list(named["views"].values())):
+        assert len(views) == len(expected)
+        for view, want in zip(views, expected):
+            assert type(view) is dict and set(view) == {"image", "label", "sample_idx"}
+            assert torch.equal(view["image"], want) and torch.equal(view["label"], batch.targets)
+            assert torch.equal(view["sample_idx"], batch.indices)
+    assert torch.equal(listed["label"], batch.targets) and torch.equal(named["sample_idx"], batch.indices)
+    listed["batch_idx"] = 0  # as stable-pretraining's training_step does: the next batch is a new dict
+    assert "batch_idx" not in format_batch(batch, "dict")
+    one = ViewBatch([torch.rand(3, 1, 3, 8, 8)], batch.targets, batch.indices, batch.names)
+    single = format_batch(one, "dict", single=True)
+    assert set(single) == {"image", "label", "sample_idx"} and torch.equal(single["image"], one.groups[0][:, 0])
+
+
+def _spt_module(spt: dict[str, Any], method: str) -> Any:
+    torch.manual_seed(0)
+    return spt["SPTModule"](spt[method])
+
+
+def test_a_simclr_module_written_for_stable_pretraining_trains_on_a_list_of_view_dicts():
+    """stable-pretraining's SimCLR reads ``batch["views"]``, a list of two ``{"image", "label"}``: its loss on the
+    dict batch equals NT-Xent on the same views stacked."""
+    spt = example("stable_pretraining_convention")
+    formatted, stacked = _same_batches(lambda **options: spt["spt_data"]("simclr", **options))
+    module = _spt_module(spt, "simclr")
+    outputs = module.training_step(formatted, 7)
+    assert formatted["batch_idx"] == 7  # it wrote into the batch
+    views, targets = stacked
+    with torch.no_grad():
+        projections = [module.projector(module.backbone(view)) for view in views.unbind(1)]
+        _close(outputs["loss"].detach(), module.simclr_loss(*projections))
+        embeddings = torch.cat([module.backbone(view) for view in views.unbind(1)])
+    _close(outputs["embedding"], embeddings)
+    assert torch.equal(outputs["label"], targets.repeat(2))
+    with pytest.raises(ValueError, match="expected a dict of named views"):  # DINO refuses a list, as its original
+        spt["dino"](module, formatted, "fit")
+
+
+def test_a_dino_module_written_for_stable_pretraining_trains_on_named_crops():
+    """stable-pretraining's DINO reads the views by name: global crops through the teacher, all through the student;
+    its loss on the ``dict_named`` batch equals the DINO loss on the same crops stacked."""
+    spt = example("stable_pretraining_convention")
+    formatted, stacked = _same_batches(lambda **options: spt["spt_data"]("dino", **options))
+    assert list(formatted["views"]) == ["global_0", "global_1", "local_0", "local_1"]
+    module = _spt_module(spt, "dino")
+    criterion = copy.deepcopy(module.dino_loss)  # the loss moves its centre on every call
+    outputs = module.training_step(formatted, 0)
+    (global_views, local_views), _ = stacked
+    global_images = global_views.transpose(0, 1).flatten(0, 1)  # view after view, as the step concatenates them
+    local_images = local_views.transpose(0, 1).flatten(0, 1)
+    with torch.no_grad():
+        teacher = module.teacher_projector(module.teacher_backbone(global_images)).chunk(2)
+        student = [*module.projector(module.backbone(global_images)).chunk(2),
+                   *module.projector(module.backbone(local_images)).chunk(2)]  # fmt: skip
+        _close(outputs["loss"].detach(), criterion(list(teacher), student, epoch=0))
+
+
+@pytest.mark.parametrize("batch_format", ["lightly", "solo", "dict", "dict_named"])
 def test_this_projects_modules_refuse_other_formats_before_training(batch_format):
     from hfmca_lightning.errors import ConfigurationError
     from tests.helpers import bn_free_module, quiet_trainer
@@ -144,12 +208,13 @@ def test_this_projects_modules_refuse_other_formats_before_training(batch_format
 def test_callbacks_find_the_first_view_and_the_targets_in_every_format():
     batch = _batch()
     expected = batch.groups[0][:, 0]
-    for batch_format in ("stacked", "lightly", "solo"):
+    for batch_format in ("stacked", "lightly", "solo", "dict", "dict_named"):
         images, targets = first_views(format_batch(batch, batch_format), batch_format)
         assert torch.equal(images, expected) and torch.equal(targets, batch.targets), batch_format
     one = ViewBatch([torch.rand(3, 1, 3, 8, 8)], batch.targets, batch.indices, batch.names)
-    images, _ = first_views(format_batch(one, "stacked", single=True))
-    assert torch.equal(images, one.groups[0][:, 0])
+    for batch_format in ("stacked", "dict"):
+        images, _ = first_views(format_batch(one, batch_format, single=True), batch_format)  # type: ignore[arg-type]
+        assert torch.equal(images, one.groups[0][:, 0])
 
 
 def _pipelines() -> dict[str, Any]:
@@ -171,9 +236,9 @@ def _pipelines() -> dict[str, Any]:
 
 @pytest.mark.parametrize("pipeline", list(_pipelines()))
 def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
-    """lightly's and solo-learn's batches, from every drawer (in the workers or on the device after the transfer) and
-    spec, are the stacked batches of the same seed laid out: every view, target and sample of an epoch, in the same
-    order. Exact resume and DDP sharding, tested on the stacked batches, hold for every format."""
+    """lightly's, solo-learn's and stable-pretraining's batches, from every drawer (in the workers or on the device
+    after the transfer) and spec, are the stacked batches of the same seed laid out: every view, target and sample of
+    an epoch, in the same order."""
     from tests.helpers import epoch_batches
 
     make_views = _pipelines()[pipeline]
@@ -193,11 +258,13 @@ def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
         return epoch_batches(module)
 
     stacked, lightly_batches, solo_batches = (epoch_in(name) for name in ("stacked", "lightly", "solo"))
-    assert len(stacked) == len(lightly_batches) == len(solo_batches) == 24 // 4
+    dict_batches, named_batches = epoch_in("dict"), epoch_in("dict_named")
+    assert len(stacked) == len(lightly_batches) == len(solo_batches) == len(dict_batches) == 24 // 4
     seen: list[int] = []
-    for stacked_batch, (lightly_views, lightly_targets, names), (indexes, solo_views, solo_targets) in zip(
-        stacked, lightly_batches, solo_batches
-    ):
+    for position, stacked_batch in enumerate(stacked):
+        lightly_views, lightly_targets, names = lightly_batches[position]
+        indexes, solo_views, solo_targets = solo_batches[position]
+        dict_batch, named = dict_batches[position], named_batches[position]
         views, targets = stacked_batch[0], stacked_batch[1]
         groups = views if isinstance(views, list) else [views]
         expected = [group[:, view] for group in groups for view in range(group.shape[1])]
@@ -212,5 +279,14 @@ def test_every_pipeline_gives_each_format_the_stacked_views_laid_out(pipeline):
             assert torch.equal(got, want), pipeline
         assert torch.equal(lightly_targets, targets) and torch.equal(solo_targets, targets)
         assert indexes.shape == (4,) and len(names) == 4
+        # stable-pretraining's: the same views and grids, in a list and by name, with the same labels and indexes
+        for views_of in (dict_batch["views"], list(named["views"].values())):
+            assert len(views_of) == len(expected)
+            assert all(torch.equal(view["image"], want) for view, want in zip(views_of, expected)), pipeline
+            assert all(torch.equal(view["label"], targets) and torch.equal(view["sample_idx"], indexes)
+                       for view in views_of)  # fmt: skip
+            if len(stacked_batch) == 3:
+                assert all(torch.equal(view["grid"], grid) for view, grid in zip(views_of, stacked_batch[2].unbind(1)))
+        assert torch.equal(dict_batch["label"], targets) and torch.equal(named["sample_idx"], indexes)
         seen += indexes.tolist()
     assert sorted(seen) == list(range(24))  # each training image once, indexed as solo-learn expects

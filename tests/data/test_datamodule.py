@@ -70,6 +70,27 @@ def test_the_evaluation_loaders_are_the_unaugmented_train_and_test_splits():
     assert [len(loader.dataset) for loader in datamodule.test_dataloader()] == [12, 6]
 
 
+def test_the_dict_formats_evaluation_loaders_give_dicts_and_one_loader_is_the_test_split():
+    def data(**options: object) -> MultiViewDataModule:
+        source = SyntheticShapes(num_classes=3, train_per_class=4, test_per_class=2)
+        return MultiViewDataModule(source, batch_size=4, eval_batch_size=5, num_workers=0, **options)  # type: ignore[arg-type]
+
+    stacked = data()
+    for batch_format in ("dict", "dict_named"):
+        loaders = data(batch_format=batch_format).val_dataloader()
+        for loader, reference in zip(loaders, stacked.val_dataloader()):
+            for batch, (images, targets) in zip(loader, reference):
+                assert type(batch) is dict and set(batch) == {"image", "label", "sample_idx"}
+                assert torch.equal(batch["image"], images) and torch.equal(batch["label"], targets)
+            assert next(iter(loader))["sample_idx"].tolist() == [0, 1, 2, 3, 4]  # index in the split
+    one = data(evaluation_loaders="queries")
+    loader = one.val_dataloader()
+    assert not isinstance(loader, list) and len(loader.dataset) == 6  # the test split alone
+    images, _ = next(iter(loader))
+    assert torch.equal(images, next(iter(stacked.val_dataloader()[QUERIES]))[0])
+    assert len(one.evaluation_loader(BANK).dataset) == 12 and not isinstance(one.test_dataloader(), list)
+
+
 def test_a_source_without_labels_trains_without_evaluation_loaders(tmp_path):
     write_image_folder(tmp_path, per_class=2, num_classes=2)
     datamodule = MultiViewDataModule(
@@ -85,12 +106,17 @@ def test_a_source_without_labels_trains_without_evaluation_loaders(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message", "parameter"),
     [
-        ({"batch_format": "torch"}, "batch_format must be one of stacked, lightly, solo", "batch_format"),
+        ({"batch_format": "torch"}, "batch_format must be one of stacked, lightly, solo, dict", "batch_format"),
+        (
+            {"evaluation_loaders": "bank"},
+            "evaluation_loaders must be one of bank_and_queries, queries; got 'bank'",
+            "evaluation_loaders",
+        ),
         ({"batch_size": 0}, "batch_size must be >= 1; got 0", "batch_size"),
         ({"eval_batch_size": 0}, "eval_batch_size must be >= 1; got 0", "eval_batch_size"),
         ({"num_workers": -1}, "num_workers must be >= 0; got -1", "num_workers"),
     ],
-    ids=["batch format", "batch size", "eval batch size", "workers"],
+    ids=["batch format", "evaluation loaders", "batch size", "eval batch size", "workers"],
 )
 def test_datamodule_rejects_bad_arguments(options, message, parameter):
     with pytest.raises(ConfigurationError, match=message) as error:

@@ -91,6 +91,17 @@ def _views(batch: Any, batch_format: str) -> list[Tensor]:
         views, targets, names = batch
         assert targets.shape == (BATCH,) and len(names) == BATCH and all(isinstance(name, str) for name in names)
         return list(views)
+    if batch_format in ("dict", "dict_named"):
+        assert type(batch) is dict and batch["label"].shape == (BATCH,) and batch["sample_idx"].shape == (BATCH,)
+        if "views" not in batch:  # SingleView
+            return [batch["image"]]
+        views = batch["views"]
+        if batch_format == "dict_named":
+            globals_ = [key for key in views if key.startswith("global_")]
+            assert list(views) == globals_ + [f"local_{i}" for i in range(len(views) - len(globals_))]
+            views = list(views.values())
+        assert all(torch.equal(view["label"], batch["label"]) for view in views)
+        return [view["image"] for view in views]
     indexes, views, targets = batch
     assert indexes.shape == (BATCH,) and targets.shape == (BATCH,)
     return list(views)

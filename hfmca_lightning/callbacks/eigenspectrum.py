@@ -14,6 +14,7 @@ from hfmca_lightning.analysis.rankme import rankme
 from hfmca_lightning.analysis.spectrum_window import SpectrumWindow
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
+from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.methods.inspection import paper_order
@@ -47,7 +48,9 @@ class EigenspectrumCallback(FigureCallback):
     * to W&B loggers also ``spectrum/<name>/eigenvalues``, the non-trivial spectrum as a ``wandb.Histogram`` over
       [0, 1] (W&B draws its distribution over time without any panel set-up);
     * ``rankme/backbone``: RankMe (:func:`~hfmca_lightning.analysis.rankme`) of the backbone features of the step's
-      batch, when ``training_step`` returns them (``outputs["features"]``).
+      batch: those ``training_step`` returns (``outputs["features"]``, or stable-pretraining's
+      ``outputs["embedding"]``: :mod:`~hfmca_lightning.callbacks.step_outputs`), else a hooked module's backbone
+      outputs.
 
     Values go straight to the loggers, at the step of the window's last batch. At the end of every training epoch
     it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
@@ -72,6 +75,7 @@ class EigenspectrumCallback(FigureCallback):
         hooked_layers: for modules without cost pairs, the backbone layers hooked (default: its named stages or
             residual blocks).
         hooked_reg: for modules without cost pairs, the regulariser of the hooked pairs' spectra.
+        embedding_key: the training output key of RankMe's features (default: ``features``, else ``embedding``).
 
     Raises:
         ConfigurationError: when a setting is out of its range (``every_n_steps``, ``top_k``, ``min_groups`` and
@@ -96,6 +100,7 @@ class EigenspectrumCallback(FigureCallback):
         groups_per_feature: int = 100,
         hooked_layers: list[str] | None = None,
         hooked_reg: float = 1e-3,
+        embedding_key: str | None = None,
     ) -> None:
         super().__init__(output_dir)
         checks = (
@@ -122,6 +127,7 @@ class EigenspectrumCallback(FigureCallback):
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
         self._steps_seen = 0  # optimiser steps taken when the last batch ended (micro-batches share a step)
         self.hooked_layers, self.hooked_reg = hooked_layers, hooked_reg
+        self.embedding_key = embedding_key
         self._hooked: HookedSpectrumPairs | None = None
         self._internal_steps: int | None = None  # hooked internal pairs: steps recorded before each log
 
@@ -169,12 +175,14 @@ class EigenspectrumCallback(FigureCallback):
     ) -> None:
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
         stepped, self._steps_seen = step > self._steps_seen, step  # the last micro-batch of an optimiser step
+        returned = step_tensor(outputs, self.embedding_key, EMBEDDING_KEYS)
+        features = returned[1].detach() if returned is not None else None
         if self._hooked is not None:
-            statistics, features = self._hooked.collect()
+            statistics, hooked_features = self._hooked.collect()
             self._count_internal_steps(statistics)
+            features = features if features is not None else hooked_features
         else:
             statistics = outputs.get("statistics") if isinstance(outputs, dict) else None
-            features = outputs.get("features") if isinstance(outputs, dict) else None
         if statistics:
             self.window.add(statistics)  # every batch and micro-batch
         if not statistics or not stepped or (step - 1) % self.every_n_steps != 0:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
 
-__all__ = ["gather_in_dataset_order"]
+from hfmca_lightning.data.datamodule import QUERIES
+
+__all__ = ["evaluation_split", "gather_in_dataset_order", "queries_only", "split_length"]
 
 
 def gather_in_dataset_order(
@@ -20,3 +23,21 @@ def gather_in_dataset_order(
     gathered = pl_module.all_gather(local)  # (W, n_per_rank, ...)
     ordered = gathered.transpose(0, 1).reshape(-1, *local.shape[1:])
     return ordered[:dataset_length]
+
+
+def queries_only(trainer: Trainer) -> bool:
+    """Whether the data gives the test split's loader alone (``evaluation_loaders="queries"``)."""
+    return getattr(getattr(trainer, "datamodule", None), "evaluation_loaders", "bank_and_queries") == "queries"
+
+
+def evaluation_split(trainer: Trainer, dataloader_idx: int) -> int:
+    """``BANK`` or ``QUERIES``: the split that evaluation loader ``dataloader_idx`` reads."""
+    return QUERIES if queries_only(trainer) else dataloader_idx
+
+
+def split_length(trainer: Trainer, split: int) -> int:
+    """Images in the running evaluation loop's loader of ``split`` (``BANK`` or ``QUERIES``; the one loader there
+    is with ``evaluation_loaders="queries"``)."""
+    loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    loader = loaders if isinstance(loaders, DataLoader) else loaders[split]
+    return len(loader.dataset)

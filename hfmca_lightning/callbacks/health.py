@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from hfmca_lightning.analysis.health import HealthStatistics
+from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_embeddings, step_tensor
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 
@@ -28,10 +29,11 @@ class HealthMetrics(Callback):
     ``health/effective_rank``, ``health/alpha_req``, ``health/lidar`` (two or more views per sample) and
     ``health/samples``, usable by ``ModelCheckpoint(monitor=...)`` as any metric (docs/conventions.md §9).
 
-    The embeddings are the training steps' own, no extra forward pass: a step's ``outputs[output_key]`` (``(B * L,
-    D)`` with each sample's ``L`` views together, as :class:`~hfmca_lightning.methods.HFMCAModule` returns
-    ``features``, or ``(B, L, D)``), else the outputs of ``pl_module.backbone`` during the step (the baselines call
-    it once per view: ``L`` outputs ``(B, D)``). They are summed
+    The embeddings are the training steps' own, no extra forward pass: a step's ``outputs["features"]`` (``(B * L,
+    D)`` with each sample's ``L`` views together, as :class:`~hfmca_lightning.methods.HFMCAModule` returns them, or
+    ``(B, L, D)``) or ``outputs["embedding"]`` (stable-pretraining's views concatenated, ``(L * B, D)``;
+    :mod:`~hfmca_lightning.callbacks.step_outputs`), else the outputs of ``pl_module.backbone`` during the step (the
+    baselines call it once per view: ``L`` outputs ``(B, D)``). They are summed
     (:class:`~hfmca_lightning.analysis.health.HealthStatistics`, float64) over the steps just before each logged
     one, until at least ``samples_per_dim * D`` samples (all processes together: the sums are all-reduced) — an
     estimate of ``N`` samples can show a rank of at most ``N``.
@@ -43,7 +45,8 @@ class HealthMetrics(Callback):
     Args:
         every_n_steps: log every this many optimiser steps.
         samples_per_dim: samples per embedding dimension an estimate waits for.
-        output_key: the key of a training step's output that holds its embeddings.
+        embedding_key: the key of a training step's output that holds its embeddings (default: ``features``, else
+            ``embedding``).
         collapse_fraction: the alarm's fraction of the best effective rank (0 turns it off).
         stop_on_collapse: stop the run when the alarm rings.
 
@@ -61,7 +64,7 @@ class HealthMetrics(Callback):
         self,
         every_n_steps: int = 100,
         samples_per_dim: int = 2,
-        output_key: str = "features",
+        embedding_key: str | None = None,
         collapse_fraction: float = 0.25,
         stop_on_collapse: bool = False,
     ) -> None:
@@ -73,7 +76,7 @@ class HealthMetrics(Callback):
                 f"HealthMetrics: collapse_fraction must be in [0, 1); got {collapse_fraction}",
                 parameter="collapse_fraction",
             )
-        self.every_n_steps, self.samples_per_dim, self.output_key = every_n_steps, samples_per_dim, output_key
+        self.every_n_steps, self.samples_per_dim, self.embedding_key = every_n_steps, samples_per_dim, embedding_key
         self.collapse_fraction, self.stop_on_collapse = collapse_fraction, stop_on_collapse
         self.sums: HealthStatistics | None = None
         self.window_steps: int | None = None  # steps an estimate needs, known from the first batch
@@ -117,12 +120,10 @@ class HealthMetrics(Callback):
         """``(B, L, D)`` embeddings of the step, or None where it has none."""
         batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
         samples = first_views(batch, batch_format)[1].shape[0]
-        given = outputs.get(self.output_key) if isinstance(outputs, dict) else None
-        self._from_outputs = isinstance(given, Tensor)
-        if isinstance(given, Tensor) and given.dim() == 3:
-            return given.detach()
-        if isinstance(given, Tensor) and given.dim() == 2 and given.shape[0] % samples == 0:
-            return given.detach().reshape(samples, -1, given.shape[-1])
+        given = step_embeddings(outputs, self.embedding_key, samples)
+        self._from_outputs = step_tensor(outputs, self.embedding_key, EMBEDDING_KEYS) is not None
+        if given is not None:
+            return given
         calls = [call for call in self._hooked if call.shape[0] == samples]
         if calls and len({call.shape[1] for call in calls}) == 1:
             return torch.stack(calls, dim=1)

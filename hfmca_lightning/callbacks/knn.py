@@ -6,8 +6,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DistributedSampler
 
-from hfmca_lightning.callbacks.gather import gather_in_dataset_order
+from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, queries_only, split_length
+from hfmca_lightning.callbacks.step_outputs import evaluation_rows
 from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.knn import knn_predict
@@ -20,12 +22,18 @@ class KNNEvaluation(Callback):
 
     Consumes the validation (and test) loop: dataloader ``BANK`` (train split, no augmentation) and ``QUERIES`` (test
     split) of :class:`~hfmca_lightning.data.MultiViewDataModule`; the module's ``validation_step`` / ``test_step``
-    returns ``{"features", "targets"}``. Lightning runs these loops in eval mode, so BN uses running statistics during
-    the bank pass. Skipped during the sanity check (it sees only a few batches of the bank).
+    returns the embeddings and labels, ``{"features", "targets"}`` or stable-pretraining's ``{"embedding",
+    "label"}`` (:mod:`~hfmca_lightning.callbacks.step_outputs`). With the data's ``evaluation_loaders="queries"`` (a
+    ``validation_step`` without a loader index) the loop sees the queries only, and at the end of it this callback
+    runs the module's ``validation_step`` on the bank's batches itself (sharded as Lightning shards the loop's, in
+    the loop's precision). Lightning runs these loops in eval mode, so BN uses running statistics during the bank
+    pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
         k: neighbours (paper / lightly protocol: 200).
         temperature: softmax temperature (0.1).
+        embedding_key: the output key of the embeddings (default: ``features``, else ``embedding``).
+        label_key: the output key of the labels (default: ``targets``, else ``label``).
 
     Raises:
         ConfigurationError: when ``k`` is below 1 or ``temperature`` is not positive.
@@ -38,7 +46,9 @@ class KNNEvaluation(Callback):
         trainer.fit(model, datamodule=data)  # logs knn/top1 and knn/top1_max after every epoch
     """
 
-    def __init__(self, k: int = 200, temperature: float = 0.1) -> None:
+    def __init__(
+        self, k: int = 200, temperature: float = 0.1, embedding_key: str | None = None, label_key: str | None = None
+    ) -> None:
         super().__init__()
         for name, value, valid in (("k", k, k >= 1), ("temperature", temperature, temperature > 0)):
             if not valid:
@@ -47,6 +57,7 @@ class KNNEvaluation(Callback):
                 )
         self.k = k
         self.temperature = temperature
+        self.embedding_key, self.label_key = embedding_key, label_key
         self.best = 0.0
         self._features: dict[int, list[torch.Tensor]] = {BANK: [], QUERIES: []}
         self._targets: dict[int, list[torch.Tensor]] = {BANK: [], QUERIES: []}
@@ -67,28 +78,27 @@ class KNNEvaluation(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if dataloader_idx not in (BANK, QUERIES):
+        split = evaluation_split(trainer, dataloader_idx)
+        if split not in (BANK, QUERIES):
             return
-        if not isinstance(outputs, dict) or "features" not in outputs or "targets" not in outputs:
-            raise TypeError(
-                f"KNNEvaluation needs {type(pl_module).__name__}.validation_step to return "
-                "{'features': (N, D) tensor, 'targets': (N,) tensor}"
-            )
-        self._features[dataloader_idx].append(outputs["features"].detach())
-        self._targets[dataloader_idx].append(outputs["targets"].detach())
+        self._add(split, outputs, pl_module)
 
     on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or not self._features[BANK] or not self._features[QUERIES]:
+        if trainer.sanity_checking or not self._features[QUERIES]:
             return
-        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        if queries_only(trainer):
+            bank_length = self._draw_bank(trainer, pl_module)
+        elif self._features[BANK]:
+            bank_length = split_length(trainer, BANK)
+        else:
+            return
         bank, bank_targets = (
-            gather_in_dataset_order(pl_module, store[BANK], len(loaders[BANK].dataset))
-            for store in (self._features, self._targets)
+            gather_in_dataset_order(pl_module, store[BANK], bank_length) for store in (self._features, self._targets)
         )
         queries, query_targets = (
-            gather_in_dataset_order(pl_module, store[QUERIES], len(loaders[QUERIES].dataset))
+            gather_in_dataset_order(pl_module, store[QUERIES], split_length(trainer, QUERIES))
             for store in (self._features, self._targets)
         )
         num_classes = getattr(trainer.datamodule, "num_classes", None)
@@ -106,6 +116,30 @@ class KNNEvaluation(Callback):
         pl_module.log("knn/top1_max", self.best, sync_dist=True)
 
     on_test_epoch_end = on_validation_epoch_end
+
+    def _draw_bank(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """The bank's rows, from the module's ``validation_step`` on the training split's un-augmented batches, this
+        process's share; returns the bank's length."""
+        data = trainer.datamodule
+        length = len(data.evaluation_splits[BANK])
+        world = trainer.world_size
+        sampler = (
+            DistributedSampler(range(length), num_replicas=world, rank=trainer.global_rank, shuffle=False)
+            if world > 1
+            else None
+        )
+        loader = data.evaluation_loader(BANK, sampler=sampler, persistent_workers=False)
+        for batch_idx, batch in enumerate(loader):
+            batch = trainer.strategy.batch_to_device(batch)
+            with trainer.precision_plugin.val_step_context():
+                outputs = pl_module.validation_step(batch, batch_idx)
+            self._add(BANK, outputs, pl_module)
+        return length
+
+    def _add(self, split: int, outputs: Any, pl_module: LightningModule) -> None:
+        embeddings, labels = evaluation_rows(outputs, self.embedding_key, self.label_key, "KNNEvaluation", pl_module)
+        self._features[split].append(embeddings)
+        self._targets[split].append(labels)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

@@ -9,7 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hfmca_lightning.callbacks.gather import gather_in_dataset_order
+from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, split_length
+from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddings
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
@@ -28,23 +29,14 @@ def _labelled_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return summed / (targets != UNLABELLED).sum().clamp(min=1)
 
 
-def _first_view_features(outputs: Any, groups: int) -> Tensor | None:
-    """``(groups, D)``: the backbone features of each group's first view from a training step's ``outputs``
-    (``HFMCAModule``'s ``features``, ``(groups * L, D)`` with each group's ``L`` views together), or None where the
-    step returns none."""
-    features = outputs.get("features") if isinstance(outputs, dict) else None
-    if not isinstance(features, Tensor) or features.dim() != 2 or features.shape[0] % groups:
-        return None
-    return features.detach().view(groups, -1, features.shape[-1])[:, 0]
-
-
 class LinearProbe(Callback):
     """Online linear evaluation (lightly's ``OnlineLinearClassifier`` on BN-standardised features), logged as
     ``linear/train_loss``, ``linear/top1`` and ``linear/top5``.
 
     After every training step the module's features ``(B, D)`` of the first view of each group are taken from the
-    step's own output where the module returns its backbone features (``HFMCAModule``: ``outputs["features"]``,
-    detached, as the costs saw them: train-mode BatchNorm, the run's precision; no pass of their own), else computed
+    step's own output where the module returns its backbone features (``HFMCAModule``: ``outputs["features"]``;
+    stable-pretraining: ``outputs["embedding"]``; :mod:`~hfmca_lightning.callbacks.step_outputs`), detached, as
+    the costs saw them (train-mode BatchNorm, the run's precision; no pass of their own), else computed
     **without gradients and in eval mode** in the run's precision. The two give different training features (and
     ``linear/train_loss``); validation scores eval-mode features either way. The backbone's gradients, BatchNorm
     statistics and random streams are exactly those of a run without the probe. The features are standardised by a
@@ -68,6 +60,9 @@ class LinearProbe(Callback):
         momentum: momentum of the probe's SGD.
         weight_decay: weight decay of the probe's SGD.
         topk: accuracies to log (each capped at ``num_classes``).
+        embedding_key: the output key of the embeddings (default: ``features``, else ``embedding``;
+            :mod:`~hfmca_lightning.callbacks.step_outputs`).
+        label_key: the output key of the evaluation labels (default: ``targets``, else ``label``).
 
     Raises:
         ConfigurationError: when ``feature_dim`` or ``num_classes`` is below 1 or ``lr`` is not positive; at
@@ -89,6 +84,8 @@ class LinearProbe(Callback):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         topk: tuple[int, ...] = (1, 5),
+        embedding_key: str | None = None,
+        label_key: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("feature_dim", feature_dim), ("num_classes", num_classes)):
@@ -98,6 +95,7 @@ class LinearProbe(Callback):
             raise ConfigurationError(f"LinearProbe needs lr > 0; got {lr}", parameter="lr")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.embedding_key, self.label_key = embedding_key, label_key
         self.standardise: nn.BatchNorm1d | None = None
         self.classifier: Any = None  # lightly's OnlineLinearClassifier, built in setup
         self.optimizer: torch.optim.Optimizer | None = None
@@ -152,7 +150,8 @@ class LinearProbe(Callback):
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
         if images.shape[0] >= 2:
-            features = _first_view_features(outputs, images.shape[0])
+            embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0])
+            features = None if embeddings is None else embeddings[:, 0]
             if features is None:  # in the run's precision (bf16-mixed: under its autocast, as the training step)
                 with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
                     features = pl_module(images)
@@ -192,24 +191,20 @@ class LinearProbe(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if dataloader_idx != QUERIES:
+        if evaluation_split(trainer, dataloader_idx) != QUERIES:
             return
-        if not isinstance(outputs, dict) or "features" not in outputs or "targets" not in outputs:
-            raise TypeError(
-                f"LinearProbe needs {type(pl_module).__name__}.validation_step to return {{'features', 'targets'}}"
-            )
+        embeddings, labels = evaluation_rows(outputs, self.embedding_key, self.label_key, "LinearProbe", pl_module)
         self.standardise.eval()
         with torch.no_grad():
-            self._logits.append(self.classifier(self.standardise(outputs["features"].float())))
-        self._targets.append(outputs["targets"].detach())
+            self._logits.append(self.classifier(self.standardise(embeddings.float())))
+        self._targets.append(labels)
 
     on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._logits:
             return
-        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
-        length = len(loaders[QUERIES].dataset)
+        length = split_length(trainer, QUERIES)
         logits = gather_in_dataset_order(pl_module, self._logits, length)
         targets = gather_in_dataset_order(pl_module, self._targets, length)
         prefix = "linear/test_top" if trainer.testing else "linear/top"

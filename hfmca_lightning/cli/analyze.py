@@ -466,8 +466,7 @@ def compare(
         raise ConfigurationError(f"--layers {missing} are not modules of both backbones")
     pair_names = dict(zip(layers, (internal_cost_name(log) for log in log_names(layers))))
     norm, notes = _batch_norm_for([model_a, model_b], batch_norm)
-    loaders = data_a.val_dataloader()
-    if not loaders:
+    if data_a.evaluation_splits is None:
         raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
 
     def cross(images: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
@@ -487,7 +486,7 @@ def compare(
         }
 
     statistics = _enough_batches(
-        (images for images, _ in loaders[QUERIES]),
+        (images for images, _ in data_a.evaluation_loader(QUERIES)),
         cross,
         num_batches,
         groups_per_feature,

@@ -54,8 +54,8 @@ def split_features(
     """Features and targets of the ``BANK`` (labelled train) and ``QUERIES`` (test) splits, un-augmented."""
     labelled_splits(datamodule)  # one clear error when the source has no labels
     module.to(device)
-    loaders = datamodule.val_dataloader()
     names = {BANK: "features of the training split", QUERIES: "features of the test split"}
+    loaders = {index: datamodule.evaluation_loader(index) for index in (BANK, QUERIES)}
     return {
         index: extract_features(module, progress(loaders[index], names[index], total=len(loaders[index])), device)
         for index in (BANK, QUERIES)
@@ -183,7 +183,7 @@ def _finetune(
         num_sanity_val_steps=0,
         deterministic=True,
     )
-    queries = datamodule.val_dataloader()[QUERIES]
+    queries = datamodule.evaluation_loader(QUERIES)
     trainer.fit(
         classifier, train_dataloaders=finetune_loader(datamodule, subset.tolist(), seed), val_dataloaders=queries
     )

@@ -164,14 +164,13 @@ def export_backbone(
     with StagedFiles() as files:
         written = {"backbone.pt": files.write(out / "backbone.pt", lambda handle: torch.save(state, handle))}
         if embeddings:
-            loaders = datamodule.val_dataloader()
-            if not loaders:
+            if datamodule.evaluation_splits is None:
                 raise ConfigurationError(
                     "the run's data has no labelled evaluation splits to embed; leave out --embeddings"
                 )
             module.to(device)
             for split in embeddings:
-                loader = loaders[{"train": BANK, "test": QUERIES}[split]]
+                loader = datamodule.evaluation_loader({"train": BANK, "test": QUERIES}[split])
                 batches = progress(loader, f"embeddings of the {split} split", total=len(loader))
                 features, labels = extract_features(module, batches, device)
                 name = f"embeddings_{split}.npz"

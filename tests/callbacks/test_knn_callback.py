@@ -84,3 +84,52 @@ def test_test_loop_reports_test_accuracy():
     trainer = _trainer(KNNEvaluation(k=5))
     result = trainer.test(BatchNormEncoder(), BankAndQueries(), verbose=False)
     assert 0.0 <= result[0]["knn/test_top1"] <= 1.0
+
+
+class NoLoaderIndex(LightningModule):
+    """stable-pretraining's shape of evaluation: ``validation_step(batch, batch_idx)`` on ``{"image", "label",
+    "sample_idx"}`` dicts, returning ``{"embedding", "label"}``; BatchNorm, so eval mode shows in the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                      nn.Flatten())  # fmt: skip
+        self.backbone[1].running_mean.uniform_(-1, 1)  # running statistics unlike a batch's
+
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        assert type(batch) is dict
+        return {"embedding": self.backbone(batch["image"]), "label": batch["label"]}
+
+
+def test_one_evaluation_loader_draws_the_bank_itself_and_scores_as_two():
+    """``evaluation_loaders="queries"``: the loop sees the test split only (a ``validation_step`` without a loader
+    index works), the callback runs that step over the bank in eval mode; the accuracy is that of eval-mode
+    features of both splits."""
+    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.data.datamodule import BANK, QUERIES
+
+    def data(**options) -> MultiViewDataModule:
+        source = SyntheticShapes(num_classes=3, train_per_class=10, test_per_class=5, image_size=16)
+        options = {"batch_size": 8, "eval_batch_size": 7, "num_workers": 0, **options}
+        return MultiViewDataModule(source, batch_format="dict", **options)
+
+    module = NoLoaderIndex()
+    one = data(evaluation_loaders="queries")
+    assert not isinstance(one.val_dataloader(), list)
+    metrics = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, one, verbose=False)[0]
+    module.eval()
+    with torch.no_grad():
+        features = [
+            (torch.cat([module.backbone(b["image"]) for b in loader]), torch.cat([b["label"] for b in loader]))
+            for loader in (one.evaluation_loader(BANK), one.evaluation_loader(QUERIES))
+        ]
+    (bank, bank_labels), (queries, query_labels) = features
+    expected = knn_accuracy(queries, query_labels, bank, bank_labels, 3, k=5, temperature=0.1)
+    assert 0 < expected < 1 and metrics["knn/top1"] == pytest.approx(expected, abs=FLOAT32_UNIT)
+    # the same number with the two loaders (and a module that takes the loader index)
+    module.validation_step = lambda batch, batch_idx, dataloader_idx=0: NoLoaderIndex.validation_step(
+        module, batch, batch_idx
+    )
+    two = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, data(), verbose=False)[0]
+    assert two["knn/top1"] == pytest.approx(metrics["knn/top1"], abs=FLOAT32_UNIT)

@@ -13,7 +13,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.callbacks import LinearProbe, RunState
-from hfmca_lightning.callbacks.linear_probe import _first_view_features
+from hfmca_lightning.callbacks.step_outputs import step_embeddings
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.sources import UNLABELLED
@@ -159,7 +159,8 @@ def test_first_views_of_the_features_hfmca_collects(external, multi_crop):
         features = module.collect(batch).features
         expected = module(first_views((batch, torch.zeros(4)))[0])
     assert features.shape == (4 * 5, 8)
-    torch.testing.assert_close(_first_view_features({"features": features}, 4), expected, rtol=1e-5, atol=1e-6)
+    first = step_embeddings({"features": features}, None, 4)[:, 0]  # what the probe takes
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_features_a_step_returns_are_used_without_a_pass_of_their_own():

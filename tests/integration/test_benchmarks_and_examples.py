@@ -193,6 +193,25 @@ def test_the_lightly_and_solo_learn_convention_examples_train(monkeypatch):
     assert torch.isfinite(torch.tensor(loss))
 
 
+@pytest.mark.parametrize("method", ["simclr", "dino"])
+def test_the_stable_pretraining_convention_example_trains_with_every_callback(method, monkeypatch, tmp_path):
+    """examples/stable_pretraining_convention.py: a module that takes plain dicts only and writes into them, with a
+    validation_step without a loader index, trains from the DataModule (dict / dict_named batches, one evaluation
+    loader); kNN, the linear probe, RankMe and the spectra, and the health metrics read its embedding / label."""
+    import csv
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--method", method, "--epochs", "2", "--steps", "3"]
+    metrics = run_script("examples/stable_pretraining_convention.py", args, monkeypatch)
+    for name in ("knn/top1", "knn/top1_max", "linear/top1", "health/lidar", "health/rankme"):
+        assert 0 <= metrics[name] < float("inf"), name
+    assert metrics["knn/top1"] <= 1 and metrics["linear/top1"] <= 1
+    (path,) = tmp_path.glob(f"runs/stable_pretraining_convention/{method}/version_0/metrics.csv")
+    columns = set(next(csv.reader(path.open())))
+    assert {"rankme/backbone", "knn/top1", "linear/top1", "health/effective_rank"} <= columns
+    assert any(name.startswith("spectrum/internal/") for name in columns)  # the backbone's stages, hooked
+
+
 def test_data_pipeline_benchmark_prints_startup_and_decode_figures(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(
         sys, "argv", ["benchmarks/data_pipeline.py", "--root", str(tmp_path), "--files", "3000", "--jpegs", "3"]

@@ -1,17 +1,19 @@
 """Two CPU processes (gloo, ddp_spawn): a DDP fit equals one process with the doubled batch (external and internal
-costs, all pairs' statistics reduced in one collective per step), and kNN under DDP equals the single-process kNN
-on the same bank (no sample counted twice)."""
+costs, all pairs' statistics reduced in one collective per step), stable-pretraining's dict batches are sharded as
+one process's doubled batch, and kNN under DDP equals the single-process kNN on the same bank (no sample counted
+twice), with two evaluation loaders or one."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback
 
 from hfmca_lightning.callbacks import KNNEvaluation
-from hfmca_lightning.data import BatchedDrawer, MultiCrop, ResidentDrawer, TransformViews
+from hfmca_lightning.data import BatchedDrawer, MultiCrop, ResidentDrawer, SimCLRViews, TransformViews
 from tests.helpers import FLOAT32_UNIT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
 
 
@@ -101,19 +103,66 @@ def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, data, tmp_p
         torch.testing.assert_close(distributed.state_dict()[key], value, rtol=1e-5, atol=1e-5 * scale, msg=key)
 
 
-def test_knn_under_ddp_equals_single_process_on_the_same_bank():
+@pytest.mark.parametrize("loaders", ["bank_and_queries", "queries"])
+def test_knn_under_ddp_equals_single_process_on_the_same_bank(loaders):
+    """Two evaluation loaders, or the queries' alone with the bank drawn by the callback itself (sharded as Lightning
+    shards the loop's): the accuracy of one process with both loaders."""
     module = bn_free_module()
     datamodule = ddp_data(PER_RANK_BATCH)
     datamodule.setup()
     # 24 bank and 9 query images over 2 ranks with batches of 4: the sampler pads the queries.
     single = ddp_trainer(1, callbacks=[KNNEvaluation(k=5)]).validate(module, datamodule, verbose=False)[0]["knn/top1"]
-    distributed = ddp_trainer(2, callbacks=[KNNEvaluation(k=5)]).validate(
-        module, ddp_data(PER_RANK_BATCH), verbose=False
-    )[0]["knn/top1"]
+    data = ddp_data(PER_RANK_BATCH)
+    data.evaluation_loaders = loaders
+    distributed = ddp_trainer(2, callbacks=[KNNEvaluation(k=5)]).validate(module, data, verbose=False)[0]["knn/top1"]
     assert 0 < single < 1
     assert distributed == pytest.approx(
         single, abs=FLOAT32_UNIT
     )  # the same count of correct queries, logged as float32
+
+
+class RecordDictBatches(Callback):
+    """Writes what each training step of process ``rank`` got to ``folder/batches<rank>.pt``: checks that the batch
+    is a plain dict, keeps its ``sample_idx`` and its views."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.steps = folder, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        assert type(batch) is dict, type(batch)
+        self.steps.append({"sample_idx": batch["sample_idx"].clone(), "views": [v["image"] for v in batch["views"]]})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(self.steps, os.path.join(self.folder, f"batches{trainer.global_rank}.pt"))
+
+
+def test_ddp_shards_dict_batches_as_one_process_with_the_doubled_batch(tmp_path):
+    """``batch_format: dict`` under 2-process DDP, for a module that takes plain dicts only: each step's two shards
+    hold the samples of the one-process step with the doubled batch, each sample with the same views."""
+    from tests.helpers.stable_pretraining import SPTSimCLR
+
+    def run(devices: int, batch_size: int) -> Path:
+        folder = tmp_path / f"devices{devices}"
+        folder.mkdir()
+        data = ddp_data(batch_size, views=SimCLRViews(count=2))
+        data.batch_format, data.evaluation_loaders = "dict", "queries"
+        record = RecordDictBatches(str(folder))
+        trainer = ddp_trainer(devices, max_epochs=1, limit_train_batches=3, limit_val_batches=0, callbacks=[record])
+        trainer.fit(SPTSimCLR(), data)
+        return folder
+
+    single = torch.load(run(1, 2 * PER_RANK_BATCH) / "batches0.pt")
+    folder = run(2, PER_RANK_BATCH)
+    shards = [torch.load(folder / f"batches{rank}.pt") for rank in range(2)]
+    assert len(single) == len(shards[0]) == len(shards[1]) == 3
+    for step, whole in enumerate(single):
+        views_of = {int(index): [view[row] for view in whole["views"]] for row, index in enumerate(whole["sample_idx"])}
+        parts = [shard[step] for shard in shards]
+        indices = [int(index) for part in parts for index in part["sample_idx"]]
+        assert sorted(indices) == sorted(views_of) and len(set(indices)) == 2 * PER_RANK_BATCH
+        for part in parts:
+            for row, index in enumerate(part["sample_idx"]):
+                assert all(torch.equal(view[row], want) for view, want in zip(part["views"], views_of[int(index)]))
 
 
 def test_a_ddp_checkpoint_resumes_on_another_device_count(tmp_path):

@@ -14,6 +14,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,7 +72,9 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     after the transfer by the batched drawer (``batched-on-device``), by the shipped drawer (``shipped``:
     ``ResidentDrawer``, 8 batches per call, bf16 channels-last views; the device being the CPU here), from the
     training split kept on the device in chunks of 3 batches (``images-on-device``); or 2 global and 7 local crops
-    (``multi-crop``) or lightly's ``MMCRTransform`` (``user-transform``), drawn by ``TorchvisionDrawer``.
+    (``multi-crop``) or lightly's ``MMCRTransform`` (``user-transform``), drawn by ``TorchvisionDrawer``; or
+    stable-pretraining's convention (``stable-pretraining``): the example's SimCLR module, which takes plain dicts
+    only, on ``batch_format: dict`` batches of 2 views drawn in the workers, with one evaluation loader.
     (The default torchvision drawer on SimCLR views: the demo's resume tests.)"""
     write_cifar(folder / "data", "cifar10", per_class=2)
     shipped = yaml.safe_load(CIFAR10.read_text())
@@ -111,12 +114,20 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
         transform = {"class_path": "lightly.transforms.MMCRTransform", "init_args": {"k": 9, "input_size": 32}}
         data["views"] = {"class_path": "hfmca_lightning.data.TransformViews", "init_args": {"transform": transform}}
         data["drawer"] = torchvision
-    overrides = {
+    overrides: dict[str, Any] = {
         "trainer": {"max_epochs": 2, "enable_progress_bar": False, "callbacks": callbacks},
         "model": {"init_args": model},
         "data": {"init_args": data},
     }
+    if data_path == "stable-pretraining":
+        overrides["model"] = {"class_path": "tests.helpers.stable_pretraining.SPTSimCLR"}
+        data["views"] = {"class_path": "hfmca_lightning.data.SimCLRViews", "init_args": {"count": 2}}
+        data.update(batch_format="dict", evaluation_loaders="queries")
     return write_overrides(folder, "shrink.yaml", overrides)
+
+
+SLOW_DATA_PATHS = ("batched-workers", "images-on-device", "batched-on-device", "multi-crop", "user-transform",
+                   "shipped")  # fmt: skip
 
 
 def fit_args(config: Path, overrides: Path, *extra: str) -> list[str]:
@@ -137,9 +148,9 @@ class ReferenceRun:
     """An uninterrupted run, started in the background so that its start-up (a few seconds of imports) overlaps
     the interrupted run's; :meth:`result` waits for it and gives every tensor of its last checkpoint and its step."""
 
-    def __init__(self, folder: Path, args: list[str], last: Path) -> None:
+    def __init__(self, folder: Path, args: list[str], last: Path, test_classes: bool = False) -> None:
         self.folder, self.last = folder, last
-        self.process = start_hfmca(folder, *args)
+        self.process = start_hfmca(folder, *args, test_classes=test_classes)
         self._result: tuple[dict[str, torch.Tensor], int] | None = None
 
     def result(self) -> tuple[dict[str, torch.Tensor], int]:
@@ -183,28 +194,30 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
-@pytest.mark.slow  # make test: the demo's SIGKILL and SIGTERM runs
 @pytest.mark.parametrize(
     "data_path",
     [
-        *("batched-workers", "images-on-device", "batched-on-device"),
-        *("multi-crop", "user-transform", "shipped"),
+        # make test: the demo's SIGKILL and SIGTERM runs, and stable-pretraining's dict batches here
+        *(pytest.param(path, marks=pytest.mark.slow) for path in SLOW_DATA_PATHS),
+        "stable-pretraining",
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
     steps_per_epoch, every = 12, 5
     folder = tmp_path / "straight"
+    user_module = data_path == "stable-pretraining"
     straight = ReferenceRun(
         folder,
         fit_args(CIFAR10, cifar_overrides(folder, every, data_path)),
         folder / "runs" / "cifar10_ss" / "checkpoints" / "last.ckpt",
+        test_classes=user_module,
     )
 
     interrupted = tmp_path / "interrupted"
     args = fit_args(CIFAR10, cifar_overrides(interrupted, every, data_path))
     checkpoints = interrupted / "runs" / "cifar10_ss" / "checkpoints"
     try:
-        process = start_hfmca(interrupted, *args)
+        process = start_hfmca(interrupted, *args, test_classes=user_module)
         wait_for(lambda: (checkpoints / "last.ckpt").is_file(), process)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -217,7 +230,7 @@ def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, dat
         straight.stop()
     assert final_step == 2 * steps_per_epoch
 
-    resumed = run_hfmca(interrupted, *args, "--ckpt_path", "last", log_name="resumed.log")
+    resumed = run_hfmca(interrupted, *args, "--ckpt_path", "last", log_name="resumed.log", test_classes=user_module)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert any("LinearProbe" in key for key in expected)
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from hfmca_lightning.analysis.health import HealthStatistics
-from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_embeddings, step_tensor
+from hfmca_lightning.callbacks.step_outputs import step_embeddings
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 
@@ -47,6 +47,8 @@ class HealthMetrics(Callback):
         samples_per_dim: samples per embedding dimension an estimate waits for.
         embedding_key: the key of a training step's output that holds its embeddings (default: ``features``, else
             ``embedding``).
+        views_first: whether 2-D embeddings are the views concatenated view after view (default: for ``embedding``
+            only).
         collapse_fraction: the alarm's fraction of the best effective rank (0 turns it off).
         stop_on_collapse: stop the run when the alarm rings.
 
@@ -57,7 +59,7 @@ class HealthMetrics(Callback):
     Example::
 
         trainer = Trainer(callbacks=[HealthMetrics(every_n_steps=100, stop_on_collapse=True),
-                                     ModelCheckpoint(monitor="health/lidar", mode="max")])
+                                     ModelCheckpoint(monitor="health/effective_rank", mode="max")])
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class HealthMetrics(Callback):
         every_n_steps: int = 100,
         samples_per_dim: int = 2,
         embedding_key: str | None = None,
+        views_first: bool | None = None,
         collapse_fraction: float = 0.25,
         stop_on_collapse: bool = False,
     ) -> None:
@@ -76,7 +79,8 @@ class HealthMetrics(Callback):
                 f"HealthMetrics: collapse_fraction must be in [0, 1); got {collapse_fraction}",
                 parameter="collapse_fraction",
             )
-        self.every_n_steps, self.samples_per_dim, self.embedding_key = every_n_steps, samples_per_dim, embedding_key
+        self.every_n_steps, self.samples_per_dim = every_n_steps, samples_per_dim
+        self.embedding_key, self.views_first = embedding_key, views_first
         self.collapse_fraction, self.stop_on_collapse = collapse_fraction, stop_on_collapse
         self.sums: HealthStatistics | None = None
         self.window_steps: int | None = None  # steps an estimate needs, known from the first batch
@@ -120,8 +124,8 @@ class HealthMetrics(Callback):
         """``(B, L, D)`` embeddings of the step, or None where it has none."""
         batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
         samples = first_views(batch, batch_format)[1].shape[0]
-        given = step_embeddings(outputs, self.embedding_key, samples)
-        self._from_outputs = step_tensor(outputs, self.embedding_key, EMBEDDING_KEYS) is not None
+        given = step_embeddings(outputs, self.embedding_key, samples, self.views_first)
+        self._from_outputs = given is not None
         if given is not None:
             return given
         calls = [call for call in self._hooked if call.shape[0] == samples]

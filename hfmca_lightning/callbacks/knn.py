@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DistributedSampler
 
 from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, queries_only, split_length
@@ -17,6 +20,16 @@ from hfmca_lightning.evaluation.knn import knn_predict
 __all__ = ["KNNEvaluation"]
 
 
+@contextmanager
+def _without_logging(module: LightningModule) -> Iterator[None]:
+    """``module.log`` and ``module.log_dict`` do nothing inside."""
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
 class KNNEvaluation(Callback):
     """kNN top-1 of the backbone features, logged as ``knn/top1`` (this epoch) and ``knn/top1_max``.
 
@@ -25,8 +38,9 @@ class KNNEvaluation(Callback):
     returns the embeddings and labels, ``{"features", "targets"}`` or stable-pretraining's ``{"embedding",
     "label"}`` (:mod:`~hfmca_lightning.callbacks.step_outputs`). With the data's ``evaluation_loaders="queries"`` (a
     ``validation_step`` without a loader index) the loop sees the queries only, and at the end of it this callback
-    runs the module's ``validation_step`` on the bank's batches itself (sharded as Lightning shards the loop's, in
-    the loop's precision). Lightning runs these loops in eval mode, so BN uses running statistics during the bank
+    runs the module's ``validation_step`` (``test_step``) on the bank's batches itself, as the loop would: sharded as
+    Lightning shards the loop's, in its precision, up to its batch limit; the step's own ``self.log`` calls are
+    dropped there. Lightning runs these loops in eval mode, so BN uses running statistics during the bank
     pass. Skipped during the sanity check (it sees only a few batches of the bank).
 
     Args:
@@ -118,8 +132,11 @@ class KNNEvaluation(Callback):
     on_test_epoch_end = on_validation_epoch_end
 
     def _draw_bank(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """The bank's rows, from the module's ``validation_step`` on the training split's un-augmented batches, this
-        process's share; returns the bank's length."""
+        """The bank's rows: the module's evaluation step (``test_step`` in the test loop) on the training split's
+        un-augmented batches, run as Lightning's loop runs it (the input converted for the precision, the batch
+        transfer hooks, the strategy's step with its precision context and DDP's forward), this process's share, up
+        to the loop's batch limit; what the step logs is dropped (it would land in the loop's epoch metrics).
+        Returns the bank's length."""
         data = trainer.datamodule
         length = len(data.evaluation_splits[BANK])
         world = trainer.world_size
@@ -129,11 +146,18 @@ class KNNEvaluation(Callback):
             else None
         )
         loader = data.evaluation_loader(BANK, sampler=sampler, persistent_workers=False)
-        for batch_idx, batch in enumerate(loader):
-            batch = trainer.strategy.batch_to_device(batch)
-            with trainer.precision_plugin.val_step_context():
-                outputs = pl_module.validation_step(batch, batch_idx)
-            self._add(BANK, outputs, pl_module)
+        limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
+        batches = len(loader)  # Lightning's limits: a number of batches, or a fraction of them
+        if isinstance(limit, int):
+            batches = min(limit, batches)
+        elif limit is not None:
+            batches = int(batches * limit)
+        step = trainer.strategy.test_step if trainer.testing else trainer.strategy.validation_step
+        before = data if is_overridden("on_before_batch_transfer", data, LightningDataModule) else pl_module
+        with _without_logging(pl_module):
+            for batch_idx, batch in zip(range(batches), loader):
+                batch = before.on_before_batch_transfer(trainer.precision_plugin.convert_input(batch), 0)
+                self._add(BANK, step(trainer.strategy.batch_to_device(batch), batch_idx), pl_module)
         return length
 
     def _add(self, split: int, outputs: Any, pl_module: LightningModule) -> None:

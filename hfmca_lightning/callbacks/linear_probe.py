@@ -63,6 +63,8 @@ class LinearProbe(Callback):
         embedding_key: the output key of the embeddings (default: ``features``, else ``embedding``;
             :mod:`~hfmca_lightning.callbacks.step_outputs`).
         label_key: the output key of the evaluation labels (default: ``targets``, else ``label``).
+        views_first: whether a training step's 2-D embeddings are the views concatenated view after view (default:
+            for ``embedding`` only).
 
     Raises:
         ConfigurationError: when ``feature_dim`` or ``num_classes`` is below 1 or ``lr`` is not positive; at
@@ -86,6 +88,7 @@ class LinearProbe(Callback):
         topk: tuple[int, ...] = (1, 5),
         embedding_key: str | None = None,
         label_key: str | None = None,
+        views_first: bool | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("feature_dim", feature_dim), ("num_classes", num_classes)):
@@ -95,7 +98,7 @@ class LinearProbe(Callback):
             raise ConfigurationError(f"LinearProbe needs lr > 0; got {lr}", parameter="lr")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.embedding_key, self.label_key = embedding_key, label_key
+        self.embedding_key, self.label_key, self.views_first = embedding_key, label_key, views_first
         self.standardise: nn.BatchNorm1d | None = None
         self.classifier: Any = None  # lightly's OnlineLinearClassifier, built in setup
         self.optimizer: torch.optim.Optimizer | None = None
@@ -150,7 +153,7 @@ class LinearProbe(Callback):
         self.optimizer.zero_grad(set_to_none=False)
         loss = None
         if images.shape[0] >= 2:
-            embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0])
+            embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0], self.views_first)
             features = None if embeddings is None else embeddings[:, 0]
             if features is None:  # in the run's precision (bf16-mixed: under its autocast, as the training step)
                 with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():

@@ -9,8 +9,8 @@ Two conventions are understood without settings:
   embeddings concatenated view after view, ``(L * B, D)``, as ``torch.cat([backbone(view["image"]) for view in
   views])`` gives.
 
-A callback's ``embedding_key`` / ``label_key`` name another key; its training embeddings are then read as this
-project's, samples first.
+A callback's ``embedding_key`` / ``label_key`` name other keys; training embeddings under another key are read
+samples first unless the callback's ``views_first`` says otherwise.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def step_tensor(outputs: Any, key: str | None, understood: tuple[str, ...]) -> t
     return None
 
 
-def step_embeddings(outputs: Any, key: str | None, samples: int) -> Tensor | None:
-    """A training step's embeddings as ``(B, L, D)`` (``samples`` = B), detached, in either convention (module
-    docstring); None where the output holds none or their rows are not a multiple of ``B``."""
+def step_embeddings(outputs: Any, key: str | None, samples: int, views_first: bool | None = None) -> Tensor | None:
+    """A training step's embeddings as ``(B, L, D)`` (``samples`` = B), detached; 2-D rows are read views first or
+    samples first as ``views_first`` says (None: by the key, module docstring). None where the output holds none or
+    their rows are not a multiple of ``B``."""
     found = step_tensor(outputs, key, EMBEDDING_KEYS)
     if found is None:
         return None
@@ -51,7 +52,7 @@ def step_embeddings(outputs: Any, key: str | None, samples: int) -> Tensor | Non
         return embeddings
     if embeddings.dim() != 2 or embeddings.shape[0] % samples:
         return None
-    if name in VIEWS_FIRST:
+    if views_first if views_first is not None else name in VIEWS_FIRST:
         return embeddings.reshape(-1, samples, embeddings.shape[-1]).transpose(0, 1)
     return embeddings.reshape(samples, -1, embeddings.shape[-1])
 

@@ -486,7 +486,7 @@ def compare(
         }
 
     statistics = _enough_batches(
-        (images for images, _ in data_a.evaluation_loader(QUERIES)),
+        (images for images, _ in data_a.evaluation_loader(QUERIES, tuples=True)),
         cross,
         num_batches,
         groups_per_feature,

@@ -55,7 +55,7 @@ def split_features(
     labelled_splits(datamodule)  # one clear error when the source has no labels
     module.to(device)
     names = {BANK: "features of the training split", QUERIES: "features of the test split"}
-    loaders = {index: datamodule.evaluation_loader(index) for index in (BANK, QUERIES)}
+    loaders = {index: datamodule.evaluation_loader(index, tuples=True) for index in (BANK, QUERIES)}
     return {
         index: extract_features(module, progress(loaders[index], names[index], total=len(loaders[index])), device)
         for index in (BANK, QUERIES)
@@ -183,7 +183,7 @@ def _finetune(
         num_sanity_val_steps=0,
         deterministic=True,
     )
-    queries = datamodule.evaluation_loader(QUERIES)
+    queries = datamodule.evaluation_loader(QUERIES, tuples=True)
     trainer.fit(
         classifier, train_dataloaders=finetune_loader(datamodule, subset.tolist(), seed), val_dataloaders=queries
     )

@@ -170,7 +170,7 @@ def export_backbone(
                 )
             module.to(device)
             for split in embeddings:
-                loader = datamodule.evaluation_loader({"train": BANK, "test": QUERIES}[split])
+                loader = datamodule.evaluation_loader({"train": BANK, "test": QUERIES}[split], tuples=True)
                 batches = progress(loader, f"embeddings of the {split} split", total=len(loader))
                 features, labels = extract_features(module, batches, device)
                 name = f"embeddings_{split}.npz"

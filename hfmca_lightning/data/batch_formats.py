@@ -13,7 +13,7 @@ then local crops, for multi-crop); :func:`format_batch` lays it out as
 * ``dict`` (stable-pretraining's symmetric methods): ``{"views": [{"image": view_0 (B, C, H, W), "label", "sample_idx"},
   ...], "label": (B,), "sample_idx": (B,)}``, global crops first, view grids as each view's ``"grid"``;
 * ``dict_named`` (stable-pretraining's DINO): the same with ``"views"`` a dict ``{"global_0": ..., "global_1": ...,
-  "local_0": ...}`` in that order;
+  "local_0": ...}`` in that order (the spec says how many are global: ``ViewSpec.global_views``);
 * a single view (``dict`` / ``dict_named``) and the evaluation batches of both: ``{"image", "label", "sample_idx"}``.
 
 Every batch is a new plain ``dict`` (code that writes into it, as stable-pretraining's ``training_step`` does, changes
@@ -62,7 +62,9 @@ class ViewBatch:
         return [group[:, view] for group in self.groups for view in range(group.shape[1])]
 
 
-def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = False) -> Any:
+def format_batch(
+    batch: ViewBatch, batch_format: BatchFormat, single: bool = False, global_views: int | None = None
+) -> Any:
     """A batch laid out in one of the batch formats (module docstring).
 
     Args:
@@ -70,6 +72,8 @@ def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = Fal
         batch_format: one of :data:`BATCH_FORMATS`.
         single: one view per sample: ``(images (B, C, H, W), targets)`` (``stacked``), ``{"image", "label",
             "sample_idx"}`` (``dict``, ``dict_named``).
+        global_views: ``dict_named``: how many views, first in order, are global crops (default: the first
+            group's).
 
     Returns:
         The batch as ``batch_format`` lays it out.
@@ -99,7 +103,7 @@ def format_batch(batch: ViewBatch, batch_format: BatchFormat, single: bool = Fal
     if batch_format == "solo":
         return batch.indices, views_list, batch.targets
     if batch_format in DICT_FORMATS:
-        return _dict_batch(batch, views_list, named=batch_format == "dict_named")
+        return _dict_batch(batch, views_list, batch_format == "dict_named", global_views)
     raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
 
 
@@ -108,15 +112,15 @@ def sample_dict(images: Tensor, labels: Tensor, indices: Tensor) -> dict[str, Te
     return {"image": images, "label": labels, "sample_idx": indices}
 
 
-def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool) -> dict[str, Any]:
+def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool, global_views: int | None) -> dict[str, Any]:
     """``{"views": [...] or {"global_0": ..., "local_0": ...}, "label", "sample_idx"}`` (module docstring)."""
     per_view = [sample_dict(view, batch.targets, batch.indices) for view in views]
     if batch.grids is not None:
         for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
             view["grid"] = grid
     if named:
-        globals_ = batch.groups[0].shape[1]
-        names = [f"global_{v}" for v in range(globals_)] + [f"local_{v}" for v in range(len(views) - globals_)]
+        count = batch.groups[0].shape[1] if global_views is None else global_views
+        names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views) - count)]
         return {"views": dict(zip(names, per_view)), "label": batch.targets, "sample_idx": batch.indices}
     return {"views": per_view, "label": batch.targets, "sample_idx": batch.indices}
 

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset
 
 from hfmca_lightning.data.batch_formats import BATCH_FORMATS, DICT_FORMATS, BatchFormat, format_batch, sample_dict
@@ -54,12 +56,14 @@ class _Collate:
     """The training loader's collate function: the drawer's batch, laid out in ``batch_format`` (None: as the drawer
     gives it)."""
 
-    def __init__(self, drawer: ViewDrawer, batch_format: BatchFormat | None, single_view: bool) -> None:
-        self.drawer, self.batch_format, self.single_view = drawer, batch_format, single_view
+    def __init__(self, drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec) -> None:
+        self.drawer, self.batch_format, self.views = drawer, batch_format, views
 
     def __call__(self, samples: list[Any]) -> Any:
         batch = self.drawer.collate(samples)
-        return batch if self.batch_format is None else format_batch(batch, self.batch_format, self.single_view)
+        if self.batch_format is None:
+            return batch
+        return format_batch(batch, self.batch_format, self.views.single_view, self.views.global_views)
 
 
 def _sample_dicts(samples: list[tuple[Any, int, int]]) -> dict[str, torch.Tensor]:
@@ -202,6 +206,8 @@ class MultiViewDataModule(LightningDataModule):
                     "is skipped (give the source labelled evaluation data to get it).",
                     category=HFMCAWarning,
                 )
+        if stage is not None:
+            self._check_loader_index(stage)
         # errors (device memory for ResidentDrawer) before training starts
         self.drawer.prepare(self._train_split, self.trainer.strategy.root_device if self.trainer is not None else None)
         processes = self.trainer.world_size if self.trainer is not None else 1
@@ -211,6 +217,27 @@ class MultiViewDataModule(LightningDataModule):
                 f"batch_size={self.batch_size} is larger than the training split ({len(self._train_split)} images"
                 f"{shared}): not even one batch per epoch. Lower data.init_args.batch_size",
                 parameter="batch_size",
+            )
+
+    def _check_loader_index(self, stage: str) -> None:
+        """With two evaluation loaders Lightning passes the evaluation step a loader index: a step without one is
+        one line before training, not an error after the first epoch."""
+        trainer = self.trainer
+        names = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}
+        if trainer is None or self.evaluation_loaders != "bank_and_queries" or stage not in names:
+            return
+        if self._evaluation is None or (stage == "fit" and not getattr(trainer, "limit_val_batches", 1)):
+            return
+        module = getattr(trainer, "lightning_module", None)
+        if not isinstance(module, LightningModule) or not is_overridden(names[stage], module, LightningModule):
+            return
+        parameters = inspect.signature(getattr(module, names[stage])).parameters.values()
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            raise ConfigurationError(
+                f"{type(module).__name__}.{names[stage]} takes no loader index, but the data gives two evaluation "
+                "loaders (kNN bank and queries): set data evaluation_loaders: queries",
+                parameter="evaluation_loaders",
             )
 
     def train_dataset(self) -> Dataset:
@@ -249,7 +276,7 @@ class MultiViewDataModule(LightningDataModule):
         module's."""
         batching = self.drawer.batching(sampler, self.batch_size)
         workers = None if self.drawer.uses_workers else 0  # no worker work: `num_workers` serves evaluation only
-        collate = _Collate(self.drawer, batch_format, self.single_view)
+        collate = _Collate(self.drawer, batch_format, self.views)
         if persistent_workers is not None:
             batching["persistent_workers"] = persistent_workers
         return self.loader(self.train_dataset(), batching.pop("batch_size"), workers, collate_fn=collate, **batching)
@@ -281,19 +308,20 @@ class MultiViewDataModule(LightningDataModule):
         trainer = self.trainer
         if not self.drawer.draws_on_device or trainer is None or not trainer.training:
             return batch
-        views = format_batch(self.drawer.draw(batch), self.batch_format, self.single_view)
+        views = format_batch(self.drawer.draw(batch), self.batch_format, self.single_view, self.views.global_views)
         # Lightning converts a batch for the trainer's precision (float64 under "64-true") before this hook, when it
         # held only uint8 images or indices: the views drawn here get the same conversion.
         return trainer.precision_plugin.convert_input(views)
 
-    def evaluation_loader(self, split: int, **kwargs: Any) -> DataLoader:
+    def evaluation_loader(self, split: int, tuples: bool = False, **kwargs: Any) -> DataLoader:
         """The un-augmented images of evaluation split ``split`` (``BANK``: the training split, ``QUERIES``: the test
         split) in batches of ``eval_batch_size``: ``(image (B, C, H, W), target (B,))``, or ``{"image", "label",
-        "sample_idx"}`` in a dict format; ``kwargs`` go to ``DataLoader`` (a ``sampler``)."""
+        "sample_idx"}`` in a dict format unless ``tuples`` (``sample_idx``: the index in the labelled split);
+        ``kwargs`` go to ``DataLoader`` (a ``sampler``)."""
         splits = self.evaluation_splits
         if splits is None:
             raise ValueError(f"{type(self.source).__name__} has no labelled evaluation split")
-        if self.batch_format in DICT_FORMATS:
+        if self.batch_format in DICT_FORMATS and not tuples:
             dataset = EvalDataset(splits[split], self.eval_transform, with_index=True)
             return self.loader(dataset, self.eval_batch_size, collate_fn=_sample_dicts, **kwargs)
         return self.loader(EvalDataset(splits[split], self.eval_transform), self.eval_batch_size, **kwargs)

@@ -47,6 +47,12 @@ class ViewSpec:
     def num_views(self) -> int | None:
         raise NotImplementedError
 
+    @property
+    def global_views(self) -> int | None:
+        """How many views, first in order, are global crops (the rest are local): all of them, but
+        :class:`MultiCrop`'s ``global_crops``; None where only their sizes tell (the views of the first size)."""
+        return self.num_views
+
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         """The views of each sample of ``split``, drawn on the CPU.
 
@@ -306,6 +312,10 @@ class MultiCrop(_Augmented):
     @property
     def num_views(self) -> int:
         return self.global_crops + self.local_crops
+
+    @property
+    def global_views(self) -> int:
+        return self.global_crops
 
     def groups(self, image_size: int) -> list[tuple[int, int, tuple[float, float]]]:
         """``(count, size, scale)`` of each non-empty group, global first, for a source of ``image_size`` pixels."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -73,15 +72,13 @@ def batch_norm_age(module: nn.Module) -> int | None:
 
 @torch.no_grad()
 def extract_features(
-    model: nn.Module, loader: Iterable[Any], device: torch.device | str = "cpu"
+    model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], device: torch.device | str = "cpu"
 ) -> tuple[Tensor, Tensor]:
-    """``model(images)`` over every ``(images, targets)`` (or ``{"image", "label", ...}``) batch of ``loader``, in
-    eval mode on ``device``: ``(N, D)`` float32 features and ``(N,)`` targets, on the CPU, in loader order. The
-    model's modes are restored."""
+    """``model(images)`` over every ``(images, targets)`` batch of ``loader``, in eval mode on ``device``:
+    ``(N, D)`` float32 features and ``(N,)`` targets, on the CPU, in loader order. The model's modes are restored."""
     features, targets = [], []
     with evaluation_mode(model):
-        for batch in loader:
-            images, labels = (batch["image"], batch["label"]) if isinstance(batch, Mapping) else batch
+        for images, labels in loader:
             features.append(model(images.to(device)).float().cpu())
             targets.append(torch.as_tensor(labels))
     if not features:

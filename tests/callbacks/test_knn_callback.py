@@ -87,8 +87,9 @@ def test_test_loop_reports_test_accuracy():
 
 
 class NoLoaderIndex(LightningModule):
-    """stable-pretraining's shape of evaluation: ``validation_step(batch, batch_idx)`` on ``{"image", "label",
-    "sample_idx"}`` dicts, returning ``{"embedding", "label"}``; BatchNorm, so eval mode shows in the features."""
+    """stable-pretraining's shape of evaluation: ``validation_step(batch, batch_idx)`` / ``test_step`` on ``{"image",
+    "label", "sample_idx"}`` dicts, returning ``{"embedding", "label"}`` and logging as its forward functions do (per
+    step, and a count of the images it saw); BatchNorm, so eval mode shows in the features."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,37 +100,65 @@ class NoLoaderIndex(LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         assert type(batch) is dict
-        return {"embedding": self.backbone(batch["image"]), "label": batch["label"]}
+        embedding = self.backbone(batch["image"])
+        self.log("eval/images", float(len(embedding)), reduce_fx="sum", batch_size=1)
+        self.log("eval/step", 1.0, on_step=True, on_epoch=False, batch_size=1)
+        return {"embedding": embedding, "label": batch["label"]}
+
+    test_step = validation_step
 
 
-def test_one_evaluation_loader_draws_the_bank_itself_and_scores_as_two():
-    """``evaluation_loaders="queries"``: the loop sees the test split only (a ``validation_step`` without a loader
-    index works), the callback runs that step over the bank in eval mode; the accuracy is that of eval-mode
-    features of both splits."""
+def _dict_data(**options) -> "MultiViewDataModule":  # noqa: F821
     from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+
+    source = SyntheticShapes(num_classes=3, train_per_class=10, test_per_class=5, image_size=16)
+    options = {"batch_size": 8, "eval_batch_size": 7, "num_workers": 0, **options}
+    return MultiViewDataModule(source, batch_format="dict", **options)
+
+
+def _expected_accuracy(module: NoLoaderIndex, data) -> float:
+    """kNN top-1 of the module's eval-mode features of the bank and the queries, computed here."""
     from hfmca_lightning.data.datamodule import BANK, QUERIES
 
-    def data(**options) -> MultiViewDataModule:
-        source = SyntheticShapes(num_classes=3, train_per_class=10, test_per_class=5, image_size=16)
-        options = {"batch_size": 8, "eval_batch_size": 7, "num_workers": 0, **options}
-        return MultiViewDataModule(source, batch_format="dict", **options)
-
-    module = NoLoaderIndex()
-    one = data(evaluation_loaders="queries")
-    assert not isinstance(one.val_dataloader(), list)
-    metrics = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, one, verbose=False)[0]
     module.eval()
     with torch.no_grad():
         features = [
             (torch.cat([module.backbone(b["image"]) for b in loader]), torch.cat([b["label"] for b in loader]))
-            for loader in (one.evaluation_loader(BANK), one.evaluation_loader(QUERIES))
+            for loader in (data.evaluation_loader(BANK), data.evaluation_loader(QUERIES))
         ]
     (bank, bank_labels), (queries, query_labels) = features
-    expected = knn_accuracy(queries, query_labels, bank, bank_labels, 3, k=5, temperature=0.1)
+    return knn_accuracy(queries, query_labels, bank, bank_labels, 3, k=5, temperature=0.1)
+
+
+def test_one_evaluation_loader_draws_the_bank_itself_and_scores_as_two():
+    """``evaluation_loaders="queries"``: the loop sees the test split only (a ``validation_step`` without a loader
+    index works), the callback runs that step over the bank in eval mode, what the step logs there is dropped; the
+    accuracy is that of eval-mode features of both splits, in the validation and the test loop, in float64 too."""
+    module = NoLoaderIndex()
+    one = _dict_data(evaluation_loaders="queries")
+    assert not isinstance(one.val_dataloader(), list)
+    metrics = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, one, verbose=False)[0]
+    expected = _expected_accuracy(module, one)
     assert 0 < expected < 1 and metrics["knn/top1"] == pytest.approx(expected, abs=FLOAT32_UNIT)
+    assert metrics["eval/images"] == 15  # the queries only: the bank pass logs nothing
+    tested = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).test(module, one, verbose=False)[0]
+    assert tested["knn/test_top1"] == pytest.approx(expected, abs=FLOAT32_UNIT)
     # the same number with the two loaders (and a module that takes the loader index)
     module.validation_step = lambda batch, batch_idx, dataloader_idx=0: NoLoaderIndex.validation_step(
         module, batch, batch_idx
     )
-    two = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, data(), verbose=False)[0]
+    two = quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(module, _dict_data(), verbose=False)[0]
     assert two["knn/top1"] == pytest.approx(metrics["knn/top1"], abs=FLOAT32_UNIT)
+    del module.validation_step
+    double = quiet_trainer(callbacks=[KNNEvaluation(k=5)], precision="64-true")  # the bank's input made float64
+    assert double.validate(module, one, verbose=False)[0]["knn/top1"] == pytest.approx(expected, abs=FLOAT32_UNIT)
+
+
+def test_a_step_without_a_loader_index_and_two_loaders_is_one_line_before_evaluating():
+    from hfmca_lightning.errors import ConfigurationError
+
+    with pytest.raises(
+        ConfigurationError, match="takes no loader index, .* set data evaluation_loaders: queries"
+    ) as error:
+        quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(NoLoaderIndex(), _dict_data(), verbose=False)
+    assert "\n" not in str(error.value) and error.value.parameter == "evaluation_loaders"

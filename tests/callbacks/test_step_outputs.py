@@ -29,6 +29,8 @@ def test_both_conventions_give_the_same_embeddings_per_sample():
     assert torch.equal(step_embeddings({"features": samples_first}, None, 3), per_sample)
     assert torch.equal(step_embeddings({"embedding": views_first}, None, 3), per_sample)
     assert torch.equal(step_embeddings({"z": samples_first}, "z", 3), per_sample)  # a named key: samples first
+    assert torch.equal(step_embeddings({"z": views_first}, "z", 3, views_first=True), per_sample)
+    assert torch.equal(step_embeddings({"embedding": samples_first}, None, 3, views_first=False), per_sample)
     assert torch.equal(step_embeddings({"features": per_sample}, None, 3), per_sample)
     assert step_embeddings({"embedding": views_first}, "z", 3) is None  # a named key only
     assert step_embeddings({"features": samples_first[:11]}, None, 3) is None  # not B rows per view

@@ -13,6 +13,7 @@ import torch
 
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.batch_formats import ViewBatch, first_views, format_batch
+from hfmca_lightning.data.sources import UNLABELLED
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -139,11 +140,30 @@ def test_the_dict_formats_lay_out_the_same_views_in_new_plain_dicts():
             assert torch.equal(view["image"], want) and torch.equal(view["label"], batch.targets)
             assert torch.equal(view["sample_idx"], batch.indices)
     assert torch.equal(listed["label"], batch.targets) and torch.equal(named["sample_idx"], batch.indices)
+    unlabelled = ViewBatch(batch.groups, torch.tensor([UNLABELLED, 0, UNLABELLED]), batch.indices, batch.names)
+    assert format_batch(unlabelled, "dict")["views"][3]["label"].tolist() == [-1, 0, -1]
     listed["batch_idx"] = 0  # as stable-pretraining's training_step does: the next batch is a new dict
     assert "batch_idx" not in format_batch(batch, "dict")
     one = ViewBatch([torch.rand(3, 1, 3, 8, 8)], batch.targets, batch.indices, batch.names)
     single = format_batch(one, "dict", single=True)
     assert set(single) == {"image", "label", "sample_idx"} and torch.equal(single["image"], one.groups[0][:, 0])
+
+
+def test_named_views_follow_the_spec_not_the_sizes():
+    """Global and local crops of one size fall in one group of views; the names follow the spec's count of global
+    crops (stable-pretraining's DINO sends the global ones, and only those, through its teacher)."""
+    from hfmca_lightning.data import MultiCrop
+
+    def names(views: MultiCrop) -> list[str]:
+        source = SyntheticShapes(num_classes=2, train_per_class=4, image_size=16)
+        data = MultiViewDataModule(source, views=views, batch_format="dict_named", batch_size=4, num_workers=0)
+        return list(next(iter(data.train_dataloader()))["views"])
+
+    assert names(MultiCrop(global_crops=2, local_crops=3, local_size=16)) == [
+        "global_0", "global_1", "local_0", "local_1", "local_2"
+    ]  # fmt: skip
+    assert names(MultiCrop(global_crops=0, local_crops=2)) == ["local_0", "local_1"]
+    assert names(SimCLRViews(count=3)) == ["global_0", "global_1", "global_2"]
 
 
 def _spt_module(spt: dict[str, Any], method: str) -> Any:

@@ -40,10 +40,12 @@ def bn_free_module(internal: bool = False) -> HFMCAModule:
     )
 
 
-def ddp_data(batch_size: int, views: ViewSpec | None = None, drawer: ViewDrawer | None = None) -> MultiViewDataModule:
-    """The DDP tests' data: 24 images of 16 px, ``views`` (default: 4 SimCLR views) drawn by ``drawer`` (default:
-    torchvision's), no workers."""
-    source = SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3, image_size=16)
+def ddp_data(
+    batch_size: int, views: ViewSpec | None = None, drawer: ViewDrawer | None = None, train_per_class: int = 8
+) -> MultiViewDataModule:
+    """The DDP tests' data: ``3 * train_per_class`` (24) training images and 9 test images of 16 px, ``views``
+    (default: 4 SimCLR views) drawn by ``drawer`` (default: torchvision's), no workers."""
+    source = SyntheticShapes(num_classes=3, train_per_class=train_per_class, test_per_class=3, image_size=16)
     return MultiViewDataModule(
         source,
         views=SimCLRViews(count=4) if views is None else views,

@@ -108,11 +108,11 @@ def test_knn_under_ddp_equals_single_process_on_the_same_bank(loaders):
     """Two evaluation loaders, or the queries' alone with the bank drawn by the callback itself (sharded as Lightning
     shards the loop's): the accuracy of one process with both loaders."""
     module = bn_free_module()
-    datamodule = ddp_data(PER_RANK_BATCH)
+    datamodule = ddp_data(PER_RANK_BATCH, train_per_class=7)
     datamodule.setup()
-    # 24 bank and 9 query images over 2 ranks with batches of 4: the sampler pads the queries.
+    # 21 bank and 9 query images over 2 ranks with batches of 4: the samplers pad both.
     single = ddp_trainer(1, callbacks=[KNNEvaluation(k=5)]).validate(module, datamodule, verbose=False)[0]["knn/top1"]
-    data = ddp_data(PER_RANK_BATCH)
+    data = ddp_data(PER_RANK_BATCH, train_per_class=7)
     data.evaluation_loaders = loaders
     distributed = ddp_trainer(2, callbacks=[KNNEvaluation(k=5)]).validate(module, data, verbose=False)[0]["knn/top1"]
     assert 0 < single < 1

@@ -493,3 +493,63 @@ def test_spectrum_study_writes_the_papers_figures_and_a_table_of_its_spectra(mon
     for first, second in (("supervised", "unsupervised"), ("supervised", "selfsupervised")):
         crossed = json.loads((out / f"compare_{first}_{second}" / "cross_spectra.json").read_text())["pairs"]
         assert ("external" in crossed) == (second == "selfsupervised")  # LF only between two runs with heads
+
+
+def test_health_cost_benchmark_prints_the_callbacks_overhead_ratio_and_its_parts(monkeypatch, capsys):
+    """benchmarks/health_cost.py --tiny: the with / without ratio of the step, one summed step and one log."""
+    import re
+
+    measured = run_script("benchmarks/health_cost.py", ["--tiny"], monkeypatch)
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("per-step overhead ratio, wall clock")]
+    ratio = re.fullmatch(r"per-step overhead ratio, wall clock \([^)]*\): ([+-]\d+\.\d+)%", line)
+    assert ratio is not None, line
+    assert float(ratio.group(1)) == pytest.approx(100 * measured["overhead"], abs=0.006)
+    for part in ("one summed step: ", "one log: ", "training step without the callback: "):
+        (found,) = [line for line in out.splitlines() if line.startswith(part)]
+        assert float(found[len(part) :].split(" ms")[0]) > 0, found
+    assert "eigendecompositions alone" in out and "per-step overhead ratio, CPU time" in out
+    assert re.search(r"^target <= 2%: (met|not met) \(wall clock\), (met|not met) \(CPU time\)$", out, re.MULTILINE)
+    assert measured["metrics"] > 0 and measured["step"] > 0
+
+
+def test_health_correlation_benchmark_prints_a_row_per_metric_with_rank_correlations(monkeypatch):
+    """benchmarks/health_correlation.py --tiny: every copy's metrics and accuracies, and Spearman's rho of each metric
+    with kNN and linear top-1 per method and pooled, in [-1, 1]."""
+    table = run_script("benchmarks/health_correlation.py", ["--tiny", "--methods", "hfmca", "simclr"], monkeypatch)
+    values = table_rows(table, after="")
+    assert values[0] == [
+        "method", "weights", "RankMe", "effective rank", "alpha-ReQ", "LiDAR", "kNN top-1 (%)", "linear top-1 (%)"
+    ]  # fmt: skip
+    assert [row[:2] for row in values[1:]] == [
+        [method, weights] for method in ("HFMCA-SS(*)", "SimCLR") for weights in ("init", "epoch 1", "epoch 2")
+    ]
+    for row in values[1:]:
+        assert all(float(cell) > 0 for cell in row[2:6]) and all(0 <= float(cell) <= 100 for cell in row[6:]), row
+    import re
+
+    for after, copies in (
+        (next(line for line in table.splitlines() if line.startswith("Spearman's rank correlation")), 3),
+        ("The same over the trained copies (the initialisation left out):", 2),
+    ):
+        rows = table_rows(table, after=after)
+        assert rows[0][:5] == ["metric"] + [
+            f"{name} ({copies}): {accuracy}" for name in ("HFMCA-SS(*)", "SimCLR") for accuracy in ("kNN", "linear")
+        ]
+        # the common initialisation counts once in the pooled column
+        assert all(re.fullmatch(rf"pooled \(({2 * copies - 1}|{2 * copies})\): (kNN|linear)", c) for c in rows[0][5:])
+        assert [row[0] for row in rows[1:]] == ["RankMe", "effective rank", "alpha-ReQ", "LiDAR"]
+        for row in rows[1:]:
+            assert len(row) == 7 and all(cell == "-" or -1 <= float(cell) <= 1 for cell in row[1:]), row
+            assert all(cell != "-" for cell in row[5:]), row  # pooled over 4 to 6 copies: never constant here
+
+
+def test_spearman_of_the_health_correlation_benchmark_matches_its_definition():
+    namespace = runpy.run_path(str(REPO / "benchmarks" / "health_correlation.py"), run_name="benchmark")
+    spearman = namespace["spearman"]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [1, 4, 9, 16, 100]) == pytest.approx(1.0)  # ranks, not values
+    # ties at their mean rank: ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert spearman([1, 1, 1], [1, 2, 3]) != spearman([1, 1, 1], [1, 2, 3])  # constant: NaN

@@ -58,6 +58,17 @@ def views_of(method: str, hfmca_views: int) -> int:
     return hfmca_views if method.startswith("hfmca") else 4 if method == "fastsiam" else 2
 
 
+# A Trainer that only trains: one device, no logger, checkpoints, progress bar, summary or validation.
+TRAINING_ONLY: dict[str, Any] = dict(
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED_CONFIGS = {
     "hfmca": "cifar10_ss.yaml",

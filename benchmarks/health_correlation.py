@@ -38,7 +38,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DISPLAY, markdown_table  # noqa: E402
+from common import DISPLAY, TRAINING_ONLY, markdown_table  # noqa: E402
 from health_cost import machine  # noqa: E402
 
 from hfmca_lightning.analysis.health import HealthStatistics  # noqa: E402
@@ -206,18 +206,7 @@ def main(argv: list[str] | None = None) -> str:
                 batch.groups[0].clone() for batch in view_batches(views_data, torch.device("cpu"), args.health_batches)
             ]
         snapshots = Snapshots(args.every_steps)
-        trainer = Trainer(
-            max_epochs=args.epochs,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[snapshots],
-        )
+        trainer = Trainer(max_epochs=args.epochs, accelerator="cpu", callbacks=[snapshots], **TRAINING_ONLY)
         start = time.perf_counter()
         trainer.fit(module, data)
         trained = time.perf_counter() - start

@@ -43,9 +43,12 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from hfmca_lightning.analysis.health import HealthStatistics
-from hfmca_lightning.callbacks import HealthMetrics
-from hfmca_lightning.cli.trainer_cli import HFMCACLI
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import TRAINING_ONLY  # noqa: E402
+
+from hfmca_lightning.analysis.health import HealthStatistics  # noqa: E402
+from hfmca_lightning.callbacks import HealthMetrics  # noqa: E402
+from hfmca_lightning.cli.trainer_cli import HFMCACLI  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.02  # the callback may add at most 2 % to a training step at its shipped interval
@@ -239,18 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = StepStart()
     gate = Gate(health, on, block_of)
     end = StepEnd(start, block_of)
-    trainer = Trainer(
-        max_steps=(blocks + 1) * every,
-        accelerator="auto",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[start, gate, end],
-    )
+    trainer = Trainer(max_steps=(blocks + 1) * every, accelerator="auto", callbacks=[start, gate, end], **TRAINING_ONLY)
     load = os.getloadavg()[0]
     began = time.perf_counter()
     trainer.fit(module, data)

@@ -235,6 +235,16 @@ def test_lidar_equals_the_reference_of_thilak_et_al():
     assert float(lidar(embeddings.float())) == pytest.approx(got, rel=1e-5)  # float32 in, float64 maths
 
 
+def test_lidar_of_a_within_covariance_left_not_positive_definite_is_finite():
+    """The Cholesky factor needs ``Sigma_w + delta I`` positive definite; where rounding left it not (an eigenvalue
+    below ``-delta``), the eigendecomposition path clamps it: the discriminant is dominated by that direction."""
+    from hfmca_lightning.analysis.health import _lidar_from_moments
+
+    within = torch.diag(torch.tensor([1.0, 0.5, -1.0], dtype=torch.float64))
+    value = float(_lidar_from_moments(torch.eye(3, dtype=torch.float64), within, LIDAR_DELTA))
+    assert value == pytest.approx(1.0, abs=1e-5)
+
+
 def separated_views(samples: int, views: int, d: int, k: int, spread: float, seed: int = 0) -> torch.Tensor:
     """``(samples, views, d)``: sample means with covariance exactly the identity on ``k`` random orthonormal
     directions, each sample's views around its mean with covariance exactly ``spread^2`` on those directions (the

@@ -52,7 +52,9 @@ def step_embeddings(outputs: Any, key: str | None, samples: int, views_first: bo
         return embeddings
     if embeddings.dim() != 2 or embeddings.shape[0] % samples:
         return None
-    if views_first if views_first is not None else name in VIEWS_FIRST:
+    if views_first is None:
+        views_first = name in VIEWS_FIRST
+    if views_first:
         return embeddings.reshape(-1, samples, embeddings.shape[-1]).transpose(0, 1)
     return embeddings.reshape(samples, -1, embeddings.shape[-1])
 
@@ -68,8 +70,8 @@ def evaluation_rows(
     embeddings = step_tensor(outputs, embedding_key, EMBEDDING_KEYS)
     labels = step_tensor(outputs, label_key, LABEL_KEYS)
     if embeddings is None or labels is None:
-        wanted = " / ".join(repr(k) for k in ((embedding_key,) if embedding_key else EMBEDDING_KEYS))
-        wanted_labels = " / ".join(repr(k) for k in ((label_key,) if label_key else LABEL_KEYS))
+        wanted = " / ".join(repr(k) for k in ((embedding_key,) if embedding_key is not None else EMBEDDING_KEYS))
+        wanted_labels = " / ".join(repr(k) for k in ((label_key,) if label_key is not None else LABEL_KEYS))
         got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
         raise TypeError(
             f"{reader} needs {type(module).__name__}'s validation_step to return a dict with the embeddings (N, D) "

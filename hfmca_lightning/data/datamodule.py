@@ -226,10 +226,10 @@ class MultiViewDataModule(LightningDataModule):
         names = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}
         if trainer is None or self.evaluation_loaders != "bank_and_queries" or stage not in names:
             return
-        if self._evaluation is None or (stage == "fit" and not getattr(trainer, "limit_val_batches", 1)):
+        if self._evaluation is None or (stage == "fit" and not trainer.limit_val_batches):
             return
-        module = getattr(trainer, "lightning_module", None)
-        if not isinstance(module, LightningModule) or not is_overridden(names[stage], module, LightningModule):
+        module = trainer.lightning_module
+        if not is_overridden(names[stage], module, LightningModule):
             return
         parameters = inspect.signature(getattr(module, names[stage])).parameters.values()
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

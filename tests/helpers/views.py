@@ -13,7 +13,8 @@ CPU = torch.device("cpu")
 
 
 class TrainerStandIn:
-    """What ``on_after_batch_transfer`` reads of a trainer."""
+    """What the data module's ``setup`` and ``on_after_batch_transfer`` read of a trainer (no module: its loader
+    index is not checked)."""
 
     class strategy:  # noqa: N801 - an attribute of the trainer
         root_device = CPU
@@ -24,6 +25,7 @@ class TrainerStandIn:
             return batch
 
     training, global_rank, world_size, num_devices = True, 0, 1, 1
+    lightning_module, limit_val_batches = None, 1.0
 
 
 def drawn(module: MultiViewDataModule, batch: Any) -> Any:

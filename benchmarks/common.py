@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import platform
 import resource
 import time
 from dataclasses import dataclass, field
@@ -56,6 +58,21 @@ GRIDS = {4: (2, 2), 9: (3, 3), 16: (4, 4)}
 
 def views_of(method: str, hfmca_views: int) -> int:
     return hfmca_views if method.startswith("hfmca") else 4 if method == "fastsiam" else 2
+
+
+def machine() -> str:
+    """The CPU (or GPU) that measured, in words."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({platform.machine()}), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 # A Trainer that only trains: one device, no logger, checkpoints, progress bar, summary or validation.

@@ -38,8 +38,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DISPLAY, TRAINING_ONLY, markdown_table  # noqa: E402
-from health_cost import machine  # noqa: E402
+from common import CONFIGS, DISPLAY, SHIPPED_CONFIGS, TRAINING_ONLY, machine, markdown_table  # noqa: E402
 
 from hfmca_lightning.analysis.health import HealthStatistics  # noqa: E402
 from hfmca_lightning.cli.evaluate import frozen_linear_accuracy, split_features  # noqa: E402
@@ -49,7 +48,6 @@ from hfmca_lightning.evaluation import knn_accuracy  # noqa: E402
 from hfmca_lightning.evaluation.features import batch_statistics_mode  # noqa: E402
 from hfmca_lightning.evaluation_data import view_batches  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 METRICS = {"rankme": "RankMe", "effective_rank": "effective rank", "alpha_req": "alpha-ReQ", "lidar": "LiDAR"}
 ACCURACIES = {"knn": "kNN", "linear": "linear"}
 METHODS = ["hfmca", "simclr", "moco", "byol", "simsiam", "barlowtwins", "vicreg", "fastsiam"]  # not VICRegL: grids
@@ -81,7 +79,7 @@ def method_config(method: str, demo: dict[str, Any]) -> dict[str, Any]:
     config = {key: copy.deepcopy(demo[key]) for key in ("seed_everything", "model", "data")}
     if method == "hfmca":
         return config
-    shipped = yaml.safe_load((REPO / "configs" / "baselines" / f"{method}_cifar10.yaml").read_text())
+    shipped = yaml.safe_load((CONFIGS / SHIPPED_CONFIGS[method]).read_text())
     model = copy.deepcopy(shipped["model"])
     model["init_args"]["backbone"] = copy.deepcopy(demo["model"]["init_args"]["backbone"])
     model["init_args"]["optimizer"] = copy.deepcopy(demo["model"]["init_args"]["optimizer"])
@@ -161,7 +159,7 @@ def correlation_table(results: dict[str, list[dict[str, float]]]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"), help="the data, backbone, optimiser")
+    parser.add_argument("--config", default=str(CONFIGS / "demo.yaml"), help="the data, backbone, optimiser")
     parser.add_argument("--methods", nargs="+", default=["hfmca", "simclr", "byol", "vicreg"], choices=METHODS)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--every-steps", type=int, default=None, help="copy the weights every this many steps")

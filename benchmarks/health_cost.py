@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TRAINING_ONLY  # noqa: E402
+from common import TRAINING_ONLY, machine  # noqa: E402
 
 from hfmca_lightning.analysis.health import HealthStatistics  # noqa: E402
 from hfmca_lightning.callbacks import HealthMetrics  # noqa: E402
@@ -52,21 +51,6 @@ from hfmca_lightning.cli.trainer_cli import HFMCACLI  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.02  # the callback may add at most 2 % to a training step at its shipped interval
-
-
-def machine() -> str:
-    """The CPU (or GPU) that measured, in words."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({platform.machine()}), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 def run_config(config_path: str, data_config: str | None, overrides: argparse.Namespace) -> dict[str, Any]:

@@ -79,7 +79,8 @@ def simclr(self: SPTModule, batch: dict[str, Any], stage: str) -> dict[str, Tens
     if self.training:
         projections = [self.projector(embedding) for embedding in embeddings]
         out["loss"] = self.simclr_loss(projections[0], projections[1])
-        self.log(f"{stage}/loss", out["loss"], on_step=True, on_epoch=True, sync_dist=True)
+        batch_size = len(embeddings[0])  # images per view (Lightning cannot tell it from a dict of views)
+        self.log(f"{stage}/loss", out["loss"], on_step=True, on_epoch=True, sync_dist=True, batch_size=batch_size)
     return out
 
 
@@ -107,7 +108,8 @@ def dino(self: SPTModule, batch: dict[str, Any], stage: str) -> dict[str, Tensor
         student += self.projector(self.backbone(local_images)).chunk(len(local_views))
     out["loss"] = self.dino_loss(list(teacher), student, epoch=self.current_epoch)
     out["embedding"] = teacher_features.detach()
-    self.log(f"{stage}/loss", out["loss"], on_step=True, on_epoch=True, sync_dist=True)
+    batch_size = len(teacher[0])  # images per view (Lightning cannot tell it from a dict of views)
+    self.log(f"{stage}/loss", out["loss"], on_step=True, on_epoch=True, sync_dist=True, batch_size=batch_size)
     return out
 
 

@@ -20,7 +20,18 @@ from torch.optim import Optimizer
 from hfmca_lightning.diagnostics import host_buffer
 from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError
 
-__all__ = ["DeferredChecks", "FailedStep", "SkipUpdateIfFailed", "copy_to_host"]
+__all__ = [
+    "DeferredChecks",
+    "FailedStep",
+    "NonFiniteStepError",
+    "SkipUpdateIfFailed",
+    "copy_to_host",
+    "nonfinite_gradients",
+]
+
+
+class NonFiniteStepError(RuntimeError):
+    """A training step's loss or gradients were NaN or Inf (its update was skipped)."""
 
 
 @dataclass
@@ -29,7 +40,7 @@ class FailedStep:
 
     step: int
     epoch: int
-    error: CostFactorisationError
+    error: CostFactorisationError | NonFiniteStepError
 
 
 @dataclass
@@ -39,6 +50,19 @@ class _Pending:
     checks: CostChecks
     host: Tensor
     event: Any
+    gradient_flag: bool
+
+
+def nonfinite_gradients(optimizer: Optimizer) -> Tensor | None:
+    """``(1,)`` int32 on the gradients' device: 1 where a gradient of ``optimizer``'s parameters holds NaN or Inf
+    (from each gradient's largest magnitude, which is finite wherever its values are: a 2-norm of finite float16
+    values can overflow); None without gradients. Nothing is read on the host."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    if not gradients:
+        return None
+    largest = torch.stack([value.float() for value in torch._foreach_norm(gradients, float("inf"))])
+    return (~torch.isfinite(largest)).any().to(torch.int32).reshape(1)
 
 
 def copy_to_host(value: Tensor) -> tuple[Tensor, Any]:
@@ -66,10 +90,11 @@ class DeferredChecks:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def push(self, checks: CostChecks, packed: Tensor, step: int, epoch: int) -> None:
-        """Start bringing ``packed`` (``checks.packed()``, possibly reduced over processes) to the host."""
+    def push(self, checks: CostChecks, packed: Tensor, step: int, epoch: int, gradient_flag: bool = False) -> None:
+        """Start bringing ``packed`` (``checks.packed()``, possibly reduced over processes; with ``gradient_flag``
+        followed by the flag of :func:`nonfinite_gradients`) to the host."""
         host, event = copy_to_host(packed)
-        self._pending.append(_Pending(step, epoch, checks, host, event))
+        self._pending.append(_Pending(step, epoch, checks, host, event, gradient_flag))
 
     def first_failure(self) -> FailedStep | None:
         """Read every pushed step's checks (waiting for their copies only) and forget them; the first failed step, or
@@ -80,8 +105,12 @@ class DeferredChecks:
             if pending.event is not None:
                 pending.event.synchronize()
             values = pending.host.tolist()
+            gradients_failed = pending.gradient_flag and bool(values.pop())
             if failure is None and any(values):
                 failure = FailedStep(pending.step, pending.epoch, pending.checks.error(values))
+            elif failure is None and gradients_failed:
+                error = NonFiniteStepError("the gradients are not finite (NaN or Inf) although every cost is")
+                failure = FailedStep(pending.step, pending.epoch, error)
         return failure
 
     def clear(self) -> None:

@@ -20,7 +20,12 @@ from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statis
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
-from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
+from hfmca_lightning.methods.deferred_checks import (
+    DeferredChecks,
+    NonFiniteStepError,
+    SkipUpdateIfFailed,
+    nonfinite_gradients,
+)
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
@@ -502,8 +507,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             raise self._stopped(self.global_step, self.current_epoch, error) from None
 
     @staticmethod
-    def _stopped(step: int, epoch: int, error: CostFactorisationError) -> CostFactorisationError:
-        return CostFactorisationError(
+    def _stopped(
+        step: int, epoch: int, error: CostFactorisationError | NonFiniteStepError
+    ) -> CostFactorisationError | NonFiniteStepError:
+        return type(error)(
             f"training stopped at step {step} (epoch {epoch}): {error}. "
             "Checkpoints written before this step are intact: resume from one with a lower learning rate "
             "or a larger `reg`."
@@ -544,16 +551,21 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Read the previous step's checks (this step's work is queued by now), then guard this step's update: its
-        checks, merged over micro-batches and max-reduced over processes on the device, make the optimizer leave the
-        weights as they are if anything failed on any process (:class:`SkipUpdateIfFailed`), and travel to the host
-        for the next read (:meth:`raise_if_a_step_failed`). No device value is read on the host."""
+        checks and the finiteness of its gradients (:func:`nonfinite_gradients`; without a gradient scaler, which
+        skips such steps itself), merged over micro-batches and max-reduced over processes on the device, make the
+        optimizer leave the weights as they are if anything failed on any process (:class:`SkipUpdateIfFailed`), and
+        travel to the host for the next read (:meth:`raise_if_a_step_failed`). No device value is read on the host."""
         self.raise_if_a_step_failed()
         if not self._pending_checks:
             return
         checks, self._pending_checks = merge_checks(self._pending_checks), []
-        packed = all_reduce_max(checks.packed())
-        self._deferred_checks.push(checks, packed, self.global_step, self.current_epoch)
         scaler = getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+        gradients = None if scaler is not None else nonfinite_gradients(optimizer)
+        packed = checks.packed() if gradients is None else torch.cat([checks.packed(), gradients.to(torch.int64)])
+        packed = all_reduce_max(packed)
+        self._deferred_checks.push(
+            checks, packed, self.global_step, self.current_epoch, gradient_flag=gradients is not None
+        )
         self._skip_failed_update.arm(optimizer, packed.any(), in_kernel=scaler is None)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

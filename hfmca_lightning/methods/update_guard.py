@@ -18,13 +18,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from hfmca_lightning.losses.distributed import all_reduce_max
-from hfmca_lightning.methods.deferred_checks import SkipUpdateIfFailed, copy_to_host
+from hfmca_lightning.methods.deferred_checks import (
+    NonFiniteStepError,
+    SkipUpdateIfFailed,
+    copy_to_host,
+    nonfinite_gradients,
+)
 
 __all__ = ["NonFiniteStepError", "NonFiniteUpdateGuard"]
-
-
-class NonFiniteStepError(RuntimeError):
-    """A training step's loss or gradients were NaN or Inf (its update was skipped)."""
 
 
 class NonFiniteUpdateGuard:
@@ -50,20 +51,11 @@ class NonFiniteUpdateGuard:
         if not self._losses:
             return
         losses, self._losses = torch.cat([loss.float().reshape(-1) for loss in self._losses]), []
-        values = [losses]
-        if not gradient_scaler:
-            gradients = [
-                parameter.grad
-                for group in optimizer.param_groups
-                for parameter in group["params"]
-                if parameter.grad is not None
-            ]
-            if gradients:
-                # the largest magnitude of each gradient: finite wherever its values are (a 2-norm of finite float16
-                # values can overflow)
-                largest = torch._foreach_norm(gradients, float("inf"))
-                values.append(torch.stack([value.float() for value in largest]))
-        failed = all_reduce_max((~torch.isfinite(torch.cat(values))).any().to(torch.int32)).bool()
+        flags = [(~torch.isfinite(losses)).any().to(torch.int32).reshape(1)]
+        gradients = None if gradient_scaler else nonfinite_gradients(optimizer)
+        if gradients is not None:
+            flags.append(gradients)
+        failed = all_reduce_max(torch.cat(flags).amax()).bool()
         self._pending.append((step, epoch, *copy_to_host(failed)))
         self._skip.arm(optimizer, failed, in_kernel=not gradient_scaler)
 

@@ -10,6 +10,7 @@ from tests.helpers.callbacks import (
     CountHostReads,
     PauseBeforeStep,
     PoisonBatchAt,
+    PoisonGradientAt,
     PoisonWeightsAtStep,
     RaiseAtStep,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "PER_RANK_BATCH",
     "PauseBeforeStep",
     "PoisonBatchAt",
+    "PoisonGradientAt",
     "PoisonWeightsAtStep",
     "RaiseAtStep",
     "REPO",

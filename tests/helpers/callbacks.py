@@ -53,6 +53,19 @@ class PoisonBatchAt(Callback):
         self.weights.append([p.detach().clone() for p in pl_module.parameters()])
 
 
+class PoisonGradientAt(Callback):
+    """One NaN in the first backbone gradient of step ``step``, after a backward pass whose loss was finite (a
+    gradient that overflows on its own)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step == self.step:
+            gradient = next(p.grad for p in pl_module.backbone.parameters() if p.grad is not None)
+            gradient.view(-1)[0] = float("nan")
+
+
 COUNTED_STEPS = range(2, 5)  # after the first steps' one-off work (caches, lazy buffers)
 
 

@@ -7,13 +7,14 @@ from functools import partial
 import pytest
 import torch
 from lightly.utils.lars import LARS
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses.cost_checks import CHECK_COLUMNS, CostChecks, CostFactorisationError
-from hfmca_lightning.methods.deferred_checks import DeferredChecks, SkipUpdateIfFailed
-from tests.helpers import PoisonBatchAt, bn_free_module, quiet_trainer
+from hfmca_lightning.methods.deferred_checks import DeferredChecks, NonFiniteStepError, SkipUpdateIfFailed
+from tests.helpers import PoisonBatchAt, PoisonGradientAt, bn_free_module, quiet_trainer
 
 OPTIMIZERS = {
     "fused SGD": partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
@@ -117,3 +118,28 @@ def test_a_failed_step_is_skipped_and_stops_the_run_one_step_later(fused):
     assert all(torch.equal(a, b) for a, b in zip(after_step_2, after_step_3))
     assert all(bool(torch.isfinite(weight).all()) for weight in after_step_3)
     assert not all(torch.equal(a, b) for a, b in zip(poison.weights[1], after_step_2))  # good steps do update
+
+
+def test_a_nan_gradient_of_a_finite_cost_is_skipped_and_every_checkpoint_on_disk_stays_finite(tmp_path):
+    """Step 3's costs are finite but one gradient is NaN: its update is skipped, the run stops in one line naming
+    step 3, and the checkpoints written every step (``save_top_k=1`` rotates them) hold only finite weights, the last
+    one of step 3, before the failed update."""
+    module = bn_free_module(internal=True)
+    source = SyntheticShapes(num_classes=3, train_per_class=16, test_per_class=2, image_size=16)
+    data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=4, num_workers=0)
+    every_step = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1, save_top_k=1)
+    trainer = quiet_trainer(
+        max_steps=8,
+        limit_val_batches=0,
+        callbacks=[PoisonGradientAt(step=3), every_step],
+        accelerator="cpu",
+        enable_checkpointing=True,
+    )
+    with pytest.raises(NonFiniteStepError, match=r"^training stopped at step 3 \(epoch 0\): the gradients are not"):
+        trainer.fit(module, data)
+    files = sorted(tmp_path.glob("*.ckpt"))
+    for path in files:
+        weights = torch.load(path, map_location="cpu", weights_only=True)["state_dict"].values()
+        assert all(bool(torch.isfinite(weight).all()) for weight in weights if weight.is_floating_point()), path.name
+    last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 3 and max(torch.load(p, weights_only=True)["global_step"] for p in files) == 3

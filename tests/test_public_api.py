@@ -92,3 +92,16 @@ def test_public_docstrings_follow_the_template(name: str, value: object):
         assert section(doc, "Args") is not None, f"{name} takes {parameters} but has no Args: section"
         missing = [parameter for parameter in parameters if parameter not in documented_arguments(doc)]
         assert missing == [], f"{name}: Args: does not name {missing}"
+
+
+@pytest.mark.parametrize(
+    "command", ["fit", "validate", "test", "analyze", "compare", "linear", "knn", "export", "dashboard"]
+)
+def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/getting-started.md: every subcommand has --help; fit's lists every option with its type and default."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exited.value.code == 0 and re.match(rf"usage: \S+ (\[options\] )?{command} ", out), out[:200]
+    if command == "fit":
+        assert "--trainer.max_epochs MAX_EPOCHS" in out and "(type: Optional[int], default: null)" in out

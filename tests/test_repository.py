@@ -37,3 +37,25 @@ def test_every_cited_convention_section_exists():
         cited |= set(re.findall(r"conventions\.md (§\d+)", path.read_text()))
         cited |= {f"§{n}" for n in re.findall(r"conventions\.md §\d+, §(\d+)", path.read_text())}
     assert cited and cited <= sections, cited - sections
+
+
+def make_commands(target: str, *options: str) -> list[str]:
+    """The commands ``make <target>`` runs (a dry run), the venv's install stamp taken as up to date unless asked."""
+    done = subprocess.run(["make", "-n", *options, target], cwd=REPO, capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()
+
+
+def test_the_make_targets_run_what_the_readme_says():
+    up_to_date = ("-o", ".venv/.install-stamp")
+    # make test: creates .venv, installs the package with its dev extra, runs the default suite (every test not slow)
+    install = make_commands("test", "-W", "pyproject.toml")
+    assert any("-m venv .venv" in line for line in install)
+    assert any("pip install" in line and "-e '.[dev]'" in line for line in install)
+    assert install[-1] == ".venv/bin/python -m pytest" and "-m 'not slow'" in (REPO / "pyproject.toml").read_text()
+    assert make_commands("test-fast", *up_to_date) == ['.venv/bin/python -m pytest -m "not slow and not integration"']
+    assert make_commands("test-slow", *up_to_date) == [".venv/bin/python -m pytest -m slow"]
+    assert make_commands("demo", *up_to_date) == [".venv/bin/hfmca fit --config configs/demo.yaml"]
+    assert make_commands("notebooks", *up_to_date) == [".venv/bin/python tools/execute_notebooks.py"]
+    # CI: "make lint typecheck docs are the other CI steps", then the README's test command
+    steps = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("make ")]
+    assert steps == ["make lint", "make typecheck", "make docs", "make test"]

@@ -50,9 +50,14 @@ def test_the_gpu_settings_of_the_cifar_configs(name: str, tmp_path: Path, monkey
     assert (data.drawer.batches_per_call, data.drawer.output_dtype, data.drawer.channels_last) == (8, "bfloat16", True)
     if "internal" in name:
         assert model.internal_costs.precision == "auto"
-    # the optimisation of the paper's Table 1
+    # the paper's Table 1 (README: ResNet-18, 64 images x 9 views, 800 epochs) and its optimisation
+    assert type(model.backbone).__name__ == "CIFARResNet18"
+    assert (data.batch_size, cli.trainer.max_epochs) == (64, 800)
     config = yaml.safe_load(text)["model"]["init_args"]["optimizer"]["init_args"]
     assert (config["lr"], config["momentum"], config["weight_decay"]) == (0.06, 0.9, 0.0005)
+    # README: "downloads CIFAR10 into data/"
+    source = data.source
+    assert (source.root, source.download, source.name) == (Path("data"), True, name.split("_")[0])
 
 
 @pytest.mark.parametrize("name", ["cifar10_ss.yaml", "cifar10_ss_internal.yaml"])

@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import set_parsing_settings
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
@@ -23,7 +26,14 @@ from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
 
-__all__ = ["TRUSTED_PACKAGES", "backbone_of", "load_run", "run_config", "untrusted_config_problem"]
+__all__ = [
+    "TRUSTED_PACKAGES",
+    "backbone_of",
+    "load_run",
+    "run_config",
+    "trusted_imports_only",
+    "untrusted_config_problem",
+]
 
 
 # Where the classes of a config stored in a checkpoint may come from: a checkpoint from someone else names classes
@@ -124,12 +134,15 @@ def _untrusted_class(node: Any, where: str) -> str | None:
                 return found
     elif isinstance(node, str):
         text = node.strip()
-        if text[:1] in ("{", "["):  # jsonargparse parses such strings as YAML / JSON: what they hold is checked
-            try:
-                parsed = yaml.safe_load(text)
-            except yaml.YAMLError:
-                return None
-            return _untrusted_class(parsed, where) if isinstance(parsed, (dict, list)) else None
+        # jsonargparse reads a string given for a class or callable as YAML (``"class_path: ..."``, ``{...}``,
+        # ``'pkg.Class'``) or as the path of a config file: what either holds is checked
+        held = _parsed(text)
+        if isinstance(held, str) and held.strip() != text:
+            return _untrusted_class(held, where)
+        if not isinstance(held, (dict, list)):
+            held = _file_settings(text)
+        if isinstance(held, (dict, list)):
+            return _untrusted_class(held, where)
         if (
             _DOTTED_NAME.match(text)
             and text.rsplit(".", 1)[-1].lower() not in _FILE_SUFFIXES
@@ -138,6 +151,49 @@ def _untrusted_class(node: Any, where: str) -> str | None:
         ):
             return f"{where} names {_shown(node)}, code outside {', '.join(TRUSTED_PACKAGES)}"
     return None
+
+
+@contextmanager
+def trusted_imports_only() -> Iterator[None]:
+    """While a stored config is parsed and its objects built, jsonargparse imports nothing a value names outside
+    :data:`TRUSTED_PACKAGES` and builds no class given where any value is accepted: the second guard, behind
+    :func:`untrusted_config_problem`, against whatever way of naming code a check of the YAML does not know. The
+    settings are global in jsonargparse; they are put back afterwards."""
+    from jsonargparse import _common  # the settings have a setter but no public getter
+
+    saved = {key: _common.parsing_settings[key] for key in _IMPORT_SETTINGS}
+    set_parsing_settings(
+        import_path_denylist=["*"], import_path_allowlist=list(TRUSTED_PACKAGES), instantiate_subclass_spec_in_any=False
+    )
+    try:
+        yield
+    finally:
+        _common.parsing_settings.update(saved)
+
+
+_IMPORT_SETTINGS = ("import_path_verdicts", "import_paths_enforced", "instantiate_subclass_spec_in_any")
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+
+
+_CONFIG_FILE_BYTES = 1 << 20
+
+
+def _file_settings(text: str) -> Any:
+    """What jsonargparse would read from ``text`` as a config file path: the YAML of a file there (relative to the
+    working directory) of at most 1 MiB, else None."""
+    try:
+        path = Path(text)
+        if not text or "\n" in text or not path.is_file() or path.stat().st_size > _CONFIG_FILE_BYTES:
+            return None
+        return _parsed(path.read_text())
+    except (OSError, ValueError):  # a name too long, a file that is no text
+        return None
 
 
 def _trusted(path: Any) -> bool:
@@ -182,7 +238,8 @@ def load_run(
     # Built in float32 whatever the run trained in ("64-true" builds float64 weights): the commands feed float32
     # images, and the checkpoint's weights are copied into the float32 ones.
     config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False, precision="32-true")
-    cli = HFMCACLI(args=config, run=False)
+    with nullcontext() if config_path else trusted_imports_only():
+        cli = HFMCACLI(args=config, run=False)
     module, datamodule = cli.model, cli.datamodule
     if not isinstance(datamodule, MultiViewDataModule):
         raise ConfigurationError(

@@ -89,6 +89,10 @@ def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_
     json_checkpoint = lightning_checkpoint(tmp_path / "json.ckpt", config=yaml.safe_dump(as_json))
     function = dict(config, model="recording_module.build")  # a callable's dotted name
     function_checkpoint = lightning_checkpoint(tmp_path / "function.ckpt", config=yaml.safe_dump(function))
+    # a spec jsonargparse reads from a YAML string: a Mock (its `wraps` takes any value, which jsonargparse builds)
+    # wrapping a shell command that would leave a file behind
+    shell = config_with_views(yaml_string_payload(tmp_path / "shell-ran"))
+    shell_checkpoint = lightning_checkpoint(tmp_path / "shell.ckpt", config=yaml.safe_dump(shell))
     plugins = dict(yaml.safe_load(DEMO.read_text()), trainer={"plugins": {"class_path": "torch.nn.Identity"}})
     plugin_checkpoint = lightning_checkpoint(tmp_path / "plugins.ckpt", config=yaml.safe_dump(plugins))
     commands = {
@@ -100,6 +104,7 @@ def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_
     commands["analyze (plugins)"] = ["analyze", "--ckpt_path", str(plugin_checkpoint), "--out", str(tmp_path / "a2")]
     commands["knn (JSON string)"] = ["knn", "--ckpt_path", str(json_checkpoint), "--out", str(tmp_path / "k2")]
     commands["linear (function)"] = ["linear", "--ckpt_path", str(function_checkpoint), "--out", str(tmp_path / "l2")]
+    commands["export (YAML string)"] = ["export", "--ckpt_path", str(shell_checkpoint), "--out", str(tmp_path / "e3")]
     results = run_all(commands, tmp_path)
     for name, (status, lines) in results.items():
         assert status == 2, (name, lines)
@@ -110,7 +115,77 @@ def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_
     assert "trainer.plugins names" in results["analyze (plugins)"][1][-1]
     assert "model.class_path names 'recording_module.Model'" in results["knn (JSON string)"][1][-1]
     assert "model names 'recording_module.build', code outside" in results["linear (function)"][1][-1]
+    assert "data.init_args.views.class_path names 'unittest.mock.Mock'" in results["export (YAML string)"][1][-1]
+    assert not marker.exists() and not (tmp_path / "shell-ran").exists()
+
+
+def config_with_views(views: object) -> dict:
+    config = yaml.safe_load(DEMO.read_text())
+    config["data"]["init_args"]["views"] = views
+    return config
+
+
+def yaml_string_payload(marker: Path) -> str:
+    return (
+        "class_path: unittest.mock.Mock\ninit_args:\n  wraps:\n    class_path: subprocess.Popen\n"
+        f"    init_args: {{args: 'touch {marker}', shell: true}}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("class_path: recording_module.Model", "views.class_path names 'recording_module.Model'"),
+        ("'unittest.mock.Mock'", "views names 'unittest.mock.Mock', code outside"),  # YAML unquotes it
+        ("!!str unittest.mock.Mock", "views names 'unittest.mock.Mock', code outside"),
+        ("views.yaml", "views.class_path names 'unittest.mock.Mock'"),  # a config file jsonargparse would read
+        ("{absolute}", "views.class_path names 'unittest.mock.Mock'"),
+        (
+            {"class_path": "hfmca_lightning.data.TransformViews", "init_args": {"transform": "'os.system'"}},
+            "'os.system'",
+        ),
+    ],
+    ids=["YAML string", "quoted", "tagged", "relative file", "absolute file", "nested quoted callable"],
+)
+def test_every_form_jsonargparse_reads_a_class_from_is_checked(
+    value: object, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """jsonargparse reads a string given for a class or callable as YAML or as a config file's path: the check reads
+    it the same way, before anything is imported."""
+    from hfmca_lightning.cli.runs import run_config
+    from hfmca_lightning.errors import ConfigurationError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "views.yaml").write_text(yaml_string_payload(tmp_path / "shell-ran"))
+    if value == "{absolute}":
+        value = str(tmp_path / "views.yaml")
+    checkpoint = {"callbacks": {"StoredConfig": {"config": yaml.safe_dump(config_with_views(value))}}}
+    with pytest.raises(ConfigurationError, match="the config stored in the checkpoint is refused") as refused:
+        run_config(tmp_path / "stored.ckpt", checkpoint)
+    assert named in str(refused.value)
+
+
+def test_a_stored_config_is_built_importing_only_the_trusted_packages(tmp_path: Path) -> None:
+    """The second guard, behind the check of the YAML: while a stored config is built, jsonargparse imports nothing a
+    value names outside the trusted packages (here the check is passed by), and its settings are as before after."""
+    from jsonargparse import _common
+
+    from hfmca_lightning.cli.runs import trusted_imports_only
+    from hfmca_lightning.cli.trainer_cli import HFMCACLI
+
+    marker = tmp_path / "shell-ran"
+    config = config_with_views(yaml_string_payload(marker))
+    config["trainer"].update(logger=False, callbacks=[], enable_progress_bar=False)
+    before = dict(_common.parsing_settings)
+    with pytest.raises((SystemExit, Exception)), trusted_imports_only():  # noqa: PT012 - refused while building
+        HFMCACLI(args=config, run=False)
     assert not marker.exists()
+    assert _common.parsing_settings == before
+    # a trusted stored config builds under it
+    demo = yaml.safe_load(DEMO.read_text())
+    demo["trainer"].update(logger=False, callbacks=[], enable_progress_bar=False)
+    with trusted_imports_only():
+        assert type(HFMCACLI(args=demo, run=False).model).__name__ == "HFMCAModule"
 
 
 def test_the_configs_hfmca_fit_stores_are_trusted() -> None:

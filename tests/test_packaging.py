@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +141,27 @@ def test_requirements_have_lower_bounds_only(project):
     for requirement in requirements:
         constraints = re.findall(r"(<=|>=|==|~=|!=|<|>)", requirement.split(";")[0])
         assert constraints == [">="], requirement
+
+
+def test_the_oldest_python_it_names_is_the_one_its_checks_use(project):
+    """docs/getting-started.md: "Python 3.10 or newer". The oldest Python the package admits is the one ruff lints
+    for and mypy checks the standard library's API against (`make lint typecheck`, in CI), and, where a Python 3.10
+    is on the PATH, every module of the package parses under it."""
+    tomllib = pytest.importorskip("tomllib")
+    tools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]
+    assert project["requires-python"] == ">=3.10"
+    assert (tools["ruff"]["target-version"], tools["mypy"]["python_version"]) == ("py310", "3.10")
+    assert "Python 3.10 or newer" in (REPO / "docs" / "getting-started.md").read_text()
+    python310 = shutil.which("python3.10")
+    if python310 is None:
+        return
+    parse_all = (
+        "import ast, pathlib, sys; [ast.parse(p.read_text(), str(p)) for p in pathlib.Path(sys.argv[1]).rglob('*.py')]"
+    )
+    done = subprocess.run(
+        [python310, "-c", parse_all, str(PACKAGE)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYENV_VERSION": "3.10"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,9 +1,9 @@
 """Every ``hfmca`` subcommand ends promptly and cleanly, as a user runs it: a subprocess on the shrunk demo with the
 shipped config's data-loader workers (2, persistent), its exit status, no traceback, nothing of it left alive (which
-``finish_hfmca`` checks after each run it waits for, whatever its exit status); Ctrl-C (SIGINT to the
-process group, as a terminal sends it) ends ``analyze``, ``compare`` and ``fit`` with one line and exit status 130,
-SIGTERM ends ``analyze`` with one line and 143; the commands that train nothing print no Lightning banner or
-advertisement; ``-q`` and ``-v`` do what they say."""
+``finish_hfmca`` checks after each run it waits for, whatever its exit status); Ctrl-C (SIGINT to the process group,
+as a terminal sends it) ends ``analyze``, ``compare`` and ``fit`` mid-way and every other command as it starts with
+one line and exit status 130, SIGTERM ends ``analyze`` with one line and 143; the commands that train nothing print
+no Lightning banner or advertisement; ``-q`` and ``-v`` do what they say."""
 
 from __future__ import annotations
 
@@ -172,3 +172,17 @@ def test_ctrl_c_and_sigterm_end_the_command_with_one_line(trained, command, sign
         assert "--ckpt_path last" in interrupted[0]
         # the checkpoint to continue from is still a whole, loadable one after the shutdown
         assert torch.load(folder / "long" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] > 0
+
+
+@pytest.mark.parametrize("command", ["validate", "test", "linear", "knn", "export", "dashboard"])
+def test_ctrl_c_while_a_command_starts_ends_it_with_one_line(trained, command):
+    """README: Ctrl-C ends any command with one line and status 130; here the commands not interrupted mid-way above,
+    a second after they start (importing what they need, before any work)."""
+    folder, checkpoint, _ = trained
+    log = f"starting-{command}.log"
+    process = start_hfmca(folder, *commands(folder, checkpoint)[command], log_name=log)
+    time.sleep(1.0)
+    os.killpg(process.pid, signal.SIGINT)
+    result = finish_hfmca(process, folder, timeout=60, log_name=log)
+    assert result.returncode == 130, result.stdout[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.strip()] == ["hfmca: interrupted."], result.stdout

@@ -5,6 +5,7 @@ in every command)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -44,7 +45,14 @@ def quiet() -> bool:
 
 
 def _interactive() -> bool:
-    return not quiet() and sys.stderr.isatty()
+    """Whether standard error is a terminal that can draw a bar: one of some width (tqdm draws nothing on a terminal of
+    zero columns, as a pseudo-terminal that was never sized reports)."""
+    if quiet() or not sys.stderr.isatty():
+        return False
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
 
 
 def stage(description: str) -> None:

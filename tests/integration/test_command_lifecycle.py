@@ -7,9 +7,14 @@ no Lightning banner or advertisement; ``-q`` and ``-v`` do what they say."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import re
 import signal
+import struct
 import subprocess
+import termios
 import time
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import DEMO, finish_hfmca, start_hfmca, tiny_overrides, wait_for
+from tests.helpers import DEMO, HFMCA, finish_hfmca, start_hfmca, tiny_overrides, wait_for
 
 WORKERS = {"data.init_args.num_workers": 2, "data.init_args.persistent_workers": True}  # as configs/demo.yaml ships
 
@@ -186,3 +191,45 @@ def test_ctrl_c_while_a_command_starts_ends_it_with_one_line(trained, command):
     result = finish_hfmca(process, folder, timeout=60, log_name=log)
     assert result.returncode == 130, result.stdout[-3000:]
     assert [line for line in result.stdout.splitlines() if line.strip()] == ["hfmca: interrupted."], result.stdout
+
+
+def on_a_terminal(folder: Path, arguments: list[str], columns: int) -> tuple[int, str]:
+    """``hfmca <arguments>`` with a pseudo-terminal of ``columns`` x 24 as its standard input, output and error, as
+    a shell runs it; its exit status and everything it drew."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    process = subprocess.Popen(
+        [str(HFMCA), *arguments], cwd=folder, stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True
+    )
+    os.close(terminal)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: the command has exited
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    return process.wait(timeout=120), output.decode(errors="replace")
+
+
+def test_a_command_on_a_terminal_draws_progress_bars_and_lines_where_it_cannot(trained):
+    """docs/getting-started.md: a progress bar per long stage when standard error is a terminal, one line per stage
+    otherwise: also on a terminal of zero columns (a pseudo-terminal nobody sized), where a bar would draw nothing."""
+    folder, checkpoint, _ = trained
+    arguments = commands(folder, checkpoint)["analyze"]
+    arguments[arguments.index("--out") + 1] = str(folder / "analysis-on-a-terminal")
+    status, drawn = on_a_terminal(folder, [*arguments, "--overwrite"], columns=80)
+    assert status == 0, drawn[-3000:]
+    # tqdm redraws its bar in place: carriage returns, a count and a rate of batches
+    bars = [part for part in drawn.split("\r") if part.startswith("hfmca: statistics of") and "batch/s" in part]
+    assert bars and "statistics of the training groups ..." not in drawn, repr(drawn[-3000:])
+    status, drawn = on_a_terminal(folder, [*arguments, "--overwrite"], columns=0)
+    assert status == 0, drawn[-3000:]
+    lines = drawn.replace("\r\n", "\n").splitlines()
+    assert "hfmca: statistics of the training groups ..." in lines, drawn[-3000:]
+    assert any(
+        re.fullmatch(r"hfmca: statistics of the training groups: \d+ batch(es)? in [\d.]+ s", line) for line in lines
+    )

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import ArgumentError, set_parsing_settings
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from hfmca_lightning.callbacks.stored_config import saved_config
+from hfmca_lightning.cli.config_errors import describe_parser_error
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
 from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
@@ -118,18 +122,33 @@ def _trainer_defaults() -> dict[str, Any]:
     return {parameter.name: parameter.default for parameter in parameters if parameter.default is not parameter.empty}
 
 
-def _untrusted_class(node: Any, where: str) -> str | None:
+@dataclass
+class _Visited:
+    """What the check has read: containers (a YAML alias meets one again, a recursive one forever) and files."""
+
+    nodes: set[int] = field(default_factory=set)
+    files: set[Path] = field(default_factory=set)
+
+
+def _untrusted_class(node: Any, where: str, base: Path | None = None, visited: _Visited | None = None) -> str | None:
+    """The first value under ``node`` (at ``where``) naming code outside :data:`TRUSTED_PACKAGES`, read as jsonargparse
+    reads values; ``base``: the folder of the config file ``node`` came from (relative paths in it start there)."""
+    visited = _Visited() if visited is None else visited
+    if isinstance(node, (dict, list)):
+        if id(node) in visited.nodes:
+            return None
+        visited.nodes.add(id(node))
     if isinstance(node, dict):
         for key, value in node.items():
             at = f"{where}.{key}" if where else str(key)
             if key == "class_path" and not _trusted(value):
                 return f"{at} names {_shown(value)}, outside {', '.join(TRUSTED_PACKAGES)}"
-            found = _untrusted_class(value, at)
+            found = _untrusted_class(value, at, base, visited)
             if found is not None:
                 return found
     elif isinstance(node, list):
         for index, value in enumerate(node):
-            found = _untrusted_class(value, f"{where}[{index}]")
+            found = _untrusted_class(value, f"{where}[{index}]", base, visited)
             if found is not None:
                 return found
     elif isinstance(node, str):
@@ -138,11 +157,22 @@ def _untrusted_class(node: Any, where: str) -> str | None:
         # ``'pkg.Class'``) or as the path of a config file: what either holds is checked
         held = _parsed(text)
         if isinstance(held, str) and held.strip() != text:
-            return _untrusted_class(held, where)
-        if not isinstance(held, (dict, list)):
-            held = _file_settings(text)
+            return _untrusted_class(held, where, base, visited)
         if isinstance(held, (dict, list)):
-            return _untrusted_class(held, where)
+            return _untrusted_class(held, where, base, visited)
+        for path in _paths(text, base):
+            problem = _unreadable_as_config(path)
+            if problem is not None:
+                return f"{where} names {_shown(node)}, {problem}"
+            try:
+                resolved = path.resolve(strict=True)
+            except (OSError, RuntimeError):  # a dangling or looping link: nothing to read
+                continue
+            if resolved not in visited.files and resolved.is_file():
+                visited.files.add(resolved)
+                found = _untrusted_class(_file_settings(resolved), where, resolved.parent, visited)
+                if found is not None:
+                    return found
         if (
             _DOTTED_NAME.match(text)
             and text.rsplit(".", 1)[-1].lower() not in _FILE_SUFFIXES
@@ -156,16 +186,19 @@ def _untrusted_class(node: Any, where: str) -> str | None:
 @contextmanager
 def trusted_imports_only() -> Iterator[None]:
     """While a stored config is parsed and its objects built, jsonargparse imports nothing a value names outside
-    :data:`TRUSTED_PACKAGES` and builds no class given where any value is accepted: the second guard, behind
-    :func:`untrusted_config_problem`, against whatever way of naming code a check of the YAML does not know. The
-    settings are global in jsonargparse; they are put back afterwards."""
-    from jsonargparse import _common  # the settings have a setter but no public getter
+    :data:`TRUSTED_PACKAGES` (whatever the process allowed before) and builds no class given where any value is
+    accepted: the second guard, behind :func:`untrusted_config_problem`, against whatever way of naming code a check of
+    the YAML does not know. The settings are global in jsonargparse; they are put back afterwards."""
+    from jsonargparse import _common  # the settings have a setter that adds to them, but no getter or reset
 
     saved = {key: _common.parsing_settings[key] for key in _IMPORT_SETTINGS}
-    set_parsing_settings(
-        import_path_denylist=["*"], import_path_allowlist=list(TRUSTED_PACKAGES), instantiate_subclass_spec_in_any=False
-    )
     try:
+        _common.parsing_settings["import_path_verdicts"] = dict.fromkeys(_common.default_import_path_denylist, False)
+        set_parsing_settings(
+            import_path_denylist=["*"],
+            import_path_allowlist=list(TRUSTED_PACKAGES),
+            instantiate_subclass_spec_in_any=False,
+        )
         yield
     finally:
         _common.parsing_settings.update(saved)
@@ -177,22 +210,53 @@ _IMPORT_SETTINGS = ("import_path_verdicts", "import_paths_enforced", "instantiat
 def _parsed(text: str) -> Any:
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
 
 
 _CONFIG_FILE_BYTES = 1 << 20
+_SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")
 
 
-def _file_settings(text: str) -> Any:
-    """What jsonargparse would read from ``text`` as a config file path: the YAML of a file there (relative to the
-    working directory) of at most 1 MiB, else None."""
+def _paths(text: str, base: Path | None) -> list[Path]:
+    """Where jsonargparse could find a config file named ``text``: from the working directory and, for a value read
+    from a config file, from that file's folder; the paths that exist."""
+    if not text or "\n" in text or "\0" in text:
+        return []
+    candidates = [Path(text)] if base is None or Path(text).is_absolute() else [Path(text), base / text]
     try:
-        path = Path(text)
-        if not text or "\n" in text or not path.is_file() or path.stat().st_size > _CONFIG_FILE_BYTES:
+        return [path for path in candidates if os.path.lexists(path)]
+    except (OSError, ValueError):  # a name too long
+        return []
+
+
+def _unreadable_as_config(path: Path) -> str | None:
+    """Why a config may not name ``path``, or None: jsonargparse would read it as a config file, and a device, pipe,
+    socket or file of the system's folders (``/proc/kmsg`` reports size 0 and never ends) can make that read hang."""
+    try:
+        status = path.stat()
+        resolved = str(path.resolve())
+    except (OSError, RuntimeError):  # a dangling or looping link: nothing to read
+        return None
+    if stat.S_ISDIR(status.st_mode):
+        return None
+    if not stat.S_ISREG(status.st_mode) or any(resolved.startswith(f"{folder}/") for folder in _SYSTEM_FOLDERS):
+        return "a device, pipe or system file, which a stored config may not name"
+    return None
+
+
+def _file_settings(path: Path) -> Any:
+    """The YAML of a regular file of at most 1 MiB at ``path`` (read without waiting, at most that much), else None."""
+    try:
+        if not 0 < path.stat().st_size <= _CONFIG_FILE_BYTES:
             return None
-        return _parsed(path.read_text())
-    except (OSError, ValueError):  # a name too long, a file that is no text
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            data = os.read(descriptor, _CONFIG_FILE_BYTES + 1)
+        finally:
+            os.close(descriptor)
+        return _parsed(data.decode()) if len(data) <= _CONFIG_FILE_BYTES else None
+    except (OSError, ValueError):  # a file that is no text
         return None
 
 
@@ -238,8 +302,19 @@ def load_run(
     # Built in float32 whatever the run trained in ("64-true" builds float64 weights): the commands feed float32
     # images, and the checkpoint's weights are copied into the float32 ones.
     config.setdefault("trainer", {}).update(logger=False, callbacks=[], enable_progress_bar=False, precision="32-true")
-    with nullcontext() if config_path else trusted_imports_only():
-        cli = HFMCACLI(args=config, run=False)
+    try:
+        with nullcontext() if config_path else trusted_imports_only():
+            cli = HFMCACLI(args=config, run=False)
+    except ArgumentError as error:
+        if config_path:
+            raise
+        denied = re.search(r"Importing '([^']+)' is not allowed", str(error))
+        reason = f"it names {denied.group(1)!r}" if denied else describe_parser_error(str(error))
+        raise ConfigurationError(
+            f"{ckpt_path}: the config stored in the checkpoint is refused: {reason}, and only classes of "
+            f"{', '.join(TRUSTED_PACKAGES)} are built from it. If you trust it, pass it as your own with --config "
+            "<the run's YAML>"
+        ) from None
     module, datamodule = cli.model, cli.datamodule
     if not isinstance(datamodule, MultiViewDataModule):
         raise ConfigurationError(

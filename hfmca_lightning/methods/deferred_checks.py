@@ -55,14 +55,14 @@ class _Pending:
 
 def nonfinite_gradients(optimizer: Optimizer) -> Tensor | None:
     """``(1,)`` int32 on the gradients' device: 1 where a gradient of ``optimizer``'s parameters holds NaN or Inf
-    (from each gradient's largest magnitude, which is finite wherever its values are: a 2-norm of finite float16
+    (from the gradients' largest magnitude, which is finite wherever their values are: a 2-norm of finite float16
     values can overflow); None without gradients. Nothing is read on the host."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
     gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
     if not gradients:
         return None
-    largest = torch.stack([value.float() for value in torch._foreach_norm(gradients, float("inf"))])
-    return (~torch.isfinite(largest)).any().to(torch.int32).reshape(1)
+    largest = torch.nn.utils.get_total_norm(gradients, float("inf"))
+    return (~torch.isfinite(largest)).to(torch.int32).reshape(1)
 
 
 def copy_to_host(value: Tensor) -> tuple[Tensor, Any]:

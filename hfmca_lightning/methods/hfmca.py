@@ -518,7 +518,8 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
 
     def raise_if_a_step_failed(self) -> None:
         """Read the checks of the optimizer steps taken since the last read (waiting for their asynchronous copies,
-        not for the device's queue) and raise the :class:`CostFactorisationError` of the first that failed. Called
+        not for the device's queue) and raise the :class:`CostFactorisationError` (or, for finite costs with
+        non-finite gradients, the :class:`NonFiniteStepError`) of the first that failed. Called
         once the next step is queued, and before a checkpoint is written, validation starts or training ends."""
         failure = self._deferred_checks.first_failure()
         if failure is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import os
+from argparse import ArgumentError
 from pathlib import Path
 
 import pytest
@@ -140,12 +141,27 @@ def yaml_string_payload(marker: Path) -> str:
         ("!!str unittest.mock.Mock", "views names 'unittest.mock.Mock', code outside"),
         ("views.yaml", "views.class_path names 'unittest.mock.Mock'"),  # a config file jsonargparse would read
         ("{absolute}", "views.class_path names 'unittest.mock.Mock'"),
+        ("{nested}", "views.views.class_path names 'unittest.mock.Mock'"),  # relative to the file naming it
+        ("{loop}", "views[1].class_path names 'unittest.mock.Mock'"),  # a file naming itself, then the payload
+        ("/proc/self/status", "names '/proc/self/status', a device, pipe or system file"),  # /proc/kmsg would hang
+        ("fifo", "names 'fifo', a device, pipe or system file"),
         (
             {"class_path": "hfmca_lightning.data.TransformViews", "init_args": {"transform": "'os.system'"}},
             "'os.system'",
         ),
     ],
-    ids=["YAML string", "quoted", "tagged", "relative file", "absolute file", "nested quoted callable"],
+    ids=[
+        "YAML string",
+        "quoted",
+        "tagged",
+        "relative file",
+        "absolute file",
+        "file in a file's folder",
+        "file naming itself",
+        "system file",
+        "pipe",
+        "nested quoted callable",
+    ],
 )
 def test_every_form_jsonargparse_reads_a_class_from_is_checked(
     value: object, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -157,8 +173,17 @@ def test_every_form_jsonargparse_reads_a_class_from_is_checked(
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "views.yaml").write_text(yaml_string_payload(tmp_path / "shell-ran"))
-    if value == "{absolute}":
-        value = str(tmp_path / "views.yaml")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "outer.yaml").write_text("views: inner.yaml\n")
+    (tmp_path / "folder" / "inner.yaml").write_text(yaml_string_payload(tmp_path / "shell-ran"))
+    (tmp_path / "loop.yaml").write_text(f"[{tmp_path / 'loop.yaml'}, {tmp_path / 'views.yaml'}]\n")
+    files = {
+        "{absolute}": str(tmp_path / "views.yaml"),
+        "{nested}": str(tmp_path / "folder" / "outer.yaml"),
+        "{loop}": str(tmp_path / "loop.yaml"),
+    }
+    value = files.get(value, value) if isinstance(value, str) else value
     checkpoint = {"callbacks": {"StoredConfig": {"config": yaml.safe_dump(config_with_views(value))}}}
     with pytest.raises(ConfigurationError, match="the config stored in the checkpoint is refused") as refused:
         run_config(tmp_path / "stored.ckpt", checkpoint)
@@ -177,7 +202,7 @@ def test_a_stored_config_is_built_importing_only_the_trusted_packages(tmp_path: 
     config = config_with_views(yaml_string_payload(marker))
     config["trainer"].update(logger=False, callbacks=[], enable_progress_bar=False)
     before = dict(_common.parsing_settings)
-    with pytest.raises((SystemExit, Exception)), trusted_imports_only():  # noqa: PT012 - refused while building
+    with pytest.raises(ArgumentError, match="Importing 'unittest.mock.Mock' is not allowed"), trusted_imports_only():
         HFMCACLI(args=config, run=False)
     assert not marker.exists()
     assert _common.parsing_settings == before
@@ -194,3 +219,26 @@ def test_the_configs_hfmca_fit_stores_are_trusted() -> None:
 
     for path in sorted(DEMO.parent.rglob("*.yaml")):
         assert untrusted_config_problem(yaml.safe_load(path.read_text())) is None, path.name
+
+
+def test_a_stored_config_the_parser_refuses_is_one_line_naming_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where only the second guard refuses (the check of the YAML passed by), the command's error names the checkpoint,
+    what would have been imported and the way out, as the first guard's does."""
+    from hfmca_lightning.cli import runs
+    from hfmca_lightning.errors import ConfigurationError
+
+    marker = tmp_path / "shell-ran"
+    checkpoint = lightning_checkpoint(
+        tmp_path / "stored.ckpt", config=yaml.safe_dump(config_with_views(yaml_string_payload(marker)))
+    )
+    monkeypatch.setattr(runs, "untrusted_config_problem", lambda config: None)
+    with pytest.raises(ConfigurationError) as refused:
+        runs.load_run(checkpoint)
+    message = str(refused.value)
+    assert message.startswith(
+        f"{checkpoint}: the config stored in the checkpoint is refused: it names 'unittest.mock.Mock'"
+    )
+    assert "pass it as your own with --config" in message and "\n" not in message
+    assert not marker.exists()

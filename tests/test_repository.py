@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -41,7 +42,16 @@ def test_every_cited_convention_section_exists():
 
 def make_commands(target: str, *options: str) -> list[str]:
     """The commands ``make <target>`` runs (a dry run), the venv's install stamp taken as up to date unless asked."""
-    done = subprocess.run(["make", "-n", *options, target], cwd=REPO, capture_output=True, text=True, check=True)
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")  # set when the suite itself runs under make
+    env = {key: value for key, value in os.environ.items() if key not in outer}
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", *options, target],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     return done.stdout.splitlines()
 
 

@@ -156,21 +156,25 @@ def _untrusted_class(node: Any, where: str, base: Path | None = None, visited: _
         # jsonargparse reads a string given for a class or callable as YAML (``"class_path: ..."``, ``{...}``,
         # ``'pkg.Class'``) or as the path of a config file: what either holds is checked
         held = _parsed(text)
-        if isinstance(held, str) and held.strip() != text:
-            return _untrusted_class(held, where, base, visited)
-        if isinstance(held, (dict, list)):
+        if isinstance(held, (dict, list)) or (isinstance(held, str) and held.strip() != text):
             return _untrusted_class(held, where, base, visited)
         for path in _paths(text, base):
-            problem = _unreadable_as_config(path)
-            if problem is not None:
-                return f"{where} names {_shown(node)}, {problem}"
             try:
                 resolved = path.resolve(strict=True)
+                status = resolved.stat()
             except (OSError, RuntimeError):  # a dangling or looping link: nothing to read
                 continue
-            if resolved not in visited.files and resolved.is_file():
+            if stat.S_ISDIR(status.st_mode):
+                continue
+            if not stat.S_ISREG(status.st_mode) or str(resolved).startswith(_SYSTEM_FOLDERS):
+                # jsonargparse would read it as a config file: a device, pipe, socket or file of the system's folders
+                # (/proc/kmsg reports size 0 and never ends) can make that read hang
+                return (
+                    f"{where} names {_shown(node)}, a device, pipe or system file, which a stored config may not name"
+                )
+            if resolved not in visited.files:
                 visited.files.add(resolved)
-                found = _untrusted_class(_file_settings(resolved), where, resolved.parent, visited)
+                found = _untrusted_class(_file_settings(resolved, status.st_size), where, resolved.parent, visited)
                 if found is not None:
                     return found
         if (
@@ -215,7 +219,7 @@ def _parsed(text: str) -> Any:
 
 
 _CONFIG_FILE_BYTES = 1 << 20
-_SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")
+_SYSTEM_FOLDERS = ("/proc/", "/sys/", "/dev/")
 
 
 def _paths(text: str, base: Path | None) -> list[Path]:
@@ -230,26 +234,12 @@ def _paths(text: str, base: Path | None) -> list[Path]:
         return []
 
 
-def _unreadable_as_config(path: Path) -> str | None:
-    """Why a config may not name ``path``, or None: jsonargparse would read it as a config file, and a device, pipe,
-    socket or file of the system's folders (``/proc/kmsg`` reports size 0 and never ends) can make that read hang."""
-    try:
-        status = path.stat()
-        resolved = str(path.resolve())
-    except (OSError, RuntimeError):  # a dangling or looping link: nothing to read
+def _file_settings(path: Path, size: int) -> Any:
+    """The YAML of the regular file at ``path`` of ``size`` bytes if at most 1 MiB (read without waiting, at most that
+    much), else None."""
+    if not 0 < size <= _CONFIG_FILE_BYTES:
         return None
-    if stat.S_ISDIR(status.st_mode):
-        return None
-    if not stat.S_ISREG(status.st_mode) or any(resolved.startswith(f"{folder}/") for folder in _SYSTEM_FOLDERS):
-        return "a device, pipe or system file, which a stored config may not name"
-    return None
-
-
-def _file_settings(path: Path) -> Any:
-    """The YAML of a regular file of at most 1 MiB at ``path`` (read without waiting, at most that much), else None."""
     try:
-        if not 0 < path.stat().st_size <= _CONFIG_FILE_BYTES:
-            return None
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
             data = os.read(descriptor, _CONFIG_FILE_BYTES + 1)

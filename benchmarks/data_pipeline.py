@@ -20,7 +20,6 @@ import torch
 from PIL import Image
 
 from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule
-from hfmca_lightning.data.datasets import MultiViewDataset
 from hfmca_lightning.data.folder_sources import read_image
 from hfmca_lightning.data.transforms import ViewAugmentation, view_transforms
 
@@ -81,11 +80,11 @@ def main() -> None:
         return len(paths) / (time.perf_counter() - started)
 
     spec = ViewAugmentation.from_strengths(224, color_strength=1.0, blur=0.5)
-    views = MultiViewDataset(None, view_transforms(spec, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), num_views=9)  # type: ignore[arg-type]
+    transforms = view_transforms(spec, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
     def decode_and_augment(path: str) -> torch.Tensor:
         image = read_image(path)
-        return torch.stack([views.transforms[v % len(views.transforms)](image) for v in range(9)])
+        return torch.stack([transforms[v % len(transforms)](image) for v in range(9)])
 
     torch.set_num_threads(1)
     decoded = per_second(read_image)

@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
 __all__ = ["BATCH_FORMATS", "DICT_FORMATS", "BatchFormat", "ViewBatch", "first_views", "format_batch", "sample_dict"]
@@ -123,19 +122,6 @@ def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool, global_views
         names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views) - count)]
         return {"views": dict(zip(names, per_view)), "label": batch.targets, "sample_idx": batch.indices}
     return {"views": per_view, "label": batch.targets, "sample_idx": batch.indices}
-
-
-def stack_samples(samples: list[tuple[list[Tensor], int, int]], grids: list[Tensor] | None = None) -> ViewBatch:
-    """A :class:`ViewBatch` from per-sample ``(groups [(n_g, C, H_g, W_g), ...], target, index)``."""
-    groups = [torch.stack([sample[0][group] for sample in samples]) for group in range(len(samples[0][0]))]
-    indices = torch.tensor([index for _, _, index in samples], dtype=torch.int64)
-    return ViewBatch(
-        groups,
-        torch.tensor([target for _, target, _ in samples], dtype=torch.int64),
-        indices,
-        [str(index) for _, _, index in samples],
-        None if grids is None else torch.stack(grids),
-    )
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:

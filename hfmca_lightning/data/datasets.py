@@ -1,36 +1,22 @@
-"""The per-sample work of the data-loader workers, and the resumable sampler that drives it.
-
-Training datasets take keys ``(index, sample_seed)`` from :class:`SeededRandomSampler`: all randomness of a sample
-(its views' augmentation parameters, its same-class partners) is a function of that seed, so runs are identical
-whatever the number of workers, and a run resumed from a checkpoint sees exactly the batches an uninterrupted run
-would.
-"""
+"""The per-sample work of the data-loader workers, and the resumable sampler that drives it: every random choice of a
+sample (its views, its same-class partners) comes from the seed of its ``(index, seed)`` key, so runs do not depend on
+the number of workers and resume exactly."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
-from hfmca_lightning.data.batch_formats import ViewBatch, stack_samples
+from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.sources import LabelledImages
-from hfmca_lightning.errors import ConfigurationError
 
-__all__ = [
-    "EvalDataset",
-    "GroupedViews",
-    "MultiViewDataset",
-    "SameClassDataset",
-    "SeededRandomSampler",
-    "collate_samples",
-    "seeded_generators",
-]
+__all__ = ["EvalDataset", "SeededRandomSampler", "SeededViews", "collate_samples", "cycled_views", "seeded_generators"]
 
 SampleKey = tuple[int, int]
 Sample = tuple[list[Tensor], int, int, Tensor | None]  # (groups [(n_g, C, H_g, W_g)], target, index, grids)
@@ -42,21 +28,12 @@ class SeededRandomSampler(DistributedSampler):
     One global order is drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th key
     starting at ``r`` (the tail that does not divide evenly is dropped), so consecutive per-rank batches of ``b``
     together hold exactly the samples, with exactly the augmentation seeds, of one single-process batch of
-    ``num_replicas * b``. Lightning calls :meth:`set_epoch` every epoch and, since this is a ``DistributedSampler``,
-    leaves it in place under DDP.
-
-    :meth:`resume` makes the next iteration start inside an epoch: at ``epoch``, after the first ``samples_seen``
-    keys of the global order (what all ranks together consumed before a checkpoint). ``len()`` stays the full
-    epoch's, as Lightning's loop counts the batches of a resumed epoch from where it stopped.
-
-    Args:
-        num_samples: the size of the dataset.
-        seed: seeds the order and the sample seeds of every epoch.
-        num_replicas: processes sharing the data.
-        rank: this process's rank among them.
+    ``num_replicas * b``. As a ``DistributedSampler`` it stays in place under DDP. After :meth:`resume` the next
+    iteration starts inside an epoch; ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a
+    resumed epoch from where it stopped.
 
     Raises:
-        ValueError: when there are fewer samples than processes.
+        ValueError: when ``num_samples`` is below ``num_replicas``.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
@@ -77,11 +54,8 @@ class SeededRandomSampler(DistributedSampler):
         return self.num_samples
 
     def resume(self, epoch: int, samples_seen: int) -> None:
-        """Start the next iteration inside an epoch.
-
-        Args:
-            epoch: the epoch to resume.
-            samples_seen: keys of that epoch's global order already consumed (by all ranks together).
+        """Start the next iteration at ``epoch``, after the first ``samples_seen`` keys of its global order (what all
+        ranks together consumed before a checkpoint).
 
         Raises:
             ValueError: when ``epoch`` is negative or ``samples_seen`` is not in ``[0, num_samples]``.
@@ -120,82 +94,12 @@ def seeded_generators(seed: int) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-def _transform_list(transform: Callable | Sequence[Callable]) -> list[Callable]:
-    return list(transform) if isinstance(transform, Sequence) else [transform]
+class SeededViews(Dataset):
+    """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views that
+    ``draw(split, index, seed) -> (views, target)`` makes with the generators seeded from the sample's seed,
+    consecutive views of equal shape stacked into a group; ``(view, grid)`` pairs (VICRegL) also give the grids."""
 
-
-class MultiViewDataset(Dataset):
-    """``L`` augmented views of one image (paper Alg. 1): ``(index, seed) -> ([views (L, C, H, W)], target, index,
-    grids (L, g, g, 2) or None)``, grids where the transforms return views with grids (VICRegL). ``transform`` is one
-    view transform, or one per view kind (view ``l`` uses ``transform[l % len]``); the image is decoded once.
-
-    Raises:
-        ValueError: when ``num_views`` is below 1.
-    """
-
-    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
-        if num_views < 1:
-            raise ValueError(f"num_views must be >= 1; got {num_views}")
-        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, key: SampleKey) -> Sample:
-        index = int(key[0])
-        image, target = self.images[index]
-        with seeded_generators(key[1]):
-            views = [self.transforms[view % len(self.transforms)](image) for view in range(self.num_views)]
-        if isinstance(views[0], tuple):  # views with grids
-            grids = torch.stack([grid for _, grid in views])
-            return [torch.stack([view for view, _ in views])], int(target), index, grids
-        return [torch.stack(views)], int(target), index, None
-
-
-class SameClassDataset(Dataset):
-    """``L`` different images of one class (supervised scenario): ``(index, seed) -> ([members (L, C, H, W)], target,
-    index, None)``. Member 0 is the indexed image; the other ``L - 1`` are drawn without replacement from the rest of
-    its class. Member ``l`` goes through ``transform`` (or ``transform[l % len]``).
-
-    Raises:
-        ConfigurationError: when a class has fewer than ``num_views`` images.
-    """
-
-    def __init__(self, images: LabelledImages, transform: Callable | Sequence[Callable], num_views: int) -> None:
-        self.images, self.transforms, self.num_views = images, _transform_list(transform), num_views
-        targets = torch.as_tensor(images.targets)
-        self.by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
-        smallest = min(self.by_class.items(), key=lambda item: len(item[1]))
-        if len(smallest[1]) < num_views:
-            raise ConfigurationError(
-                f"SameClassViews needs at least count={num_views} images per class, but class {smallest[0]} has "
-                f"{len(smallest[1])}; lower the count or use SimCLRViews",
-                parameter="views",
-            )
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, key: SampleKey) -> Sample:
-        index, seed = int(key[0]), int(key[1])
-        target = self.images.targets[index]
-        candidates = self.by_class[target]
-        candidates = candidates[candidates != index]
-        generator = torch.Generator().manual_seed(seed)
-        partners = candidates[torch.randperm(len(candidates), generator=generator)[: self.num_views - 1]].tolist()
-        with seeded_generators(seed):
-            members = [
-                self.transforms[member % len(self.transforms)](self.images[i][0])
-                for member, i in enumerate([index, *partners])
-            ]
-        return [torch.stack(members)], int(target), index, None
-
-
-class GroupedViews(Dataset):
-    """``(index, seed) -> (groups [(n_g, C, S_g, S_g)], target, index, None)``: ``draw(image)``'s views of one image
-    on generators seeded with the sample's seed, consecutive views of equal shape stacked into a group."""
-
-    def __init__(self, split: LabelledImages, draw: Callable[[Any], list[Tensor]]) -> None:
+    def __init__(self, split: LabelledImages, draw: Callable[[LabelledImages, int, int], tuple[list, int]]) -> None:
         self.split, self.draw = split, draw
 
     def __len__(self) -> int:
@@ -203,24 +107,49 @@ class GroupedViews(Dataset):
 
     def __getitem__(self, key: SampleKey) -> Sample:
         index, seed = int(key[0]), int(key[1])
-        image, target = self.split[index]
         with seeded_generators(seed):
-            views = self.draw(image)
+            views, target = self.draw(self.split, index, seed)
+        grids = None
+        if isinstance(views[0], tuple):
+            grids, views = torch.stack([grid for _, grid in views]), [view for view, _ in views]
         groups: list[list[Tensor]] = []
         for view in views:
             if groups and groups[-1][0].shape == view.shape:
                 groups[-1].append(view)
             else:
                 groups.append([view])
-        return [torch.stack(group) for group in groups], int(target), index, None
+        return [torch.stack(group) for group in groups], int(target), index, grids
+
+
+def cycled_views(
+    transforms: Sequence[Callable], count: int, split: LabelledImages, index: int, seed: int
+) -> tuple[list, int]:
+    """``count`` views of image ``index`` (paper Alg. 1), view ``l`` through ``transforms[l % len]``."""
+    image, target = split[index]
+    return [transforms[view % len(transforms)](image) for view in range(count)], target
+
+
+def same_class_views(
+    transforms: Sequence[Callable], by_class: dict[int, Tensor], split: LabelledImages, index: int, seed: int
+) -> tuple[list, int]:
+    """Image ``index`` and ``len(transforms) - 1`` other images of its class (``by_class``: the indices of each),
+    drawn without replacement from ``seed``; member ``l`` through ``transforms[l]``."""
+    target = split.targets[index]
+    candidates = by_class[target][by_class[target] != index]
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
+    members = [index, *candidates[order[: len(transforms) - 1]].tolist()]
+    return [transform(split[member][0]) for transform, member in zip(transforms, members)], target
 
 
 def collate_samples(samples: list[Sample]) -> ViewBatch:
     """The :class:`ViewBatch` of a batch of per-sample views."""
-    grids = [sample[3] for sample in samples]
-    return stack_samples(
-        [(groups, target, index) for groups, target, index, _ in samples],
-        None if grids[0] is None else [grid for grid in grids if grid is not None],
+    groups, targets, indices, grids = zip(*samples)
+    return ViewBatch(
+        [torch.stack([sample[group] for sample in groups]) for group in range(len(groups[0]))],
+        torch.tensor(targets, dtype=torch.int64),
+        torch.tensor(indices, dtype=torch.int64),
+        [str(index) for index in indices],
+        None if grids[0] is None else torch.stack(grids),
     )
 
 

@@ -1,31 +1,25 @@
-"""View specs: what the views of a training sample are (docs/conventions.md §5). A spec owns every setting of its
-views and their number; a drawer (:mod:`hfmca_lightning.data.drawers`) says where and how they are drawn.
+"""View specs: what the views of a training sample are, with every setting of them and their number
+(docs/conventions.md §5); a drawer (:mod:`hfmca_lightning.data.drawers`) says where they are drawn.
 
-=======================  ==============================================================================================
-spec                     views of one sample
-=======================  ==============================================================================================
-:class:`SimCLRViews`     ``count`` SimCLR views of one image (Table 2 strengths or raw values; VICRegL's crop grids)
-:class:`MultiCrop`       global and local crops of one image (DINO, SwAV), global first
-:class:`SameClassViews`  ``count`` different images of one class, each through the SimCLR view transform
-:class:`SingleView`      one SimCLR view of one image, batched without a view axis
-:class:`TransformViews`  any callable image -> list of views (lightly's ``SimCLRTransform``, a user's own)
-=======================  ==============================================================================================
-
-The strength knobs map 0 -> no distortion and 1 -> the paper's extreme (Table 2; the table in
-:mod:`hfmca_lightning.data.transforms`); ``None`` keeps the SimCLR CIFAR default.
+:class:`SimCLRViews`, :class:`SingleView`, :class:`SameClassViews` and :class:`MultiCrop` draw SimCLR views with the
+appearance settings of :class:`SimCLRViews` (the Table 2 knobs of :mod:`hfmca_lightning.data.transforms`: 0 no
+distortion, 1 the paper's extreme, ``None`` the SimCLR CIFAR default); :class:`TransformViews` takes any callable image
+-> list of views.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import to_pil_image
 
-from hfmca_lightning.data.datasets import GroupedViews, MultiViewDataset, SameClassDataset
+from hfmca_lightning.data.datasets import SeededViews, cycled_views, same_class_views
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.transforms import ViewAugmentation, view_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
@@ -33,13 +27,11 @@ from hfmca_lightning.errors import ConfigurationError
 __all__ = ["MultiCrop", "SameClassViews", "SimCLRViews", "SingleView", "TransformViews", "ViewSpec"]
 
 Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std) per channel
-_PARAMETER = "views"
 
 
 class ViewSpec:
-    """What to draw for one sample. :attr:`num_views` is the number of views (None where only the output tells,
-    :class:`TransformViews`); :meth:`dataset` draws them one sample at a time on the CPU (what every drawer but the
-    batched ones runs)."""
+    """What to draw for one sample: :attr:`num_views` views (None where only the output tells), the first
+    :attr:`global_views` of them global crops; :meth:`dataset` draws them one sample at a time on the CPU."""
 
     single_view = False  # batches hold one image per sample, without a view axis
 
@@ -49,27 +41,18 @@ class ViewSpec:
 
     @property
     def global_views(self) -> int | None:
-        """How many views, first in order, are global crops (the rest are local): all of them, but
-        :class:`MultiCrop`'s ``global_crops``; None where only their sizes tell (the views of the first size)."""
+        """How many views, first in order, are global crops: all but :class:`MultiCrop`'s local ones; None: the
+        views of the first size."""
         return self.num_views
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        """The views of each sample of ``split``, drawn on the CPU.
-
-        Args:
-            split: the training split.
-            image_size: the source's image side (the views' side unless the spec sets its own).
-            normalisation: the source's per-channel ``(mean, std)``.
-
-        Returns:
-            A dataset ``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids or None)``.
-        """
+        """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids or None)`` for the training
+        ``split``, at the source's ``image_size`` (unless the spec sets its own) and ``(mean, std)``."""
         raise NotImplementedError
 
 
 class _Augmented(ViewSpec):
-    """The SimCLR view distribution of :func:`~hfmca_lightning.data.transforms.view_transform`, from the Table 2
-    strengths or raw values (:meth:`~hfmca_lightning.data.transforms.ViewAugmentation.from_strengths`)."""
+    """Views of the SimCLR view distribution, from the appearance settings of :class:`SimCLRViews`."""
 
     def __init__(
         self,
@@ -98,12 +81,7 @@ class _Augmented(ViewSpec):
                 )
 
     def augmentation(self, image_size: int) -> ViewAugmentation:
-        """The view distribution at ``image_size`` pixels.
-
-        Raises:
-            ConfigurationError: when a strength or probability is out of range, or ``color_jitter`` and
-                ``color_strength`` are both set.
-        """
+        """The view distribution at ``image_size`` pixels (:meth:`ViewAugmentation.from_strengths`)."""
         return ViewAugmentation.from_strengths(
             image_size,
             self.crop_strength,
@@ -115,6 +93,10 @@ class _Augmented(ViewSpec):
             self.solarize,
         )
 
+    def _cycled(self, split: LabelledImages, image_size: int, normalisation: Normalisation, grids: int = 0) -> Dataset:
+        transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=grids)
+        return SeededViews(split, partial(cycled_views, transforms, self.num_views))
+
 
 def _check_count(owner: str, count: int, least: int = 1, name: str = "count") -> None:
     if count < least:
@@ -122,7 +104,7 @@ def _check_count(owner: str, count: int, least: int = 1, name: str = "count") ->
 
 
 class SimCLRViews(_Augmented):
-    """``count`` SimCLR views of one image (paper Alg. 1; the Table 2 knobs).
+    """``count`` SimCLR views of one image (paper Alg. 1).
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
@@ -158,8 +140,7 @@ class SimCLRViews(_Augmented):
         grids: int = 0,
     ) -> None:
         _check_count("SimCLRViews", count)
-        if grids < 0:
-            raise ConfigurationError(f"SimCLRViews: grids must be >= 0; got {grids}", parameter="grids")
+        _check_count("SimCLRViews", grids, 0, "grids")
         self.count, self.grids = count, grids
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
@@ -168,26 +149,12 @@ class SimCLRViews(_Augmented):
         return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=self.grids)
-        return MultiViewDataset(split, transforms, self.count)
+        return self._cycled(split, image_size, normalisation, self.grids)
 
 
 class SingleView(_Augmented):
     """One SimCLR view of each image, batched as ``(images (B, C, H, W), targets)`` (internal costs alone, supervised
-    training).
-
-    Args:
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
-
-    Raises:
-        ConfigurationError: for a value out of range.
-    """
+    training); the settings of :class:`SimCLRViews` but ``count`` and ``grids``."""
 
     single_view = True
 
@@ -196,26 +163,13 @@ class SingleView(_Augmented):
         return 1
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        return MultiViewDataset(split, view_transforms(self.augmentation(image_size), *normalisation), 1)
+        return self._cycled(split, image_size, normalisation)
 
 
 class SameClassViews(_Augmented):
-    """``count`` different images of one class per sample, each through the SimCLR view transform (the supervised
-    scenario; all strengths 0 for plain images). The training images need labels.
-
-    Args:
-        count: images per group.
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
-
-    Raises:
-        ConfigurationError: for a value out of range.
-    """
+    """``count`` different images of one class per sample, each a SimCLR view (the supervised scenario; all strengths
+    0 for plain images); the settings of :class:`SimCLRViews` but ``grids``. The training images need labels, at least
+    ``count`` of each class."""
 
     def __init__(
         self,
@@ -237,17 +191,25 @@ class SameClassViews(_Augmented):
         return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        transforms = view_transforms(self.augmentation(image_size), *normalisation)
-        return SameClassDataset(split, transforms, self.count)
+        targets = torch.as_tensor(split.targets)
+        by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
+        smallest = min(by_class, key=lambda target: len(by_class[target]))
+        if len(by_class[smallest]) < self.count:
+            raise ConfigurationError(
+                f"SameClassViews needs at least count={self.count} images per class, but class {smallest} has "
+                f"{len(by_class[smallest])}; lower the count or use SimCLRViews",
+                parameter="views",
+            )
+        kinds = view_transforms(self.augmentation(image_size), *normalisation)
+        transforms = [kinds[member % len(kinds)] for member in range(self.count)]
+        return SeededViews(split, partial(same_class_views, transforms, by_class))
 
 
 class MultiCrop(_Augmented):
-    """Global and local crops of one image, global first (DINO, SwAV, iBOT, MSN): each crop the SimCLR view of its
-    group's size and crop scale, with the colour, greyscale, flip, blur and solarisation settings of all. Stacked
-    batches hold one ``(B, n_g, C, S_g, S_g)`` tensor per group; the list formats give the crops in order.
-
-    Defaults: 2 global crops of the source's size, scale 0.14-1, and 6 local crops of half that size, scale 0.05-0.14
-    (DINO's and SwAV's settings, scaled to CIFAR-like data).
+    """Global and local crops of one image, global first (DINO, SwAV, iBOT, MSN): each the SimCLR view of its group's
+    size and crop scale; the other settings of :class:`SimCLRViews` but ``count``, ``crop_strength`` and ``grids``.
+    Stacked batches hold one ``(B, n_g, C, S_g, S_g)`` tensor per group; the list formats give the crops in order.
+    The defaults are DINO's and SwAV's, scaled to CIFAR-like data.
 
     Args:
         global_crops: crops in the global group.
@@ -256,12 +218,6 @@ class MultiCrop(_Augmented):
         local_size: side of the local crops (default: half the source's image size).
         global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
         local_scale: the same for a local crop.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
@@ -293,17 +249,16 @@ class MultiCrop(_Augmented):
         _check_count("MultiCrop", local_crops, 0, "local_crops")
         if global_crops + local_crops < 1:
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
-        for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
-            low, high = scale
+        for name, (low, high) in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not 0 < low <= high <= 1:
                 raise ConfigurationError(
                     f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
-                    f"got {tuple(scale)}",
+                    f"got {(low, high)}",
                     parameter=name,
                 )
         for name, size in (("global_size", global_size), ("local_size", local_size)):
-            if size is not None and size < 1:
-                raise ConfigurationError(f"MultiCrop: {name} must be >= 1; got {size}", parameter=name)
+            if size is not None:
+                _check_count("MultiCrop", size, 1, name)
         self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
@@ -331,7 +286,7 @@ class MultiCrop(_Augmented):
         for count, size, scale in self.groups(image_size):
             group = replace(augmentation, image_size=size, crop_scale=scale)
             transforms += [view_transform(group, *normalisation, view=len(transforms) + n) for n in range(count)]
-        return GroupedViews(split, lambda image: [transform(image) for transform in transforms])
+        return SeededViews(split, partial(cycled_views, transforms, len(transforms)))
 
 
 class TransformViews(ViewSpec):
@@ -367,25 +322,21 @@ class TransformViews(ViewSpec):
         return None  # known from the output only: :meth:`count_views`
 
     def count_views(self, split: LabelledImages, seed: int) -> int:
-        """The number of views the transform makes of the first image of ``split`` (the data module counts them in
-        ``setup``)."""
+        """The number of views the transform makes of the first image of ``split`` (counted in ``setup``)."""
         groups = self.dataset(split, 0, ((), ()))[(0, seed)][0]
         return sum(group.shape[0] for group in groups)
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        transform = self.transform
+        return SeededViews(split, partial(_transformed_views, self.transform))
+
+
+def _transformed_views(transform: Callable, split: LabelledImages, index: int, seed: int) -> tuple[list, int]:
+    image, target = split[index]
+    views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
+    if not isinstance(views, Sequence) or not views or not all(isinstance(view, Tensor) for view in views):
         name = getattr(transform, "__name__", type(transform).__name__)
-
-        def draw(image: Any) -> list[Tensor]:
-            views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
-            if not isinstance(views, Sequence) or not views or not all(isinstance(view, Tensor) for view in views):
-                what = (
-                    type(views).__name__ if not isinstance(views, Sequence) or not views else "a list with non-tensors"
-                )
-                raise ConfigurationError(
-                    f"TransformViews: {name} must return a list of (C, H, W) view tensors; got {what}",
-                    parameter=_PARAMETER,
-                )
-            return list(views)
-
-        return GroupedViews(split, draw)
+        what = type(views).__name__ if not isinstance(views, Sequence) or not views else "a list with non-tensors"
+        raise ConfigurationError(
+            f"TransformViews: {name} must return a list of (C, H, W) view tensors; got {what}", parameter="views"
+        )
+    return list(views), target

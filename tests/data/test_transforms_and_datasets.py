@@ -1,9 +1,11 @@
+from functools import partial
+
 import pytest
 import torch
 from torchvision.transforms import v2
 
-from hfmca_lightning.data import SyntheticShapes
-from hfmca_lightning.data.datasets import MultiViewDataset, SameClassDataset, SeededRandomSampler
+from hfmca_lightning.data import SameClassViews, SyntheticShapes
+from hfmca_lightning.data.datasets import SeededRandomSampler, SeededViews, cycled_views, same_class_views
 from hfmca_lightning.data.sources import ArrayImages
 from hfmca_lightning.data.transforms import (
     RandomGaussianBlur,
@@ -64,11 +66,8 @@ def test_color_strength_one_doubles_the_default_jitter():
 
 def test_every_view_draws_its_own_crop():
     source = SyntheticShapes(num_classes=2, train_per_class=2)
-    dataset = MultiViewDataset(
-        source.split(True),
-        view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD),
-        num_views=6,
-    )
+    transform = view_transform(ViewAugmentation.from_strengths(32, color_strength=0, gray_strength=0), MEAN, STD)
+    dataset = SeededViews(source.split(True), partial(cycled_views, [transform], 6))
     (views,), target, index, grids = dataset[(0, 123)]
     assert views.shape == (6, 3, 32, 32) and index == 0 and target == source.split(True).targets[0] and grids is None
     distinct = {tuple(v.flatten()[:50].tolist()) for v in views}
@@ -76,10 +75,9 @@ def test_every_view_draws_its_own_crop():
 
 
 def test_views_are_a_function_of_the_sample_seed_only():
-    dataset = MultiViewDataset(
-        SyntheticShapes(num_classes=2, train_per_class=2).split(True),
-        view_transform(ViewAugmentation.from_strengths(32), MEAN, STD),
-        3,
+    transform = view_transform(ViewAugmentation.from_strengths(32), MEAN, STD)
+    dataset = SeededViews(
+        SyntheticShapes(num_classes=2, train_per_class=2).split(True), partial(cycled_views, [transform], 3)
     )
     (first,), *_ = dataset[(1, 42)]
     torch.manual_seed(999)  # global state must not matter
@@ -100,7 +98,8 @@ def test_sampler_is_a_permutation_that_depends_on_seed_and_epoch():
 def test_same_class_members_are_distinct_images_of_one_class():
     images = torch.arange(12, dtype=torch.uint8).reshape(12, 1, 1, 1).expand(12, 4, 4, 3).numpy()
     split = ArrayImages(images, [0, 1, 2] * 4)
-    dataset = SameClassDataset(split, lambda image: image[0, 0, 0].clone(), num_views=4)
+    by_class = {c: torch.arange(c, 12, 3) for c in range(3)}
+    dataset = SeededViews(split, partial(same_class_views, [lambda image: image[0, 0, 0].clone()] * 4, by_class))
     (members,), target, index, _ = dataset[(4, 5)]
     assert target == 1 and index == 4 and int(members[0]) == 4
     assert len(set(members.tolist())) == 4
@@ -110,7 +109,7 @@ def test_same_class_members_are_distinct_images_of_one_class():
 def test_same_class_needs_enough_images_per_class():
     split = ArrayImages(torch.zeros(4, 4, 4, 3, dtype=torch.uint8).numpy(), [0, 0, 1, 1])
     with pytest.raises(ConfigurationError, match="SameClassViews needs at least count=3 images per class") as error:
-        SameClassDataset(split, lambda x: x, num_views=3)
+        SameClassViews(count=3).dataset(split, 4, (MEAN, STD))
     assert error.value.parameter == "views"
 
 
@@ -193,7 +192,8 @@ def test_views_cycle_through_the_view_kinds_on_the_cpu_and_on_the_device():
     )
     flat = torch.full((3, 32, 32), 200, dtype=torch.uint8)
     images = ArrayImages(flat.permute(1, 2, 0)[None].numpy(), [0])
-    (cpu_views,), *_ = MultiViewDataset(images, view_transforms(spec, (0.0,) * 3, (1.0,) * 3), num_views=4)[(0, 123)]
+    transforms = view_transforms(spec, (0.0,) * 3, (1.0,) * 3)
+    (cpu_views,), *_ = SeededViews(images, partial(cycled_views, transforms, 4))[(0, 123)]
     batched = BatchedViewAugmentation(spec, (0.0,) * 3, (1.0,) * 3)
     device_views = batched.views_from_seeds(flat[None], torch.tensor([123]), num_views=4)[0]
     for views in (cpu_views, device_views):

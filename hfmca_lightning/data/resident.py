@@ -1,4 +1,6 @@
-"""The training split kept on the device: :class:`ResidentDrawer` (docs/conventions.md §5)."""
+"""The training split kept on the device: :class:`ResidentDrawer` (docs/conventions.md §5). For data sets that fit
+(CIFAR's 50,000 images are 150 MB as uint8) the images travel to the device once, and a training batch is only its
+samples' indices and seeds."""
 
 from __future__ import annotations
 
@@ -13,14 +15,43 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
-from hfmca_lightning.data.datasets import SeededRandomSampler
+from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler
 from hfmca_lightning.data.drawers import OutputDtype, ViewDrawer, batched_augmentation, check_output_dtype, emit
-from hfmca_lightning.data.sources import LabelledImages
-from hfmca_lightning.data.stored_images import StoredImages
+from hfmca_lightning.data.sources import ArrayImages, LabelledImages
+from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.data.view_specs import SimCLRViews
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["ResidentBatch", "ResidentDrawer"]
+__all__ = ["ResidentBatch", "ResidentDrawer", "stored_split"]
+
+DEVICE_MEMORY_SHARE = 0.5  # the most of the device's free memory the stored images may take (the rest is the model's)
+_CHUNKS_PER_PASS = 1 << 32
+_PASSES = itertools.count()  # every pass over any _Chunks in this process: chunk numbers never repeat
+
+
+def stored_split(split: LabelledImages, image_size: int) -> tuple[Tensor, Tensor]:
+    """``(images (N, C, S, S) uint8, targets (N,) int64)`` of ``split``, each image resized (shorter side) and
+    centre-cropped to ``image_size`` as the CPU workers' ``resize_transform`` does; arrays of that size already
+    (CIFAR, SyntheticShapes) are taken as they are."""
+    targets = torch.tensor(split.targets, dtype=torch.int64)
+    if isinstance(split, ArrayImages) and tuple(split.images.shape[-2:]) == (image_size, image_size):
+        return split.images.contiguous(), targets
+    resize = resize_transform(image_size)
+    return torch.stack([resize(split[index][0]) for index in range(len(split))]), targets
+
+
+def _on_device(images: Tensor, device: torch.device) -> Tensor:
+    """``images`` on ``device``; one clear error when they would take more than half of its free memory."""
+    if device.type == "cuda" and device != images.device:
+        free, _ = torch.cuda.mem_get_info(device)
+        if images.numel() > DEVICE_MEMORY_SHARE * free:
+            raise ConfigurationError(
+                f"ResidentDrawer: the training split takes {images.numel() / 2**30:.1f} GiB as uint8, more than half "
+                f"of the {free / 2**30:.1f} GiB free on {device}; draw the views in CPU workers instead (drawer: "
+                "BatchedDrawer)",
+                parameter="drawer",
+            )
+    return images.to(device)
 
 
 @dataclass
@@ -43,16 +74,16 @@ class ResidentBatch:
         return replace(self, **{name: getattr(self, name).pin_memory() for name in tensors})
 
 
-_CHUNKS_PER_PASS = 1 << 32
-_PASSES = itertools.count()  # every pass over any _Chunks in this process: chunk numbers never repeat
+def _key_tensors(keys: list[SampleKey]) -> tuple[Tensor, Tensor]:
+    pairs = torch.tensor(keys, dtype=torch.int64).view(-1, 2)
+    return pairs[:, 0].clone(), pairs[:, 1].clone()
 
 
 class _Chunks(DistributedSampler):
-    """Batches of a :class:`SeededRandomSampler` (a ``DistributedSampler``, so Lightning leaves it in place), grouped
-    in chunks of ``batches_per_call``: yields ``(chunk number, position, batch size, chunk keys, next chunk keys)``.
-
-    Chunk numbers increase over the whole process, not only within an epoch: a pass that repeats an epoch (a resumed
-    one, or a second run with the same data module) never finds the chunks an earlier pass drew under its numbers."""
+    """The :class:`ResidentBatch` of each batch of a :class:`SeededRandomSampler` (a ``DistributedSampler``, so
+    Lightning leaves it in place), in chunks of ``batches_per_call``. Chunk numbers increase over the whole process: a
+    pass that repeats an epoch (a resumed one, or a second run of the same data module) never finds the chunks an
+    earlier pass drew under its numbers."""
 
     def __init__(self, sampler: SeededRandomSampler, batch_size: int, batches_per_call: int) -> None:
         self.sampler, self.batch_size, self.batches_per_call = sampler, batch_size, batches_per_call
@@ -63,22 +94,24 @@ class _Chunks(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[ResidentBatch]:  # type: ignore[override]
         keys = list(self.sampler)
-        batches = [keys[start : start + self.batch_size] for start in range(0, len(keys), self.batch_size)]
-        batches = [batch for batch in batches if len(batch) == self.batch_size]  # drop_last
-        size = self.batches_per_call
-        chunks = [batches[start : start + size] for start in range(0, len(batches), size)]
+        whole, size = len(keys) // self.batch_size * self.batch_size, self.batch_size * self.batches_per_call
+        chunks = [keys[start : min(start + size, whole)] for start in range(0, whole, size)]
         first = next(_PASSES) * _CHUNKS_PER_PASS
         for number, chunk in enumerate(chunks):
-            following = chunks[number + 1] if number + 1 < len(chunks) else []
-            flat, flat_next = [key for batch in chunk for key in batch], [key for batch in following for key in batch]
-            for position in range(len(chunk)):
-                yield first + number, position, self.batch_size, flat, flat_next
+            indices, seeds = _key_tensors(chunk)
+            next_indices, next_seeds = _key_tensors(chunks[number + 1] if number + 1 < len(chunks) else [])
+            for position in range(len(chunk) // self.batch_size):
+                own = chunk[position * self.batch_size : (position + 1) * self.batch_size]
+                names = [str(index) for index, _ in own]
+                yield ResidentBatch(
+                    first + number, position, self.batch_size, indices, seeds, next_indices, next_seeds, names
+                )
 
 
-class _ResidentKeys(Dataset):
-    """``(chunk, position, batch size, keys, next keys) -> ResidentBatch`` (auto-collation off: one item per batch)."""
+class _Batches(Dataset):
+    """The batches :class:`_Chunks` yields, as they are (auto-collation off: one item per batch)."""
 
     def __init__(self, length: int) -> None:
         self.length = length
@@ -86,37 +119,16 @@ class _ResidentKeys(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, item: Any) -> ResidentBatch:
-        chunk, position, batch_size, keys, following = item
-
-        def tensors(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-            if not pairs:
-                return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-            index, seed = zip(*pairs)
-            return torch.tensor(index, dtype=torch.int64), torch.tensor(seed, dtype=torch.int64)
-
-        indices, seeds = tensors(keys)
-        next_indices, next_seeds = tensors(following)
-        own = keys[position * batch_size : (position + 1) * batch_size]
-        return ResidentBatch(
-            chunk,
-            position,
-            batch_size,
-            indices,
-            seeds,
-            next_indices,
-            next_seeds,
-            [str(index) for index, _ in own],
-        )
+    def __getitem__(self, batch: ResidentBatch) -> ResidentBatch:
+        return batch
 
 
 class ResidentDrawer(ViewDrawer):
-    """The training split kept on the device as one uint8 tensor (for data sets that fit: one clear error if it
-    would take more than half of the free device memory); a training batch is then its samples' indices and seeds,
-    and the views are drawn on the device from the seeds by
-    :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`: the views
-    :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers (``num_workers`` then serves the
-    evaluation loaders). Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
+    """The training split kept on the device as one uint8 tensor (one clear error if it would take more than half of
+    the free device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device
+    from the seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers
+    (``num_workers`` then serves the evaluation loaders). Draws :class:`~hfmca_lightning.data.SimCLRViews` without
+    grids.
 
     Args:
         batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
@@ -147,39 +159,26 @@ class ResidentDrawer(ViewDrawer):
             raise ConfigurationError(
                 f"ResidentDrawer: batches_per_call must be >= 1; got {batches_per_call}", parameter="batches_per_call"
             )
-        self.batches_per_call = batches_per_call
         check_output_dtype("ResidentDrawer", output_dtype)
-        self.output_dtype, self.channels_last = output_dtype, channels_last
+        self.batches_per_call, self.output_dtype, self.channels_last = batches_per_call, output_dtype, channels_last
 
     def _clear(self) -> None:
         self._augmentation: BatchedViewAugmentation | None = None
-        self._stored: StoredImages | None = None
+        self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
 
-    def store(self, split: LabelledImages, device: torch.device | None = None) -> StoredImages:
-        """The split as one uint8 tensor (made once; the data module calls it in ``setup``).
-
-        Args:
-            split: the training split.
-            device: where the tensor is kept; None: where it is.
-
-        Returns:
-            The stored images and targets.
-        """
-        if self._stored is None or self._split is not split:
-            self._stored, self._split = StoredImages.from_split(split, self.setup.image_size), split
-            self._drawn.clear()
-        if device is not None and self._stored.device != device:
-            self._stored = self._stored.to(device)
-            self._drawn.clear()
-        return self._stored
-
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
-        self.store(split, device)
+        """Store the split (once), on ``device`` where given: a split too large for it fails before training."""
+        if self._stored is None or self._split is not split:
+            self._stored, self._split = stored_split(split, self.setup.image_size), split
+            self._drawn.clear()
+        if device is not None and self._stored[0].device != device:
+            self._stored = (_on_device(self._stored[0], device), self._stored[1].to(device))
+            self._drawn.clear()
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        return _ResidentKeys(len(split))
+        return _Batches(len(split))
 
     def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
         """Whole batches from the dataset (auto-collation off), in chunks of ``batches_per_call``."""
@@ -190,11 +189,13 @@ class ResidentDrawer(ViewDrawer):
 
     def draw(self, batch: ResidentBatch) -> ViewBatch:
         device = batch.indices.device
-        stored = self.store(self._split if self._split is not None else _missing_split(), device)
+        if self._split is None:
+            raise RuntimeError("ResidentDrawer has no training split: the data module stores it in setup()")
+        self.prepare(self._split, device)
         for done in [chunk for chunk in self._drawn if chunk < batch.chunk]:
             del self._drawn[done]
         if batch.chunk not in self._drawn:
-            self._drawn[batch.chunk] = self._draw_chunk(stored, batch.indices, batch.seeds, side=False)
+            self._drawn[batch.chunk] = self._draw_chunk(batch.indices, batch.seeds, side=False)
         views, targets, event = self._drawn[batch.chunk]
         if event is not None:  # drawn ahead on the side stream
             current = torch.cuda.current_stream(device)
@@ -205,33 +206,30 @@ class ResidentDrawer(ViewDrawer):
         ahead = batch.chunk + 1
         if batch.position == 0 and self.batches_per_call > 1 and device.type == "cuda" and len(batch.next_indices):
             if ahead not in self._drawn:  # the next chunk while this one trains
-                self._drawn[ahead] = self._draw_chunk(stored, batch.next_indices, batch.next_seeds, side=True)
+                self._drawn[ahead] = self._draw_chunk(batch.next_indices, batch.next_seeds, side=True)
         rows = slice(batch.position * batch.batch_size, (batch.position + 1) * batch.batch_size)
         return ViewBatch([views[rows]], targets[rows], batch.indices[rows], batch.names)
 
-    def _draw_chunk(
-        self, stored: StoredImages, indices: Tensor, seeds: Tensor, side: bool
-    ) -> tuple[Tensor, Tensor, Any]:
+    def _draw_chunk(self, indices: Tensor, seeds: Tensor, side: bool) -> tuple[Tensor, Tensor, Any]:
+        assert self._stored is not None
+        images, targets = self._stored
         if self._augmentation is None:
             self._augmentation = batched_augmentation(self.setup)
         augmentation = self._augmentation.to(indices.device)
         count: int = self.setup.views.num_views  # type: ignore[assignment]  # SimCLRViews: known
         if not side:
-            views = augmentation.views_from_seeds(stored.images[indices], seeds, count)
-            return emit(views, self.output_dtype, self.channels_last), stored.targets[indices], None
+            views = augmentation.views_from_seeds(images[indices], seeds, count)
+            return emit(views, self.output_dtype, self.channels_last), targets[indices], None
         current = torch.cuda.current_stream(indices.device)
         stream = torch.cuda.Stream(indices.device)
         stream.wait_stream(current)  # the indices' transfer
         indices.record_stream(stream)
         seeds.record_stream(stream)
         with torch.cuda.stream(stream):
-            views = augmentation.views_from_seeds(stored.images[indices], seeds, count)
-            views = emit(views, self.output_dtype, self.channels_last)
-            targets = stored.targets[indices]
+            views = emit(
+                augmentation.views_from_seeds(images[indices], seeds, count), self.output_dtype, self.channels_last
+            )
+            chunk_targets = targets[indices]
             event = torch.cuda.Event()
             event.record(stream)
-        return views, targets, event
-
-
-def _missing_split() -> LabelledImages:
-    raise RuntimeError("ResidentDrawer has no training split: the data module stores it in setup()")
+        return views, chunk_targets, event

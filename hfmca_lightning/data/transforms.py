@@ -38,13 +38,10 @@ from hfmca_lightning.errors import ConfigurationError
 __all__ = [
     "RandomGaussianBlur",
     "ViewAugmentation",
-    "view_transform",
-    "view_transforms",
     "eval_transform",
     "resize_transform",
-    "DEFAULT_CROP_SCALE",
-    "DEFAULT_COLOR_STRENGTH",
-    "DEFAULT_GRAY_STRENGTH",
+    "view_transform",
+    "view_transforms",
 ]
 
 DEFAULT_CROP_SCALE = (0.08, 1.0)
@@ -64,31 +61,19 @@ def _check_strength(name: str, value: float | None) -> None:
 @dataclass(frozen=True)
 class ViewAugmentation:
     """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
-    knobs of the module docstring). ``blur_p`` and ``solarize_p`` are per view kind: view ``l`` of a group uses entry
-    ``l % len`` (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
-    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's).
+    knobs of the module docstring). View ``l`` of a group has kind ``l % view_kinds``: its blur and solarisation
+    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
+    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's)."""
 
-    Args:
-        image_size: side of the square views.
-        crop_scale: ``RandomResizedCrop`` scale range.
-        crop_ratio: ``RandomResizedCrop`` aspect-ratio range.
-        jitter: colour jitter ``(brightness, contrast, saturation, hue)``; all 0 = no jitter.
-        jitter_p: probability of the colour jitter.
-        gray_p: probability of greyscale.
-        horizontal_flip: random horizontal flips.
-        blur_p: probability of a Gaussian blur, per view kind.
-        solarize_p: probability of a solarisation, per view kind.
-    """
-
-    image_size: int
-    crop_scale: tuple[float, float]
-    crop_ratio: tuple[float, float]
+    image_size: int  # side of the square views
+    crop_scale: tuple[float, float]  # RandomResizedCrop's scale range
+    crop_ratio: tuple[float, float]  # and its aspect-ratio range
     jitter: tuple[float, float, float, float]  # brightness, contrast, saturation, hue; all 0 = no jitter
     jitter_p: float
     gray_p: float
     horizontal_flip: bool
-    blur_p: tuple[float, ...] = (0.0,)
-    solarize_p: tuple[float, ...] = (0.0,)
+    blur_p: tuple[float, ...] = (0.0,)  # per view kind
+    solarize_p: tuple[float, ...] = (0.0,)  # per view kind
 
     @property
     def view_kinds(self) -> int:
@@ -116,21 +101,9 @@ class ViewAugmentation:
         blur: float | Sequence[float] = 0.0,
         solarize: float | Sequence[float] = 0.0,
     ) -> ViewAugmentation:
-        """Map the Table 2 knobs (module docstring) and the ImageNet-scale extras to parameters.
-
-        Args:
-            image_size: side of the square views.
-            crop_strength: crop knob in [0, 1]; None: SimCLR default.
-            color_strength: colour knob in [0, 1]; None: SimCLR default.
-            gray_strength: greyscale knob in [0, 1]; None: SimCLR default.
-            horizontal_flip: random horizontal flips.
-            color_jitter: ``(brightness, contrast, saturation, hue)``, instead of the jitter that ``color_strength``
-                gives (BYOL's is (0.4, 0.4, 0.2, 0.1)).
-            blur: probability of a Gaussian blur, or one per view kind.
-            solarize: probability of a solarisation, or one per view kind.
-
-        Returns:
-            The view distribution.
+        """The distribution of the Table 2 knobs (module docstring; None: the SimCLR default), ``color_jitter``
+        ``(brightness, contrast, saturation, hue)`` instead of the colour knob's jitter, and the blur and solarisation
+        probabilities (one, or one per view kind).
 
         Raises:
             ConfigurationError: when a strength or probability is not in [0, 1], or ``color_jitter`` is not four
@@ -182,21 +155,10 @@ def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ..
 def view_transform(
     spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
 ) -> v2.Compose:
-    """The transform of one random view, drawn from ``spec`` (the distribution
-    :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` draws from for whole batches).
-
-    Order as lightly's SimCLR / BYOL transforms: crop, flip, colour jitter, greyscale, blur, solarisation,
-    normalisation.
-
-    Args:
-        spec: the view distribution.
-        mean: per-channel normalisation mean.
-        std: per-channel normalisation standard deviation.
-        view: the view's number in its group (it picks the view kind's blur and solarisation probabilities).
-
-    Returns:
-        uint8 / PIL image -> normalised float ``(3, image_size, image_size)``.
-    """
+    """uint8 / PIL image -> a normalised float view ``(3, S, S)`` of ``spec``'s distribution with the blur and
+    solarisation of view number ``view``'s kind: crop, flip, colour jitter, greyscale, blur, solarisation,
+    normalisation (lightly's SimCLR / BYOL order; :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`
+    draws the same for whole batches)."""
     steps: list[v2.Transform] = [
         v2.ToImage(),
         v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True),
@@ -295,18 +257,8 @@ class RandomGaussianBlur(nn.Module):
 def view_transforms(
     spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0
 ) -> list[nn.Module]:
-    """The transforms of every view kind of ``spec``.
-
-    Args:
-        spec: the view distribution.
-        mean: per-channel normalisation mean.
-        std: per-channel normalisation standard deviation.
-        grid_size: ``g > 0``: views with the positions of a ``g x g`` grid of cells (VICRegL).
-
-    Returns:
-        One :func:`view_transform` per view kind (view ``l`` uses entry ``l % len``); with ``grid_size > 0`` one
-        :class:`ViewWithGrid` per kind instead.
-    """
+    """One :func:`view_transform` per view kind of ``spec`` (view ``l`` uses entry ``l % len``), or with
+    ``grid_size > 0`` one :class:`ViewWithGrid` of a ``g x g`` grid (VICRegL)."""
     if grid_size > 0:
         return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
@@ -315,17 +267,8 @@ def view_transforms(
 def eval_transform(
     image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None
 ) -> v2.Compose:
-    """The evaluation transform, without augmentation: resize the shorter side, centre-crop, normalise.
-
-    Args:
-        image_size: side of the centre crop.
-        mean: per-channel normalisation mean.
-        std: per-channel normalisation standard deviation.
-        resize: the shorter side before the crop (default ``image_size``; ImageNet: 256 for 224).
-
-    Returns:
-        uint8 / PIL image -> normalised float ``(3, image_size, image_size)``.
-    """
+    """uint8 / PIL image -> normalised float ``(3, image_size, image_size)``, without augmentation: the shorter side
+    resized to ``resize`` (default ``image_size``; ImageNet: 256 for 224), centre-cropped, normalised."""
     return v2.Compose(
         [
             v2.ToImage(),

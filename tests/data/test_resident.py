@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from hfmca_lightning.data import MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
+from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.datamodule import TrainingPosition
 from hfmca_lightning.data.drawers import batched_augmentation
-from hfmca_lightning.data.resident import ResidentBatch
+from hfmca_lightning.data.resident import ResidentBatch, _on_device, stored_split
+from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
-from tests.helpers import TrainerStandIn, drawn, epoch_batches
+from tests.helpers import TrainerStandIn, drawn, epoch_batches, write_image_folder
 
 
 def data(drawer: ResidentDrawer, batch_size: int = 4, **options: Any) -> MultiViewDataModule:
@@ -119,3 +120,23 @@ def test_a_split_too_large_for_the_device_is_one_line_when_the_data_module_is_se
     ) as error:
         module.setup("fit")
     assert "\n" not in str(error.value) and error.value.parameter == "drawer"
+
+
+def test_images_of_another_size_are_stored_resized_like_the_workers_resize_them(tmp_path):
+    write_image_folder(tmp_path, per_class=2, size=40)
+    source = ImageFolderSource(str(tmp_path), image_size=32)
+    split = source.training_split()
+    images, targets = stored_split(split, 32)
+    assert images.shape == (6, 3, 32, 32) and targets.tolist() == split.targets
+    assert torch.equal(images[4], resize_transform(32)(split[4][0]))
+
+
+def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40_000, 80_000))
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^ResidentDrawer: the training split takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on "
+        r"cuda.*\(drawer: BatchedDrawer\)$",
+    ) as error:
+        _on_device(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.device("cuda"))
+    assert error.value.parameter == "drawer"

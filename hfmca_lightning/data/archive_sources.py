@@ -8,7 +8,6 @@ is an error, not silent garbage.
 from __future__ import annotations
 
 import pickle
-from abc import abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +38,6 @@ class _ReleaseSource(ImageSource):
     verify: bool
     _spec: Any  # the torchvision data set class: url, filename, tgz_md5, base_folder, train_list, test_list
     _label: str  # the data set's name in messages
-    _checksum_advice: str  # what the md5 error says after naming the file and the release
 
     @property
     def folder(self) -> Path:
@@ -51,10 +49,6 @@ class _ReleaseSource(ImageSource):
     def _missing(self) -> list[Path]:
         return [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
 
-    @abstractmethod
-    def _download_failed(self, error: Exception) -> str:
-        """The message of a failed download."""
-
     def prepare(self) -> None:
         if self._missing() and self.download:
             try:
@@ -62,7 +56,10 @@ class _ReleaseSource(ImageSource):
                     self._spec.url, str(self.root), filename=self._spec.filename, md5=self._spec.tgz_md5
                 )
             except Exception as error:  # network errors come in many types; all mean the same to the user
-                raise ConfigurationError(self._download_failed(error)) from error
+                raise ConfigurationError(
+                    f"could not download {self._label} from {self._spec.url} into {self.root}: {error}. Without "
+                    f"network access, copy the extracted '{self._spec.base_folder}' folder into {self.root}."
+                ) from error
         missing = self._missing()
         if missing:
             raise DataNotFoundError(
@@ -75,7 +72,8 @@ class _ReleaseSource(ImageSource):
                 if not check_integrity(str(self.folder / name), md5):
                     raise ConfigurationError(
                         f"{self.folder / name} does not have the md5 sum of the official {self._label} release "
-                        f"{self._checksum_advice}"
+                        "(corrupt or partial download?). Delete it and download again; set `verify: false` only for "
+                        "data you generated yourself in this layout."
                     )
 
 
@@ -96,10 +94,6 @@ class CIFAR(_ReleaseSource):
     """
 
     image_size = 32
-    _checksum_advice = (
-        "(corrupt or partial download?). Delete it and download again; set `verify: false` only for data you "
-        "generated yourself in this layout."
-    )
 
     def __init__(
         self,
@@ -111,18 +105,10 @@ class CIFAR(_ReleaseSource):
         if name not in ("cifar10", "cifar100"):
             raise ConfigurationError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}", parameter="name")
         self.name = self._label = name
-        self.root = Path(root).expanduser()
-        self.download = download
-        self.verify = verify
+        self.root, self.download, self.verify = Path(root).expanduser(), download, verify
         self._spec = _TorchvisionCIFAR10 if name == "cifar10" else _TorchvisionCIFAR100
         self.num_classes = 10 if name == "cifar10" else 100
         self.mean, self.std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
-
-    def _download_failed(self, error: Exception) -> str:
-        return (
-            f"could not download {self.name} from {self._spec.url} into {self.root}: {error}. "
-            f"Without network access, copy the extracted '{self._spec.base_folder}' folder into {self.root}."
-        )
 
     def split(self, train: bool) -> ArrayImages:
         self.prepare()
@@ -225,9 +211,6 @@ class STL10(_ReleaseSource):
     num_classes = 10
     _spec = _TorchvisionSTL10
     _label = "STL-10"
-    _checksum_advice = (
-        "(partial download?). Delete it and download again; set `verify: false` only for data you generated yourself."
-    )
 
     def __init__(
         self,
@@ -237,17 +220,8 @@ class STL10(_ReleaseSource):
         train_on_labelled: bool = True,
         image_size: int = 96,
     ) -> None:
-        self.root = Path(root).expanduser()
-        self.download = download
-        self.verify = verify
-        self.train_on_labelled = train_on_labelled
-        self.image_size = image_size
-
-    def _download_failed(self, error: Exception) -> str:
-        return (
-            f"could not download STL-10 into {self.root}: {error}. Copy the extracted stl10_binary folder there "
-            "instead."
-        )
+        self.root, self.download, self.verify = Path(root).expanduser(), download, verify
+        self.train_on_labelled, self.image_size = train_on_labelled, image_size
 
     def _read(self, name: str) -> _BinaryImages:
         images = np.memmap(self.folder / f"{name}_X.bin", dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)

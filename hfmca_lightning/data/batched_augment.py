@@ -1,27 +1,13 @@
-"""SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations.
+"""SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations (docs/conventions.md
+§5): at CIFAR size the cost of per-sample augmentation is dispatch, not arithmetic.
 
-At CIFAR size the cost of per-sample augmentation is dispatch, not arithmetic. Here every step is a handful of
-operations on all ``B * L`` views at once, whatever their number:
-
-* crop: torchvision's ``RandomResizedCrop.get_params`` (ten tries of area and log-aspect, then its centre-crop
-  fallback), vectorised; the crop and the horizontal flip become one sampling grid, and one ``grid_sample``
-  (bilinear) resamples every view;
-* colour jitter (probability ``jitter_p``): the factors and hue shift of ``torchvision.transforms.v2.ColorJitter``
-  in a random order per view (torchvision draws one order per call, i.e. per view on the CPU path). Brightness,
-  contrast and saturation are blends ``clamp(f x + (1 - f) reference)`` with black, the mean grey or the grey image,
-  so each of the four rounds is one blend plus the hue shift (HSV, as torchvision) where the round's operation is
-  the hue;
-* greyscale, Gaussian blur (separable kernel of :attr:`ViewAugmentation.blur_kernel`, sigma uniform in
-  ``BLUR_SIGMA``, reflect padding, one grouped convolution per axis), solarisation at ``SOLARIZE_THRESHOLD``,
-  normalisation; blur and solarisation with the probabilities of each view's kind.
-
-Random numbers come from each sample's seed through a counter-based hash
-(:meth:`BatchedViewAugmentation.views_from_seeds`: :class:`~hfmca_lightning.data.BatchedDrawer` in the CPU workers or on
-the device, and :class:`~hfmca_lightning.data.ResidentDrawer`), so an image's views depend on its seed only, not on its
-batch, its rank or the device. Nothing here reads a device value on the host or copies a Python constant to the
-device. Pixels stay float32 throughout: the CPU torchvision path works on uint8 and its blends truncate after every
-jitter step, which leaves its views about 1/255 darker per step (0.01-0.03 of the normalised mean on the demo's
-images; the only difference seen in pixel statistics).
+Crop and flip are one sampling grid and one bilinear ``grid_sample``; the colour jitter is torchvision's, in a random
+order per view, each brightness, contrast or saturation round one blend ``clamp(f x + (1 - f) reference)``; then
+greyscale, a separable Gaussian blur, solarisation and normalisation, with each view kind's probabilities. Random
+numbers come from each sample's seed through a counter-based hash (:mod:`hfmca_lightning.data.counter_random`), so an
+image's views depend on its seed only, not on its batch, its rank or the device; nothing is read on the host. Pixels
+stay float32: torchvision's uint8 blends truncate after every jitter step, which leaves its views about 1/255 darker
+per step (0.01-0.03 of the normalised mean on the demo's images, the only difference seen in pixel statistics).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Random numbers as a function of ``(sample seed, position)``: counter-based, batched, the same on every device.
 
-Every sample of a training epoch has its own seed (:class:`~hfmca_lightning.data.datasets.SeededRandomSampler`).
-Seeding torch's generator once per sample is cheap on a CPU but costs a synchronous generator reset and a few
-dozen kernel launches per sample on a GPU. Here the uniforms of a whole batch come from one integer hash of
-``(seed, position)`` over a ``(batch, count)`` grid: a sample's numbers do not depend on its batch, its rank or
-the device, so views drawn from them resume exactly and shard under DDP like per-sample seeds do.
-
-The hash is Chris Wellons' ``lowbias32`` (two multiply-xorshift rounds on 32-bit words), chained over the seed's
-two 32-bit halves, the stream and the position. 32-bit products are taken in int64 in two 16-bit halves, so
-no intermediate exceeds 2**49: the integers are exact on any CPU or GPU.
+Seeding torch's generator once per sample costs a synchronous reset and a few dozen kernel launches per sample on a
+GPU; here the uniforms of a whole batch come from one integer hash of ``(seed, position)``, so a sample's numbers do not
+depend on its batch, its rank or the device. The hash is Chris Wellons' ``lowbias32``, chained over the seed's two
+32-bit halves, the stream and the position; 32-bit products are taken in int64 in two 16-bit halves, so the integers
+are exact on any CPU or GPU.
 """
 
 from __future__ import annotations

@@ -75,28 +75,21 @@ def _sample_dicts(samples: list[tuple[Any, int, int]]) -> dict[str, torch.Tensor
 class MultiViewDataModule(LightningDataModule):
     """Multi-view batches for HFMCA and any other SSL method: ``views`` says what to draw, ``drawer`` where.
 
-    * ``train_dataloader``: the views of ``batch_size`` samples per batch, laid out as ``batch_format`` says
-      (:mod:`hfmca_lightning.data.batch_formats`): ``stacked`` ``(views (B, L, C, H, W), targets)`` (this project's
-      modules), ``lightly`` ``([view_0 (B, C, H, W), ...], targets, names)``, ``solo`` ``(indexes, [view_0, ...],
-      targets)``, ``dict`` / ``dict_named`` (stable-pretraining: ``{"views": ..., "label", "sample_idx"}``).
-    * ``val_dataloader`` / ``test_dataloader``: ``BANK`` (0) and ``QUERIES`` (1), un-augmented ``(image, target)``
-      batches (``{"image", "label", "sample_idx"}`` in a dict format) of the train split (kNN bank) and the test split
-      (kNN queries); with ``evaluation_loaders="queries"`` the test split's loader alone, for modules whose
-      ``validation_step`` takes no loader index (:class:`~hfmca_lightning.callbacks.KNNEvaluation` then draws its bank
-      from :meth:`evaluation_loader` itself).
-
-    Each sample's views come from a seed given by the sampler, so runs do not depend on the number of workers.
-    :meth:`state_dict` (in every checkpoint) records how far training got; a run resumed from it starts at the next
-    unseen sample, with the order and views of an uninterrupted run, for any workers and number of devices.
+    The training loader gives the views of ``batch_size`` samples per batch in ``batch_format``; the evaluation loaders
+    ``BANK`` (0, the training split) and ``QUERIES`` (1, the test split) give un-augmented ``(image, target)`` batches
+    for kNN (``{"image", "label", "sample_idx"}`` in a dict format). Each sample's views come from a seed given by the
+    sampler, so runs do not depend on the number of workers; :meth:`state_dict` (in every checkpoint) records how far
+    training got, and a run resumed from it goes on with the order and views of an uninterrupted run.
 
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``DatasetSource``, ...).
         views: what to draw (:mod:`hfmca_lightning.data.view_specs`; default ``SimCLRViews()``: two SimCLR views), or
             any callable image -> list of views, such as lightly's ``SimCLRTransform``.
         drawer: where to draw them (:mod:`hfmca_lightning.data.drawers`; default ``TorchvisionDrawer()``).
-        batch_format: one of ``stacked``, ``lightly``, ``solo``, ``dict``, ``dict_named``
-            (:mod:`hfmca_lightning.data.batch_formats`).
-        evaluation_loaders: ``bank_and_queries`` (two loaders) or ``queries`` (the test split's alone).
+        batch_format: ``stacked`` (this project's modules), ``lightly``, ``solo``, ``dict`` or ``dict_named``
+            (stable-pretraining); the layouts: :mod:`hfmca_lightning.data.batch_formats`.
+        evaluation_loaders: ``bank_and_queries`` (two loaders) or ``queries`` (the test split's alone, for modules
+            whose ``validation_step`` takes no loader index; kNN then reads its bank from :meth:`evaluation_loader`).
         batch_size: samples (source images) per training batch and process.
         eval_batch_size: images per evaluation batch.
         num_workers: data-loader worker processes; more than the CPU cores this process may use are capped to them.

@@ -1,19 +1,8 @@
-"""Drawers: where and how the views of a view spec (:mod:`hfmca_lightning.data.view_specs`) are drawn.
-
-==========================  ===========================================================================  ============
-drawer                      draws                                                                          specs
-==========================  ===========================================================================  ============
-:class:`TorchvisionDrawer`  each sample's views by the spec's per-image transforms, in CPU workers         every spec
-:class:`BatchedDrawer`      a whole batch's views in a fixed number of tensor operations, in CPU workers   SimCLRViews
-                            (``on: workers``) or on the device after the transfer (``on: device``)         (no grids)
-:class:`ResidentDrawer`     the training set kept on the device; views of several batches per call         SimCLRViews
-                                                                                                           (no grids)
-==========================  ===========================================================================  ============
-
-Each sample's views come from its seed alone (:class:`~hfmca_lightning.data.datasets.SeededRandomSampler`), so runs do
-not depend on the number of workers or processes and resume exactly with every drawer. :func:`check_drawer` decides
-which drawer can draw which spec (from each drawer's ``draws`` and ``records_grids``), and refuses the others in one
-line.
+"""Drawers: where and how the views of a view spec (:mod:`hfmca_lightning.data.view_specs`) are drawn:
+:class:`TorchvisionDrawer` (every spec, in CPU workers), :class:`BatchedDrawer` (whole batches, in CPU workers or on the
+device) and :class:`~hfmca_lightning.data.ResidentDrawer` (the training set kept on the device). Each sample's views
+come from its seed alone, so runs do not depend on the number of workers or processes and resume exactly with every
+drawer. :func:`check_drawer` decides which drawer can draw which spec.
 """
 
 from __future__ import annotations
@@ -50,14 +39,12 @@ class DrawSetup:
 
 
 class ViewDrawer:
-    """Where the views of a spec are drawn. A drawer draws in data-loader workers (:meth:`collate` gives the views)
-    or on the device (``draws_on_device``: :meth:`collate` gives images or indices, :meth:`draw` the views after the
-    transfer). ``draws``: the specs it can draw, ``records_grids``: whether it draws crop grids (read by
-    :func:`check_drawer`). A data module draws with its own copy, :meth:`bind`, so one drawer object can configure
-    several data modules."""
+    """Where the views of a spec are drawn: in data-loader workers (:meth:`collate` gives the views) or on the device
+    (:meth:`collate` gives images or indices, :meth:`draw` the views after the transfer). A data module draws with its
+    own copy, :meth:`bind`, so one drawer object can configure several data modules."""
 
-    draws: tuple[type[ViewSpec], ...] = (ViewSpec,)
-    records_grids = True
+    draws: tuple[type[ViewSpec], ...] = (ViewSpec,)  # the specs it can draw (read by check_drawer)
+    records_grids = True  # whether it draws crop grids
     draws_on_device = False
     uses_workers = True  # else the training loader runs in the main process
 

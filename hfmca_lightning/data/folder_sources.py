@@ -67,11 +67,6 @@ class FolderImages(LabelledImages):
         )
 
 
-def _check_on_bad_image(value: str) -> None:
-    if value not in ("error", "skip"):
-        raise ConfigurationError(f"on_bad_image must be 'error' or 'skip'; got {value!r}", parameter="on_bad_image")
-
-
 def read_image(path: str) -> Tensor:
     """An image file as an RGB uint8 tensor ``(3, H, W)``."""
     if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
@@ -148,7 +143,28 @@ def _image_files(folder: Path) -> list[str]:
     return found
 
 
-class ImageFolderSource(ImageSource):
+class _FolderSource(ImageSource):
+    """The settings both folder sources share (their meaning: :class:`ImageFolderSource`)."""
+
+    def __init__(
+        self,
+        root: str,
+        image_size: int,
+        eval_resize: int | None,
+        mean: tuple[float, float, float],
+        std: tuple[float, float, float],
+        on_bad_image: Literal["error", "skip"],
+    ) -> None:
+        if on_bad_image not in ("error", "skip"):
+            raise ConfigurationError(
+                f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image"
+            )
+        self.root, self.image_size, self.eval_resize = Path(root).expanduser(), image_size, eval_resize
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
+        self.on_bad_image = on_bad_image
+
+
+class ImageFolderSource(_FolderSource):
     """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included.
 
     Start-up only lists the files (no image is opened: 100k files take well under a second); images are
@@ -185,14 +201,8 @@ class ImageFolderSource(ImageSource):
         std: tuple[float, float, float] = IMAGENET_STD,
         on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
-        _check_on_bad_image(on_bad_image)
-        self.root = Path(root).expanduser()
-        self.train_dir, self.test_dir = train_dir, test_dir
-        self.class_list = class_list
-        self.image_size = image_size
-        self.eval_resize = eval_resize
-        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
-        self.on_bad_image = on_bad_image
+        super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
+        self.train_dir, self.test_dir, self.class_list = train_dir, test_dir, class_list
         self.classes: list[str] | None = None
         self.num_classes = 0
         self._splits: dict[bool, FolderImages] = {}
@@ -268,7 +278,7 @@ class ImageFolderSource(ImageSource):
         return FolderImages(samples, self.on_bad_image)
 
 
-class UnlabelledFolderSource(ImageSource):
+class UnlabelledFolderSource(_FolderSource):
     """Any tree of images without classes (every image file under ``root``), for training only.
 
     kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
@@ -277,12 +287,9 @@ class UnlabelledFolderSource(ImageSource):
 
     Args:
         root: folder searched recursively for image files.
-        image_size: as :class:`ImageFolderSource`.
-        eval_resize: as :class:`ImageFolderSource`.
-        mean: as :class:`ImageFolderSource`.
-        std: as :class:`ImageFolderSource`.
-        on_bad_image: as :class:`ImageFolderSource`.
         evaluation: the labelled source whose evaluation splits kNN and probes use.
+
+    The other settings are those of :class:`ImageFolderSource`.
 
     Raises:
         ConfigurationError: when ``on_bad_image`` is not ``error`` or ``skip`` or ``mean`` / ``std`` are not three
@@ -299,12 +306,7 @@ class UnlabelledFolderSource(ImageSource):
         on_bad_image: Literal["error", "skip"] = "error",
         evaluation: ImageSource | None = None,
     ) -> None:
-        _check_on_bad_image(on_bad_image)
-        self.root = Path(root).expanduser()
-        self.image_size = image_size
-        self.eval_resize = eval_resize
-        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
-        self.on_bad_image = on_bad_image
+        super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
         self.evaluation = evaluation
         self.num_classes = evaluation.num_classes if evaluation is not None else 0
         self._images: FolderImages | None = None

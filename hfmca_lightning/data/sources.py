@@ -1,11 +1,7 @@
-"""Image sources: where the images come from (docs/conventions.md §5), and what they hand out.
-
-A source owns the on-disk (or generated) data and hands out its splits as :class:`LabelledImages`: the training split
-(labels may be ``UNLABELLED``) and, when it has labels, the evaluation splits (kNN bank and queries). Missing roots,
-wrong checksums and malformed trees are raised by :meth:`ImageSource.prepare` or the split methods, before any
-training starts; an image that cannot be decoded is found when it is first read (folders of a million files start in
-seconds). The sources are in ``archive_sources`` (CIFAR, STL-10), ``folder_sources`` (image folders), ``synthetic``
-(SyntheticShapes) and ``dataset_source`` (any torch Dataset).
+"""Image sources: where the images come from (docs/conventions.md §5). A source hands out its splits as
+:class:`LabelledImages`: the training split (labels may be ``UNLABELLED``) and, when it has labels, the evaluation
+splits (kNN bank and queries). Missing or malformed data is raised by :meth:`ImageSource.prepare` or the split methods,
+before training starts; an image that cannot be decoded, when it is first read.
 """
 
 from __future__ import annotations
@@ -41,15 +37,8 @@ class LabelledImages(Dataset):
 
 
 class ArrayImages(LabelledImages):
-    """Images held in memory as one ``(N, H, W, 3)`` uint8 array: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
-
-    Args:
-        images: ``(N, H, W, 3)`` uint8 array.
-        targets: ``N`` class indices (``UNLABELLED`` for images without a class).
-
-    Raises:
-        ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.
-    """
+    """Images held in memory as one ``(N, H, W, 3)`` uint8 array with ``N`` targets (``UNLABELLED`` for images without
+    a class): ``dataset[i] -> (uint8 tensor (3, H, W), target)``."""
 
     def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
@@ -67,17 +56,13 @@ class ArrayImages(LabelledImages):
 
 
 class ImageSource(ABC):
-    """Where images come from. Subclasses are configured from YAML with ``class_path`` / ``init_args``.
-
-    ``eval_resize``: the shorter side evaluation images are resized to before the centre crop of
-    ``image_size`` (``None``: ``image_size``; ImageNet's convention is 256 for 224).
-    """
+    """Where images come from. Subclasses are configured from YAML with ``class_path`` / ``init_args``."""
 
     num_classes: int
     image_size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    eval_resize: int | None = None
+    eval_resize: int | None = None  # evaluation images' shorter side before the centre crop (None: image_size)
 
     def prepare(self) -> None:  # noqa: B027 - optional: sources without files to fetch or check keep this no-op
         """Download (if asked) and check that the data is there; run once, on one process."""

@@ -78,19 +78,10 @@ class _ReleaseSource(ImageSource):
 
 
 class CIFAR(_ReleaseSource):
-    """CIFAR10 / CIFAR100 from torchvision's on-disk layout (``cifar-10-batches-py`` / ``cifar-100-python``).
-
-    The pickles are read directly, by an unpickler that builds dicts, lists and numpy arrays and refuses
-    anything else (a pickle can run code).
-
-    Args:
-        name: ``cifar10`` or ``cifar100`` (fine labels).
-        root: folder that holds (or will hold) the extracted data set.
-        download: fetch and extract the archive into ``root`` if it is missing.
-        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
-
-    Raises:
-        ConfigurationError: when ``name`` is neither of the above.
+    """CIFAR10 / CIFAR100 (fine labels) from torchvision's on-disk layout (``cifar-10-batches-py`` /
+    ``cifar-100-python``) under ``root``, downloaded there if asked. The pickles are read by an unpickler that builds
+    dicts, lists and numpy arrays and refuses anything else (a pickle can run code). ``verify: false`` (no md5 check)
+    only for data you wrote in this layout yourself.
     """
 
     image_size = 32
@@ -192,19 +183,10 @@ class _ConcatImages(ConcatDataset, LabelledImages):
 
 
 class STL10(_ReleaseSource):
-    """STL-10 from torchvision's on-disk layout (``stl10_binary``): 100k unlabelled and 5k labelled training
-    images, 8k test images, 96 x 96.
-
-    Training uses the ``unlabeled`` images and, with ``train_on_labelled``, the labelled ones (the usual
-    protocol); kNN uses the labelled training images as bank and the test images as queries. The binaries
-    are memory-mapped, not loaded.
-
-    Args:
-        root: folder that holds (or will hold) ``stl10_binary``.
-        download: fetch and extract the archive (2.6 GB) if it is missing.
-        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
-        train_on_labelled: add the 5k labelled training images to the training split.
-        image_size: side fed to the network (96: no resize).
+    """STL-10 from torchvision's on-disk layout (``stl10_binary`` under ``root``; a 2.6 GB download if asked): 100k
+    unlabelled and 5k labelled training images, 8k test images, 96 x 96, memory-mapped. Training uses the unlabelled
+    images and, with ``train_on_labelled``, the labelled ones (the usual protocol); kNN uses the labelled training
+    images as bank and the test images as queries. ``verify`` as :class:`CIFAR`.
     """
 
     mean, std = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)

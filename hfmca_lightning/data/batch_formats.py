@@ -36,21 +36,13 @@ DICT_FORMATS = ("dict", "dict_named")
 
 @dataclass
 class ViewBatch:
-    """The views of ``B`` samples before they are laid out (:func:`format_batch`).
+    """The views of ``B`` samples before they are laid out (:func:`format_batch`)."""
 
-    Args:
-        groups: ``(B, n_g, C, H_g, W_g)`` per group of equal-size views, global crops first.
-        targets: ``(B,)`` int64 class indices (``UNLABELLED`` for images without a class).
-        indices: ``(B,)`` int64 indices of the samples in the training split.
-        names: the samples' names (their indices as strings), made on the host before any transfer.
-        grids: ``(B, L, g, g, 2)`` source positions of a grid over each view (VICRegL), or None.
-    """
-
-    groups: list[Tensor]
-    targets: Tensor
-    indices: Tensor
-    names: list[str] = field(default_factory=list)
-    grids: Tensor | None = None
+    groups: list[Tensor]  # (B, n_g, C, H_g, W_g) per group of equal-size views, global crops first
+    targets: Tensor  # (B,) int64 class indices (UNLABELLED for images without a class)
+    indices: Tensor  # (B,) int64 indices of the samples in the training split
+    names: list[str] = field(default_factory=list)  # their indices as strings, made on the host before any transfer
+    grids: Tensor | None = None  # (B, L, g, g, 2) source positions of a grid over each view (VICRegL)
 
     @property
     def num_views(self) -> int:
@@ -64,21 +56,9 @@ class ViewBatch:
 def format_batch(
     batch: ViewBatch, batch_format: BatchFormat, single: bool = False, global_views: int | None = None
 ) -> Any:
-    """A batch laid out in one of the batch formats (module docstring).
-
-    Args:
-        batch: the views, targets and indices of ``B`` samples.
-        batch_format: one of :data:`BATCH_FORMATS`.
-        single: one view per sample: ``(images (B, C, H, W), targets)`` (``stacked``), ``{"image", "label",
-            "sample_idx"}`` (``dict``, ``dict_named``).
-        global_views: ``dict_named``: how many views, first in order, are global crops (default: the first
-            group's).
-
-    Returns:
-        The batch as ``batch_format`` lays it out.
-
-    Raises:
-        ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.
+    """``batch`` laid out in ``batch_format`` (module docstring); ``single``: one view per sample, without a view
+    axis; ``global_views``: how many views, first in order, are global crops (``dict_named``; default: the first
+    group's).
 
     Example::
 
@@ -125,16 +105,8 @@ def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool, global_views
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
-    """The first view of each sample of a training batch in any format (what callbacks that look at one view per
-    image take, such as the online linear probe).
-
-    Args:
-        batch: a training batch as :func:`format_batch` lays it out.
-        batch_format: the format of ``batch`` (one of :data:`BATCH_FORMATS`).
-
-    Returns:
-        ``(images (B, C, H, W), targets (B,))``.
-    """
+    """``(images (B, C, H, W), targets (B,))``: the first view of each sample of a training batch laid out in
+    ``batch_format`` (what callbacks that look at one view per image take, such as the online linear probe)."""
     if batch_format in DICT_FORMATS:
         views = batch.get("views")
         if views is None:  # a single view

@@ -1,8 +1,6 @@
-"""Any torch ``Dataset`` of ``(image, target)`` pairs as an image source: torchvision's data sets, a user's own.
-
-The images may be PIL images, ``(H, W, 3)`` uint8 arrays, or ``(C, H, W)`` / ``(H, W)`` tensors (uint8, or floats in
-``[0, 1]``); every drawer gets them as the ``(3, H, W)`` uint8 tensors the other sources give (greyscale
-repeated over the three channels). From YAML, the data sets are ``class_path`` / ``init_args`` as any class::
+"""Any torch ``Dataset`` of ``(image, target)`` pairs as an image source. Its images (PIL, ``(H, W, 3)`` uint8
+arrays, or ``(C, H, W)`` / ``(H, W)`` uint8 or ``[0, 1]`` float tensors) reach every drawer as ``(3, H, W)`` uint8
+tensors, greyscale repeated over the three channels. From YAML::
 
     source:
       class_path: hfmca_lightning.data.DatasetSource
@@ -40,10 +38,7 @@ class DatasetSource(ImageSource):
         test: the test split, for the evaluation protocols (kNN, probes) with ``train`` as the bank; ``None``: no
             evaluation.
         num_classes: ``None``: one more than the largest training target.
-        image_size: side of the square views.
-        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``).
-        std: the per-channel standard deviation the views are normalised by.
-        eval_resize: the shorter side evaluation images are resized to before the centre crop.
+        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``; ``std`` likewise).
 
     Raises:
         ConfigurationError: when a split is not a sized data set, or a setting is out of its range.

@@ -92,13 +92,7 @@ class ViewDrawer:
 
 class TorchvisionDrawer(ViewDrawer):
     """Each sample's views by the spec's own per-image transforms (torchvision's, or a user's), in the CPU workers:
-    every spec.
-
-    Example::
-
-        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=2, grids=7), drawer=TorchvisionDrawer())
-        views, targets, grids = next(iter(data.train_dataloader()))  # grids (64, 2, 7, 7, 2)
-    """
+    every spec."""
 
     def dataset(self, split: LabelledImages) -> Dataset:
         setup = self.setup
@@ -169,17 +163,9 @@ class BatchedDrawer(ViewDrawer):
     (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
     seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
     :class:`TorchvisionDrawer` on CIFAR-sized images) or on the device after the transfer of uint8 images (``on:
-    device``, no host-device waits). Both give the same views, from the image resized and centre-cropped to the view
-    size (nothing changes for CIFAR). Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
-
-    Args:
-        on: ``workers`` or ``device``.
-        output_dtype: ``on: device``: ``float32`` or ``bfloat16`` (what a bf16 run's backbone takes).
-        channels_last: ``on: device``: views laid out channels-last.
-
-    Raises:
-        ConfigurationError: when ``on`` or ``output_dtype`` is none of the above, or ``output_dtype`` /
-            ``channels_last`` are set for views drawn in the workers (they travel as float32).
+    device``, no host-device waits), where ``output_dtype`` (``float32`` or ``bfloat16``) and ``channels_last`` lay
+    them out for the backbone. Both give the same views, from the image resized and centre-cropped to the view size.
+    Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
 
     Example::
 
@@ -244,11 +230,8 @@ class BatchedDrawer(ViewDrawer):
 
 
 def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:
-    """Whether ``drawer`` can draw ``views``: the one place that decides it.
-
-    Raises:
-        ConfigurationError: in one line, for a pair that cannot work, naming a drawer that can.
-    """
+    """Whether ``drawer`` can draw ``views``, the one place that decides it: a ``ConfigurationError`` in one line for
+    a pair that cannot work, naming a drawer that can."""
     name = type(drawer).__name__
     if not isinstance(views, drawer.draws):
         what = ", ".join(spec.__name__ for spec in drawer.draws)

@@ -25,17 +25,10 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class FolderImages(LabelledImages):
-    """Image files decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
-
-    JPEG, PNG, WebP and GIF go through torchvision's decoders (libjpeg-turbo), anything else through PIL.
-    A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming
-    it; with ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the
-    next readable image of the list in its place, so an epoch keeps its length.
-
-    Args:
-        samples: ``(path, target)`` of every image.
-        on_bad_image: ``error`` or ``skip``.
-    """
+    """Image files ``samples [(path, target)]`` decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+    A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming it; with
+    ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the next readable image of
+    the list in its place, so an epoch keeps its length."""
 
     def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
         self.samples = samples
@@ -68,7 +61,8 @@ class FolderImages(LabelledImages):
 
 
 def read_image(path: str) -> Tensor:
-    """An image file as an RGB uint8 tensor ``(3, H, W)``."""
+    """An image file as an RGB uint8 tensor ``(3, H, W)``: JPEG, PNG, WebP and GIF by torchvision's decoders
+    (libjpeg-turbo), anything else by PIL."""
     if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
         try:
             return decode_image(path, mode=ImageReadMode.RGB)
@@ -167,26 +161,17 @@ class _FolderSource(ImageSource):
 class ImageFolderSource(_FolderSource):
     """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included.
 
-    Start-up only lists the files (no image is opened: 100k files take well under a second); images are
-    decoded when read, an unreadable one handled by ``on_bad_image``. Classes are the folder names,
-    sorted; both splits must have the same classes, none of them empty. Links are followed, each folder and
-    each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
+    Start-up only lists the files (100k files take well under a second); images are decoded when read. Classes are
+    the folder names, sorted; both splits must have the same classes, none of them empty. Links are followed, each
+    folder and each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
     Args:
-        root: folder with one sub-folder per split.
-        train_dir: name of the training split's folder.
-        test_dir: name of the test split's folder (ImageNet: ``val``); ``test_dir: null`` trains without kNN
-            evaluation.
+        test_dir: the test split's folder (ImageNet: ``val``); ``null`` trains without kNN evaluation.
         class_list: a text file of class folder names, one per line (``#`` comments); only those classes
             are used (``configs/imagenet100_classes.txt``: ImageNet-100).
-        image_size: side of the (square) images fed to the network.
         eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
-        mean: per-channel normalisation mean (default ImageNet's).
-        std: per-channel normalisation standard deviation (default ImageNet's).
+        mean: per-channel normalisation mean (default ImageNet's; ``std`` likewise).
         on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
-
-    Raises:
-        ConfigurationError: when ``on_bad_image`` is neither of the above or ``mean`` / ``std`` are not three values.
     """
 
     def __init__(
@@ -279,21 +264,10 @@ class ImageFolderSource(_FolderSource):
 
 
 class UnlabelledFolderSource(_FolderSource):
-    """Any tree of images without classes (every image file under ``root``), for training only.
-
-    kNN evaluation needs labels: give ``evaluation`` (a labelled source, e.g. an ``ImageFolderSource`` of a
-    labelled subset) for its bank and queries; without it, training runs and kNN is skipped with a warning.
-    Links are followed as in :class:`ImageFolderSource`: each folder and each image once.
-
-    Args:
-        root: folder searched recursively for image files.
-        evaluation: the labelled source whose evaluation splits kNN and probes use.
-
-    The other settings are those of :class:`ImageFolderSource`.
-
-    Raises:
-        ConfigurationError: when ``on_bad_image`` is not ``error`` or ``skip`` or ``mean`` / ``std`` are not three
-            values.
+    """Any tree of images without classes (every image file under ``root``, links followed as in
+    :class:`ImageFolderSource`), for training only; the other settings are those of :class:`ImageFolderSource`.
+    ``evaluation``: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits kNN
+    and probes use; without it, training runs and kNN is skipped with a warning.
     """
 
     def __init__(

@@ -127,18 +127,12 @@ class ResidentDrawer(ViewDrawer):
     """The training split kept on the device as one uint8 tensor (one clear error if it would take more than half of
     the free device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device
     from the seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers
-    (``num_workers`` then serves the evaluation loaders). Draws :class:`~hfmca_lightning.data.SimCLRViews` without
-    grids.
+    (``num_workers`` then serves the evaluation loaders), in ``output_dtype`` and ``channels_last`` as that drawer's on
+    the device. Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
 
-    Args:
-        batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
-            GPU); on CUDA the next chunk is drawn ahead on a side stream while the current one trains. The views
-            are those of one batch at a time (each sample's come from its own seed).
-        output_dtype: ``float32`` or ``bfloat16``, as :class:`~hfmca_lightning.data.BatchedDrawer` on the device.
-        channels_last: views laid out channels-last, as :class:`~hfmca_lightning.data.BatchedDrawer` on the device.
-
-    Raises:
-        ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is neither of the above.
+    ``batches_per_call``: draw the views of this many consecutive batches in one call (fewer, larger launches on a
+    GPU; on CUDA the next chunk is drawn ahead on a side stream while the current one trains). The views are those of
+    one batch at a time (each sample's come from its own seed).
 
     Example::
 

@@ -45,18 +45,8 @@ def _mask(shape: str, y: np.ndarray, x: np.ndarray, radius: float) -> np.ndarray
 
 
 def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``per_class`` images of each of the first ``num_classes`` shapes.
-
-    Returns:
-        images ``(num_classes * per_class, image_size, image_size, 3)`` uint8 and targets ``(N,)`` int64,
-        ordered by class.
-    """
-    if not 2 <= num_classes <= len(SHAPES):
-        raise ValueError(
-            f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got {num_classes}"
-        )
-    if per_class < 1 or image_size < 8:
-        raise ValueError(f"need per_class >= 1 and image_size >= 8; got {per_class}, {image_size}")
+    """``per_class`` images of each of the first ``num_classes`` shapes, ordered by class: images ``(N, S, S, 3)``
+    uint8 and targets ``(N,)`` int64 (the settings are checked by :class:`SyntheticShapes`)."""
     rng = np.random.default_rng(seed)
     coords = np.arange(image_size, dtype=np.float64) + 0.5
     images = np.empty((num_classes * per_class, image_size, image_size, 3), dtype=np.uint8)
@@ -74,21 +64,13 @@ def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int
 
 
 class SyntheticShapes(ImageSource):
-    """The embedded, procedurally generated data set for the offline demo and the tests.
-
-    Each class is a shape (disk, square, triangle, ring, cross, stripes, ...) drawn with random colours,
-    position and size over a noisy background; a representation must see shape, not colour, to
-    separate the classes. Deterministic from ``seed``; nothing is stored on disk.
-
-    Args:
-        num_classes: shapes, hence classes, in ``[2, number of shapes]``.
-        train_per_class: training images per class.
-        test_per_class: test images per class.
-        image_size: side of the square images, ``>= 8``.
-        seed: seeds the generation.
+    """The embedded, procedurally generated data set for the offline demo and the tests: each of ``num_classes``
+    (2 to 10) classes is a shape (disk, square, triangle, ring, cross, stripes, ...) drawn with random colours,
+    position and size over a noisy background, so a representation must see shape, not colour, to separate the
+    classes. Deterministic from ``seed``; nothing is stored on disk.
 
     Raises:
-        ConfigurationError: when a setting is out of its range.
+        ConfigurationError: when a setting is out of its range (``image_size >= 8``, counts ``>= 1``).
     """
 
     def __init__(
@@ -99,11 +81,8 @@ class SyntheticShapes(ImageSource):
         image_size: int = 32,
         seed: int = 0,
     ) -> None:
-        self.num_classes = num_classes
-        self.train_per_class = train_per_class
-        self.test_per_class = test_per_class
-        self.image_size = image_size
-        self.seed = seed
+        self.num_classes, self.train_per_class, self.test_per_class = num_classes, train_per_class, test_per_class
+        self.image_size, self.seed = image_size, seed
         self.mean, self.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
         if not 2 <= num_classes <= len(SHAPES):
             raise ConfigurationError(

@@ -108,14 +108,10 @@ class SimCLRViews(_Augmented):
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
-        crop_strength: Table 2 crop knob in [0, 1].
-        color_strength: Table 2 colour-jitter knob in [0, 1].
-        gray_strength: Table 2 greyscale knob in [0, 1].
+        crop_strength: Table 2 knob in [0, 1] (as ``color_strength`` and ``gray_strength``).
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
-        horizontal_flip: random horizontal flips.
         blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the views (BYOL:
-            ``[1.0, 0.1]``).
-        solarize: probability of a solarisation, as ``blur`` (BYOL: ``[0.0, 0.2]``).
+            ``[1.0, 0.1]``); ``solarize`` likewise (BYOL: ``[0.0, 0.2]``).
         grids: ``g > 0``: each view comes with the source positions of a ``g x g`` grid over it (VICRegL); batches
             get a grids tensor ``(B, L, g, g, 2)``.
 
@@ -212,12 +208,9 @@ class MultiCrop(_Augmented):
     The defaults are DINO's and SwAV's, scaled to CIFAR-like data.
 
     Args:
-        global_crops: crops in the global group.
-        local_crops: crops in the local group.
         global_size: side of the global crops (default: the source's image size).
         local_size: side of the local crops (default: half the source's image size).
-        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
-        local_scale: the same for a local crop.
+        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers (``local_scale`` likewise).
 
     Raises:
         ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
@@ -290,17 +283,11 @@ class MultiCrop(_Augmented):
 
 
 class TransformViews(ViewSpec):
-    """Any callable that maps an image to a list of views: lightly's ``SimCLRTransform``, ``DINOTransform``, or a
-    user's own. It gets a PIL image (what lightly's transforms take); torch's, Python's and numpy's generators are
-    seeded from the sample's seed before each call, so views do not depend on the number of workers and resume
-    exactly. Consecutive views of equal shape form a group (DINO's global crops, then its local crops). The number of
-    views is counted on the first sample. A callable given as the data module's ``views`` is wrapped in this.
-
-    Args:
-        transform: image -> list of ``(C, H, W)`` tensors.
-
-    Raises:
-        ConfigurationError: when ``transform`` is not callable.
+    """Any callable PIL image -> list of ``(C, H, W)`` views: lightly's ``SimCLRTransform``, ``DINOTransform``, or a
+    user's own (a callable given as the data module's ``views`` is wrapped in this). Torch's, Python's and numpy's
+    generators are seeded from the sample's seed before each call, so views do not depend on the number of workers
+    and resume exactly. Consecutive views of equal shape form a group (DINO's global crops, then its local crops);
+    the number of views is counted on the first sample.
 
     Example::
 

@@ -82,6 +82,12 @@ class CIFAR(_ReleaseSource):
     ``cifar-100-python``) under ``root``, downloaded there if asked. The pickles are read by an unpickler that builds
     dicts, lists and numpy arrays and refuses anything else (a pickle can run code). ``verify: false`` (no md5 check)
     only for data you wrote in this layout yourself.
+
+    Args:
+        name: ``cifar10`` or ``cifar100``.
+        root: folder that holds (or will hold) the extracted data set.
+        download: fetch and extract the archive into ``root`` if it is missing.
+        verify: check md5 sums.
     """
 
     image_size = 32
@@ -186,7 +192,14 @@ class STL10(_ReleaseSource):
     """STL-10 from torchvision's on-disk layout (``stl10_binary`` under ``root``; a 2.6 GB download if asked): 100k
     unlabelled and 5k labelled training images, 8k test images, 96 x 96, memory-mapped. Training uses the unlabelled
     images and, with ``train_on_labelled``, the labelled ones (the usual protocol); kNN uses the labelled training
-    images as bank and the test images as queries. ``verify`` as :class:`CIFAR`.
+    images as bank and the test images as queries.
+
+    Args:
+        root: folder that holds (or will hold) ``stl10_binary``.
+        download: fetch and extract the archive if it is missing.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
+        train_on_labelled: add the 5k labelled training images to the training split.
+        image_size: side fed to the network (96: no resize).
     """
 
     mean, std = (0.4467, 0.4398, 0.4066), (0.2603, 0.2566, 0.2713)

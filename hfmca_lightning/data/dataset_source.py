@@ -38,7 +38,10 @@ class DatasetSource(ImageSource):
         test: the test split, for the evaluation protocols (kNN, probes) with ``train`` as the bank; ``None``: no
             evaluation.
         num_classes: ``None``: one more than the largest training target.
-        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``; ``std`` likewise).
+        image_size: side of the square views.
+        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``).
+        std: the per-channel standard deviation the views are normalised by.
+        eval_resize: the shorter side evaluation images are resized to before the centre crop.
 
     Raises:
         ConfigurationError: when a split is not a sized data set, or a setting is out of its range.

@@ -167,6 +167,11 @@ class BatchedDrawer(ViewDrawer):
     them out for the backbone. Both give the same views, from the image resized and centre-cropped to the view size.
     Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
 
+    Args:
+        on: ``workers`` or ``device``.
+        output_dtype: ``on: device``: ``float32`` or ``bfloat16`` (what a bf16 run's backbone takes).
+        channels_last: ``on: device``: views laid out channels-last.
+
     Example::
 
         drawer = BatchedDrawer(on="device", output_dtype="bfloat16", channels_last=True)

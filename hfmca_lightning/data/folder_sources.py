@@ -166,11 +166,15 @@ class ImageFolderSource(_FolderSource):
     folder and each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
     Args:
+        root: folder with one sub-folder per split.
+        train_dir: the training split's folder.
         test_dir: the test split's folder (ImageNet: ``val``); ``null`` trains without kNN evaluation.
         class_list: a text file of class folder names, one per line (``#`` comments); only those classes
             are used (``configs/imagenet100_classes.txt``: ImageNet-100).
+        image_size: side of the (square) images fed to the network.
         eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
-        mean: per-channel normalisation mean (default ImageNet's; ``std`` likewise).
+        mean: per-channel normalisation mean (default ImageNet's).
+        std: per-channel normalisation standard deviation (default ImageNet's).
         on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
     """
 
@@ -265,9 +269,17 @@ class ImageFolderSource(_FolderSource):
 
 class UnlabelledFolderSource(_FolderSource):
     """Any tree of images without classes (every image file under ``root``, links followed as in
-    :class:`ImageFolderSource`), for training only; the other settings are those of :class:`ImageFolderSource`.
-    ``evaluation``: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits kNN
-    and probes use; without it, training runs and kNN is skipped with a warning.
+    :class:`ImageFolderSource`), for training only.
+
+    Args:
+        root: folder searched recursively for image files.
+        image_size: as :class:`ImageFolderSource`.
+        eval_resize: as :class:`ImageFolderSource`.
+        mean: as :class:`ImageFolderSource`.
+        std: as :class:`ImageFolderSource`.
+        on_bad_image: as :class:`ImageFolderSource`.
+        evaluation: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits
+            kNN and probes use; without it, training runs and kNN is skipped with a warning.
     """
 
     def __init__(

@@ -130,9 +130,12 @@ class ResidentDrawer(ViewDrawer):
     (``num_workers`` then serves the evaluation loaders), in ``output_dtype`` and ``channels_last`` as that drawer's on
     the device. Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
 
-    ``batches_per_call``: draw the views of this many consecutive batches in one call (fewer, larger launches on a
-    GPU; on CUDA the next chunk is drawn ahead on a side stream while the current one trains). The views are those of
-    one batch at a time (each sample's come from its own seed).
+    Args:
+        batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
+            GPU; on CUDA the next chunk is drawn ahead on a side stream while the current one trains). The views are
+            those of one batch at a time (each sample's come from its own seed).
+        output_dtype: ``float32`` or ``bfloat16``.
+        channels_last: views laid out channels-last.
 
     Example::
 

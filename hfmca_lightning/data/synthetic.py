@@ -69,8 +69,12 @@ class SyntheticShapes(ImageSource):
     position and size over a noisy background, so a representation must see shape, not colour, to separate the
     classes. Deterministic from ``seed``; nothing is stored on disk.
 
-    Raises:
-        ConfigurationError: when a setting is out of its range (``image_size >= 8``, counts ``>= 1``).
+    Args:
+        num_classes: shapes, hence classes, in ``[2, 10]``.
+        train_per_class: training images per class.
+        test_per_class: test images per class.
+        image_size: side of the square images, ``>= 8``.
+        seed: seeds the generation.
     """
 
     def __init__(

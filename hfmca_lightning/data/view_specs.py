@@ -108,10 +108,14 @@ class SimCLRViews(_Augmented):
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
-        crop_strength: Table 2 knob in [0, 1] (as ``color_strength`` and ``gray_strength``).
+        crop_strength: Table 2 crop knob in [0, 1].
+        color_strength: Table 2 colour-jitter knob in [0, 1].
+        gray_strength: Table 2 greyscale knob in [0, 1].
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
+        horizontal_flip: random horizontal flips.
         blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the views (BYOL:
-            ``[1.0, 0.1]``); ``solarize`` likewise (BYOL: ``[0.0, 0.2]``).
+            ``[1.0, 0.1]``).
+        solarize: probability of a solarisation, as ``blur`` (BYOL: ``[0.0, 0.2]``).
         grids: ``g > 0``: each view comes with the source positions of a ``g x g`` grid over it (VICRegL); batches
             get a grids tensor ``(B, L, g, g, 2)``.
 
@@ -150,7 +154,17 @@ class SimCLRViews(_Augmented):
 
 class SingleView(_Augmented):
     """One SimCLR view of each image, batched as ``(images (B, C, H, W), targets)`` (internal costs alone, supervised
-    training); the settings of :class:`SimCLRViews` but ``count`` and ``grids``."""
+    training).
+
+    Args:
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
+    """
 
     single_view = True
 
@@ -164,8 +178,18 @@ class SingleView(_Augmented):
 
 class SameClassViews(_Augmented):
     """``count`` different images of one class per sample, each a SimCLR view (the supervised scenario; all strengths
-    0 for plain images); the settings of :class:`SimCLRViews` but ``grids``. The training images need labels, at least
-    ``count`` of each class."""
+    0 for plain images). The training images need labels, at least ``count`` of each class.
+
+    Args:
+        count: images per group.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
+    """
 
     def __init__(
         self,
@@ -208,9 +232,18 @@ class MultiCrop(_Augmented):
     The defaults are DINO's and SwAV's, scaled to CIFAR-like data.
 
     Args:
+        global_crops: crops in the global group.
+        local_crops: crops in the local group.
         global_size: side of the global crops (default: the source's image size).
         local_size: side of the local crops (default: half the source's image size).
-        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers (``local_scale`` likewise).
+        global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
+        local_scale: the same for a local crop.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
@@ -288,6 +321,9 @@ class TransformViews(ViewSpec):
     generators are seeded from the sample's seed before each call, so views do not depend on the number of workers
     and resume exactly. Consecutive views of equal shape form a group (DINO's global crops, then its local crops);
     the number of views is counted on the first sample.
+
+    Args:
+        transform: image -> list of ``(C, H, W)`` tensors.
 
     Example::
 

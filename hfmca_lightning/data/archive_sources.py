@@ -175,9 +175,6 @@ class _BinaryImages(LabelledImages):
         self.images = images
         self.targets = [int(t) for t in targets]
 
-    def __len__(self) -> int:
-        return len(self.targets)
-
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         return torch.from_numpy(np.ascontiguousarray(self.images[index].transpose(0, 2, 1))), self.targets[index]
 

@@ -13,7 +13,6 @@ per step (0.01-0.03 of the normalised mean on the demo's images, the only differ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ from torch import Tensor, nn
 from hfmca_lightning.data.counter_random import CounterUniforms
 from hfmca_lightning.data.transforms import BLUR_SIGMA, SOLARIZE_THRESHOLD, ViewAugmentation
 
-__all__ = ["BatchedViewAugmentation", "ViewParameters", "jitter_views", "sample_crop_boxes"]
+__all__ = ["BatchedViewAugmentation", "jitter_views", "sample_crop_boxes"]
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
@@ -118,27 +117,11 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
     return flat.view_as(views)
 
 
-@dataclass
-class ViewParameters:
-    """The random parameters of ``N`` views (one row each), drawn by :meth:`BatchedViewAugmentation.draw`."""
-
-    boxes: Tensor  # (N, 4) float64 crops (top, left, height, width)
-    flip: Tensor  # (N,) bool
-    jitter_factors: Tensor  # (N, 3) brightness, contrast, saturation (1: unchanged)
-    hue_shift: Tensor  # (N,) (0: unchanged)
-    jitter_order: Tensor  # (N, 4) a permutation of 0 brightness, 1 contrast, 2 saturation, 3 hue
-    grey: Tensor  # (N,) bool
-    blur_sigma: Tensor  # (N,) (0: no blur)
-    solarize: Tensor  # (N,) bool
-
-
 class BatchedViewAugmentation(nn.Module):
     """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
 
     The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
-    :meth:`views_from_seeds` is :meth:`draw` then :meth:`apply`, with each image's parameters from its own seed
-    (:class:`~hfmca_lightning.data.counter_random.CounterUniforms`).
 
     ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
     arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:
@@ -168,21 +151,17 @@ class BatchedViewAugmentation(nn.Module):
 
     def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
         """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, image ``b``'s parameters from ``seeds[b]``
-        (int64, on the images' device) alone."""
-        _check_images(images)
-        batch, _, height, width = images.shape
+        (int64, on the images' device) alone, drawn from its counter-based numbers in a fixed order."""
+        if images.dtype != torch.uint8 or images.dim() != 4:
+            raise ValueError(
+                f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
+            )
+        spec, (batch, channels, height, width), size = self.spec, images.shape, self.spec.image_size
         if seeds.shape != (batch,):
             raise ValueError(f"need one seed per image: {batch} images, seeds of shape {tuple(seeds.shape)}")
-        return self.apply(
-            images, self.draw(batch, num_views, height, width, CounterUniforms(seeds, num_views)), num_views
-        )
-
-    def draw(self, batch: int, num_views: int, height: int, width: int, uniforms: CounterUniforms) -> ViewParameters:
-        """Parameters of ``batch * num_views`` views of ``height x width`` images, random numbers from ``uniforms``.
-        Which random numbers are drawn depends only on the arguments."""
-        spec, count = self.spec, batch * num_views
+        # the parameters of every view, from its sample's numbers in a fixed order of requests
+        uniforms, count, device = CounterUniforms(seeds, num_views), batch * num_views, seeds.device
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
-        device = boxes.device
         flip = (
             uniforms.rand((count,)) < 0.5
             if spec.horizontal_flip
@@ -202,43 +181,21 @@ class BatchedViewAugmentation(nn.Module):
         grey = uniforms.rand((count,)) < spec.gray_p
         kind = torch.arange(count, device=device) % num_views % self.blur_p.numel()
         sigma = uniforms.uniform((count,), *BLUR_SIGMA)
-        blurred = uniforms.rand((count,)) < self.blur_p.to(device)[kind]
+        sigma = torch.where(uniforms.rand((count,)) < self.blur_p.to(device)[kind], sigma, torch.zeros_like(sigma))
         solarize = uniforms.rand((count,)) < self.solarize_p.to(device)[kind]
-        return ViewParameters(
-            boxes, flip, factors, hue_shift, order, grey, torch.where(blurred, sigma, torch.zeros_like(sigma)), solarize
-        )
-
-    def apply(self, images: Tensor, parameters: ViewParameters, num_views: int) -> Tensor:
-        """The ``(B, L, C, S, S)`` views of uint8 ``images (B, C, H, W)`` with the parameters of ``B * L`` views."""
-        _check_images(images)
-        spec = self.spec
-        batch, channels, height, width = images.shape
-        size = spec.image_size
+        # each step once over all B * L views
         sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
-        grid = _crop_grid(parameters.boxes.to(images.device), parameters.flip.to(images.device), size, height, width)
-        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False)
-        views = views.clamp_(0.0, 1.0)
+        grid = _crop_grid(boxes.to(images.device), flip.to(images.device), size, height, width)
+        views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(0, 1)
         if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
-            views = jitter_views(
-                views, parameters.jitter_factors, parameters.hue_shift, parameters.jitter_order, self.select_rows
-            )
+            views = jitter_views(views, factors, hue_shift, order, self.select_rows)
         if spec.gray_p > 0 and channels == 3:
-            views = torch.where(parameters.grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
+            views = torch.where(grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
         if self._any_blur:
-            views = _gaussian_blur(views, parameters.blur_sigma, spec.blur_kernel)
+            views = _gaussian_blur(views, sigma, spec.blur_kernel)
         if self._any_solarize:
-            views = torch.where(
-                parameters.solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views
-            )
-        views = (views - self.mean) / self.std
-        return views.view(batch, num_views, channels, size, size)
-
-
-def _check_images(images: Tensor) -> None:
-    if images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(
-            f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
-        )
+            views = torch.where(solarize.view(-1, 1, 1, 1) & (views >= SOLARIZE_THRESHOLD / 255.0), 1.0 - views, views)
+        return ((views - self.mean) / self.std).view(batch, num_views, channels, size, size)
 
 
 def jitter_views(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -52,18 +53,10 @@ def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     return TrainingPosition(epoch, batches * batch_size * trainer.world_size)
 
 
-class _Collate:
-    """The training loader's collate function: the drawer's batch, laid out in ``batch_format`` (None: as the drawer
-    gives it)."""
-
-    def __init__(self, drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec) -> None:
-        self.drawer, self.batch_format, self.views = drawer, batch_format, views
-
-    def __call__(self, samples: list[Any]) -> Any:
-        batch = self.drawer.collate(samples)
-        if self.batch_format is None:
-            return batch
-        return format_batch(batch, self.batch_format, self.views.single_view, self.views.global_views)
+def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec, samples: list[Any]) -> Any:
+    """The training loader's collate: the drawer's batch in ``batch_format`` (None: as the drawer gives it)."""
+    batch = drawer.collate(samples)
+    return batch if batch_format is None else format_batch(batch, batch_format, views.single_view, views.global_views)
 
 
 def _sample_dicts(samples: list[tuple[Any, int, int]]) -> dict[str, torch.Tensor]:
@@ -269,7 +262,7 @@ class MultiViewDataModule(LightningDataModule):
         module's."""
         batching = self.drawer.batching(sampler, self.batch_size)
         workers = None if self.drawer.uses_workers else 0  # no worker work: `num_workers` serves evaluation only
-        collate = _Collate(self.drawer, batch_format, self.views)
+        collate = partial(_collate, self.drawer, batch_format, self.views)
         if persistent_workers is not None:
             batching["persistent_workers"] = persistent_workers
         return self.loader(self.train_dataset(), batching.pop("batch_size"), workers, collate_fn=collate, **batching)

@@ -103,9 +103,6 @@ class DatasetImages(LabelledImages):
         else:
             self.targets = [int(self._pair(index)[1]) for index in range(len(dataset))]  # type: ignore[arg-type]
 
-    def __len__(self) -> int:
-        return len(self.targets)
-
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         image, target = self._pair(index)
         return as_uint8_image(image), int(target)

@@ -7,16 +7,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import groupby
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
-from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.sources import LabelledImages
 
-__all__ = ["EvalDataset", "SeededRandomSampler", "SeededViews", "collate_samples", "cycled_views", "seeded_generators"]
+__all__ = ["EvalDataset", "SeededRandomSampler", "SeededViews", "cycled_views", "seeded_generators"]
 
 SampleKey = tuple[int, int]
 Sample = tuple[list[Tensor], int, int, Tensor | None]  # (groups [(n_g, C, H_g, W_g)], target, index, grids)
@@ -39,13 +39,9 @@ class SeededRandomSampler(DistributedSampler):
     def __init__(self, num_samples: int, seed: int = 0, num_replicas: int = 1, rank: int = 0) -> None:
         if num_samples < num_replicas:
             raise ValueError(f"cannot shard {num_samples} samples over {num_replicas} processes")
-        self.num_samples_total = num_samples
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.seed = seed
-        self.epoch = 0
-        self.shuffle = True
-        self.drop_last = True
+        self.num_samples_total, self.num_replicas, self.rank = num_samples, num_replicas, rank
+        self.seed, self.epoch = seed, 0
+        self.shuffle = self.drop_last = True
         self.num_samples = num_samples // num_replicas
         self.total_size = self.num_samples * num_replicas
         self._resume_at: tuple[int, int] | None = None
@@ -112,13 +108,8 @@ class SeededViews(Dataset):
         grids = None
         if isinstance(views[0], tuple):
             grids, views = torch.stack([grid for _, grid in views]), [view for view, _ in views]
-        groups: list[list[Tensor]] = []
-        for view in views:
-            if groups and groups[-1][0].shape == view.shape:
-                groups[-1].append(view)
-            else:
-                groups.append([view])
-        return [torch.stack(group) for group in groups], int(target), index, grids
+        groups = [torch.stack(list(group)) for _, group in groupby(views, key=lambda view: view.shape)]
+        return groups, int(target), index, grids
 
 
 def cycled_views(
@@ -139,18 +130,6 @@ def same_class_views(
     order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
     members = [index, *candidates[order[: len(transforms) - 1]].tolist()]
     return [transform(split[member][0]) for transform, member in zip(transforms, members)], target
-
-
-def collate_samples(samples: list[Sample]) -> ViewBatch:
-    """The :class:`ViewBatch` of a batch of per-sample views."""
-    groups, targets, indices, grids = zip(*samples)
-    return ViewBatch(
-        [torch.stack([sample[group] for sample in groups]) for group in range(len(groups[0]))],
-        torch.tensor(targets, dtype=torch.int64),
-        torch.tensor(indices, dtype=torch.int64),
-        [str(index) for index in indices],
-        None if grids[0] is None else torch.stack(grids),
-    )
 
 
 class EvalDataset(Dataset):

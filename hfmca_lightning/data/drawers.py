@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
-from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler, collate_samples
+from hfmca_lightning.data.datasets import Sample, SampleKey, SeededRandomSampler
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.data.view_specs import Normalisation, SimCLRViews, ViewSpec
@@ -98,8 +98,15 @@ class TorchvisionDrawer(ViewDrawer):
         setup = self.setup
         return setup.views.dataset(split, setup.image_size, setup.normalisation)
 
-    def collate(self, samples: list[Any]) -> ViewBatch:
-        return collate_samples(samples)
+    def collate(self, samples: list[Sample]) -> ViewBatch:
+        groups, targets, indices, grids = zip(*samples)
+        return ViewBatch(
+            [torch.stack([sample[group] for sample in groups]) for group in range(len(groups[0]))],
+            torch.tensor(targets, dtype=torch.int64),
+            torch.tensor(indices, dtype=torch.int64),
+            [str(index) for index in indices],
+            None if grids[0] is None else torch.stack(grids),
+        )
 
 
 @dataclass
@@ -133,32 +140,46 @@ class _ImagesToDraw(Dataset):
         return self.resize(image), int(target), int(key[0]), int(key[1])
 
 
-def emit(views: Tensor, dtype: OutputDtype, channels_last: bool) -> Tensor:
-    """``(B, L, C, H, W)`` views in ``dtype``, each ``(C, H, W)`` view channels-last if asked (what the backbone of a
-    channels-last, bf16 run takes without another pass)."""
-    if dtype == "bfloat16":
-        views = views.to(torch.bfloat16)
-    if channels_last:
-        batch, count = views.shape[:2]
-        flat = views.reshape(batch * count, *views.shape[2:]).contiguous(memory_format=torch.channels_last)
-        views = flat.view(batch, count, *views.shape[2:])
-    return views
+class _SeededDrawer(ViewDrawer):
+    """The drawers of :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`: SimCLRViews without
+    grids, each image's views from its own seed, in ``output_dtype`` and channels-last if asked (what the backbone of
+    a channels-last, bf16 run takes without another pass)."""
+
+    draws = (SimCLRViews,)
+    records_grids = False
+
+    def __init__(self, output_dtype: OutputDtype, channels_last: bool) -> None:
+        super().__init__()
+        if output_dtype not in ("float32", "bfloat16"):
+            raise ConfigurationError(
+                f"{type(self).__name__}: output_dtype must be 'float32' or 'bfloat16'; got {output_dtype!r}",
+                parameter="output_dtype",
+            )
+        self.output_dtype, self.channels_last = output_dtype, channels_last
+
+    def _clear(self) -> None:
+        self._augmentation: BatchedViewAugmentation | None = None
+
+    @property
+    def augmentation(self) -> BatchedViewAugmentation:
+        if self._augmentation is None:
+            setup = self.setup
+            self._augmentation = BatchedViewAugmentation(
+                setup.views.augmentation(setup.image_size), *setup.normalisation
+            )
+        return self._augmentation
+
+    def _views(self, images: Tensor, seeds: Tensor) -> Tensor:
+        """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, in ``output_dtype``, channels-last if asked."""
+        views = self.augmentation.to(images.device).views_from_seeds(images, seeds, self.setup.views.num_views)
+        views = views.to(torch.bfloat16) if self.output_dtype == "bfloat16" else views
+        if self.channels_last:
+            flat = views.flatten(0, 1).contiguous(memory_format=torch.channels_last)
+            views = flat.view(views.shape)
+        return views
 
 
-def check_output_dtype(owner: str, output_dtype: str) -> None:
-    if output_dtype not in ("float32", "bfloat16"):
-        raise ConfigurationError(
-            f"{owner}: output_dtype must be 'float32' or 'bfloat16'; got {output_dtype!r}", parameter="output_dtype"
-        )
-
-
-def batched_augmentation(setup: DrawSetup) -> BatchedViewAugmentation:
-    """The whole-batch drawing of a :class:`~hfmca_lightning.data.view_specs.SimCLRViews` setup."""
-    assert isinstance(setup.views, SimCLRViews)
-    return BatchedViewAugmentation(setup.views.augmentation(setup.image_size), *setup.normalisation)
-
-
-class BatchedDrawer(ViewDrawer):
+class BatchedDrawer(_SeededDrawer):
     """The views of a whole batch in a fixed number of tensor operations
     (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
     seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
@@ -178,39 +199,26 @@ class BatchedDrawer(ViewDrawer):
         data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
-    draws = (SimCLRViews,)
-    records_grids = False
-
     def __init__(
         self,
         on: Literal["workers", "device"] = "workers",
         output_dtype: OutputDtype = "float32",
         channels_last: bool = False,
     ) -> None:
-        super().__init__()
         if on not in ("workers", "device"):
             raise ConfigurationError(f"BatchedDrawer: on must be 'workers' or 'device'; got {on!r}", parameter="on")
-        check_output_dtype("BatchedDrawer", output_dtype)
+        super().__init__(output_dtype, channels_last)
         if on == "workers" and (output_dtype != "float32" or channels_last):
             raise ConfigurationError(
                 "BatchedDrawer: output_dtype and channels_last apply to views drawn on the device (on: device); the "
                 "workers' views travel as float32",
                 parameter="output_dtype" if output_dtype != "float32" else "channels_last",
             )
-        self.on, self.output_dtype, self.channels_last = on, output_dtype, channels_last
-
-    def _clear(self) -> None:
-        self._augmentation: BatchedViewAugmentation | None = None
+        self.on = on
 
     @property
     def draws_on_device(self) -> bool:  # type: ignore[override]
         return self.on == "device"
-
-    @property
-    def augmentation(self) -> BatchedViewAugmentation:
-        if self._augmentation is None:
-            self._augmentation = batched_augmentation(self.setup)
-        return self._augmentation
 
     def dataset(self, split: LabelledImages) -> Dataset:
         return _ImagesToDraw(split, self.setup.image_size)
@@ -227,11 +235,7 @@ class BatchedDrawer(ViewDrawer):
         return batch if self.on == "device" else self.draw(batch)
 
     def draw(self, batch: ImageBatch) -> ViewBatch:
-        augmentation = self.augmentation.to(batch.images.device)
-        views = augmentation.views_from_seeds(batch.images, batch.seeds, self.setup.views.num_views)  # type: ignore[arg-type]
-        return ViewBatch(
-            [emit(views, self.output_dtype, self.channels_last)], batch.targets, batch.indices, batch.names
-        )
+        return ViewBatch([self._views(batch.images, batch.seeds)], batch.targets, batch.indices, batch.names)
 
 
 def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:

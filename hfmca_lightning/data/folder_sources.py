@@ -36,9 +36,6 @@ class FolderImages(LabelledImages):
         self.on_bad_image = on_bad_image
         self.skipped = 0
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         for attempt in range(min(len(self.samples), 100)):
             path, target = self.samples[(index + attempt) % len(self.samples)]

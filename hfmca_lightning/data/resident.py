@@ -14,12 +14,10 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.batch_formats import ViewBatch
-from hfmca_lightning.data.batched_augment import BatchedViewAugmentation
 from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler
-from hfmca_lightning.data.drawers import OutputDtype, ViewDrawer, batched_augmentation, check_output_dtype, emit
+from hfmca_lightning.data.drawers import OutputDtype, _SeededDrawer
 from hfmca_lightning.data.sources import ArrayImages, LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
-from hfmca_lightning.data.view_specs import SimCLRViews
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["ResidentBatch", "ResidentDrawer", "stored_split"]
@@ -123,7 +121,7 @@ class _Batches(Dataset):
         return batch
 
 
-class ResidentDrawer(ViewDrawer):
+class ResidentDrawer(_SeededDrawer):
     """The training split kept on the device as one uint8 tensor (one clear error if it would take more than half of
     the free device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device
     from the seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers
@@ -143,24 +141,21 @@ class ResidentDrawer(ViewDrawer):
         data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
-    draws = (SimCLRViews,)
-    records_grids = False
     draws_on_device = True
     uses_workers = False
 
     def __init__(
         self, batches_per_call: int = 1, output_dtype: OutputDtype = "float32", channels_last: bool = False
     ) -> None:
-        super().__init__()
         if batches_per_call < 1:
             raise ConfigurationError(
                 f"ResidentDrawer: batches_per_call must be >= 1; got {batches_per_call}", parameter="batches_per_call"
             )
-        check_output_dtype("ResidentDrawer", output_dtype)
-        self.batches_per_call, self.output_dtype, self.channels_last = batches_per_call, output_dtype, channels_last
+        super().__init__(output_dtype, channels_last)
+        self.batches_per_call = batches_per_call
 
     def _clear(self) -> None:
-        self._augmentation: BatchedViewAugmentation | None = None
+        super()._clear()
         self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
@@ -208,25 +203,17 @@ class ResidentDrawer(ViewDrawer):
         return ViewBatch([views[rows]], targets[rows], batch.indices[rows], batch.names)
 
     def _draw_chunk(self, indices: Tensor, seeds: Tensor, side: bool) -> tuple[Tensor, Tensor, Any]:
+        """The views and targets of a chunk; ``side``: drawn on a side stream, with the event that ends it."""
         assert self._stored is not None
         images, targets = self._stored
-        if self._augmentation is None:
-            self._augmentation = batched_augmentation(self.setup)
-        augmentation = self._augmentation.to(indices.device)
-        count: int = self.setup.views.num_views  # type: ignore[assignment]  # SimCLRViews: known
-        if not side:
-            views = augmentation.views_from_seeds(images[indices], seeds, count)
-            return emit(views, self.output_dtype, self.channels_last), targets[indices], None
-        current = torch.cuda.current_stream(indices.device)
-        stream = torch.cuda.Stream(indices.device)
-        stream.wait_stream(current)  # the indices' transfer
-        indices.record_stream(stream)
-        seeds.record_stream(stream)
-        with torch.cuda.stream(stream):
-            views = emit(
-                augmentation.views_from_seeds(images[indices], seeds, count), self.output_dtype, self.channels_last
-            )
-            chunk_targets = targets[indices]
-            event = torch.cuda.Event()
+        stream = torch.cuda.Stream(indices.device) if side else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(indices.device))  # the indices' transfer
+            indices.record_stream(stream)
+            seeds.record_stream(stream)
+        with torch.cuda.stream(stream):  # None: the current stream
+            views, chunk_targets = self._views(images[indices], seeds), targets[indices]
+        event = torch.cuda.Event() if stream is not None else None
+        if event is not None:
             event.record(stream)
         return views, chunk_targets, event

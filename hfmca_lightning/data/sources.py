@@ -35,6 +35,9 @@ class LabelledImages(Dataset):
 
     targets: list[int]
 
+    def __len__(self) -> int:
+        return len(self.targets)
+
 
 class ArrayImages(LabelledImages):
     """Images held in memory as one ``(N, H, W, 3)`` uint8 array with ``N`` targets (``UNLABELLED`` for images without
@@ -47,9 +50,6 @@ class ArrayImages(LabelledImages):
             raise ValueError(f"{len(images)} images but {len(targets)} targets")
         self.images = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
         self.targets = [int(t) for t in targets]
-
-    def __len__(self) -> int:
-        return len(self.targets)
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         return self.images[index], self.targets[index]

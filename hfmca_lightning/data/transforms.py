@@ -109,11 +109,8 @@ class ViewAugmentation:
             ConfigurationError: when a strength or probability is not in [0, 1], or ``color_jitter`` is not four
                 values ``>= 0``.
         """
-        for name, value in (
-            ("crop_strength", crop_strength),
-            ("color_strength", color_strength),
-            ("gray_strength", gray_strength),
-        ):
+        strengths = {"crop_strength": crop_strength, "color_strength": color_strength, "gray_strength": gray_strength}
+        for name, value in strengths.items():
             _check_strength(name, value)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if crop_strength is None:
@@ -137,8 +134,7 @@ class ViewAugmentation:
                     f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}",
                     parameter="color_jitter",
                 )
-            brightness, contrast, saturation, hue = (float(value) for value in color_jitter)
-            jitter = (brightness, contrast, saturation, hue)
+            jitter = tuple(float(value) for value in color_jitter)  # type: ignore[assignment]
         jitter_p = 0.8 if any(jitter) else 0.0
         return cls(image_size, scale, ratio, jitter, jitter_p, gray, horizontal_flip, blur_p, solarize_p)
 
@@ -244,11 +240,7 @@ class RandomGaussianBlur(nn.Module):
         if isinstance(image, Image.Image):
             return image.filter(ImageFilter.GaussianBlur(radius=radius))
         blurred = to_pil_image(image).filter(ImageFilter.GaussianBlur(radius=radius))
-        return (
-            tv_tensors.wrap(pil_to_tensor(blurred), like=image)
-            if isinstance(image, tv_tensors.Image)
-            else pil_to_tensor(blurred)
-        )
+        return tv_tensors.wrap(pil_to_tensor(blurred), like=image)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sigma={self.sigma}"
@@ -269,29 +261,19 @@ def eval_transform(
 ) -> v2.Compose:
     """uint8 / PIL image -> normalised float ``(3, image_size, image_size)``, without augmentation: the shorter side
     resized to ``resize`` (default ``image_size``; ImageNet: 256 for 224), centre-cropped, normalised."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.Resize(resize or image_size, antialias=True),
-            v2.CenterCrop(image_size),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean, std),
-        ]
-    )
+    steps = [v2.ToImage(), v2.Resize(resize or image_size, antialias=True), v2.CenterCrop(image_size)]
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
     """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
     (scale 0.08..1), horizontal flip, normalise."""
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean, std),
-        ]
-    )
+    steps = [
+        v2.ToImage(),
+        v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+    ]
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def resize_transform(image_size: int) -> v2.Compose:

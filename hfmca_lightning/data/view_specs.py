@@ -34,10 +34,7 @@ class ViewSpec:
     :attr:`global_views` of them global crops; :meth:`dataset` draws them one sample at a time on the CPU."""
 
     single_view = False  # batches hold one image per sample, without a view axis
-
-    @property
-    def num_views(self) -> int | None:
-        raise NotImplementedError
+    num_views: int | None  # views per sample (None: known from a transform's output only)
 
     @property
     def global_views(self) -> int | None:
@@ -65,12 +62,8 @@ class _Augmented(ViewSpec):
         solarize: float | list[float] = 0.0,
     ) -> None:
         self.crop_strength, self.color_strength, self.gray_strength = crop_strength, color_strength, gray_strength
-        self.color_jitter, self.horizontal_flip, self.blur, self.solarize = (
-            color_jitter,
-            horizontal_flip,
-            blur,
-            solarize,
-        )
+        self.color_jitter, self.horizontal_flip = color_jitter, horizontal_flip
+        self.blur, self.solarize = blur, solarize
         self.augmentation(32)  # every value checked now, in one line
         for name, value in (("blur", blur), ("solarize", solarize)):
             if isinstance(value, (list, tuple)) and len(value) > (self.num_views or 1):
@@ -82,16 +75,8 @@ class _Augmented(ViewSpec):
 
     def augmentation(self, image_size: int) -> ViewAugmentation:
         """The view distribution at ``image_size`` pixels (:meth:`ViewAugmentation.from_strengths`)."""
-        return ViewAugmentation.from_strengths(
-            image_size,
-            self.crop_strength,
-            self.color_strength,
-            self.gray_strength,
-            self.horizontal_flip,
-            self.color_jitter,
-            self.blur,
-            self.solarize,
-        )
+        knobs = self.crop_strength, self.color_strength, self.gray_strength, self.horizontal_flip
+        return ViewAugmentation.from_strengths(image_size, *knobs, self.color_jitter, self.blur, self.solarize)
 
     def _cycled(self, split: LabelledImages, image_size: int, normalisation: Normalisation, grids: int = 0) -> Dataset:
         transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=grids)
@@ -141,12 +126,8 @@ class SimCLRViews(_Augmented):
     ) -> None:
         _check_count("SimCLRViews", count)
         _check_count("SimCLRViews", grids, 0, "grids")
-        self.count, self.grids = count, grids
+        self.count, self.grids, self.num_views = count, grids, count
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
-
-    @property
-    def num_views(self) -> int:
-        return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return self._cycled(split, image_size, normalisation, self.grids)
@@ -166,11 +147,7 @@ class SingleView(_Augmented):
         solarize: as :class:`SimCLRViews`.
     """
 
-    single_view = True
-
-    @property
-    def num_views(self) -> int:
-        return 1
+    single_view, num_views = True, 1
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return self._cycled(split, image_size, normalisation)
@@ -203,12 +180,8 @@ class SameClassViews(_Augmented):
         solarize: float | list[float] = 0.0,
     ) -> None:
         _check_count("SameClassViews", count)
-        self.count = count
+        self.count = self.num_views = count
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
-
-    @property
-    def num_views(self) -> int:
-        return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         targets = torch.as_tensor(split.targets)
@@ -285,14 +258,10 @@ class MultiCrop(_Augmented):
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 _check_count("MultiCrop", size, 1, name)
-        self.global_crops, self.local_crops = global_crops, local_crops
+        self.global_crops, self.local_crops, self.num_views = global_crops, local_crops, global_crops + local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
         super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
-
-    @property
-    def num_views(self) -> int:
-        return self.global_crops + self.local_crops
 
     @property
     def global_views(self) -> int:
@@ -338,11 +307,7 @@ class TransformViews(ViewSpec):
                 f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}",
                 parameter="transform",
             )
-        self.transform = transform
-
-    @property
-    def num_views(self) -> None:
-        return None  # known from the output only: :meth:`count_views`
+        self.transform, self.num_views = transform, None  # known from the output only: count_views
 
     def count_views(self, split: LabelledImages, seed: int) -> int:
         """The number of views the transform makes of the first image of ``split`` (counted in ``setup``)."""

@@ -13,7 +13,6 @@ import torch
 
 from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.datamodule import TrainingPosition
-from hfmca_lightning.data.drawers import batched_augmentation
 from hfmca_lightning.data.resident import ResidentBatch, _on_device, stored_split
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
@@ -73,9 +72,7 @@ def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_co
         batch_size=6,
         views=SimCLRViews(count=4, blur=[1.0, 0.1], solarize=[0.0, 0.2]),
     )
-    augmentation = batched_augmentation(module.drawer.setup)
-    augmentation.select_rows = False
-    module.drawer._augmentation = augmentation
+    module.drawer.augmentation.select_rows = False
     batches = list(module.train_dataloader())
     drawn(module, batches[0])  # the first call places the images and the drawing's constants
     with HostReads() as reads, OperationCounts(torch.ops.aten.lift_fresh) as from_python:

@@ -1,8 +1,5 @@
-"""CIFAR10/100 and STL-10, read from the files of their official release archives in torchvision's on-disk layout.
-
-:meth:`~hfmca_lightning.data.sources.ImageSource.prepare` downloads the archive if asked, names the first missing
-file and, with ``verify``, checks every file's md5 against torchvision's published checksums, so a truncated download
-is an error, not silent garbage.
+"""CIFAR10/100 and STL-10 from the files of their official releases in torchvision's on-disk layout: ``prepare``
+downloads the archive if asked, names the first missing file and, with ``verify``, checks every file's md5.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
-"""Training batches in the layouts other SSL code expects (docs/baselines.md, "Using the DataModule with another SSL
-method").
+"""Training batches in the layouts other SSL code expects (docs/baselines.md). Every drawer produces a
+:class:`ViewBatch` (groups of equal-size views, global crops first); :func:`format_batch` lays it out as
 
-Every drawer produces a :class:`ViewBatch` (views in groups of equal size: one group for same-size views; global crops,
-then local crops, for multi-crop); :func:`format_batch` lays it out as
+* ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``; several view sizes: a list of groups
+  ``(B, n_g, C, H_g, W_g)``; view grids: ``(views, targets, grids (B, L, g, g, 2))``; a single view ``(B, C, H, W)``;
+* ``lightly``: ``([view_0 (B, C, H, W), ..., view_{L-1}], targets, names)``, view grids after the views (VICRegL);
+* ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``;
+* ``dict`` (stable-pretraining): ``{"views": [{"image", "label", "sample_idx"}, ...], "label", "sample_idx"}``, view
+  grids as each view's ``"grid"``; ``dict_named`` (its DINO): ``"views"`` a dict ``{"global_0": ..., "local_0": ...}``;
+  a single view and the evaluation batches: ``{"image", "label", "sample_idx"}``.
 
-* ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``, with several view sizes
-  ``([group (B, n_g, C, H_g, W_g), ...], targets)``, with view grids ``(views, targets, grids (B, L, g, g, 2))``;
-  mode ``single``: ``(images (B, C, H, W), targets)``;
-* ``lightly`` (lightly's examples and ``LightlyDataset``): ``([view_0 (B, C, H, W), ..., view_{L-1}], targets,
-  names)``, names the samples' indices as strings; view grids follow the views in the list (lightly's VICRegL);
-* ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``, large crops first;
-* ``dict`` (stable-pretraining's symmetric methods): ``{"views": [{"image": view_0 (B, C, H, W), "label", "sample_idx"},
-  ...], "label": (B,), "sample_idx": (B,)}``, global crops first, view grids as each view's ``"grid"``;
-* ``dict_named`` (stable-pretraining's DINO): the same with ``"views"`` a dict ``{"global_0": ..., "global_1": ...,
-  "local_0": ...}`` in that order (the spec says how many are global: ``ViewSpec.global_views``);
-* a single view (``dict`` / ``dict_named``) and the evaluation batches of both: ``{"image", "label", "sample_idx"}``.
-
-Every batch is a new plain ``dict`` (code that writes into it, as stable-pretraining's ``training_step`` does, changes
-nothing of the next); ``label`` is ``UNLABELLED`` (-1) for images without a class.
+Every dict batch is a new plain ``dict`` (code that writes into it changes nothing of the next); ``label`` is
+``UNLABELLED`` (-1) for images without a class.
 """
 
 from __future__ import annotations

@@ -192,11 +192,6 @@ class BatchedDrawer(_SeededDrawer):
         on: ``workers`` or ``device``.
         output_dtype: ``on: device``: ``float32`` or ``bfloat16`` (what a bf16 run's backbone takes).
         channels_last: ``on: device``: views laid out channels-last.
-
-    Example::
-
-        drawer = BatchedDrawer(on="device", output_dtype="bfloat16", channels_last=True)
-        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
     def __init__(

@@ -134,11 +134,6 @@ class ResidentDrawer(_SeededDrawer):
             those of one batch at a time (each sample's come from its own seed).
         output_dtype: ``float32`` or ``bfloat16``.
         channels_last: views laid out channels-last.
-
-    Example::
-
-        drawer = ResidentDrawer(batches_per_call=4)
-        data = MultiViewDataModule(SyntheticShapes(), views=SimCLRViews(count=4), drawer=drawer)
     """
 
     draws_on_device = True

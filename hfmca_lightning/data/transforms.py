@@ -10,14 +10,9 @@ color     ColorJitter(0.8t, 0.8t, 0.8t, 0.2t), p = 0.8     t = 0.5 (0.4, ..0.1) 
 gray      RandomGrayscale p = t                            t = 0.2              always grey
 ========  ==============================================  ===================  =====================
 
-At crop strength 0 the view is the whole image (scale and aspect ratio 1). Transforms run on one image
-at a time, so every view draws its own parameters (batched v2 transforms would share one draw,
-pytorch/vision #8484).
-
-ImageNet-scale sets add Gaussian blur and solarisation with per-view probabilities, as lightly's
-transforms: SimCLR ImageNet is ``color_strength=1, blur=0.5``; BYOL is
-``color_jitter=(0.4, 0.4, 0.2, 0.1), blur=(1.0, 0.1), solarize=(0.0, 0.2)`` (its two view distributions,
-alternating over the L views).
+At crop strength 0 the view is the whole image (scale and aspect ratio 1). ImageNet-scale sets add Gaussian blur and
+solarisation with per-view-kind probabilities, as lightly's transforms (BYOL: ``color_jitter=(0.4, 0.4, 0.2, 0.1),
+blur=(1.0, 0.1), solarize=(0.0, 0.2)``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """View specs: what the views of a training sample are, with every setting of them and their number
 (docs/conventions.md §5); a drawer (:mod:`hfmca_lightning.data.drawers`) says where they are drawn.
-
-:class:`SimCLRViews`, :class:`SingleView`, :class:`SameClassViews` and :class:`MultiCrop` draw SimCLR views with the
-appearance settings of :class:`SimCLRViews` (the Table 2 knobs of :mod:`hfmca_lightning.data.transforms`: 0 no
-distortion, 1 the paper's extreme, ``None`` the SimCLR CIFAR default); :class:`TransformViews` takes any callable image
--> list of views.
 """
 
 from __future__ import annotations
@@ -106,10 +101,6 @@ class SimCLRViews(_Augmented):
 
     Raises:
         ConfigurationError: for a value out of range, or ``color_jitter`` and ``color_strength`` both set.
-
-    Example::
-
-        data = MultiViewDataModule(CIFAR("cifar10"), views=SimCLRViews(count=9, crop_strength=0.5))
     """
 
     def __init__(
@@ -138,13 +129,8 @@ class SingleView(_Augmented):
     training).
 
     Args:
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
+        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
+            :class:`SimCLRViews`.
     """
 
     single_view, num_views = True, 1
@@ -159,13 +145,8 @@ class SameClassViews(_Augmented):
 
     Args:
         count: images per group.
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
+        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
+            :class:`SimCLRViews`.
     """
 
     def __init__(
@@ -211,12 +192,7 @@ class MultiCrop(_Augmented):
         local_size: side of the local crops (default: half the source's image size).
         global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
         local_scale: the same for a local crop.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
+        color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not

@@ -35,6 +35,7 @@ class _ReleaseSource(ImageSource):
     verify: bool
     _spec: Any  # the torchvision data set class: url, filename, tgz_md5, base_folder, train_list, test_list
     _label: str  # the data set's name in messages
+    _prepared = False  # checked once per process: an md5 pass reads every file
 
     @property
     def folder(self) -> Path:
@@ -47,6 +48,8 @@ class _ReleaseSource(ImageSource):
         return [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
 
     def prepare(self) -> None:
+        if self._prepared:
+            return
         if self._missing() and self.download:
             try:
                 download_and_extract_archive(
@@ -72,6 +75,7 @@ class _ReleaseSource(ImageSource):
                         "(corrupt or partial download?). Delete it and download again; set `verify: false` only for "
                         "data you generated yourself in this layout."
                     )
+        self._prepared = True
 
 
 class CIFAR(_ReleaseSource):
@@ -103,16 +107,19 @@ class CIFAR(_ReleaseSource):
         self._spec = _TorchvisionCIFAR10 if name == "cifar10" else _TorchvisionCIFAR100
         self.num_classes = 10 if name == "cifar10" else 100
         self.mean, self.std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
+        self._splits: dict[bool, ArrayImages] = {}  # read once: the training split is also the kNN bank
 
     def split(self, train: bool) -> ArrayImages:
-        self.prepare()
-        images, targets = [], []
-        label_key = "labels" if self.name == "cifar10" else "fine_labels"
-        for name, _ in self._spec.train_list if train else self._spec.test_list:
-            entry = _read_cifar_batch(self.folder / name)
-            images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            targets.extend(entry[label_key])
-        return ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
+        if train not in self._splits:
+            self.prepare()
+            images, targets = [], []
+            label_key = "labels" if self.name == "cifar10" else "fine_labels"
+            for name, _ in self._spec.train_list if train else self._spec.test_list:
+                entry = _read_cifar_batch(self.folder / name)
+                images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+                targets.extend(entry[label_key])
+            self._splits[train] = ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
+        return self._splits[train]
 
 
 # The only globals a CIFAR batch (python format) refers to: its arrays, as numpy (1.x: numpy.core, 2.x: numpy._core)

@@ -2,6 +2,7 @@ import os
 import pickle
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from hfmca_lightning.data import CIFAR, STL10, ImageFolderSource, SyntheticShapes, UnlabelledFolderSource
+from hfmca_lightning.data import (
+    CIFAR,
+    STL10,
+    ImageFolderSource,
+    MultiViewDataModule,
+    SyntheticShapes,
+    UnlabelledFolderSource,
+    archive_sources,
+)
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError
 from tests.helpers import fit, write_cifar, write_image_folder, write_stl10
@@ -121,6 +130,24 @@ def test_cifar_checksums_are_verified_by_default(tmp_path):
     write_cifar(tmp_path, "cifar10", per_class=1)
     with pytest.raises(ConfigurationError, match="md5 sum of the official cifar10 release.*verify: false"):
         CIFAR(root=str(tmp_path)).prepare()
+
+
+def test_a_cifar_data_module_checks_each_file_once_and_reads_each_split_once(tmp_path, monkeypatch):
+    """prepare_data, setup and the evaluation splits all ask for the data: the md5 pass (every byte of the release)
+    runs once per process, and the training split, which is also the kNN bank, is unpickled once."""
+    write_cifar(tmp_path, "cifar10", per_class=2)
+    checked: list[str] = []
+    monkeypatch.setattr(archive_sources, "check_integrity", lambda path, md5: checked.append(path) or True)
+    read = Counter()
+    unpickle = archive_sources._read_cifar_batch
+    monkeypatch.setattr(archive_sources, "_read_cifar_batch", lambda path: read.update([path.name]) or unpickle(path))
+    data = MultiViewDataModule(CIFAR(root=str(tmp_path)), batch_size=4, num_workers=0)
+    data.prepare_data()
+    data.setup("fit")
+    bank, queries = data.evaluation_splits
+    assert bank is data.training_split and len(queries) == 20
+    assert sorted(checked) == sorted({*checked}) and len(checked) == 6  # 5 training batches and the test batch
+    assert set(read.values()) == {1} and len(read) == 6
 
 
 def test_missing_cifar_says_where_it_looked_and_how_to_fix_it(tmp_path):

@@ -201,8 +201,9 @@ class BatchedViewAugmentation(nn.Module):
 def jitter_views(
     views: Tensor, factors: Tensor, hue_shift: Tensor, order: Tensor, select_rows: bool | None = None
 ) -> Tensor:
-    """torchvision's colour jitter (module docstring) of float RGB views ``(N, 3, H, W)`` in [0, 1] with the per-view
-    jitter parameters of :class:`ViewParameters`; ``select_rows`` as :class:`BatchedViewAugmentation`."""
+    """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1]: ``factors (N, 3)`` brightness,
+    contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged), ``order (N, 4)`` a permutation of 0
+    brightness, 1 contrast, 2 saturation, 3 hue; ``select_rows`` as :class:`BatchedViewAugmentation`."""
     select_rows = views.device.type == "cpu" if select_rows is None else select_rows
     count = views.shape[0]
     # per round and view: the blend factor (1 in the hue's round) and the reference's weights on the grey image

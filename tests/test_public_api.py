@@ -65,10 +65,8 @@ def section(doc: str, title: str) -> str | None:
 
 
 def documented_arguments(doc: str) -> set[str]:
-    """The names of the entries ``name: ...``, ``name (type): ...`` or ``name, other_name: ...`` (parameters that
-    share one description) of a docstring's ``Args:`` section."""
-    entries = re.findall(r"^ {4}(\w+(?:, \w+)*)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M)
-    return {name for entry in entries for name in entry.split(", ")}
+    """The names of the entries ``name: ...`` or ``name (type): ...`` of a docstring's ``Args:`` section."""
+    return set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M))
 
 
 def named_parameters(function: object) -> list[str]:

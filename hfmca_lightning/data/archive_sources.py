@@ -35,7 +35,7 @@ class _ReleaseSource(ImageSource):
     verify: bool
     _spec: Any  # the torchvision data set class: url, filename, tgz_md5, base_folder, train_list, test_list
     _label: str  # the data set's name in messages
-    _prepared = False  # checked once per process: an md5 pass reads every file
+    _prepared = False  # a source checks its files once (an md5 pass reads every byte), with its first settings
 
     @property
     def folder(self) -> Path:

@@ -29,13 +29,21 @@ DICT_FORMATS = ("dict", "dict_named")
 
 @dataclass
 class ViewBatch:
-    """The views of ``B`` samples before they are laid out (:func:`format_batch`)."""
+    """The views of ``B`` samples before they are laid out (:func:`format_batch`).
 
-    groups: list[Tensor]  # (B, n_g, C, H_g, W_g) per group of equal-size views, global crops first
-    targets: Tensor  # (B,) int64 class indices (UNLABELLED for images without a class)
-    indices: Tensor  # (B,) int64 indices of the samples in the training split
-    names: list[str] = field(default_factory=list)  # their indices as strings, made on the host before any transfer
-    grids: Tensor | None = None  # (B, L, g, g, 2) source positions of a grid over each view (VICRegL)
+    Args:
+        groups: ``(B, n_g, C, H_g, W_g)`` per group of equal-size views, global crops first.
+        targets: ``(B,)`` int64 class indices (``UNLABELLED`` for images without a class).
+        indices: ``(B,)`` int64 indices of the samples in the training split.
+        names: the samples' indices as strings, made on the host before any transfer.
+        grids: ``(B, L, g, g, 2)`` source positions of a grid over each view (VICRegL), or None.
+    """
+
+    groups: list[Tensor]
+    targets: Tensor
+    indices: Tensor
+    names: list[str] = field(default_factory=list)
+    grids: Tensor | None = None
 
     @property
     def num_views(self) -> int:
@@ -52,6 +60,9 @@ def format_batch(
     """``batch`` laid out in ``batch_format`` (module docstring); ``single``: one view per sample, without a view
     axis; ``global_views``: how many views, first in order, are global crops (``dict_named``; default: the first
     group's).
+
+    Raises:
+        ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.
 
     Example::
 

@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import groupby
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,10 +17,12 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.sources import LabelledImages
 
-__all__ = ["EvalDataset", "SeededRandomSampler", "SeededViews", "cycled_views", "seeded_generators"]
+__all__ = ["EvalDataset", "SeededRandomSampler", "SeededViews", "cycled_views", "same_class_views", "seeded_generators"]
 
 SampleKey = tuple[int, int]
 Sample = tuple[list[Tensor], int, int, Tensor | None]  # (groups [(n_g, C, H_g, W_g)], target, index, grids)
+Transform = Callable[[Any], Any]  # image -> view, or (view, grid) with crop grids
+DrawnViews = tuple[list[Any], int]  # ([view (C, H, W) or (view, grid (g, g, 2)), ...], target)
 
 
 class SeededRandomSampler(DistributedSampler):
@@ -92,10 +95,10 @@ def seeded_generators(seed: int) -> Iterator[None]:
 
 class SeededViews(Dataset):
     """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views that
-    ``draw(split, index, seed) -> (views, target)`` makes with the generators seeded from the sample's seed,
-    consecutive views of equal shape stacked into a group; ``(view, grid)`` pairs (VICRegL) also give the grids."""
+    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, consecutive views of equal shape
+    stacked into a group; ``(view, grid)`` pairs (VICRegL) also give the grids."""
 
-    def __init__(self, split: LabelledImages, draw: Callable[[LabelledImages, int, int], tuple[list, int]]) -> None:
+    def __init__(self, split: LabelledImages, draw: Callable[[LabelledImages, int, int], DrawnViews]) -> None:
         self.split, self.draw = split, draw
 
     def __len__(self) -> int:
@@ -103,8 +106,7 @@ class SeededViews(Dataset):
 
     def __getitem__(self, key: SampleKey) -> Sample:
         index, seed = int(key[0]), int(key[1])
-        with seeded_generators(seed):
-            views, target = self.draw(self.split, index, seed)
+        views, target = self.draw(self.split, index, seed)
         grids = None
         if isinstance(views[0], tuple):
             grids, views = torch.stack([grid for _, grid in views]), [view for view, _ in views]
@@ -113,30 +115,34 @@ class SeededViews(Dataset):
 
 
 def cycled_views(
-    transforms: Sequence[Callable], count: int, split: LabelledImages, index: int, seed: int
-) -> tuple[list, int]:
-    """``count`` views of image ``index`` (paper Alg. 1), view ``l`` through ``transforms[l % len]``."""
+    transforms: Sequence[Transform], count: int, split: LabelledImages, index: int, seed: int
+) -> DrawnViews:
+    """``count`` views of image ``index`` (paper Alg. 1), view ``l`` through ``transforms[l % len]``, with the
+    generators seeded from ``seed`` once the image is read."""
     image, target = split[index]
-    return [transforms[view % len(transforms)](image) for view in range(count)], target
+    with seeded_generators(seed):
+        return [transforms[view % len(transforms)](image) for view in range(count)], target
 
 
 def same_class_views(
-    transforms: Sequence[Callable], by_class: dict[int, Tensor], split: LabelledImages, index: int, seed: int
-) -> tuple[list, int]:
+    transforms: Sequence[Transform], by_class: dict[int, Tensor], split: LabelledImages, index: int, seed: int
+) -> DrawnViews:
     """Image ``index`` and ``len(transforms) - 1`` other images of its class (``by_class``: the indices of each),
-    drawn without replacement from ``seed``; member ``l`` through ``transforms[l]``."""
+    drawn without replacement from ``seed``; member ``l`` through ``transforms[l]``, read and transformed with the
+    generators seeded from ``seed``."""
     target = split.targets[index]
     candidates = by_class[target][by_class[target] != index]
     order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
     members = [index, *candidates[order[: len(transforms) - 1]].tolist()]
-    return [transform(split[member][0]) for transform, member in zip(transforms, members)], target
+    with seeded_generators(seed):
+        return [transform(split[member][0]) for transform, member in zip(transforms, members)], target
 
 
 class EvalDataset(Dataset):
     """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``, or ``(..., target, index)``
     ``with_index``."""
 
-    def __init__(self, images: LabelledImages, transform: Callable, with_index: bool = False) -> None:
+    def __init__(self, images: LabelledImages, transform: Callable[[Any], Tensor], with_index: bool = False) -> None:
         self.images, self.transform, self.with_index = images, transform, with_index
 
     def __len__(self) -> int:

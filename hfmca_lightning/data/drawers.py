@@ -140,7 +140,7 @@ class _ImagesToDraw(Dataset):
         return self.resize(image), int(target), int(key[0]), int(key[1])
 
 
-class _SeededDrawer(ViewDrawer):
+class SeededDrawer(ViewDrawer):
     """The drawers of :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`: SimCLRViews without
     grids, each image's views from its own seed, in ``output_dtype`` and channels-last if asked (what the backbone of
     a channels-last, bf16 run takes without another pass)."""
@@ -163,15 +163,15 @@ class _SeededDrawer(ViewDrawer):
     @property
     def augmentation(self) -> BatchedViewAugmentation:
         if self._augmentation is None:
-            setup = self.setup
-            self._augmentation = BatchedViewAugmentation(
-                setup.views.augmentation(setup.image_size), *setup.normalisation
-            )
+            views, size = self.setup.views, self.setup.image_size
+            assert isinstance(views, SimCLRViews)  # check_drawer: SimCLRViews only
+            self._augmentation = BatchedViewAugmentation(views.augmentation(size), *self.setup.normalisation)
         return self._augmentation
 
     def _views(self, images: Tensor, seeds: Tensor) -> Tensor:
         """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, in ``output_dtype``, channels-last if asked."""
-        views = self.augmentation.to(images.device).views_from_seeds(images, seeds, self.setup.views.num_views)
+        count: int = self.setup.views.num_views  # type: ignore[assignment]  # SimCLRViews: known
+        views = self.augmentation.to(images.device).views_from_seeds(images, seeds, count)
         views = views.to(torch.bfloat16) if self.output_dtype == "bfloat16" else views
         if self.channels_last:
             flat = views.flatten(0, 1).contiguous(memory_format=torch.channels_last)
@@ -179,7 +179,7 @@ class _SeededDrawer(ViewDrawer):
         return views
 
 
-class BatchedDrawer(_SeededDrawer):
+class BatchedDrawer(SeededDrawer):
     """The views of a whole batch in a fixed number of tensor operations
     (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
     seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
@@ -192,6 +192,10 @@ class BatchedDrawer(_SeededDrawer):
         on: ``workers`` or ``device``.
         output_dtype: ``on: device``: ``float32`` or ``bfloat16`` (what a bf16 run's backbone takes).
         channels_last: ``on: device``: views laid out channels-last.
+
+    Raises:
+        ConfigurationError: when ``on`` or ``output_dtype`` is none of the above, or ``output_dtype`` /
+            ``channels_last`` are set for views drawn in the workers (they travel as float32).
     """
 
     def __init__(

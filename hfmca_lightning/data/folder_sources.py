@@ -270,7 +270,11 @@ class UnlabelledFolderSource(_FolderSource):
 
     Args:
         root: folder searched recursively for image files.
-        image_size, eval_resize, mean, std, on_bad_image: as :class:`ImageFolderSource`.
+        image_size: as :class:`ImageFolderSource`.
+        eval_resize: as :class:`ImageFolderSource`.
+        mean: as :class:`ImageFolderSource`.
+        std: as :class:`ImageFolderSource`.
+        on_bad_image: as :class:`ImageFolderSource`.
         evaluation: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits
             kNN and probes use; without it, training runs and kNN is skipped with a warning.
     """

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler
-from hfmca_lightning.data.drawers import OutputDtype, _SeededDrawer
+from hfmca_lightning.data.drawers import OutputDtype, SeededDrawer
 from hfmca_lightning.data.sources import ArrayImages, LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.errors import ConfigurationError
@@ -38,7 +38,7 @@ def stored_split(split: LabelledImages, image_size: int) -> tuple[Tensor, Tensor
     return torch.stack([resize(split[index][0]) for index in range(len(split))]), targets
 
 
-def _on_device(images: Tensor, device: torch.device) -> Tensor:
+def stored_on_device(images: Tensor, device: torch.device) -> Tensor:
     """``images`` on ``device``; one clear error when they would take more than half of its free memory."""
     if device.type == "cuda" and device != images.device:
         free, _ = torch.cuda.mem_get_info(device)
@@ -121,7 +121,7 @@ class _Batches(Dataset):
         return batch
 
 
-class ResidentDrawer(_SeededDrawer):
+class ResidentDrawer(SeededDrawer):
     """The training split kept on the device as one uint8 tensor (one clear error if it would take more than half of
     the free device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device
     from the seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers
@@ -134,6 +134,9 @@ class ResidentDrawer(_SeededDrawer):
             those of one batch at a time (each sample's come from its own seed).
         output_dtype: ``float32`` or ``bfloat16``.
         channels_last: views laid out channels-last.
+
+    Raises:
+        ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is neither of the above.
     """
 
     draws_on_device = True
@@ -161,7 +164,7 @@ class ResidentDrawer(_SeededDrawer):
             self._stored, self._split = stored_split(split, self.setup.image_size), split
             self._drawn.clear()
         if device is not None and self._stored[0].device != device:
-            self._stored = (_on_device(self._stored[0], device), self._stored[1].to(device))
+            self._stored = (stored_on_device(self._stored[0], device), self._stored[1].to(device))
             self._drawn.clear()
 
     def dataset(self, split: LabelledImages) -> Dataset:
@@ -201,14 +204,14 @@ class ResidentDrawer(_SeededDrawer):
         """The views and targets of a chunk; ``side``: drawn on a side stream, with the event that ends it."""
         assert self._stored is not None
         images, targets = self._stored
-        stream = torch.cuda.Stream(indices.device) if side else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(indices.device))  # the indices' transfer
-            indices.record_stream(stream)
-            seeds.record_stream(stream)
-        with torch.cuda.stream(stream):  # None: the current stream
+        if not side:  # no CUDA call: this path also runs on CPUs and MPS
+            return self._views(images[indices], seeds), targets[indices], None
+        stream = torch.cuda.Stream(indices.device)
+        stream.wait_stream(torch.cuda.current_stream(indices.device))  # the indices' transfer
+        indices.record_stream(stream)
+        seeds.record_stream(stream)
+        with torch.cuda.stream(stream):
             views, chunk_targets = self._views(images[indices], seeds), targets[indices]
-        event = torch.cuda.Event() if stream is not None else None
-        if event is not None:
+            event = torch.cuda.Event()
             event.record(stream)
         return views, chunk_targets, event

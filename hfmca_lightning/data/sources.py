@@ -41,7 +41,11 @@ class LabelledImages(Dataset):
 
 class ArrayImages(LabelledImages):
     """Images held in memory as one ``(N, H, W, 3)`` uint8 array with ``N`` targets (``UNLABELLED`` for images without
-    a class): ``dataset[i] -> (uint8 tensor (3, H, W), target)``."""
+    a class): ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+
+    Raises:
+        ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.
+    """
 
     def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:

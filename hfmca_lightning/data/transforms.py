@@ -58,17 +58,29 @@ class ViewAugmentation:
     """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
     knobs of the module docstring). View ``l`` of a group has kind ``l % view_kinds``: its blur and solarisation
     probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
-    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's)."""
+    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's).
 
-    image_size: int  # side of the square views
-    crop_scale: tuple[float, float]  # RandomResizedCrop's scale range
-    crop_ratio: tuple[float, float]  # and its aspect-ratio range
-    jitter: tuple[float, float, float, float]  # brightness, contrast, saturation, hue; all 0 = no jitter
+    Args:
+        image_size: side of the square views.
+        crop_scale: ``RandomResizedCrop`` scale range.
+        crop_ratio: ``RandomResizedCrop`` aspect-ratio range.
+        jitter: colour jitter ``(brightness, contrast, saturation, hue)``; all 0: no jitter.
+        jitter_p: probability of the colour jitter.
+        gray_p: probability of greyscale.
+        horizontal_flip: random horizontal flips.
+        blur_p: probability of a Gaussian blur, per view kind.
+        solarize_p: probability of a solarisation, per view kind.
+    """
+
+    image_size: int
+    crop_scale: tuple[float, float]
+    crop_ratio: tuple[float, float]
+    jitter: tuple[float, float, float, float]
     jitter_p: float
     gray_p: float
     horizontal_flip: bool
-    blur_p: tuple[float, ...] = (0.0,)  # per view kind
-    solarize_p: tuple[float, ...] = (0.0,)  # per view kind
+    blur_p: tuple[float, ...] = (0.0,)
+    solarize_p: tuple[float, ...] = (0.0,)
 
     @property
     def view_kinds(self) -> int:

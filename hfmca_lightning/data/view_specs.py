@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import to_pil_image
 
-from hfmca_lightning.data.datasets import SeededViews, cycled_views, same_class_views
+from hfmca_lightning.data.datasets import DrawnViews, SeededViews, cycled_views, same_class_views, seeded_generators
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.transforms import ViewAugmentation, view_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError
@@ -29,7 +29,10 @@ class ViewSpec:
     :attr:`global_views` of them global crops; :meth:`dataset` draws them one sample at a time on the CPU."""
 
     single_view = False  # batches hold one image per sample, without a view axis
-    num_views: int | None  # views per sample (None: known from a transform's output only)
+
+    @property
+    def num_views(self) -> int | None:
+        raise NotImplementedError
 
     @property
     def global_views(self) -> int | None:
@@ -84,7 +87,8 @@ def _check_count(owner: str, count: int, least: int = 1, name: str = "count") ->
 
 
 class SimCLRViews(_Augmented):
-    """``count`` SimCLR views of one image (paper Alg. 1).
+    """``count`` SimCLR views of one image (paper Alg. 1). The Table 2 knobs map 0 to no distortion and 1 to the
+    paper's extreme; ``None`` keeps the SimCLR CIFAR default (:mod:`hfmca_lightning.data.transforms`).
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
@@ -117,8 +121,12 @@ class SimCLRViews(_Augmented):
     ) -> None:
         _check_count("SimCLRViews", count)
         _check_count("SimCLRViews", grids, 0, "grids")
-        self.count, self.grids, self.num_views = count, grids, count
+        self.count, self.grids = count, grids
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+
+    @property
+    def num_views(self) -> int:
+        return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return self._cycled(split, image_size, normalisation, self.grids)
@@ -129,11 +137,20 @@ class SingleView(_Augmented):
     training).
 
     Args:
-        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
-            :class:`SimCLRViews`.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
     """
 
-    single_view, num_views = True, 1
+    single_view = True
+
+    @property
+    def num_views(self) -> int:
+        return 1
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return self._cycled(split, image_size, normalisation)
@@ -145,8 +162,13 @@ class SameClassViews(_Augmented):
 
     Args:
         count: images per group.
-        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
-            :class:`SimCLRViews`.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
     """
 
     def __init__(
@@ -161,8 +183,12 @@ class SameClassViews(_Augmented):
         solarize: float | list[float] = 0.0,
     ) -> None:
         _check_count("SameClassViews", count)
-        self.count = self.num_views = count
+        self.count = count
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+
+    @property
+    def num_views(self) -> int:
+        return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         targets = torch.as_tensor(split.targets)
@@ -192,7 +218,12 @@ class MultiCrop(_Augmented):
         local_size: side of the local crops (default: half the source's image size).
         global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
         local_scale: the same for a local crop.
-        color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
@@ -234,10 +265,14 @@ class MultiCrop(_Augmented):
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 _check_count("MultiCrop", size, 1, name)
-        self.global_crops, self.local_crops, self.num_views = global_crops, local_crops, global_crops + local_crops
+        self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
         super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+
+    @property
+    def num_views(self) -> int:
+        return self.global_crops + self.local_crops
 
     @property
     def global_views(self) -> int:
@@ -270,6 +305,9 @@ class TransformViews(ViewSpec):
     Args:
         transform: image -> list of ``(C, H, W)`` tensors.
 
+    Raises:
+        ConfigurationError: when ``transform`` is not callable.
+
     Example::
 
         from lightly.transforms import SimCLRTransform
@@ -283,7 +321,11 @@ class TransformViews(ViewSpec):
                 f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}",
                 parameter="transform",
             )
-        self.transform, self.num_views = transform, None  # known from the output only: count_views
+        self.transform = transform
+
+    @property
+    def num_views(self) -> None:
+        return None  # known from the output only: :meth:`count_views`
 
     def count_views(self, split: LabelledImages, seed: int) -> int:
         """The number of views the transform makes of the first image of ``split`` (counted in ``setup``)."""
@@ -294,9 +336,10 @@ class TransformViews(ViewSpec):
         return SeededViews(split, partial(_transformed_views, self.transform))
 
 
-def _transformed_views(transform: Callable, split: LabelledImages, index: int, seed: int) -> tuple[list, int]:
+def _transformed_views(transform: Callable[[Any], Any], split: LabelledImages, index: int, seed: int) -> DrawnViews:
     image, target = split[index]
-    views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
+    with seeded_generators(seed):
+        views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
     if not isinstance(views, Sequence) or not views or not all(isinstance(view, Tensor) for view in views):
         name = getattr(transform, "__name__", type(transform).__name__)
         what = type(views).__name__ if not isinstance(views, Sequence) or not views else "a list with non-tensors"

@@ -13,7 +13,7 @@ import torch
 
 from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
 from hfmca_lightning.data.datamodule import TrainingPosition
-from hfmca_lightning.data.resident import ResidentBatch, _on_device, stored_split
+from hfmca_lightning.data.resident import ResidentBatch, stored_on_device, stored_split
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
@@ -135,5 +135,5 @@ def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
         match=r"^ResidentDrawer: the training split takes 0\.0 GiB as uint8, more than half of the 0\.0 GiB free on "
         r"cuda.*\(drawer: BatchedDrawer\)$",
     ) as error:
-        _on_device(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.device("cuda"))
+        stored_on_device(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.device("cuda"))
     assert error.value.parameter == "drawer"

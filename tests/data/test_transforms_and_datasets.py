@@ -1,10 +1,12 @@
+import random
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2
 
-from hfmca_lightning.data import SameClassViews, SyntheticShapes
+from hfmca_lightning.data import MultiCrop, SameClassViews, SimCLRViews, SyntheticShapes, TransformViews
 from hfmca_lightning.data.datasets import SeededRandomSampler, SeededViews, cycled_views, same_class_views
 from hfmca_lightning.data.sources import ArrayImages
 from hfmca_lightning.data.transforms import (
@@ -235,3 +237,31 @@ def test_view_grids_give_the_source_position_of_every_cell_centre():
         torch.testing.assert_close(seen.permute(1, 2, 0), grid.double(), atol=0.3, rtol=0)
         flips += bool(grid[0, 0, 0] > grid[0, -1, 0])
     assert 0 < flips < 20
+
+
+class _RandomReads(ArrayImages):
+    """A split whose reading draws from torch's, Python's and numpy's generators (a torchvision data set with a random
+    ``transform``, say)."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        torch.rand(3), random.random(), np.random.rand()
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize(
+    "views",
+    [
+        SimCLRViews(count=3),
+        MultiCrop(global_crops=1, local_crops=2),
+        TransformViews(lambda image: [v2.RandomResizedCrop(16)(v2.ToImage()(image))]),
+    ],
+    ids=["simclr", "multi-crop", "transform"],
+)
+def test_the_generators_are_seeded_after_the_image_is_read(views):
+    """A sample's views come from its seed alone, whatever reading its image draws."""
+    images, targets = SyntheticShapes(num_classes=2, train_per_class=2).split(True)[0][0], [0]
+    array = images.permute(1, 2, 0)[None].numpy()
+    plain = views.dataset(ArrayImages(array, targets), 32, (MEAN, STD))[(0, 7)]
+    random_reads = views.dataset(_RandomReads(array, targets), 32, (MEAN, STD))[(0, 7)]
+    for group, same in zip(plain[0], random_reads[0]):
+        assert torch.equal(group, same)

@@ -89,6 +89,9 @@ class CIFAR(_ReleaseSource):
         root: folder that holds (or will hold) the extracted data set.
         download: fetch and extract the archive into ``root`` if it is missing.
         verify: check md5 sums.
+
+    Raises:
+        ConfigurationError: when ``name`` is neither of the above.
     """
 
     image_size = 32

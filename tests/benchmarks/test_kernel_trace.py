@@ -136,6 +136,21 @@ def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
     assert "__rshift__" not in names["V100"] and "avg_pool2d" in names["V100"]
 
 
+def test_gradient_checks_take_the_multi_tensor_kernel_of_the_gpu() -> None:
+    """torch takes its multi-tensor kernels for plain GPU tensors: the gradient check of a 76-tensor model is one
+    ``_foreach_norm`` launch on the modelled GPU, as on the real one, not one norm kernel per gradient."""
+    from hfmca_lightning.methods.deferred_checks import nonfinite_gradients
+
+    with tracing(H100) as live:
+        parameters = [torch.nn.Parameter(torch.randn(5, device="cuda")) for _ in range(76)]
+        for parameter in parameters:
+            parameter.grad = torch.randn(5, device="cuda")
+        with live.record() as trace:
+            nonfinite_gradients(torch.optim.SGD(parameters, lr=0.1))
+    assert [op.kernels for op in recorded("_foreach_norm", trace)] == [1]
+    assert len(recorded("linalg_vector_norm", trace)) == 1  # the largest of the per-tensor norms
+
+
 def test_the_cost_librarys_cached_tensors_do_not_cross_a_trace() -> None:
     """The window constants and counts are cached per shape and device: each trace makes its own (a fake tensor of an
     earlier trace cannot enter another's), so the same statistics traced twice record the same kernels."""

@@ -75,10 +75,11 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         checkpoint = _load(path)
     except ConfigurationError:
         raise
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except Exception as error:  # any bytes may be in the file: whatever torch's reader raises means the same
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ConfigurationError(
-            f"{path} is not a readable checkpoint (truncated or corrupt file?): {first_line}. "
+            f"{path} is not a readable checkpoint (truncated or corrupt file?): {type(error).__name__}"
+            f"{': ' if first_line else ''}{first_line}. "
             "Resume from another checkpoint of the run, e.g. an epoch=...-step=....ckpt beside it."
         ) from None
     if (
@@ -104,8 +105,11 @@ def _load(path: Path) -> Any:
         if "Weights only load failed" not in str(error):
             raise
         found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if found is None:  # no object named: bytes the safe reader cannot parse (corrupt, or no checkpoint)
+            reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(error))
+            raise pickle.UnpicklingError(reason.group(1) if reason else "not a pickle of tensors") from None
         raise ConfigurationError(
-            f"{path} is refused: it holds pickled Python objects ({found.group(1) if found else 'beyond tensors'}), "
+            f"{path} is refused: it holds pickled Python objects ({found.group(1)}), "
             "and loading it could run any code. Checkpoints written by `hfmca fit` hold tensors and plain data only; "
             "if you trust the file's author, ask them for a checkpoint of plain data (numbers, strings, tensors)."
         ) from None

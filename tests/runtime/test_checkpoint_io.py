@@ -120,3 +120,22 @@ def test_every_hfmca_fit_writes_with_the_atomic_writer(tmp_path):
 
     cli = HFMCACLI(args=["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path)], run=False)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+JUNK_FILES = {
+    "text": b"junk\n",  # read as a pickle: 'j' asks for a memo entry that does not exist
+    "random bytes": bytes(random.Random(0).randrange(256) for _ in range(4096)),
+    "empty": b"",
+    "a pickle of a list with a missing memo": b"\x80\x02]q\x00h\x07a.",
+    "a zip without a checkpoint": b"PK\x05\x06" + bytes(18),
+}
+
+
+@pytest.mark.parametrize("contents", JUNK_FILES.values(), ids=JUNK_FILES.keys())
+def test_a_file_that_is_no_checkpoint_is_one_clear_error(tmp_path: Path, contents: bytes) -> None:
+    """Whatever bytes a file holds, reading it as a checkpoint is one ConfigurationError naming it, never an error
+    from inside torch's unpickler (a KeyError, an IndexError, ...)."""
+    path = tmp_path / "junk.ckpt"
+    path.write_bytes(contents)
+    with pytest.raises(ConfigurationError, match="junk.ckpt is not a readable checkpoint"):
+        read_checkpoint(path)

@@ -118,9 +118,9 @@ class CIFAR(_ReleaseSource):
             images, targets = [], []
             label_key = "labels" if self.name == "cifar10" else "fine_labels"
             for name, _ in self._spec.train_list if train else self._spec.test_list:
-                entry = _read_cifar_batch(self.folder / name)
-                images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-                targets.extend(entry[label_key])
+                batch_images, batch_targets = _read_cifar_batch(self.folder / name, label_key)
+                images.append(batch_images)
+                targets.extend(batch_targets)
             self._splits[train] = ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
         return self._splits[train]
 
@@ -152,8 +152,9 @@ class _CIFARUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_cifar_batch(path: Path) -> dict:
-    """One CIFAR batch file (python format), read with :class:`_CIFARUnpickler`; one clear error for anything else."""
+def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, list[int]]:
+    """The ``(N, 3, 32, 32)`` uint8 images and ``N`` labels of one CIFAR batch file (python format), read with
+    :class:`_CIFARUnpickler`; one clear error for anything else."""
     try:
         with open(path, "rb") as handle:
             entry = _CIFARUnpickler(handle, encoding="latin1").load()
@@ -168,11 +169,16 @@ def _read_cifar_batch(path: Path) -> dict:
             f"{path} is not a readable CIFAR batch (truncated or corrupt?): {error}. Replace it with the file of the "
             "official release."
         ) from None
-    if not isinstance(entry, dict):
+    try:
+        images, labels = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32), entry[label_key]
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        return images, [int(label) for label in labels]
+    except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ConfigurationError(
-            f"{path} is not a CIFAR batch: it holds a {type(entry).__name__}, not a dict of arrays and labels"
-        )
-    return entry
+            f"{path} is not a CIFAR batch: it holds no 3 x 32 x 32 uint8 'data' with one '{label_key}' entry per "
+            f"image ({type(error).__name__}: {error})"
+        ) from None
 
 
 class _BinaryImages(LabelledImages):
@@ -223,7 +229,14 @@ class STL10(_ReleaseSource):
         self.train_on_labelled, self.image_size = train_on_labelled, image_size
 
     def _read(self, name: str) -> _BinaryImages:
-        images = np.memmap(self.folder / f"{name}_X.bin", dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
+        images_file = self.folder / f"{name}_X.bin"
+        size = images_file.stat().st_size
+        if size == 0 or size % (3 * 96 * 96):
+            raise ConfigurationError(
+                f"{images_file} holds {size} bytes, not a whole number of 3 x 96 x 96 images (truncated?); replace it "
+                "with the file of the official release"
+            )
+        images = np.memmap(images_file, dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
         labels_file = self.folder / f"{name}_y.bin"
         targets = (
             np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1

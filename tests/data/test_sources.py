@@ -140,7 +140,12 @@ def test_a_cifar_data_module_checks_each_file_once_and_reads_each_split_once(tmp
     monkeypatch.setattr(archive_sources, "check_integrity", lambda path, md5: checked.append(path) or True)
     read = Counter()
     unpickle = archive_sources._read_cifar_batch
-    monkeypatch.setattr(archive_sources, "_read_cifar_batch", lambda path: read.update([path.name]) or unpickle(path))
+
+    def counted(path: Path, label_key: str) -> tuple:
+        read.update([path.name])
+        return unpickle(path, label_key)
+
+    monkeypatch.setattr(archive_sources, "_read_cifar_batch", counted)
     data = MultiViewDataModule(CIFAR(root=str(tmp_path)), batch_size=4, num_workers=0)
     data.prepare_data()
     data.setup("fit")
@@ -307,6 +312,15 @@ def test_stl10_binaries_load_through_the_real_layout(tmp_path):
         STL10(root=str(tmp_path)).prepare()
 
 
+@pytest.mark.parametrize("kept", [0, 1000], ids=["empty", "a partial image"])
+def test_a_truncated_stl10_binary_is_one_clear_error(tmp_path, kept):
+    folder = write_stl10(tmp_path)
+    images = folder / "train_X.bin"
+    images.write_bytes(images.read_bytes()[:kept])
+    with pytest.raises(ConfigurationError, match=f"{images} holds {kept} bytes, not a whole number of 3 x 96 x 96"):
+        STL10(root=str(tmp_path), verify=False).split(train=True)
+
+
 def test_synthetic_shapes_are_deterministic_and_balanced():
     first = SyntheticShapes(num_classes=5, train_per_class=3, seed=7).split(train=True)
     second = SyntheticShapes(num_classes=5, train_per_class=3, seed=7).split(train=True)
@@ -327,3 +341,22 @@ def test_an_unknown_on_bad_image_is_refused_when_the_source_is_made(source, tmp_
     with pytest.raises(ConfigurationError, match="on_bad_image must be 'error' or 'skip'; got 'ignore'") as error:
         source(str(tmp_path), on_bad_image="ignore")
     assert error.value.parameter == "on_bad_image"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["not", "a", "dict"],
+        {"labels": [0]},
+        {"data": "abc", "labels": [0]},
+        {"data": np.zeros((2, 3072)), "labels": [0]},
+    ],
+    ids=["a list", "no data", "data of text", "two images, one label"],
+)
+def test_a_cifar_batch_without_images_and_labels_is_one_clear_error(cifar10_on_disk, entry):
+    """A file of the layout's name that unpickles (``verify: false``) but holds no batch of images and labels: one
+    ConfigurationError naming it, not a KeyError or a reshape error from inside numpy."""
+    batch = cifar10_on_disk / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(pickle.dumps(entry))
+    with pytest.raises(ConfigurationError, match=f"{batch} is not a CIFAR batch: it holds no 3 x 32 x 32 uint8 'data'"):
+        CIFAR(root=str(cifar10_on_disk), verify=False).split(train=True)

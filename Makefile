@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-fast test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check clean
+.PHONY: install test test-fast test-extended test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml
@@ -14,13 +14,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## The whole default suite (every test not marked `slow`).
+## The default suite (every test not marked `slow` or `extended`).
 test: $(STAMP)
 	$(PY) -m pytest
 
+## The longer runs CI adds after the default suite (marked `extended`).
+test-extended: $(STAMP)
+	$(PY) -m pytest -m "extended and not slow"
+
 ## The unit tests, for the edit-test loop: no subprocess runs, DDP, notebooks or training runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not integration"
+	$(PY) -m pytest -m "not slow and not extended and not integration"
 
 ## Only the slow tests.
 test-slow: $(STAMP)

@@ -1,8 +1,9 @@
 """Markers and shared fixtures of the test suite.
 
-``make test`` runs every test not marked ``slow``; ``make test-fast`` leaves out ``integration`` tests too: every
-test under ``tests/integration/`` (subprocess runs of ``hfmca``, DDP, notebooks, benchmarks) and the unit tests
-marked so because they train a model for several steps.
+``make test`` runs every test marked neither ``slow`` nor ``extended`` (the longer runs, which CI adds with ``make
+test-extended``); ``make test-fast`` leaves out ``integration`` tests too: every test under ``tests/integration/``
+(subprocess runs of ``hfmca``, DDP, notebooks, benchmarks) and the unit tests marked so because they train a model
+for several steps.
 """
 
 from __future__ import annotations

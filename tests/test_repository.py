@@ -57,15 +57,20 @@ def make_commands(target: str, *options: str) -> list[str]:
 
 def test_the_make_targets_run_what_the_readme_says():
     up_to_date = ("-o", ".venv/.install-stamp")
-    # make test: creates .venv, installs the package with its dev extra, runs the default suite (every test not slow)
+    # make test: creates .venv, installs the package with its dev extra, runs the default suite (every test neither
+    # slow nor extended)
     install = make_commands("test", "-W", "pyproject.toml")
     assert any("-m venv .venv" in line for line in install)
     assert any("pip install" in line and "-e '.[dev]'" in line for line in install)
-    assert install[-1] == ".venv/bin/python -m pytest" and "-m 'not slow'" in (REPO / "pyproject.toml").read_text()
-    assert make_commands("test-fast", *up_to_date) == ['.venv/bin/python -m pytest -m "not slow and not integration"']
+    pytest_options = (REPO / "pyproject.toml").read_text()
+    assert install[-1] == ".venv/bin/python -m pytest" and "-m 'not slow and not extended'" in pytest_options
+    assert make_commands("test-fast", *up_to_date) == [
+        '.venv/bin/python -m pytest -m "not slow and not extended and not integration"'
+    ]
+    assert make_commands("test-extended", *up_to_date) == ['.venv/bin/python -m pytest -m "extended and not slow"']
     assert make_commands("test-slow", *up_to_date) == [".venv/bin/python -m pytest -m slow"]
     assert make_commands("demo", *up_to_date) == [".venv/bin/hfmca fit --config configs/demo.yaml"]
     assert make_commands("notebooks", *up_to_date) == [".venv/bin/python tools/execute_notebooks.py"]
-    # CI: "make lint typecheck docs are the other CI steps", then the README's test command
+    # CI: "make lint typecheck docs are the other CI steps", then the README's test command and the extended runs
     steps = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("make ")]
-    assert steps == ["make lint", "make typecheck", "make docs", "make test"]
+    assert steps == ["make lint", "make typecheck", "make docs", "make test", "make test-extended"]

@@ -73,7 +73,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         checkpoint = _load(path)
-    except ConfigurationError:
+    except (ConfigurationError, MemoryError):
         raise
     except Exception as error:  # any bytes may be in the file: whatever torch's reader raises means the same
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -366,6 +366,7 @@ def assert_every_figure_loads_in_a_browser(page: Path, expected: int) -> None:
     assert f'data-figures-loaded="{expected}"' in dom, dom[-2000:]
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a short training run
 def test_analyze_reports_the_training_time_spectra_of_the_step(tmp_path, capsys):
     """After a few steps (young BatchNorm running statistics), ``analyze`` of the last checkpoint reports every

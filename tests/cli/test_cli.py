@@ -79,6 +79,7 @@ def test_fit_with_augmentation_on_the_device(tmp_path):
     assert len(costs) == 4 and all(c < 0 for c in costs)
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess or a training run
 def test_limit_train_batches_counts_batches_when_an_integer_and_is_a_fraction_otherwise(tmp_path):
     """``hfmca fit --config configs/demo.yaml --trainer.limit_train_batches 1 --trainer.max_epochs 1`` trains one batch,

@@ -305,6 +305,7 @@ def test_a_nan_mid_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tm
     assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess or a training run
 def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, shrunk_demo):
     """Two processes (gloo), the demo's external cost without ``sync_dist`` (each process factors its own statistics),
@@ -342,6 +343,7 @@ def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_go
     assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess
 def test_a_source_of_another_image_size_than_the_spectrum_cnn_is_one_line_naming_image_size(tmp_path):
     """configs/spectrum_selfsupervised.yaml with an ImageFolderSource left at its default 224 px: the 32-px spectrum

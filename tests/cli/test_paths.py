@@ -76,6 +76,7 @@ def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # subprocess runs
 @pytest.mark.parametrize("name", ["export", "analyze"])
 def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_with_it(checkpoint, tmp_path, name):
@@ -147,6 +148,7 @@ def test_a_full_disk_mid_export_is_one_line_and_keeps_the_previous_export(checkp
     assert exported(out) == before  # the same bytes, the JSON consistent with the weights, no partial file
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess run
 def test_a_file_size_limit_mid_analysis_is_one_line_and_keeps_the_previous_report(checkpoint, tmp_path):
     out = tmp_path / "analysis"

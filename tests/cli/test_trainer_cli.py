@@ -33,6 +33,7 @@ def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("hfmca: error: ")]
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # subprocess runs
 def test_a_second_fit_into_a_running_runs_folder_is_refused_and_the_first_finishes(tmp_path):
     args = paused_run_args(tmp_path, step=2)
@@ -54,6 +55,7 @@ def test_a_second_fit_into_a_running_runs_folder_is_refused_and_the_first_finish
     assert [path.name for path in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]  # the second wrote nothing
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # subprocess runs
 def test_the_lock_of_a_killed_run_is_taken_over_by_its_resume(tmp_path):
     args = paused_run_args(tmp_path, step=6, max_epochs=2)  # held after the first epoch's checkpoint (step 4)
@@ -71,6 +73,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_by_its_resume(tmp_path):
     assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 8
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess run
 def test_resume_with_last_reads_only_this_runs_folder(tmp_path):
     """Run A keeps its best checkpoints in a folder that run B, of another model, writes its ``last.ckpt`` into;

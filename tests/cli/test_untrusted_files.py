@@ -59,6 +59,7 @@ def run_all(commands: dict[str, list[str]], cwd: Path) -> dict[str, tuple[int, l
     return results
 
 
+@pytest.mark.extended
 def test_a_pickled_checkpoint_is_refused_by_every_command_and_its_payload_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "payload-ran"
     checkpoint = lightning_checkpoint(tmp_path / "evil.ckpt", {"hyper_parameters": _WritesMarker(marker)})
@@ -71,6 +72,7 @@ def test_a_pickled_checkpoint_is_refused_by_every_command_and_its_payload_never_
     assert not marker.exists()
 
 
+@pytest.mark.extended
 def test_a_stored_config_naming_a_class_outside_the_trusted_packages_is_refused_before_its_import(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

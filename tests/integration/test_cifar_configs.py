@@ -60,6 +60,7 @@ def test_the_gpu_settings_of_the_cifar_configs(name: str, tmp_path: Path, monkey
     assert (source.root, source.download, source.name) == (Path("data"), True, name.split("_")[0])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["cifar10_ss.yaml", "cifar10_ss_internal.yaml"])
 def test_the_cifar_configs_run_unchanged_on_a_cpu(name: str, tmp_path: Path) -> None:
     """The shipped config with only its data made tiny (40 CIFAR images on disk, batch 4, 2 workers) and two steps:

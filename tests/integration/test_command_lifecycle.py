@@ -91,7 +91,7 @@ def commands(folder: Path, checkpoint: Path) -> dict[str, list[str]]:
     "command",
     [
         *("fit", "validate", "test", "analyze", "compare", "linear", "knn", "export", "dashboard"),
-        *("-v validate", "-q analyze"),
+        *("-v validate", pytest.param("-q analyze", marks=pytest.mark.extended)),
     ],
 )
 def test_each_command_ends_promptly_and_cleanly(trained, command):
@@ -123,7 +123,10 @@ def test_each_command_ends_promptly_and_cleanly(trained, command):
 
 @pytest.mark.parametrize(
     ("command", "signal_number"),
-    [("analyze", signal.SIGINT), ("compare", signal.SIGINT), ("fit", signal.SIGINT), ("analyze", signal.SIGTERM)],
+    [
+        *(pytest.param(name, signal.SIGINT, marks=pytest.mark.extended) for name in ("analyze", "compare", "fit")),
+        ("analyze", signal.SIGTERM),
+    ],
     ids=["analyze", "compare", "fit", "analyze-sigterm"],
 )
 def test_ctrl_c_and_sigterm_end_the_command_with_one_line(trained, command, signal_number):
@@ -215,6 +218,7 @@ def on_a_terminal(folder: Path, arguments: list[str], columns: int) -> tuple[int
     return process.wait(timeout=120), output.decode(errors="replace")
 
 
+@pytest.mark.extended
 def test_a_command_on_a_terminal_draws_progress_bars_and_lines_where_it_cannot(trained):
     """docs/getting-started.md: a progress bar per long stage when standard error is a terminal, one line per stage
     otherwise: also on a terminal of zero columns (a pseudo-terminal nobody sized), where a bar would draw nothing."""

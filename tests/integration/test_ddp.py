@@ -136,6 +136,7 @@ class RecordDictBatches(Callback):
         torch.save(self.steps, os.path.join(self.folder, f"batches{trainer.global_rank}.pt"))
 
 
+@pytest.mark.extended
 def test_ddp_shards_dict_batches_as_one_process_with_the_doubled_batch(tmp_path):
     """``batch_format: dict`` under 2-process DDP, for a module that takes plain dicts only: each step's two shards
     hold the samples of the one-process step with the doubled batch, each sample with the same views."""

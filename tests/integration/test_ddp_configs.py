@@ -21,9 +21,9 @@ from tests.helpers import REPO, HFMCATimeout, run_hfmca, write_cifar, write_over
 
 TIME_LIMIT = 75  # seconds; a healthy run takes 10-30 s on 2 CPU cores
 
-# Only the demo runs in `make test` (the default suite stays under 10 minutes on 2 cores; make test keeps
-# tests/integration/test_ddp.py's internal costs under DDP too); the CIFAR, spectrum and baseline configs, whose
-# callbacks are a superset of the demo's, 15-25 s each on a 2-core CPU, in `make test-slow`.
+# Only the demo runs in CI (`make test-extended`; `make test` keeps tests/integration/test_ddp.py's internal costs
+# under DDP); the CIFAR, spectrum and baseline configs, whose callbacks are a superset of the demo's, 15-25 s each on
+# a 2-core CPU, in `make test-slow`.
 SLOW_SHIPPED = [
     "cifar10_ss.yaml",
     "cifar10_ss_internal.yaml",
@@ -32,7 +32,10 @@ SLOW_SHIPPED = [
     "spectrum_selfsupervised.yaml",
     "baselines/simclr_cifar10.yaml",
 ]
-SHIPPED = ["demo.yaml", *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SHIPPED)]
+SHIPPED = [
+    pytest.param("demo.yaml", marks=pytest.mark.extended),
+    *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_SHIPPED),
+]
 
 SMALL_SPECTRUM_CNN = {"channels": 8, "hidden_dim": 16, "noise_channels": 2}
 SMALL_HEAD = {"feature_dim": 8, "hidden_dim": 16, "noise_channels": 2}

@@ -78,6 +78,7 @@ def test_without_cuda_it_says_so_and_exits_non_zero(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no report of CPU numbers
 
 
+@pytest.mark.extended
 def test_every_section_runs_on_the_cpu_without_the_packages_gpu_machines_may_lack(tmp_path: Path):
     runner = BLOCKING_RUNNER.format(missing=set(MISSING_ON_GPU_MACHINES))
     result = subprocess.run(

@@ -37,6 +37,7 @@ def _demo(*options: str, epochs: int) -> HFMCACLI:
     )
 
 
+@pytest.mark.extended
 def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = _demo(epochs=8)
@@ -54,6 +55,7 @@ def test_short_cpu_run_beats_the_randomly_initialised_backbone(tmp_path, monkeyp
     assert linear > 0.4, linear
 
 
+@pytest.mark.extended
 def test_hfmca_on_multi_crop_views_beats_the_randomly_initialised_backbone(tmp_path, monkeypatch):
     """The demo with 2 global crops of 32 px and 2 local crops of 16 px (MultiCrop) instead of 4 same-size views: the
     external cost groups each image's four views of two sizes, and the backbone learns. MultiCrop keeps the demo's

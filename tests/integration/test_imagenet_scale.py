@@ -45,6 +45,7 @@ def fast_dev_run(tmp_path, tree, *extra: str):
     return run_hfmca(tmp_path, *args, timeout=300)
 
 
+@pytest.mark.extended
 def test_imagenet100_config_trains_a_resnet50_step_on_224px_jpegs(tmp_path, imagenet_tree):
     assert len(CLASSES) == 100
     result = fast_dev_run(tmp_path, imagenet_tree)
@@ -53,7 +54,7 @@ def test_imagenet100_config_trains_a_resnet50_step_on_224px_jpegs(tmp_path, imag
     assert "`Trainer.fit` stopped: `max_steps=1` reached." in result.stdout
 
 
-@pytest.mark.slow  # the ResNet-50 step above covers the config's data path in make test
+@pytest.mark.slow  # the ResNet-50 step above covers the config's data path in CI (make test-extended)
 def test_imagenet100_config_with_a_timm_vit_and_the_external_cost_only(tmp_path, imagenet_tree):
     pytest.importorskip("timm")
     result = fast_dev_run(

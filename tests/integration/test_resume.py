@@ -197,9 +197,10 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
 @pytest.mark.parametrize(
     "data_path",
     [
-        # make test: the demo's SIGKILL and SIGTERM runs, and stable-pretraining's dict batches here
+        # make test: the demo's SIGKILL run; CI's make test-extended: its SIGTERM run and stable-pretraining's dict
+        # batches here
         *(pytest.param(path, marks=pytest.mark.slow) for path in SLOW_DATA_PATHS),
-        "stable-pretraining",
+        pytest.param("stable-pretraining", marks=pytest.mark.extended),
     ],
 )
 def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, data_path):
@@ -236,6 +237,7 @@ def test_sigkill_after_a_mid_epoch_checkpoint_then_resume_is_exact(tmp_path, dat
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
 
 
+@pytest.mark.extended
 def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tmp_path, demo_uninterrupted):
     expected, final_step = demo_uninterrupted.result()
     args = fit_args(DEMO, demo_overrides(tmp_path))

@@ -28,6 +28,7 @@ def roofline(*args: str, cwd: Path = ROOT) -> tuple[subprocess.CompletedProcess[
     return done, time.perf_counter() - began
 
 
+@pytest.mark.extended
 def test_the_internal_config_is_traced_in_under_two_minutes(tmp_path: Path) -> None:
     done, seconds = roofline(
         "--config", "configs/cifar10_ss_internal.yaml", "--gpu", "h100-sxm", "--json", str(tmp_path / "out.json")
@@ -50,6 +51,7 @@ def test_the_internal_config_is_traced_in_under_two_minutes(tmp_path: Path) -> N
     assert "hfmca_lightning/" in text.split("Costliest operations")[1]
 
 
+@pytest.mark.extended
 def test_a_small_config_on_another_gpu() -> None:
     done, _ = roofline("--config", "configs/demo.yaml", "--gpu", "l4")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -75,6 +77,7 @@ def auto_order_holds(table: dict[str, dict[str, float]]) -> None:
         assert row["32-true maps: fast"] < row["32-true maps: tf32x3"], (gpu, row)
 
 
+@pytest.mark.extended
 def test_the_statistics_precisions_of_a_config_on_every_gpu(tmp_path: Path) -> None:
     done, _ = roofline(
         "--precisions", "--config", "configs/spectrum_unsupervised.yaml", "--json", str(tmp_path / "table.json")
@@ -132,6 +135,7 @@ def test_bad_input_is_one_line_before_any_tracing(args: tuple[str, ...], message
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr[-2000:]
 
 
+@pytest.mark.extended
 def test_calibration_predicts_the_six_measured_rows_within_30_percent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

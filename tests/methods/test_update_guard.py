@@ -19,6 +19,7 @@ TINY_BACKBONE = {
 DIVERGING = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1e30}}
 
 
+@pytest.mark.extended
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("config", "method"),

@@ -62,6 +62,7 @@ def kill_while_saving(folder: Path, writer: str, rounds: int) -> list[bool]:
     return readable
 
 
+@pytest.mark.extended
 @pytest.mark.integration  # a subprocess or a training run
 def test_a_kill_while_saving_never_leaves_a_truncated_checkpoint(tmp_path):
     assert all(kill_while_saving(tmp_path, "atomic", rounds=4))

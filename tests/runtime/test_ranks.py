@@ -13,7 +13,7 @@ from tests.helpers import DEMO, run_hfmca, tiny_overrides
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.extended), pytest.param(0, marks=pytest.mark.slow)])
 def test_one_failing_process_stops_every_process_with_one_line(rank: int, tmp_path: Path) -> None:
     checkpoints = tmp_path / "checkpoints"
     callbacks = [

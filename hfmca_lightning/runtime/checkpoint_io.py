@@ -62,7 +62,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file.
 
     Tells apart a missing path, a file that is not a readable checkpoint (truncated, corrupt, another
-    format) and a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``).
+    format), a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``) and one whose
+    weights are not finite (a diverged run's: every evaluation of it would be NaN or chance).
     """
     path = Path(path)
     if not path.exists():
@@ -91,6 +92,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ConfigurationError(
             f"{path} is not a Lightning training checkpoint (it holds {keys}); --ckpt_path resumes only checkpoints "
             "written by `hfmca fit` (runs/<name>/checkpoints/*.ckpt)."
+        )
+    nonfinite = [
+        name
+        for name, value in checkpoint["state_dict"].items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+    if nonfinite:
+        raise ConfigurationError(
+            f"{path} holds weights that are not finite (NaN or Inf) in {len(nonfinite)} tensor(s), e.g. "
+            f"{nonfinite[0]}: the run had diverged when it was written. Use an earlier checkpoint of the run (an "
+            "epoch=...-step=....ckpt beside it), and a lower learning rate to train on from it."
         )
     return checkpoint
 

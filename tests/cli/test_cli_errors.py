@@ -52,6 +52,15 @@ def plain_state_dict(checkpoint: Path, tmp: Path) -> Path:
     return tmp / "weights.pt"
 
 
+def diverged(checkpoint: Path, tmp: Path) -> Path:
+    """``checkpoint`` with NaN in every weight of its first layer, as a diverged run's."""
+    state = torch.load(checkpoint, weights_only=True)
+    name = next(key for key, value in state["state_dict"].items() if value.is_floating_point())
+    state["state_dict"][name] = torch.full_like(state["state_dict"][name], float("nan"))
+    torch.save(state, tmp / "diverged.ckpt")
+    return tmp / "diverged.ckpt"
+
+
 # (case, extra command-line args, config changes, the part of the message that must be there)
 CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict], str]] = [
     (
@@ -116,6 +125,12 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         lambda tmp, ckpt: ["--ckpt_path", str(truncated(ckpt, tmp))],
         lambda tmp: {},
         "truncated.ckpt is not a readable checkpoint (truncated or corrupt file?)",
+    ),
+    (
+        "checkpoint of a diverged run",
+        lambda tmp, ckpt: ["--ckpt_path", str(diverged(ckpt, tmp))],
+        lambda tmp: {},
+        "diverged.ckpt holds weights that are not finite (NaN or Inf) in 1 tensor(s)",
     ),
     (
         "plain state_dict as checkpoint",
@@ -213,6 +228,31 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "data.init_args.drawer: BatchedDrawer draws SimCLRViews only; SameClassViews is drawn by TorchvisionDrawer",
     ),
 ]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["knn", "--device", "cpu"],
+        ["linear", "--device", "cpu", "--epochs", "1"],
+        ["export", "--embeddings", "test"],
+        ["analyze", "--num_images", "2"],
+        ["validate", "--config", str(DEMO)],
+    ],
+    ids=lambda command: command[0],
+)
+def test_a_diverged_runs_checkpoint_is_one_line_for_every_command(command, tmp_path, trained_checkpoint, capsys):
+    """A checkpoint with NaN weights: one line naming it, not chance-level numbers with exit status 0 (knn, linear,
+    validate), NaN embeddings (export) or an error from inside the eigendecomposition (analyze)."""
+    name, *options = command
+    checkpoint = diverged(trained_checkpoint, tmp_path)
+    out = [] if name == "validate" else ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--ckpt_path", str(checkpoint), *out, *options])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.splitlines()[-1].startswith(f"hfmca: error: {checkpoint} holds weights that are not finite"), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(("case", "args", "changes", "expected"), CASES, ids=[case[0] for case in CASES])

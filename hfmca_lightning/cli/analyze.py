@@ -29,7 +29,8 @@ from torch import Tensor
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.analysis.spectral import decompose
-from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_input_file, check_out
+from hfmca_lightning.cli import options
+from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
@@ -533,14 +534,18 @@ def run_analysis_command(argv: list[str]) -> None:
     one.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
     one.add_argument(
         "--num_batches",
-        type=int,
+        type=options.positive_int,
         default=None,
         help="training batches for the statistics (default: enough for --groups_per_feature groups per feature)",
     )
-    one.add_argument("--num_images", type=int, default=8, help="test images for heatmaps")
+    one.add_argument("--num_images", type=options.positive_int, default=8, help="test images for heatmaps")
     one.add_argument("--layers", nargs="*", default=None, help="internal layers to draw (log names such as L2 L4 L6)")
-    one.add_argument("--image_class", type=int, default=None, help="draw only test images of this class")
-    one.add_argument("--first_image", type=int, default=0, help="index of the first test image considered")
+    one.add_argument(
+        "--image_class", type=options.non_negative_int, default=None, help="draw only test images of this class"
+    )
+    one.add_argument(
+        "--first_image", type=options.non_negative_int, default=0, help="index of the first test image considered"
+    )
     one.add_argument(
         "--internal_layers",
         nargs="*",
@@ -556,7 +561,7 @@ def run_analysis_command(argv: list[str]) -> None:
     )
     two.add_argument(
         "--num_batches",
-        type=int,
+        type=options.positive_int,
         default=None,
         help="test batches of model A's data (default: enough for --groups_per_feature groups per feature)",
     )
@@ -575,12 +580,16 @@ def run_analysis_command(argv: list[str]) -> None:
             f"while the running ones have seen fewer than {YOUNG_BATCH_NORM} batches, with a warning",
         )
         command.add_argument(
-            "--groups_per_feature", type=int, default=100, help="groups per feature the statistics need at least"
+            "--groups_per_feature",
+            type=options.positive_int,
+            default=100,
+            help="groups per feature the statistics need at least",
         )
         command.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
     if args.command == "analyze":
-        check_input_file(args.config, "--config")
+        if args.config is not None:
+            read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     check_out(args.out, args.overwrite)
     if args.command == "analyze":
         index = analyze(

@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hfmca_lightning.cli.paths import read_config_file
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["eigenvalue_dynamics_workspace", "pairs_of_config", "run_dashboard_command", "save_workspace"]
@@ -147,13 +148,9 @@ def save_workspace(workspace: Any) -> str:
 
 def pairs_of_config(config_path: str | Path) -> list[str]:
     """The cost names of the model a ``hfmca fit`` config builds (``external``, ``internal/L1``, ...)."""
-    import yaml
-
     from hfmca_lightning.cli.trainer_cli import HFMCACLI
 
-    config = {
-        key: value for key, value in yaml.safe_load(Path(config_path).read_text()).items() if key in ("model", "data")
-    }
+    config = {key: value for key, value in read_config_file(config_path).items() if key in ("model", "data")}
     config["trainer"] = {"logger": False, "callbacks": []}
     model = HFMCACLI(args=config, run=False).model
     cost_modules = getattr(model, "cost_modules", None)

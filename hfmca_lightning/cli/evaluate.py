@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 
-from hfmca_lightning.cli.paths import check_input_file, check_out
+from hfmca_lightning.cli import options
+from hfmca_lightning.cli.paths import check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
@@ -117,6 +119,11 @@ def linear_evaluation(
     """Top-1 / top-5 on the test split of a linear classifier on the frozen backbone's features (computed
     once), or with ``finetune`` of the whole backbone + linear layer; trained on ``label_fraction`` of the
     labelled training split (class-balanced). Writes ``linear.json`` / ``linear.md`` (``finetune.*``)."""
+    if epochs < 1 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
+        raise ConfigurationError(
+            f"linear evaluation needs epochs >= 1, batch_size >= 1 and a finite lr > 0; got {epochs}, {batch_size} "
+            f"and {lr}"
+        )
     device = device or default_device()
     module, datamodule = load_run(ckpt_path, config_path)
     train_split, test_split = labelled_splits(datamodule)
@@ -202,7 +209,7 @@ def knn_evaluation(
 ) -> dict[str, Any]:
     """kNN top-1 on the test split for every ``(k, temperature)``, features computed once. Writes
     ``knn.json`` and ``knn.md`` (rows: k, columns: temperature)."""
-    if any(k < 1 for k in ks) or any(t <= 0 for t in temperatures):
+    if any(k < 1 for k in ks) or not all(math.isfinite(t) and t > 0 for t in temperatures):
         raise ConfigurationError(
             f"--k values must be >= 1 and --temperature values > 0; got {list(ks)} and {list(temperatures)}"
         )
@@ -245,7 +252,9 @@ def run_evaluation_command(argv: list[str]) -> None:
             "--overwrite", action="store_true", help="replace this command's files of an earlier run in --out"
         )
         sub.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
-        sub.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        sub.add_argument(
+            "--device", type=options.device_name, default=None, help="cpu or cuda (default: cuda when available)"
+        )
     linear.add_argument(
         "--finetune", action="store_true", help="train the whole backbone too (augmented training images)"
     )
@@ -255,23 +264,28 @@ def run_evaluation_command(argv: list[str]) -> None:
         default=1.0,
         help="share of the labelled training images, class-balanced (0.01, 0.1)",
     )
-    linear.add_argument("--epochs", type=int, default=100)
+    linear.add_argument("--epochs", type=options.positive_int, default=100)
     linear.add_argument(
-        "--batch_size", type=int, default=256, help="of the linear classifier on features (fine-tuning uses the run's)"
+        "--batch_size",
+        type=options.positive_int,
+        default=256,
+        help="of the linear classifier on features (fine-tuning uses the run's)",
     )
     linear.add_argument(
-        "--lr", type=float, default=None, help="base learning rate at batch 256 (default 0.1 linear, 0.05 fine-tuning)"
+        "--lr",
+        type=options.finite_positive_float,
+        default=None,
+        help="base learning rate at batch 256 (default 0.1 linear, 0.05 fine-tuning)",
     )
-    linear.add_argument("--seed", type=int, default=0)
-    knn.add_argument("--k", type=int, nargs="+", default=[20, 200])
-    knn.add_argument("--temperature", type=float, nargs="+", default=[0.07, 0.1])
+    linear.add_argument("--seed", type=options.seed, default=0)
+    knn.add_argument("--k", type=options.positive_int, nargs="+", default=[20, 200])
+    knn.add_argument("--temperature", type=options.finite_positive_float, nargs="+", default=[0.07, 0.1])
     args = parser.parse_args(argv)
     if args.command == "linear":
         if not 0 < args.label_fraction <= 1:
             raise ConfigurationError(f"--label_fraction must be in (0, 1]; got {args.label_fraction}")
-        if args.epochs < 1:
-            raise ConfigurationError(f"--epochs must be >= 1; got {args.epochs}")
-    check_input_file(args.config, "--config")
+    if args.config is not None:
+        read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     name = ("finetune" if args.finetune else "linear") if args.command == "linear" else "knn"
     check_out(args.out or default_out(args.ckpt_path), args.overwrite, outputs=(f"{name}.json", f"{name}.md"))
     if args.command == "linear":

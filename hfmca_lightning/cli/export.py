@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_input_file, check_out
+from hfmca_lightning.cli import options
+from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run, run_config
 from hfmca_lightning.cli.verbosity import progress
 from hfmca_lightning.data.datamodule import BANK, QUERIES
@@ -209,9 +210,10 @@ def run_export_command(argv: list[str]) -> None:
         help="also write features and labels of these splits (no value: both)",
     )
     parser.add_argument("--config", default=None, help="the run's YAML, for checkpoints not written by `hfmca fit`")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=options.device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    check_input_file(args.config, "--config")
+    if args.config is not None:
+        read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     check_out(args.out, args.overwrite)
     splits = ["train", "test"] if args.embeddings == [] else args.embeddings
     path = export_backbone(args.ckpt_path, args.out, embeddings=splits, device=args.device, config_path=args.config)

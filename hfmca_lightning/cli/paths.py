@@ -13,13 +13,23 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.files import is_partial
 
-__all__ = ["OVERWRITE_HELP", "check_input_file", "check_out", "describe_os_error"]
+__all__ = [
+    "OVERWRITE_HELP",
+    "check_config_files",
+    "check_input_file",
+    "check_out",
+    "describe_os_error",
+    "read_config_file",
+]
 
 OVERWRITE_HELP = "replace the files of an earlier run in --out (without it, a --out that holds files is refused)"
 
@@ -62,6 +72,39 @@ def check_input_file(path: str | Path | None, option: str) -> None:
         raise ConfigurationError(f"{option} {path} is a folder; give a file")
     if not os.access(path, os.R_OK):
         raise ConfigurationError(f"{option} {path} is not readable by this user; change its permissions")
+
+
+def read_config_file(path: str | Path, option: str = "--config") -> dict[str, Any]:
+    """The settings of the YAML file ``path`` (given as ``option``), or one :class:`ConfigurationError` for a file that
+    is not a YAML mapping: not text, a YAML error (with its line), empty, a list or a single value."""
+    check_input_file(path, option)
+    try:
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"{option} {path} is not a text file (UTF-8); give the run's YAML") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).strip().splitlines()[0]
+        raise ConfigurationError(f"{option} {path} is not valid YAML{where}: {problem}") from None
+    if not isinstance(config, dict):
+        what = "empty" if config is None else f"a {type(config).__name__}"
+        raise ConfigurationError(f"{option} {path} is {what}, not a mapping of settings (model:, data:, trainer:, ...)")
+    return config
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Every ``--config`` file of a command line is a YAML mapping (:func:`read_config_file`); a value that is no file
+    is left to the parser (which reads it as YAML text)."""
+    for index, argument in enumerate(argv):
+        if argument == "--config" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif argument.startswith("--config="):
+            value = argument.removeprefix("--config=")
+        else:
+            continue
+        if Path(value).is_file():
+            read_config_file(value)
 
 
 def check_out(out: str | Path, overwrite: bool, outputs: Iterable[str] | None = None, option: str = "--out") -> Path:

@@ -25,6 +25,7 @@ from torch import nn
 
 from hfmca_lightning.callbacks.stored_config import saved_config
 from hfmca_lightning.cli.config_errors import describe_parser_error
+from hfmca_lightning.cli.paths import read_config_file
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
 from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
@@ -77,7 +78,7 @@ def run_config(
     settings from :data:`HARMLESS_TRAINER_KEYS`, or it is refused in one line naming the key, before anything is
     imported."""
     if config_path:
-        return yaml.safe_load(Path(config_path).read_text())
+        return read_config_file(config_path)
     text = saved_config(checkpoint)
     if text is None:
         raise ConfigurationError(

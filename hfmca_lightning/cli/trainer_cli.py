@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -24,6 +25,7 @@ from hfmca_lightning.callbacks.progress import CostProgressBar
 from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.cli.config_errors import describe_instantiation_error
+from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
@@ -147,8 +149,10 @@ class HFMCACLI(LightningCLI):
         if isinstance(args, dict):
             self.config = parser.parse_object(args)
         elif args is not None:
+            check_config_files(args)
             self.config = parser.parse_args(args)
         else:
+            check_config_files(sys.argv[1:])
             super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None

@@ -184,3 +184,31 @@ def test_a_missing_config_file_is_one_line(checkpoint, tmp_path, capsys):
         main([*command("export", checkpoint, tmp_path / "out"), "--config", str(tmp_path / "run.yaml")])
     assert exit_info.value.code == 2
     assert f"hfmca: error: --config {tmp_path / 'run.yaml'}: no such file; check the path" in capsys.readouterr().err
+
+
+BAD_CONFIGS = {
+    "empty": (b"", "is empty, not a mapping of settings"),
+    "a list": (b"- model\n", "is a list, not a mapping of settings"),
+    "a tab": (b"trainer:\n\tmax_epochs: 1\n", "is not valid YAML at line 2, column 1: found character '\\t'"),
+    "not text": (b"\xff\xfe", "is not a text file (UTF-8)"),
+}
+
+
+@pytest.mark.parametrize(("contents", "message"), BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+@pytest.mark.parametrize("name", ["fit", "knn", "dashboard"])
+def test_a_config_file_that_is_no_yaml_mapping_is_one_line(tmp_path, capsys, contents, message, name):
+    """``--config`` of ``fit`` (read by jsonargparse), of the evaluation commands (a checkpoint's run) and of
+    ``dashboard``: one line naming the file and what is wrong with it, exit status 2, nothing trained or read."""
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(contents)
+    arguments = {
+        "fit": ["fit", "--config", str(config)],
+        "knn": ["knn", "--ckpt_path", str(tmp_path / "run.ckpt"), "--out", str(tmp_path), "--config", str(config)],
+        "dashboard": ["dashboard", "--entity", "e", "--project", "p", "--config", str(config), "--dry-run"],
+    }[name]
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.splitlines()[-1].startswith(f"hfmca: error: --config {config} {message}"), err
+    assert "Traceback" not in err

@@ -155,6 +155,11 @@ class HFMCACLI(LightningCLI):
             check_config_files(sys.argv[1:])
             super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
+        seed = (self.config[subcommand] if subcommand else self.config).get("seed_everything")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
+            raise ConfigurationError(
+                f"seed_everything must be in [0, 2**32 - 1], or true for a random seed; got {seed}"
+            )
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
             read_checkpoint(ckpt_path)  # missing / corrupt / foreign: one line, before anything is built
@@ -173,7 +178,7 @@ class HFMCACLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         try:
             trainer = super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as error:
+        except (MisconfigurationException, ImportError) as error:  # an accelerator whose package is missing, ...
             raise ConfigurationError(f"trainer: {error}") from None
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

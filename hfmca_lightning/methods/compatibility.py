@@ -8,7 +8,7 @@ from torch import nn
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["check_batch_format", "check_image_size"]
+__all__ = ["check_batch_format", "check_feature_sizes", "check_image_size"]
 
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
@@ -39,3 +39,19 @@ def check_batch_format(module: object, datamodule: Any) -> None:
             "batch_format: stacked",
             parameter="batch_format",
         )
+
+
+def check_feature_sizes(backbone: nn.Module, projector: nn.Module | None, external_head: nn.Module | None) -> None:
+    """The feature sizes the parts state agree: the backbone's ``feature_dim`` is the projector's ``input_dim``, and
+    what reaches the external head (the projector's ``output_dim``, else the backbone's features) its
+    ``feature_dim``; otherwise the first training step fails inside a matrix product."""
+    size, giver = getattr(backbone, "feature_dim", None), "the backbone gives"
+    for part, key, takes in ((projector, "projector", "input_dim"), (external_head, "external_head", "feature_dim")):
+        wanted = getattr(part, takes, None) if part is not None else None
+        if isinstance(size, int) and isinstance(wanted, int) and size != wanted:
+            raise ConfigurationError(
+                f"{giver} {size} features, but model.init_args.{key} takes {takes}={wanted}: set "
+                f"model.init_args.{key}.init_args.{takes} to {size} (or change the part before it)"
+            )
+        if part is not None and key == "projector":
+            size, giver = getattr(part, "output_dim", None), "the projector gives"

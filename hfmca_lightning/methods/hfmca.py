@@ -19,7 +19,7 @@ from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationErro
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
-from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
+from hfmca_lightning.methods.compatibility import check_batch_format, check_feature_sizes, check_image_size
 from hfmca_lightning.methods.deferred_checks import (
     DeferredChecks,
     NonFiniteStepError,
@@ -248,6 +248,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             )
         if warmup_epochs < 0:
             raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
+        check_feature_sizes(backbone, projector, external_head)
         if isinstance(compile_costs, str) and compile_costs != CUDA_ONLY:
             backends = torch._dynamo.list_backends(exclude_tags=())
             if compile_costs not in backends:

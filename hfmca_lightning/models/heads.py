@@ -19,7 +19,10 @@ class ViewProjector(nn.Module):
 
     def __init__(self, input_dim: int = 512, output_dim: int = 128, hidden_dim: int = 512) -> None:
         super().__init__()
-        self.output_dim = output_dim
+        for name, size in (("input_dim", input_dim), ("output_dim", output_dim), ("hidden_dim", hidden_dim)):
+            if size < 1:
+                raise ConfigurationError(f"ViewProjector: {name} must be >= 1; got {size}", parameter=name)
+        self.input_dim, self.output_dim = input_dim, output_dim
         self.layers = nn.Sequential(
             nn.Linear(input_dim, hidden_dim, bias=False),
             nn.BatchNorm1d(hidden_dim),
@@ -56,6 +59,15 @@ class GridExternalHead(nn.Module):
         for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
             if value < 1:
                 raise ConfigurationError(f"the head grid must be at least 1x1; got {name}={value}", parameter=name)
+        sizes = {
+            "feature_dim": feature_dim,
+            "hidden_dim": hidden_dim,
+            "output_dim": 1 if output_dim is None else output_dim,
+        }
+        for name, least in (*((name, 1) for name in sizes), ("noise_channels", 0)):
+            value = sizes.get(name, noise_channels)
+            if value < least:
+                raise ConfigurationError(f"GridExternalHead: {name} must be >= {least}; got {value}", parameter=name)
         self.feature_dim = feature_dim
         self.grid = (grid_height, grid_width)
         self.output_dim = output_dim or feature_dim

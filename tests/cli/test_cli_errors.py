@@ -70,6 +70,42 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "model.init_args.external_cost.init_args.reg: reg must be a finite number > 0",
     ),
     (
+        "projector input_dim other than the backbone's features",
+        lambda tmp, ckpt: ["--model.init_args.projector.init_args.input_dim", "7"],
+        lambda tmp: {},
+        "features, but model.init_args.projector takes input_dim=7: set model.init_args.projector.init_args.input_dim",
+    ),
+    (
+        "head feature_dim other than the projector's output",
+        lambda tmp, ckpt: ["--model.init_args.external_head.init_args.feature_dim", "7"],
+        lambda tmp: {},
+        "features, but model.init_args.external_head takes feature_dim=7",
+    ),
+    (
+        "projector output_dim 0",
+        lambda tmp, ckpt: ["--model.init_args.projector.init_args.output_dim", "0"],
+        lambda tmp: {},
+        "ViewProjector: output_dim must be >= 1; got 0",
+    ),
+    (
+        "negative learning rate",
+        lambda tmp, ckpt: ["--model.init_args.optimizer", "torch.optim.SGD", "--model.init_args.optimizer.lr", "-1"],
+        lambda tmp: {},
+        "model.init_args.optimizer: Invalid learning rate: -1",
+    ),
+    (
+        "negative seed",
+        lambda tmp, ckpt: ["--seed_everything", "-1"],
+        lambda tmp: {},
+        "seed_everything must be in [0, 2**32 - 1], or true for a random seed; got -1",
+    ),
+    (
+        "accelerator without its package",
+        lambda tmp, ckpt: ["--trainer.accelerator", "tpu"],
+        lambda tmp: {},
+        "trainer: Requirement 'torch_xla",
+    ),
+    (
         "beta outside [0, 1)",
         lambda tmp, ckpt: ["--model.init_args.external_cost.init_args.beta", "1"],
         lambda tmp: {},
@@ -145,7 +181,8 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
             "model.init_args.backbone": {
                 "class_path": "hfmca_lightning.models.SmallConvNet",
                 "init_args": {"width": 16, "num_stages": 2},
-            }
+            },
+            "model.init_args.projector.init_args.input_dim": 32,  # the wider backbone's features
         },
         "the checkpoint was trained with a different architecture",
     ),

@@ -227,6 +227,11 @@ class HFMCACLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         for folder in sorted(checkpoint_folders(self.trainer)):
+            if folder.exists() and not folder.is_dir():  # else found when the first checkpoint is written
+                raise ConfigurationError(
+                    f"checkpoint folder {folder} is a file: give ModelCheckpoint a dirpath that is a folder, or move "
+                    "the file"
+                )
             self.run_folders.acquire(folder)
 
     def _resume_checkpoint(self) -> Path | None:

@@ -18,7 +18,7 @@ from torchvision.datasets import CIFAR100 as _TorchvisionCIFAR100
 from torchvision.datasets import STL10 as _TorchvisionSTL10
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
-from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages
+from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages, check_image_sizes
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
 
 __all__ = ["CIFAR", "STL10"]
@@ -121,6 +121,11 @@ class CIFAR(_ReleaseSource):
                 batch_images, batch_targets = _read_cifar_batch(self.folder / name, label_key)
                 images.append(batch_images)
                 targets.extend(batch_targets)
+            if not all(0 <= target < self.num_classes for target in targets):
+                raise ConfigurationError(
+                    f"{self.folder}: the labels of {self.name} are 0 to {self.num_classes - 1}, but its files hold "
+                    f"{min(targets)} to {max(targets)}; replace them with the files of the official release"
+                )
             self._splits[train] = ArrayImages(np.concatenate(images).transpose(0, 2, 3, 1), targets)
         return self._splits[train]
 
@@ -225,6 +230,7 @@ class STL10(_ReleaseSource):
         train_on_labelled: bool = True,
         image_size: int = 96,
     ) -> None:
+        check_image_sizes("STL10", image_size, None)
         self.root, self.download, self.verify = Path(root).expanduser(), download, verify
         self.train_on_labelled, self.image_size = train_on_labelled, image_size
 

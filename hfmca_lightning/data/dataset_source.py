@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-from hfmca_lightning.data.sources import ImageSource, LabelledImages, channel_values
+from hfmca_lightning.data.sources import ImageSource, LabelledImages, channel_values, check_image_sizes
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["DatasetSource", "as_uint8_image"]
@@ -63,8 +63,7 @@ class DatasetSource(ImageSource):
                     f"DatasetSource: {name} must be a data set with a length and indexing; got {type(split).__name__}",
                     parameter=name,
                 )
-        if image_size < 8:
-            raise ConfigurationError(f"DatasetSource needs image_size >= 8; got {image_size}", parameter="image_size")
+        check_image_sizes("DatasetSource", image_size, eval_resize)
         self.train, self.test = train, test
         self.image_size, self.eval_resize = image_size, eval_resize
         self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")

@@ -15,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 
-from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, channel_values
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, channel_values, check_image_sizes
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning
 
 __all__ = ["FolderImages", "ImageFolderSource", "UnlabelledFolderSource"]
@@ -150,6 +150,7 @@ class _FolderSource(ImageSource):
             raise ConfigurationError(
                 f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image"
             )
+        check_image_sizes(type(self).__name__, image_size, eval_resize)
         self.root, self.image_size, self.eval_resize = Path(root).expanduser(), image_size, eval_resize
         self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
         self.on_bad_image = on_bad_image
@@ -200,7 +201,13 @@ class ImageFolderSource(_FolderSource):
                 raise DataNotFoundError(
                     f"class_list file not found: {path.resolve()} (relative paths start at the working folder)"
                 )
-            lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise ConfigurationError(
+                    f"class_list {path} is not a text file (UTF-8)", parameter="class_list"
+                ) from None
+            lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
             classes = [line for line in lines if line]
             if not classes or len(set(classes)) != len(classes):
                 raise ConfigurationError(

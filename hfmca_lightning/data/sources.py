@@ -22,12 +22,26 @@ UNLABELLED = -1  # the target of an image without a class
 
 
 def channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
-    """Per-channel normalisation values (RGB) as a triple; one clear error for anything else."""
-    if len(values) != 3:
+    """Per-channel normalisation values (RGB) as a triple (a ``std`` of finite values > 0); one clear error for
+    anything else."""
+    if len(values) != 3 or (name == "std" and not all(0 < value < float("inf") for value in values)):
+        what = "finite value > 0" if name == "std" else "value"
         raise ConfigurationError(
-            f"{name} needs one value per RGB channel (3 values); got {list(values)}", parameter=name
+            f"{name} needs one {what} per RGB channel (3 values); got {list(values)}", parameter=name
         )
     return float(values[0]), float(values[1]), float(values[2])
+
+
+def check_image_sizes(owner: str, image_size: int, eval_resize: int | None) -> None:
+    """A side of at least 8 pixels, and evaluation images resized to at least that before the centre crop."""
+    if image_size < 8:
+        raise ConfigurationError(f"{owner} needs image_size >= 8; got {image_size}", parameter="image_size")
+    if eval_resize is not None and eval_resize < image_size:
+        raise ConfigurationError(
+            f"{owner}: eval_resize ({eval_resize}) is the shorter side before the centre crop of image_size "
+            f"({image_size}), so it must be >= image_size (or null: image_size)",
+            parameter="eval_resize",
+        )
 
 
 class LabelledImages(Dataset):

@@ -449,3 +449,17 @@ def test_a_source_of_another_image_size_than_the_spectrum_cnn_is_one_line_naming
     assert len(errors) == 1 and "image_size" in errors[0] and "224" in errors[0], result.stdout[-3000:]
     assert "Traceback" not in result.stdout
     assert not (tmp_path / "runs" / "spectrum_selfsupervised" / "checkpoints").exists(), "training started"
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_one_line_before_training(tmp_path, capsys):
+    """It was found when the first checkpoint was written, after a whole epoch, with exit status 1."""
+    (tmp_path / "checkpoints").write_text("notes")
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.splitlines()[-1] == (
+        f"hfmca: error: checkpoint folder {tmp_path / 'checkpoints'} is a file: give ModelCheckpoint a dirpath that is "
+        "a folder, or move the file"
+    ), err
+    assert not (tmp_path / "logs").exists(), "training started"

@@ -1,5 +1,6 @@
 import os
 import pickle
+import re
 import signal
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ import torch
 from hfmca_lightning.data import (
     CIFAR,
     STL10,
+    DatasetSource,
     ImageFolderSource,
     MultiViewDataModule,
     SyntheticShapes,
@@ -359,4 +361,58 @@ def test_a_cifar_batch_without_images_and_labels_is_one_clear_error(cifar10_on_d
     batch = cifar10_on_disk / "cifar-10-batches-py" / "data_batch_3"
     batch.write_bytes(pickle.dumps(entry))
     with pytest.raises(ConfigurationError, match=f"{batch} is not a CIFAR batch: it holds no 3 x 32 x 32 uint8 'data'"):
+        CIFAR(root=str(cifar10_on_disk), verify=False).split(train=True)
+
+
+SETTINGS_OUT_OF_RANGE = {
+    "image_size 0": (
+        lambda root: ImageFolderSource(str(root), image_size=0),
+        "ImageFolderSource needs image_size >= 8",
+    ),
+    "negative image_size": (
+        lambda root: UnlabelledFolderSource(str(root), image_size=-32),
+        "UnlabelledFolderSource needs image_size >= 8; got -32",
+    ),
+    "eval_resize below image_size": (
+        lambda root: ImageFolderSource(str(root), image_size=32, eval_resize=8),
+        "ImageFolderSource: eval_resize (8) is the shorter side before the centre crop of image_size (32)",
+    ),
+    "dataset eval_resize below image_size": (
+        lambda root: DatasetSource(SyntheticShapes(train_per_class=1).split(True), image_size=32, eval_resize=16),
+        "DatasetSource: eval_resize (16)",
+    ),
+    "std of zero": (
+        lambda root: ImageFolderSource(str(root), std=(0.0, 0.0, 0.0)),
+        "std needs one finite value > 0 per RGB channel",
+    ),
+    "STL-10 image_size 4": (lambda root: STL10(str(root), image_size=4), "STL10 needs image_size >= 8; got 4"),
+}
+
+
+@pytest.mark.parametrize(("build", "message"), SETTINGS_OUT_OF_RANGE.values(), ids=SETTINGS_OUT_OF_RANGE.keys())
+def test_a_source_setting_out_of_range_is_one_clear_error(tmp_path, build, message):
+    """Each failed later inside torch or torchvision (a division by zero in the crop, torchvision's 'std evaluated
+    to zero') or, for eval_resize, ran with evaluation images mostly padding."""
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        build(tmp_path)
+
+
+def test_a_class_list_that_is_not_text_is_one_clear_error(tmp_path):
+    write_image_folder(tmp_path)
+    (tmp_path / "classes.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigurationError, match="class_list .*classes.txt is not a text file"):
+        ImageFolderSource(str(tmp_path), class_list=str(tmp_path / "classes.txt")).prepare()
+
+
+@pytest.mark.parametrize("label", [10, -11])
+def test_cifar_labels_outside_the_classes_are_one_clear_error(cifar10_on_disk, label):
+    """A batch of the layout (``verify: false``) with a label outside 0..9 stopped training partway with an IndexError
+    from the cross-entropy of the online probe."""
+    batch = cifar10_on_disk / "cifar-10-batches-py" / "data_batch_2"
+    entry = pickle.loads(batch.read_bytes(), encoding="latin1")
+    entry["labels"][0] = label
+    batch.write_bytes(pickle.dumps(entry))
+    with pytest.raises(
+        ConfigurationError, match=f"the labels of cifar10 are 0 to 9, but its files hold {min(label, 0)}"
+    ):
         CIFAR(root=str(cifar10_on_disk), verify=False).split(train=True)

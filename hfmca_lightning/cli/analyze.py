@@ -318,6 +318,12 @@ def analyze(
     norm, notes = _batch_norm_for([module], batch_norm)
     out = Path(out)
     health_sums = HealthSums()
+    if module.internal_costs is not None:  # the figures' layers and images, refused before the statistics pass
+        names = [pair.log_name for pair in module.internal_costs.pairs]
+        unknown = sorted(set(layers or []) - set(names))
+        if unknown:
+            raise ConfigurationError(f"--layers {unknown} are not internal cost layers {names}")
+        images, _ = figure_images(datamodule, num_images, target=image_class, start=first_image)
 
     def collect(batch: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
         collected = collect_for_analysis(module, batch, batch_norm=norm)
@@ -356,13 +362,9 @@ def analyze(
         ]
         if module.internal_costs is not None:
             stage(f"density-ratio heatmaps and basis functions of {num_images} test images")
-            images, _ = figure_images(datamodule, num_images, target=image_class, start=first_image)
             pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
             heatmaps = telescoping_response(list(pairs.values()))
             chosen = layers or default_figure_layers(list(heatmaps))
-            unknown = set(chosen) - set(heatmaps)
-            if unknown:
-                raise ConfigurationError(f"--layers {sorted(unknown)} are not internal cost layers {list(heatmaps)}")
             overlay = heatmap_overlay_figure(
                 denormalise(datamodule, images),
                 {name: heatmaps[name] for name in chosen},

@@ -165,6 +165,31 @@ def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, mo
     torch.testing.assert_close(drawn["images"], denormalise(datamodule, images), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--layers", "L42"], "--layers ['L42'] are not internal cost layers"),
+        (["--image_class", "99"], "the evaluation split has no images of class 99 from index 0 on"),
+        (["--first_image", "100000"], "the evaluation split has no images from index 100000 on"),
+    ],
+    ids=["unknown layer", "class without test images", "first image past the split"],
+)
+def test_figure_options_that_select_nothing_are_refused_before_the_statistics_pass(
+    checkpoints, tmp_path, monkeypatch, capsys, options, message
+):
+    import hfmca_lightning.cli.analyze as analyze_module
+
+    def statistics_pass(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the statistics pass ran")
+
+    monkeypatch.setattr(analyze_module, "_enough_batches", statistics_pass)
+    arguments = ["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), "--out", str(tmp_path / "a")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, *options])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err.splitlines()[-1], err
+
+
 def test_loaded_run_has_the_checkpoint_weights(checkpoints):
     module, _ = load_run(checkpoints["unsupervised"])
     saved = torch.load(checkpoints["unsupervised"], weights_only=True)["state_dict"]

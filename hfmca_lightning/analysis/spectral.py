@@ -107,6 +107,7 @@ def decompose(stats: CorrelationStatistics, *, reg: float = 0.1) -> SpectralDeco
 
     Raises:
         ConfigurationError: when ``reg`` is not a finite number ``> 0``.
+        ValueError: when a solver refuses the statistics (NaN or Inf features, on the CPU).
 
     Example::
 
@@ -117,9 +118,13 @@ def decompose(stats: CorrelationStatistics, *, reg: float = 0.1) -> SpectralDeco
     """
     check_reg(reg)
     a, c, cross = marginal_blocks(stats.detach(), reg)
-    low_whitening = inverse_sqrt(a)
-    high_whitening = inverse_sqrt(c)
-    u, singular_values, vh = torch.linalg.svd(low_whitening @ cross @ high_whitening, full_matrices=False)
+    try:
+        low_whitening = inverse_sqrt(a)
+        high_whitening = inverse_sqrt(c)
+        u, singular_values, vh = torch.linalg.svd(low_whitening @ cross @ high_whitening, full_matrices=False)
+    except torch.linalg.LinAlgError as error:  # CPU solvers refuse NaN or Inf: one line instead of theirs
+        first = str(error).strip().splitlines()[0]
+        raise ValueError(f"the statistics cannot be decomposed ({first}); are the features finite?") from None
     return SpectralDecomposition(
         low_whitening=low_whitening,
         high_whitening=high_whitening,

@@ -210,6 +210,7 @@ class HFMCACLI(LightningCLI):
             if isinstance(callback, StoredConfig):
                 callback.config = config
         self._lock_checkpoint_folders()
+        self._check_log_folders()
         checkpoint_path = self._resume_checkpoint()
         if checkpoint_path is None:
             return
@@ -233,6 +234,21 @@ class HFMCACLI(LightningCLI):
                     "the file"
                 )
             self.run_folders.acquire(folder)
+
+    def _check_log_folders(self) -> None:
+        """A logger's local ``save_dir`` with a file on its path is one line before training (else the logger's first
+        write fails with an operating-system error)."""
+        for logger in self.trainer.loggers:
+            folder = getattr(logger, "save_dir", None)
+            if not isinstance(folder, (str, Path)) or not is_local(folder):
+                continue
+            path = Path(folder).absolute()
+            blocking = next((part for part in (path, *path.parents) if part.exists() and not part.is_dir()), None)
+            if blocking is not None:
+                raise ConfigurationError(
+                    f"{type(logger).__name__} save_dir {folder}: {blocking} is a file, not a folder; give the logger "
+                    "another save_dir, or move the file"
+                )
 
     def _resume_checkpoint(self) -> Path | None:
         """The file ``--ckpt_path`` names; for ``last``, the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders

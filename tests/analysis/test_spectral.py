@@ -88,3 +88,9 @@ def test_decomposition_does_not_track_gradients():
     low, high = _inputs(seed=4)
     low.requires_grad_(True)
     assert not eigenspectrum(low, high).requires_grad
+
+
+def test_non_finite_features_are_one_clear_error() -> None:
+    low = torch.full((64, 9, 8), float("nan"), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the statistics cannot be decomposed \(.*\); are the features finite\?"):
+        eigenspectrum(low, torch.rand(64, 8, dtype=torch.float64), reg=0.1)

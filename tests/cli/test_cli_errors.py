@@ -463,3 +463,16 @@ def test_a_checkpoint_folder_that_is_a_file_is_one_line_before_training(tmp_path
         "a folder, or move the file"
     ), err
     assert not (tmp_path / "logs").exists(), "training started"
+
+
+def test_a_logger_save_dir_under_a_file_is_one_line_before_training(tmp_path, capsys):
+    (tmp_path / "notes").write_text("a file where the logs would go")
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, **{"trainer.logger.init_args.save_dir": str(tmp_path / "notes" / "logs")})
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.splitlines()[-1] == (
+        f"hfmca: error: CSVLogger save_dir {tmp_path / 'notes' / 'logs'}: {tmp_path / 'notes'} is a file, not a "
+        "folder; give the logger another save_dir, or move the file"
+    ), err
+    assert not (tmp_path / "checkpoints").exists(), "training started"

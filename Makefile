@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install test test-fast test-extended test-slow test-all lint format typecheck docs docs-serve demo notebooks gpu-check clean
+.PHONY: install test test-fast test-extended test-slow test-all lint format typecheck docs docs-serve demo notebooks \
+	gpu-check clean
 
 # (Re)install whenever the package metadata changes.
 $(STAMP): pyproject.toml

@@ -29,6 +29,7 @@ from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.optim import optimizer as optimizer_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _foreach_utils
 
@@ -209,9 +210,10 @@ def modelled_gpu(spec: GPUSpec, on_host_sync: Callable[[str], None]) -> Iterator
         mock.patch.object(FakeTensor, "get_device", _get_device, create=True),
         mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy, create=True),
         mock.patch.object(FakeTensor, "record_stream", lambda self, stream: None, create=True),
-        # torch's utilities take their multi-tensor kernels for plain tensors only (gradient norms: one `_foreach_norm`
-        # per device and dtype, not one norm per gradient), which the GPU's tensors are
+        # torch's utilities and optimisers take their multi-tensor kernels for plain tensors only (gradient norms: one
+        # `_foreach_norm` per device and dtype, not one norm per gradient), which the GPU's tensors are
         mock.patch.object(_foreach_utils, "_foreach_supported_types", [torch.Tensor, FakeTensor]),
+        mock.patch.object(optimizer_module, "_foreach_supported_types", [torch.Tensor, torch.nn.Parameter, FakeTensor]),
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:

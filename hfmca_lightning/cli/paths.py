@@ -11,6 +11,7 @@ what was there before.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -79,14 +80,19 @@ def read_config_file(path: str | Path, option: str = "--config") -> dict[str, An
     is not a YAML mapping: not text, a YAML error (with its line), empty, a list or a single value."""
     check_input_file(path, option)
     try:
-        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigurationError(f"{option} {path} is not a text file (UTF-8); give the run's YAML") from None
+    try:
+        config = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).strip().splitlines()[0]
-        raise ConfigurationError(f"{option} {path} is not valid YAML{where}: {problem}") from None
+        try:  # JSON, which jsonargparse also reads, may hold tabs that YAML refuses
+            config = json.loads(text)
+        except json.JSONDecodeError:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).strip().splitlines()[0]
+            raise ConfigurationError(f"{option} {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(config, dict):
         what = "empty" if config is None else f"a {type(config).__name__}"
         raise ConfigurationError(f"{option} {path} is {what}, not a mapping of settings (model:, data:, trainer:, ...)")
@@ -97,14 +103,14 @@ def check_config_files(argv: Sequence[str]) -> None:
     """Every ``--config`` file of a command line is a YAML mapping (:func:`read_config_file`); a value that is no file
     is left to the parser (which reads it as YAML text)."""
     for index, argument in enumerate(argv):
-        if argument == "--config" and index + 1 < len(argv):
+        if argument in ("--config", "-c") and index + 1 < len(argv):
             value = argv[index + 1]
         elif argument.startswith("--config="):
             value = argument.removeprefix("--config=")
         else:
             continue
-        if Path(value).is_file():
-            read_config_file(value)
+        if os.path.isfile(value):  # False for YAML text, however long (no OSError for a name too long)
+            read_config_file(value, argument.split("=")[0])
 
 
 def check_out(out: str | Path, overwrite: bool, outputs: Iterable[str] | None = None, option: str = "--out") -> Path:

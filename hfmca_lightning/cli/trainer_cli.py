@@ -211,10 +211,11 @@ class HFMCACLI(LightningCLI):
                 callback.config = config
         self._lock_checkpoint_folders()
         self._check_log_folders()
+        named = str(self.config_init[self.subcommand].get("ckpt_path")) in NAMED_CHECKPOINTS  # `last`: found here
         checkpoint_path = self._resume_checkpoint()
         if checkpoint_path is None:
             return
-        checkpoint = read_checkpoint(checkpoint_path)
+        checkpoint = read_checkpoint(checkpoint_path, check_weights=named)  # a path's weights: checked when parsed
         self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
         run_id = saved_wandb_run_id(checkpoint)
         if run_id:

@@ -251,6 +251,11 @@ class STL10(_ReleaseSource):
         )
         if len(targets) != len(images):
             raise ConfigurationError(f"{labels_file} has {len(targets)} labels for {len(images)} images")
+        if labels_file.is_file() and len(targets) and not 0 <= targets.min() <= targets.max() < self.num_classes:
+            raise ConfigurationError(
+                f"{labels_file} holds labels {targets.min() + 1} to {targets.max() + 1}; STL-10's are 1 to 10. Replace "
+                "it with the file of the official release"
+            )
         return _BinaryImages(images, targets)
 
     def split(self, train: bool) -> LabelledImages:

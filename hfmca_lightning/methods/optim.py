@@ -94,6 +94,6 @@ def configure_optimizers(
             else torch.optim.SGD(groups, lr=0.06, momentum=0.9, weight_decay=5e-4, fused=True)
         )
     except ValueError as error:  # torch's optimisers check their settings: lr < 0, momentum < 0, ...
-        raise ConfigurationError(f"model.init_args.optimizer: {error}") from None
+        raise ConfigurationError(f"the optimizer cannot be built: {error} (model.init_args.optimizer)") from None
     schedule = lr_scheduler(built) if lr_scheduler is not None else cosine_schedule(module, built, warmup_epochs)
     return {"optimizer": built, "lr_scheduler": schedule}

@@ -130,7 +130,10 @@ class TimmBackbone(nn.Module):
                 "(they go to timm.create_model and the model's constructor)",
                 parameter="model_kwargs",
             ) from None
-        self.feature_dim = int(self.net.num_features)  # type: ignore[arg-type]  # timm models set it to an int
+        # the pooled features' size: head_hidden_size where a model has a head before its classifier (MobileNetV3's
+        # conv_head: 1024 after 288 channels), which num_classes=0 keeps
+        size = getattr(self.net, "head_hidden_size", None) or self.net.num_features
+        self.feature_dim = int(size)  # type: ignore[arg-type]  # timm models set it to an int
         self.architecture, self.model_kwargs = name, dict(model_kwargs or {})  # what `hfmca export` writes down
 
     def forward(self, images: Tensor) -> Tensor:

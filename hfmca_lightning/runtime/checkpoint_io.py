@@ -41,10 +41,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's own loads (``--ckpt_path``) as :func:`read_checkpoint` reads local files: tensors and plain data
-        only, whatever ``weights_only`` Lightning asks for, on the CPU (Lightning copies them into the module)."""
+        only, whatever ``weights_only`` Lightning asks for, on the CPU (Lightning copies them into the module); the
+        weights' finiteness was checked when the command read its arguments."""
         if not is_local(path):
             return super().load_checkpoint(path, map_location)  # torch >= 2.6 loads weights only by default
-        return read_checkpoint(path)
+        return read_checkpoint(path, check_weights=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or not is_local(path):
@@ -58,8 +59,9 @@ def is_local(path: _PATH) -> bool:
     return "file" in (get_filesystem(path).protocol or ("file",))
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file.
+def read_checkpoint(path: str | Path, check_weights: bool = True) -> dict[str, Any]:
+    """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file
+    (``check_weights=False``: without reading every weight for its finiteness, for a file checked before).
 
     Tells apart a missing path, a file that is not a readable checkpoint (truncated, corrupt, another
     format), a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``) and one whose
@@ -85,7 +87,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         ) from None
     if (
         not isinstance(checkpoint, dict)
-        or "state_dict" not in checkpoint
+        or not isinstance(checkpoint.get("state_dict"), dict)
         or "pytorch-lightning_version" not in checkpoint
     ):
         keys = ", ".join(list(checkpoint)[:5]) if isinstance(checkpoint, dict) else type(checkpoint).__name__
@@ -95,7 +97,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     nonfinite = [
         name
-        for name, value in checkpoint["state_dict"].items()
+        for name, value in (checkpoint["state_dict"].items() if check_weights else ())
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
     ]
     if nonfinite:

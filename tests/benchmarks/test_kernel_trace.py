@@ -151,6 +151,22 @@ def test_gradient_checks_take_the_multi_tensor_kernel_of_the_gpu() -> None:
     assert len(recorded("linalg_vector_norm", trace)) == 1  # the largest of the per-tensor norms
 
 
+def test_an_unfused_optimizer_takes_the_multi_tensor_kernels_of_the_gpu() -> None:
+    """SGD with momentum, neither fused nor told foreach: one multi-tensor kernel per step of its update on the
+    modelled GPU, as on the real one, not one kernel per parameter."""
+    with tracing(H100) as live:
+        parameters = [torch.nn.Parameter(torch.randn(5, device="cuda")) for _ in range(76)]
+        optimizer = torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+        for parameter in parameters:
+            parameter.grad = torch.randn(5, device="cuda")
+        optimizer.step()  # the first step makes the momentum buffers
+        with live.record() as trace:
+            optimizer.step()
+    names = {operation.name for operation in trace.operations}
+    assert names and all(name.startswith("_foreach_") for name in names), names
+    assert sum(operation.kernels for operation in trace.operations) <= 3
+
+
 def test_the_cost_librarys_cached_tensors_do_not_cross_a_trace() -> None:
     """The window constants and counts are cached per shape and device: each trace makes its own (a fake tensor of an
     earlier trace cannot enter another's), so the same statistics traced twice record the same kernels."""

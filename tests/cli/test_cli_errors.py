@@ -91,7 +91,7 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "negative learning rate",
         lambda tmp, ckpt: ["--model.init_args.optimizer", "torch.optim.SGD", "--model.init_args.optimizer.lr", "-1"],
         lambda tmp: {},
-        "model.init_args.optimizer: Invalid learning rate: -1",
+        "the optimizer cannot be built: Invalid learning rate: -1.0 (model.init_args.optimizer)",
     ),
     (
         "negative seed",
@@ -476,3 +476,14 @@ def test_a_logger_save_dir_under_a_file_is_one_line_before_training(tmp_path, ca
         "folder; give the logger another save_dir, or move the file"
     ), err
     assert not (tmp_path / "checkpoints").exists(), "training started"
+
+
+def test_a_diverged_last_checkpoint_is_refused_when_resumed_by_name(tmp_path, trained_checkpoint, capsys):
+    """``--ckpt_path last`` is resolved once the trainer is built; its weights are checked then."""
+    (tmp_path / "checkpoints").mkdir()
+    diverged(trained_checkpoint, tmp_path).rename(tmp_path / "checkpoints" / "last.ckpt")
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, "--ckpt_path", "last")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert f"{tmp_path / 'checkpoints' / 'last.ckpt'} holds weights that are not finite" in err.splitlines()[-1], err

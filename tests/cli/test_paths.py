@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from hfmca_lightning.cli import main
+from hfmca_lightning.cli.paths import check_config_files, read_config_file
+from hfmca_lightning.errors import ConfigurationError
 from tests.helpers import DEMO, DEMO_TINY_MODEL, fit, run_hfmca, tiny_overrides
 
 # A backbone of ~80 KB of weights: large enough that a limit below it leaves room for the command's own log.
@@ -212,3 +214,16 @@ def test_a_config_file_that_is_no_yaml_mapping_is_one_line(tmp_path, capsys, con
     assert exit_info.value.code == 2, err
     assert err.splitlines()[-1].startswith(f"hfmca: error: --config {config} {message}"), err
     assert "Traceback" not in err
+
+
+def test_configs_jsonargparse_reads_are_not_refused(tmp_path: Path) -> None:
+    """A JSON config with tab indentation (which YAML refuses) and an inline YAML string longer than a file name are
+    read as jsonargparse reads them; a bad file given by -c is refused like one given by --config."""
+    tabbed = tmp_path / "tabbed.json"
+    tabbed.write_text('{\n\t"trainer": {\n\t\t"max_epochs": 1\n\t}\n}\n')
+    assert read_config_file(tabbed) == {"trainer": {"max_epochs": 1}}
+    inline = "{trainer: {max_epochs: 1, default_root_dir: " + "x" * 300 + "}}"
+    check_config_files(["fit", "--config", str(tabbed), "--config", inline])
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigurationError, match="^-c .*empty.yaml is empty"):
+        check_config_files(["fit", "-c", str(tmp_path / "empty.yaml")])

@@ -314,6 +314,16 @@ def test_stl10_binaries_load_through_the_real_layout(tmp_path):
         STL10(root=str(tmp_path)).prepare()
 
 
+@pytest.mark.parametrize("label", [0, 11])
+def test_stl10_labels_outside_1_to_10_are_one_clear_error(tmp_path, label):
+    """A label 0 would have become UNLABELLED in the labelled split, 11 a class past the tenth."""
+    folder = write_stl10(tmp_path)
+    labels = folder / "train_y.bin"
+    labels.write_bytes(bytes([label]) + labels.read_bytes()[1:])
+    with pytest.raises(ConfigurationError, match="train_y.bin holds labels .* STL-10's are 1 to 10"):
+        STL10(root=str(tmp_path), verify=False).split(train=True)
+
+
 @pytest.mark.parametrize("kept", [0, 1000], ids=["empty", "a partial image"])
 def test_a_truncated_stl10_binary_is_one_clear_error(tmp_path, kept):
     folder = write_stl10(tmp_path)

@@ -123,6 +123,15 @@ def test_timm_vit_is_a_backbone_and_refuses_internal_costs_clearly():
         TimmBackbone("vit_tiny_patch16_22")
 
 
+def test_a_timm_backbones_feature_dim_is_the_size_of_what_it_gives() -> None:
+    """MobileNetV3 keeps a head after its last stage (288 channels -> 1024 features): feature_dim is what comes out,
+    which the projector's input_dim is checked against."""
+    pytest.importorskip("timm")
+    for name in ("mobilenetv3_small_050", "resnet18"):
+        backbone = TimmBackbone(name)
+        assert backbone(torch.randn(2, 3, 32, 32)).shape == (2, backbone.feature_dim), name
+
+
 def test_a_keyword_the_timm_model_does_not_take_is_named():
     pytest.importorskip("timm")
     with pytest.raises(ConfigurationError, match="timm model 'resnet18' takes no argument 'bogus_key'") as raised:

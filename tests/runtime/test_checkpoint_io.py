@@ -140,3 +140,10 @@ def test_a_file_that_is_no_checkpoint_is_one_clear_error(tmp_path: Path, content
     path.write_bytes(contents)
     with pytest.raises(ConfigurationError, match="junk.ckpt is not a readable checkpoint"):
         read_checkpoint(path)
+
+
+def test_a_checkpoint_whose_state_dict_is_no_mapping_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "odd.ckpt"
+    torch.save({"state_dict": [torch.zeros(2)], "pytorch-lightning_version": "2.5.0"}, path)
+    with pytest.raises(ConfigurationError, match="odd.ckpt is not a Lightning training checkpoint"):
+        read_checkpoint(path)

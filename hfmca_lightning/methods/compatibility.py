@@ -18,6 +18,15 @@ def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
     expected = getattr(backbone, "image_size", None)
     source = getattr(datamodule, "source", None)
     given = getattr(source, "image_size", None)
+    smallest, views = getattr(backbone, "min_image_size", None), getattr(datamodule, "views", None)
+    if isinstance(smallest, int) and isinstance(given, int):
+        sizes = [size for _, size, _ in views.groups(given)] if hasattr(views, "groups") else [given]  # MultiCrop's
+        if min(sizes) < smallest:
+            raise ConfigurationError(
+                f"the backbone {type(backbone).__name__} needs views of at least {smallest} px (its stages halve the "
+                f"map), but the data gives {min(sizes)}-px views: use fewer stages or larger views",
+                parameter="image_size",
+            )
     if not isinstance(expected, int) or not isinstance(given, int) or expected == given:
         return
     raise ConfigurationError(

@@ -172,6 +172,7 @@ class SmallConvNet(nn.Module):
         self.features = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = in_channels
+        self.min_image_size = 2**num_stages  # each stage halves the map
 
     @property
     def internal_layers(self) -> list[str]:

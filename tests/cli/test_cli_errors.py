@@ -94,6 +94,15 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "the optimizer cannot be built: Invalid learning rate: -1.0 (model.init_args.optimizer)",
     ),
     (
+        "more backbone stages than the views have pixels for",
+        lambda tmp, ckpt: [
+            *("--model.init_args.backbone.init_args.num_stages", "6"),
+            *("--model.init_args.projector.init_args.input_dim", "256"),
+        ],
+        lambda tmp: {},
+        "the backbone SmallConvNet needs views of at least 64 px (its stages halve the map), but the data gives 32-px",
+    ),
+    (
         "negative seed",
         lambda tmp, ckpt: ["--seed_everything", "-1"],
         lambda tmp: {},

@@ -152,7 +152,7 @@ def linear_evaluation(
     }
     table = (
         "| checkpoint | method | protocol | labels | top-1 | top-5 |\n| --- | --- | --- | ---: | ---: | ---: |\n"
-        f"| {ckpt_path} | {result['method']} | {result['protocol']} | {label_fraction:.0%} | {100 * top[1]:.2f} | "
+        f"| {ckpt_path} | {result['method']} | {result['protocol']} | {100 * label_fraction:g}% | {100 * top[1]:.2f} | "
         f"{100 * top[5]:.2f} |\n"
     )
     _write(Path(out) if out else default_out(ckpt_path), protocol, result, table)
@@ -303,8 +303,8 @@ def run_evaluation_command(argv: list[str]) -> None:
             config_path=args.config,
         )
         print(
-            f"{result['protocol']}, {result['label_fraction']:.0%} of the labels: top-1 {100 * result['top1']:.2f} "
-            f"%, top-5 {100 * result['top5']:.2f} %"
+            f"{result['protocol']}, {100 * result['label_fraction']:g}% of the labels: "
+            f"top-1 {100 * result['top1']:.2f} %, top-5 {100 * result['top5']:.2f} %"
         )
     else:
         result = knn_evaluation(

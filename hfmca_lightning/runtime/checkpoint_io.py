@@ -92,7 +92,7 @@ def read_checkpoint(path: str | Path, check_weights: bool = True) -> dict[str, A
     ):
         keys = ", ".join(list(checkpoint)[:5]) if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise ConfigurationError(
-            f"{path} is not a Lightning training checkpoint (it holds {keys}); --ckpt_path resumes only checkpoints "
+            f"{path} is not a Lightning training checkpoint (it holds {keys}); the commands take only checkpoints "
             "written by `hfmca fit` (runs/<name>/checkpoints/*.ckpt)."
         )
     nonfinite = [

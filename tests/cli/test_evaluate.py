@@ -138,9 +138,10 @@ def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_p
     assert f"top-1 {100 * callback_top1:.2f} %" in capsys.readouterr().out
 
 
-def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(simclr_run, tmp_path):
+def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(simclr_run, tmp_path, capsys):
     out = tmp_path / "linear"
     main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--epochs", "20", "--label_fraction", "0.25"])
+    assert "linear classifier on frozen features, 25% of the labels: top-1" in capsys.readouterr().out
     result = json.loads((out / "linear.json").read_text())
     assert result["train_samples"] == 8 and result["test_samples"] == 12  # 2 of 8 per class; 4 classes x 3 test images
     assert result["method"] == "SimCLR" and 0 <= result["top1"] <= result["top5"] == 1.0  # top-5 of 4 classes

@@ -75,16 +75,31 @@ def check_input_file(path: str | Path | None, option: str) -> None:
         raise ConfigurationError(f"{option} {path} is not readable by this user; change its permissions")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen and key != "<<":
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_config_file(path: str | Path, option: str = "--config") -> dict[str, Any]:
     """The settings of the YAML file ``path`` (given as ``option``), or one :class:`ConfigurationError` for a file that
-    is not a YAML mapping: not text, a YAML error (with its line), empty, a list or a single value."""
+    is not a YAML mapping: not text, a YAML error (with its line), a key given twice, empty, a list or a value."""
     check_input_file(path, option)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigurationError(f"{option} {path} is not a text file (UTF-8); give the run's YAML") from None
     try:
-        config = yaml.safe_load(text)
+        config = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as error:
         try:  # JSON, which jsonargparse also reads, may hold tabs that YAML refuses
             config = json.loads(text)

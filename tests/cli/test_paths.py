@@ -193,6 +193,10 @@ BAD_CONFIGS = {
     "a list": (b"- model\n", "is a list, not a mapping of settings"),
     "a tab": (b"trainer:\n\tmax_epochs: 1\n", "is not valid YAML at line 2, column 1: found character '\\t'"),
     "not text": (b"\xff\xfe", "is not a text file (UTF-8)"),
+    "a key twice": (
+        b"trainer:\n  max_epochs: 1\nmodel: {}\ntrainer:\n  max_epochs: 2\n",
+        "is not valid YAML at line 4, column 1: the key 'trainer' is given twice in one mapping",
+    ),
 }
 
 

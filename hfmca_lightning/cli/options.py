@@ -8,7 +8,7 @@ import math
 
 import torch
 
-__all__ = ["device_name", "finite_positive_float", "non_negative_int", "positive_int", "seed"]
+__all__ = ["SEED_RANGE", "device_name", "finite_positive_float", "non_negative_int", "positive_int", "seed"]
 
 SEED_RANGE = (0, 2**32 - 1)  # numpy's, which Lightning's seed_everything enforces
 

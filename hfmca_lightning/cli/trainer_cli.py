@@ -25,6 +25,7 @@ from hfmca_lightning.callbacks.progress import CostProgressBar
 from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.cli.config_errors import describe_instantiation_error
+from hfmca_lightning.cli.options import SEED_RANGE
 from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
@@ -156,7 +157,7 @@ class HFMCACLI(LightningCLI):
             super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         seed = (self.config[subcommand] if subcommand else self.config).get("seed_everything")
-        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
+        if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
             raise ConfigurationError(
                 f"seed_everything must be in [0, 2**32 - 1], or true for a random seed; got {seed}"
             )

@@ -59,13 +59,12 @@ class GridExternalHead(nn.Module):
         for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
             if value < 1:
                 raise ConfigurationError(f"the head grid must be at least 1x1; got {name}={value}", parameter=name)
-        sizes = {
-            "feature_dim": feature_dim,
-            "hidden_dim": hidden_dim,
-            "output_dim": 1 if output_dim is None else output_dim,
-        }
-        for name, least in (*((name, 1) for name in sizes), ("noise_channels", 0)):
-            value = sizes.get(name, noise_channels)
+        for name, value, least in (
+            ("feature_dim", feature_dim, 1),
+            ("hidden_dim", hidden_dim, 1),
+            ("output_dim", 1 if output_dim is None else output_dim, 1),  # None: feature_dim
+            ("noise_channels", noise_channels, 0),
+        ):
             if value < least:
                 raise ConfigurationError(f"GridExternalHead: {name} must be >= {least}; got {value}", parameter=name)
         self.feature_dim = feature_dim

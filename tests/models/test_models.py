@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -37,6 +39,23 @@ def test_small_conv_net_feature_dim():
 def test_projector_outputs_in_unit_interval():
     out = ViewProjector(16, 8, 32)(torch.randn(10, 16) * 100)
     assert out.shape == (10, 8) and bool((out >= 0).all()) and bool((out <= 1).all())
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ViewProjector(input_dim=0), "ViewProjector: input_dim must be >= 1; got 0"),
+        (lambda: ViewProjector(hidden_dim=-2), "ViewProjector: hidden_dim must be >= 1; got -2"),
+        (lambda: GridExternalHead(feature_dim=0), "GridExternalHead: feature_dim must be >= 1; got 0"),
+        (lambda: GridExternalHead(hidden_dim=0), "GridExternalHead: hidden_dim must be >= 1; got 0"),
+        (lambda: GridExternalHead(output_dim=0), "GridExternalHead: output_dim must be >= 1; got 0"),
+        (lambda: GridExternalHead(noise_channels=-1), "GridExternalHead: noise_channels must be >= 0; got -1"),
+    ],
+)
+def test_head_and_projector_sizes_out_of_range_are_one_clear_error(build, message):
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        build()
+    GridExternalHead(noise_channels=0, output_dim=None)  # no noise, and the output of feature_dim: allowed
 
 
 def test_head_places_view_l_at_row_l_div_gw_and_column_l_mod_gw():

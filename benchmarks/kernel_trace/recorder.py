@@ -198,6 +198,10 @@ class Recorder(TorchDispatchMode):
                     self.host_sync(f"aten.{name} to the host")
                 if transfer == "device->host" and name == "copy_" and not (len(args) > 2 and args[2]):
                     self.host_sync("aten.copy_ to the host")
+                if transfer == "host->device" and not _non_blocking(name, args, kwargs):
+                    # CUDA copies without non_blocking wait for the whole stream (memcpy_and_sync):
+                    # torch.tensor(value, device=...), tensor.to(device), self.log of a Python number
+                    self.host_sync(f"aten.{name} to the device without non_blocking (the host waits for the GPU)")
             elif name == "_to_copy" and _is_no_op_copy(args[0], kwargs):
                 return out  # tensor.to(its own device and dtype): no copy on the GPU
         if self.recording:
@@ -302,3 +306,11 @@ def _empty_result(name: str, args: tuple[Any, ...]) -> torch.Tensor:
     if name in ("nonzero", "argwhere"):
         return first.new_empty((0, first.dim()), dtype=torch.int64)
     return first.new_empty((0,))
+
+
+def _non_blocking(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a copy was asked for with ``non_blocking`` (``copy_(src, non_blocking)``, ``_to_copy(...,
+    non_blocking=)``)."""
+    if name == "copy_":
+        return bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+    return bool(kwargs.get("non_blocking", False))

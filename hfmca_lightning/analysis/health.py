@@ -168,7 +168,7 @@ class HealthStatistics:
             )
         x = embeddings.detach().to(torch.float64)
         first, means, flat = x[:, 0], x.mean(dim=1), x.flatten(0, 1)
-        samples = torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device)
+        samples = torch.full((), float(x.shape[0]), dtype=torch.float64, device=x.device)  # no host-device copy
         return cls(samples, first.sum(0), first.T @ first, means.sum(0), means.T @ means, flat.T @ flat, x.shape[1])
 
     def merge(self, other: HealthStatistics) -> HealthStatistics:

@@ -158,6 +158,9 @@ class HealthMetrics(Callback):
                 return
         if not stepped or (step % self.every_n_steps != 0 and not self.pending):
             return
+        raise_if_a_step_failed = getattr(pl_module, "raise_if_a_step_failed", None)
+        if callable(raise_if_a_step_failed):  # a failed step ends the run in one line, not in a decomposition
+            raise_if_a_step_failed()
         sums = self._reduced(trainer)
         if float(sums.samples) < self.samples_per_dim * sums.first_sum.shape[0]:
             self.pending = True

@@ -229,6 +229,36 @@ def test_host_reads_are_host_syncs_and_asynchronous_copies_are_not() -> None:
     assert len(copies) == 2
 
 
+def test_copies_to_the_device_without_non_blocking_are_host_syncs() -> None:
+    """CUDA copies a host tensor without ``non_blocking`` and then waits for the whole stream (``memcpy_and_sync``):
+    ``torch.tensor(value, device=...)``, ``.to(device)`` and ``copy_`` are host syncs; the non-blocking forms and
+    values made on the device are not."""
+    with tracing(H100) as live:
+        on_device = torch.zeros(3, device="cuda")
+        with live.record() as trace:
+            torch.tensor(2.0, device="cuda")
+            torch.ones(3).to("cuda")
+            on_device.copy_(torch.ones(3))
+            torch.ones(3).pin_memory().to("cuda", non_blocking=True)
+            on_device.copy_(torch.ones(3).pin_memory(), non_blocking=True)
+            torch.full((), 2.0, device="cuda")
+    assert [what.split(" to the device")[0] for what, _ in trace.host_syncs] == [
+        "aten._to_copy",
+        "aten._to_copy",
+        "aten.copy_",
+    ]
+
+
+def test_health_statistics_of_device_features_wait_for_nothing() -> None:
+    from hfmca_lightning.analysis.health import HealthStatistics
+
+    with tracing(H100) as live:
+        embeddings = torch.randn(64, 9, 32, device="cuda")
+        with live.record() as trace:
+            HealthStatistics.of(embeddings)
+    assert trace.host_syncs == []
+
+
 def test_prediction_is_the_larger_of_compute_and_memory_plus_the_floor() -> None:
     calibration = Calibration(efficiency=0.5, launch_floor=5e-6, fitted_on="test")
     compute_bound = Operation("mm", "p", "s", False, 1, 1e12, 1_000, 1_000, "bfloat16", "bf16_tensor", True)

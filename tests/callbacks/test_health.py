@@ -341,3 +341,28 @@ def test_settings_out_of_range_are_refused_in_one_line(settings, parameter):
     assert caught.value.parameter == parameter
     message = str(caught.value)
     assert "\n" not in message and parameter in message and str(next(iter(settings.values()))) in message
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def test_a_failed_step_ends_the_run_with_its_own_error_before_any_decomposition(monkeypatch):
+    """A module whose update failed (HFMCA's and the baselines' ``raise_if_a_step_failed``) stops the run with that
+    error at the first logging step, before its NaN features reach a decomposition."""
+    module = HealthProbe(dim=8, inputs=8)
+    failed_at: list[int] = []
+
+    def raise_if_a_step_failed() -> None:
+        failed_at.append(module.global_step)
+        raise StepFailed("step 1 failed")
+
+    module.raise_if_a_step_failed = raise_if_a_step_failed  # type: ignore[attr-defined]
+    decomposed = []
+    monkeypatch.setattr(
+        "hfmca_lightning.analysis.health.HealthStatistics.metrics", lambda self: decomposed.append(self) or {}
+    )
+    trainer = quiet_trainer(max_steps=8, callbacks=[HealthMetrics(every_n_steps=2)], limit_val_batches=0)
+    with pytest.raises(StepFailed):
+        trainer.fit(module, train_dataloaders=gaussian_views(dim=8, batch_size=8, samples=256))
+    assert failed_at and not decomposed

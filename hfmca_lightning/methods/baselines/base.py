@@ -101,14 +101,19 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         finally:
             self._update_guard.after_update()
 
-    def on_validation_start(self) -> None:
+    def raise_if_a_step_failed(self) -> None:
+        """Raise the error of the first update skipped since the last read (as ``HFMCAModule``'s; callbacks that
+        decompose features call it first)."""
         self._update_guard.raise_if_a_step_failed()
+
+    def on_validation_start(self) -> None:
+        self.raise_if_a_step_failed()
 
     def on_train_end(self) -> None:
-        self._update_guard.raise_if_a_step_failed()
+        self.raise_if_a_step_failed()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._update_guard.raise_if_a_step_failed()  # never a checkpoint after a failed step
+        self.raise_if_a_step_failed()  # never a checkpoint after a failed step
 
 
 class ProjectedPairBaseline(SSLBaseline):

@@ -157,6 +157,9 @@ class ResidentDrawer(SeededDrawer):
         self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
+        # one side stream for every chunk drawn ahead: the caching allocator reuses a block only on the stream it
+        # was freed to, so a new stream per chunk would keep each chunk's temporaries apart
+        self._side_stream: Any = None
 
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
         """Store the split (once), on ``device`` where given: a split too large for it fails before training."""
@@ -206,7 +209,9 @@ class ResidentDrawer(SeededDrawer):
         images, targets = self._stored
         if not side:  # no CUDA call: this path also runs on CPUs and MPS
             return self._views(images[indices], seeds), targets[indices], None
-        stream = torch.cuda.Stream(indices.device)
+        if self._side_stream is None or self._side_stream.device != indices.device:
+            self._side_stream = torch.cuda.Stream(indices.device)
+        stream = self._side_stream
         stream.wait_stream(torch.cuda.current_stream(indices.device))  # the indices' transfer
         indices.record_stream(stream)
         seeds.record_stream(stream)

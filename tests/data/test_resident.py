@@ -5,7 +5,8 @@ tests/data/test_drawers.py."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import sys
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from hfmca_lightning.data.resident import ResidentBatch, stored_on_device, store
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.diagnostics import HostReads, OperationCounts
 from hfmca_lightning.errors import ConfigurationError
-from tests.helpers import TrainerStandIn, drawn, epoch_batches, write_image_folder
+from tests.helpers import REPO, TrainerStandIn, drawn, epoch_batches, write_image_folder
 
 
 def data(drawer: ResidentDrawer, batch_size: int = 4, **options: Any) -> MultiViewDataModule:
@@ -137,3 +138,33 @@ def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
     ) as error:
         stored_on_device(torch.zeros(10, 3, 32, 32, dtype=torch.uint8), torch.device("cuda"))
     assert error.value.parameter == "drawer"
+
+
+def test_every_chunk_drawn_ahead_on_a_gpu_uses_one_side_stream(monkeypatch):
+    """On a CUDA device (the roofline tracer's modelled one) each chunk's successor is drawn ahead on a side stream,
+    the same one for every chunk: the caching allocator reuses a block only on the stream it was freed to."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kernel_trace.gpus import GPUS
+    from kernel_trace.steps import _on_host
+    from kernel_trace.trace import tracing
+
+    with _on_host():
+        module = data(ResidentDrawer(batches_per_call=2), batch_size=3)
+        batches = list(module.train_dataloader())  # 8 batches: 4 chunks, 3 of them drawn ahead
+    made = []
+    with tracing(GPUS["h100-sxm"]):
+        modelled = torch.cuda.Stream
+
+        class CountedStream(modelled):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                made.append(args)
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "Stream", CountedStream)
+        module.drawer.prepare(module.training_split, torch.device("cuda"))
+        keys = ("indices", "seeds", "next_indices", "next_seeds")
+        for batch in batches:
+            views = module.drawer.draw(replace(batch, **{key: getattr(batch, key).to("cuda") for key in keys}))
+            assert views.groups[0].shape == (3, 4, 3, 32, 32)
+        monkeypatch.setattr(torch.cuda, "Stream", modelled)
+    assert len(made) == 1

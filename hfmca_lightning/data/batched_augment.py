@@ -177,7 +177,7 @@ class BatchedViewAugmentation(nn.Module):
         factors = torch.stack((factor(brightness), factor(contrast), factor(saturation)), dim=1)
         hue_shift = uniforms.uniform((count,), -hue, hue) if hue > 0 else torch.zeros(count, device=device)
         hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
-        order = uniforms.rand((count, 4)).argsort(dim=1)
+        order = uniforms.rand((count, 4)).argsort(dim=1, stable=True)  # ties: the same order on every device
         grey = uniforms.rand((count,)) < spec.gray_p
         kind = torch.arange(count, device=device) % num_views % self.blur_p.numel()
         sigma = uniforms.uniform((count,), *BLUR_SIGMA)

@@ -22,8 +22,9 @@ class PreemptionCheckpoint(ModelCheckpoint):
     that fails (a ``CostFactorisationError`` after a NaN, an out-of-memory error) keeps its last good
     checkpoint instead of overwriting it with the state that failed.
 
-    With ``save_last``, ``last.ckpt`` also holds the final state when training ends between two
-    ``every_n_train_steps`` saves (``ModelCheckpoint`` alone then leaves the last interval's state there).
+    With ``save_last``, ``last.ckpt`` also holds the state at the end of every training epoch and when training
+    ends between two ``every_n_train_steps`` saves (``ModelCheckpoint`` alone then leaves the last interval's state
+    there): a resume point every ``every_n_train_steps`` steps and at every epoch's end.
 
     Args:
         *args: the arguments of ``ModelCheckpoint``.
@@ -35,12 +36,20 @@ class PreemptionCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, save_on_exception=save_on_exception, **kwargs)
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._refresh_last(trainer)  # ModelCheckpoint does at an epoch's end only if it saved at that step
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        # ModelCheckpoint writes last.ckpt at the end only if it never wrote one; _should_skip_saving_checkpoint
-        # is true when this step was already saved (and for fast_dev_run / sanity checks).
+        self._refresh_last(trainer)  # ModelCheckpoint does at the end only if it never wrote last.ckpt
+
+    def _refresh_last(self, trainer: Trainer) -> None:
+        """Write ``last.ckpt`` unless this step is saved already (or nothing is saved: fast_dev_run, sanity checks,
+        not fitting)."""
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._last_global_step_saved = trainer.global_step
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):

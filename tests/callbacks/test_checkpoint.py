@@ -1,0 +1,52 @@
+"""PreemptionCheckpoint: ``last.ckpt`` is a resume point every ``every_n_train_steps`` steps, at every epoch's end and
+when training ends (docs/training.md, docs/resume.md); its SIGTERM save: tests/integration/test_resume.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from hfmca_lightning.callbacks import PreemptionCheckpoint
+from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
+from tests.helpers import quiet_trainer
+
+STEPS_PER_EPOCH, EVERY = 7, 5
+
+
+class LastAtEpochStart(Callback):
+    """The step that ``last.ckpt`` holds when each epoch after the first starts."""
+
+    def __init__(self, last: Path) -> None:
+        self.last, self.steps = last, []
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch > 0:
+            self.steps.append(read_checkpoint(self.last)["global_step"])
+
+
+def test_last_checkpoint_at_every_step_interval_epoch_end_and_train_end(tmp_path: Path) -> None:
+    last = tmp_path / "last.ckpt"
+    saved_steps = []
+
+    class Recording(PreemptionCheckpoint):
+        def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+            super()._save_checkpoint(trainer, filepath)
+            saved_steps.append((Path(filepath).name, trainer.global_step))
+
+    probe = LastAtEpochStart(last)
+    checkpoint = Recording(dirpath=tmp_path, save_last=True, every_n_train_steps=EVERY)
+    trainer = quiet_trainer(
+        max_epochs=3,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=1,
+        enable_checkpointing=True,
+        callbacks=[probe, checkpoint],
+    )
+    trainer.fit(BoringModel())
+    # each epoch starts from last.ckpt of the epoch before's end (7, 14), not of its last 5-step save (5, 10)
+    assert probe.steps == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert read_checkpoint(last)["global_step"] == 3 * STEPS_PER_EPOCH
+    lasts = [step for name, step in saved_steps if name == "last.ckpt"]
+    assert lasts == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and every epoch's end, each step once

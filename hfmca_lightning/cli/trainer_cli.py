@@ -34,7 +34,7 @@ from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
 from hfmca_lightning.runtime.run_lock import RunFolderLock
 
-__all__ = ["HFMCACLI", "AtomicSaveConfig", "checkpoint_folders"]
+__all__ = ["HFMCACLI", "AtomicSaveConfig", "checkpoint_folders", "newest_last_checkpoint"]
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 NAMED_CHECKPOINTS = ("last", "best", "hpc")
@@ -114,6 +114,19 @@ def _is_last_checkpoint(path: Path, callback: ModelCheckpoint) -> bool:
     name = re.escape(callback.CHECKPOINT_NAME_LAST)
     name = re.sub(r"\\\{.*?\\\}", ".*", name)  # a name with metrics in it: {epoch}-last
     return re.fullmatch(rf"{name}(?:{re.escape(callback.CHECKPOINT_JOIN_CHAR)}v\d+)?", path.stem) is not None
+
+
+def newest_last_checkpoint(trainer: Trainer) -> Path | None:
+    """What ``--ckpt_path last`` resumes: the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders of the
+    trainer's callbacks that write one (``save_last``), never a file of another folder; None when there is none."""
+    candidates = [
+        path
+        for folder, callback in checkpoint_folders(trainer, last_only=True).items()
+        if folder.is_dir()
+        for path in folder.iterdir()
+        if _is_last_checkpoint(path, callback)
+    ]
+    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
 
 
 class HFMCACLI(LightningCLI):
@@ -260,21 +273,13 @@ class HFMCACLI(LightningCLI):
             return None
         if str(ckpt_path) != "last":
             return Path(ckpt_path)
-        folders = checkpoint_folders(self.trainer, last_only=True)
-        candidates = [
-            path
-            for folder, callback in folders.items()
-            if folder.is_dir()
-            for path in folder.iterdir()
-            if _is_last_checkpoint(path, callback)
-        ]
-        if not candidates:
+        newest = newest_last_checkpoint(self.trainer)
+        if newest is None:
             where = (
-                ", ".join(str(folder) for folder in sorted(folders))
+                ", ".join(str(folder) for folder in sorted(checkpoint_folders(self.trainer, last_only=True)))
                 or "no checkpoint folder of this run: none of its ModelCheckpoint callbacks has both a dirpath and "
                 "save_last: true"
             )
             rank_zero_info(f"hfmca: no last checkpoint in {where}; starting a new run.")
             self.config_init[self.subcommand]["ckpt_path"] = None
-            return None
-        return max(candidates, key=lambda path: path.stat().st_mtime)
+        return newest

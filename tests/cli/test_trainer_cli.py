@@ -120,3 +120,29 @@ def test_config_yaml_is_replaced_whole(tmp_path):
     assert written["model"]["init_args"]["backbone"]["init_args"]["width"] == 8
     assert (tmp_path / "old_config.yaml").read_text() == "old: true\n"
     assert [path.name for path in log_dir.iterdir() if path.name.endswith(".partial")] == []
+
+
+def test_last_is_the_newest_last_or_versioned_last_in_this_runs_last_folders(tmp_path):
+    """``--ckpt_path last`` (docs/resume.md): the newest of ``last.ckpt`` and ``last-vN.ckpt`` in the folders of the
+    callbacks with ``save_last``; not a newer best checkpoint beside them, nor a newer ``last.ckpt`` in a folder this
+    run only keeps its best checkpoints in; None when there is none."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hfmca_lightning.cli.trainer_cli import newest_last_checkpoint
+    from tests.helpers import quiet_trainer
+
+    own, best_only = tmp_path / "own", tmp_path / "best"
+    trainer = quiet_trainer(
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=own, save_last=True), ModelCheckpoint(dirpath=best_only, monitor="loss")],
+    )
+    assert newest_last_checkpoint(trainer) is None
+    own.mkdir()
+    best_only.mkdir()
+    for age, path in enumerate(
+        [own / "last.ckpt", own / "last-v1.ckpt", own / "last-v2.ckpt.partial", own / "epoch=3-step=8.ckpt"]
+        + [best_only / "last.ckpt", own / "lastly.ckpt"]
+    ):
+        path.write_bytes(b"")
+        os.utime(path, (1_000 + age, 1_000 + age))  # each newer than the one before
+    assert newest_last_checkpoint(trainer) == own / "last-v1.ckpt"

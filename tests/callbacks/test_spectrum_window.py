@@ -102,7 +102,7 @@ def test_independent_features_log_no_dependence_at_the_spectrum_setting(tmp_path
     spectra = logged_spectra(tmp_path, module, steps=301, every_n_steps=100)
     assert len(spectra) == 2  # steps 201 and 301: 200 steps of 32 groups fill the window
     for values in spectra:
-        assert values.mean() < 0.05, values.mean()
+        assert values.mean() < 0.01, values.mean()  # docs/analysis.md: below 0.01 from 6,400 groups
 
 
 def test_a_planted_dependence_is_logged_within_0_02_of_its_canonical_correlations(tmp_path):

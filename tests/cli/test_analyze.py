@@ -130,6 +130,11 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
     for name in ("spectra.png", "density_ratio.png", "basis_L1.png", "internal/L9", "BatchNorm: each batch"):
         assert name in page
     assert "Label-free health of the backbone" in page and f"{health['lidar']:.3f}" in page
+    # docs/analysis.md: a row per pair: groups, trivial, top eigenvalue, mean of the top 10, counts below 0.1, above 0.5
+    pair, values = spectra["internal/L4"], spectra["internal/L4"]["eigenvalues"]
+    cells = [pair["groups"], f"{pair['trivial']:.3f}", f"{values[0]:.3f}", f"{sum(values[:10]) / len(values[:10]):.3f}"]
+    cells += [sum(v < 0.1 for v in values), sum(v > 0.5 for v in values), len(values)]
+    assert "<tr><td>internal/L4</td>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>" in page
 
 
 def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, monkeypatch):

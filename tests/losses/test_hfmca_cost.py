@@ -261,14 +261,19 @@ def test_changing_feature_dimensions_between_steps_is_an_error():
 
 
 @pytest.mark.parametrize("size", [64, 128, 512, 520])
-def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int):
-    """On CPUs matrices whose size is a multiple of 64 are factored with an identity block appended (MKL is
-    slow at those sizes): the factor, its gradient and the failure column are those of the plain matrix."""
+def test_cholesky_of_padded_sizes_is_the_plain_factor(size: int, monkeypatch: pytest.MonkeyPatch):
+    """On CPUs matrices whose size is a multiple of 64 from 128 up are factored with an identity block appended (MKL
+    is slow at those sizes; docs/conventions.md §2): the factor, its gradient and the failure column are those of the
+    plain matrix."""
     from hfmca_lightning.losses.cholesky import _cholesky_ex
 
     torch.manual_seed(size)
     x = torch.randn(2 * size, size, dtype=torch.float64)
     matrix = (x.T @ x / size + 0.1 * torch.eye(size, dtype=torch.float64)).requires_grad_(True)
+    factored, cholesky_ex = [], torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a: factored.append(a.shape[-1]) or cholesky_ex(a))
+    _cholesky_ex(matrix.detach()[None])
+    assert factored == [size + 8 if size in (128, 512) else size]
     (factor,), info = _cholesky_ex(matrix[None])
     expected = torch.linalg.cholesky(matrix)
     assert factor.shape == (size, size) and int(info) == 0

@@ -1,5 +1,6 @@
-"""The stable public names of docs/conventions.md §7 exist with the documented signatures, and the public API of
-the losses, analysis, data and callbacks packages is documented in one docstring template."""
+"""The stable public names of docs/conventions.md §7 exist with the documented signatures, the public API of the
+losses, analysis, data and callbacks packages is documented in one docstring template, and every qualified reference
+in the package's docstrings names something that exists."""
 
 from __future__ import annotations
 
@@ -105,3 +106,38 @@ def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[s
     assert exited.value.code == 0 and re.match(rf"usage: \S+ (\[options\] )?{command} ", out), out[:200]
     if command == "fit":
         assert "--trainer.max_epochs MAX_EPOCHS" in out and "(type: Optional[int], default: null)" in out
+
+
+REFERENCE = re.compile(r":(?:func|class|meth|mod|attr|data|exc):`~?(hfmca_lightning(?:\.\w+)+)`")
+
+
+def _resolves(target: str) -> bool:
+    """Whether a dotted name is a module of the package or an attribute path under one."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(value, name):
+                return False
+            value = getattr(value, name)
+        return True
+    return False
+
+
+def test_every_qualified_reference_in_the_package_names_something_that_exists():
+    """``:func:`hfmca_lightning...``` and its kind in any docstring or comment resolve to a module, class, function,
+    method or attribute of today's package (a renamed or moved target leaves a stale reference)."""
+    import pkgutil
+
+    import hfmca_lightning
+
+    broken = []
+    for module_info in pkgutil.walk_packages(hfmca_lightning.__path__, "hfmca_lightning."):
+        module = importlib.import_module(module_info.name)
+        for target in sorted(set(REFERENCE.findall(inspect.getsource(module)))):
+            if not _resolves(target):
+                broken.append(f"{module_info.name}: {target}")
+    assert broken == []

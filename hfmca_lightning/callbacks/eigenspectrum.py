@@ -30,7 +30,8 @@ class EigenspectrumCallback(FigureCallback):
 
     Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the statistics of each cost pair that the
     module's ``training_step`` returned (``outputs["statistics"]``, global-batch, keyed by pair: ``external``,
-    ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` and the baselines do), summed over the last
+    ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` does; modules without cost pairs are hooked,
+    below), summed over the last
     consecutive steps (every micro-batch of each, with gradient accumulation) that together hold at least
     ``min_groups`` groups of that pair (default ``groups_per_feature`` times its larger feature dimension:
     :class:`~hfmca_lightning.analysis.spectrum_window.SpectrumWindow`). A pair whose window is not full yet is not

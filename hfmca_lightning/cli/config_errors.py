@@ -107,7 +107,8 @@ def _import(class_path: str) -> Any:
 
 
 def describe_instantiation_error(error: BaseException, config: Any) -> str | None:
-    """``<key>: <message>`` for a ``ValueError`` that a configured class raised in its constructor, else None.
+    """``<key>: <message>`` for a ``ValueError`` that a configured class raised in its constructor, the bare message
+    for any other ``ValueError``, None for other errors (and for jsonargparse's report of a union's alternatives).
 
     jsonargparse chains its reports to the original exception (``__cause__``); the class is the innermost
     ``__init__`` on that exception's traceback whose class appears in ``config`` (the parsed subcommand

@@ -120,7 +120,7 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
 class BatchedViewAugmentation(nn.Module):
     """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
 
-    The distributions of :func:`hfmca_lightning.data.view_transform` (tested against torchvision's samplers
+    The distributions of :func:`hfmca_lightning.data.transforms.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
 
     ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the

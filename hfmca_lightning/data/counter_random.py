@@ -57,10 +57,10 @@ def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
 
 class CounterUniforms:
     """The uniforms of ``B`` samples with ``L`` views each, for the draws of
-    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.draw`: ``per_view`` numbers per view,
-    made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand`. Every request
-    is ``(B * L, ...)``: view ``l`` of sample ``b`` is row ``b * L + l``, and its numbers depend only on ``seeds[b]``,
-    ``l`` and the order of requests."""
+    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.views_from_seeds`: ``per_view`` numbers per
+    view, made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand`. Every
+    request is ``(B * L, ...)``: view ``l`` of sample ``b`` is row ``b * L + l``, and its numbers depend only on
+    ``seeds[b]``, ``l`` and the order of requests."""
 
     def __init__(self, seeds: Tensor, num_views: int, per_view: int = 40) -> None:
         self.rows, self.per_view = seeds.shape[0] * num_views, per_view

@@ -15,8 +15,8 @@ from torch import Tensor
 
 __all__ = ["cholesky_by_size", "inverse_from_factor", "identity_where"]
 
-# MKL's Cholesky runs slower at sizes that are multiples of 64 (docs/benchmarks/cpu.md); such sizes are factored with
-# this many rows and columns of the identity appended.
+# MKL's Cholesky runs slower at sizes that are multiples of 64 (docs/benchmarks/cpu.md); such sizes from 128 up are
+# factored with this many rows and columns of the identity appended.
 _CPU_PADDING = 8
 
 
@@ -46,7 +46,7 @@ def cholesky_by_size(matrices: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
 
 def _cholesky_ex(stack: Tensor) -> tuple[Tensor, Tensor]:
     """``torch.linalg.cholesky_ex`` of ``(n, k, k)``; on CPUs of ``[[M, 0], [0, I]]`` when ``k`` is a multiple of 64
-    (the factor's leading block is M's)."""
+    from 128 up (the factor's leading block is M's)."""
     size = stack.shape[-1]
     if stack.device.type != "cpu" or size < 128 or size % 64:
         return torch.linalg.cholesky_ex(stack)

@@ -3,7 +3,8 @@
 Reading a device value on the host waits for the device's queue; a training step that read each cost's
 factorisation check waited once per cost, before the backward pass was even queued. :class:`CostChecks` holds
 every check of a step in one small integer tensor that is read once, where the caller chooses (the training
-module: just before the optimizer step, after an all-reduce under DDP so that every rank stops together).
+module: max-reduced over processes on the device, where it guards the update, then copied to the host
+asynchronously and read once the next step is queued, or before a checkpoint, validation or the end of training).
 """
 
 from __future__ import annotations

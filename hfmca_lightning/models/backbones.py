@@ -85,7 +85,8 @@ class CIFARResNet18(TorchvisionBackbone):
     """torchvision ResNet-18 with the CIFAR stem (docs/conventions.md §2): 3x3 stride-1 ``conv1``, no max-pool, no fc.
 
     Forgetting the CIFAR stem costs SimCLR ~10 kNN points on CIFAR (lightly #1419). The torchvision
-    module names (``layer1.0``, ``layer4.1``, ...) are kept, so internal-cost hooks can name blocks.
+    module names are kept behind the ``net.`` prefix (``net.layer1.0``, ``net.layer4.1``, ...): internal-cost hooks
+    name blocks by them.
     Output: ``(N, 512)``. The same as ``TorchvisionBackbone(name="resnet18", cifar_stem=True)``.
     """
 

@@ -46,8 +46,8 @@ class PreemptionCheckpoint(ModelCheckpoint):
 
     def _refresh_last(self, trainer: Trainer) -> None:
         """Write ``last.ckpt`` unless this step is saved already (or nothing is saved: fast_dev_run, sanity checks,
-        not fitting)."""
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+        not fitting). Not with ``save_last="link"``: its ``last.ckpt`` links to the newest saved checkpoint."""
+        if self.save_last is True and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             self._last_global_step_saved = trainer.global_step
 

@@ -94,3 +94,12 @@ def test_the_api_reference_covers_every_public_class():
     baselines = importlib.import_module("hfmca_lightning.methods.baselines")
     missing += [f"baselines.{name}" for name in baselines.__all__ if name not in documented]
     assert missing == []
+
+
+def test_headings_stand_on_their_own_lines():
+    """A paragraph re-wrapped into the heading after it hides the section (``... text.## Mixed precision``)."""
+    glued = []
+    for page in [*PAGES, REPO / "README.md"]:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        glued += [f"{page.name}: {line}" for line in prose.splitlines() if re.search(r"[^\s#]#{1,6} \w", line)]
+    assert glued == []

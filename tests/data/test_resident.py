@@ -5,9 +5,9 @@ tests/data/test_drawers.py."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, replace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -143,7 +143,7 @@ def test_a_split_too_large_for_the_device_is_one_clear_error(monkeypatch):
 def test_every_chunk_drawn_ahead_on_a_gpu_uses_one_side_stream(monkeypatch):
     """On a CUDA device (the roofline tracer's modelled one) each chunk's successor is drawn ahead on a side stream,
     the same one for every chunk: the caching allocator reuses a block only on the stream it was freed to."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from kernel_trace.gpus import GPUS
     from kernel_trace.steps import _on_host
     from kernel_trace.trace import tracing
@@ -153,18 +153,18 @@ def test_every_chunk_drawn_ahead_on_a_gpu_uses_one_side_stream(monkeypatch):
         batches = list(module.train_dataloader())  # 8 batches: 4 chunks, 3 of them drawn ahead
     made = []
     with tracing(GPUS["h100-sxm"]):
-        modelled = torch.cuda.Stream
+        modelled = torch.cuda.Stream  # the tracer's, restored by it on exit
 
         class CountedStream(modelled):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 made.append(args)
                 super().__init__(*args, **kwargs)
 
-        monkeypatch.setattr(torch.cuda, "Stream", CountedStream)
-        module.drawer.prepare(module.training_split, torch.device("cuda"))
-        keys = ("indices", "seeds", "next_indices", "next_seeds")
-        for batch in batches:
-            views = module.drawer.draw(replace(batch, **{key: getattr(batch, key).to("cuda") for key in keys}))
-            assert views.groups[0].shape == (3, 4, 3, 32, 32)
-        monkeypatch.setattr(torch.cuda, "Stream", modelled)
+        with mock.patch.object(torch.cuda, "Stream", CountedStream):
+            module.drawer.prepare(module.training_split, torch.device("cuda"))
+            keys = ("indices", "seeds", "next_indices", "next_seeds")
+            for batch in batches:
+                views = module.drawer.draw(replace(batch, **{key: getattr(batch, key).to("cuda") for key in keys}))
+                assert views.groups[0].shape == (3, 4, 3, 32, 32)
     assert len(made) == 1
+    assert torch.cuda.Stream.__module__.startswith("torch")

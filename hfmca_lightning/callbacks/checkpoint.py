@@ -22,7 +22,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
     that fails (a ``CostFactorisationError`` after a NaN, an out-of-memory error) keeps its last good
     checkpoint instead of overwriting it with the state that failed.
 
-    With ``save_last``, ``last.ckpt`` also holds the state at the end of every training epoch and when training
+    With ``save_last=True``, ``last.ckpt`` also holds the state at the end of every training epoch and when training
     ends between two ``every_n_train_steps`` saves (``ModelCheckpoint`` alone then leaves the last interval's state
     there): a resume point every ``every_n_train_steps`` steps and at every epoch's end.
 

@@ -50,3 +50,27 @@ def test_last_checkpoint_at_every_step_interval_epoch_end_and_train_end(tmp_path
     assert read_checkpoint(last)["global_step"] == 3 * STEPS_PER_EPOCH
     lasts = [step for name, step in saved_steps if name == "last.ckpt"]
     assert lasts == [5, 7, 10, 14, 15, 20, 21]  # every 5 steps and every epoch's end, each step once
+
+
+def test_a_linked_last_checkpoint_is_linked_once_per_save_and_not_refreshed(tmp_path: Path) -> None:
+    """``save_last="link"``: ``last.ckpt`` links to the newest saved checkpoint; an epoch's end adds no copy of its own
+    (the state there is not saved) and no second link."""
+    links = []
+
+    class Recording(PreemptionCheckpoint):
+        def _link_checkpoint(self, trainer: Trainer, filepath: str, linkpath: str) -> None:
+            super()._link_checkpoint(trainer, filepath, linkpath)
+            links.append((Path(filepath).name, trainer.global_step))
+
+    checkpoint = Recording(dirpath=tmp_path, save_last="link", every_n_train_steps=EVERY)
+    trainer = quiet_trainer(
+        max_epochs=2,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=1,
+        enable_checkpointing=True,
+        callbacks=[checkpoint],
+    )
+    trainer.fit(BoringModel())
+    assert len(links) == len(set(links))  # each link made once
+    assert (tmp_path / "last.ckpt").is_symlink()
+    assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=1-step=10.ckpt").resolve()

@@ -272,3 +272,25 @@ def test_selecting_rows_or_all_rows_for_the_hue_gives_the_same_views():
     rows = BatchedViewAugmentation(spec, MEAN, STD, select_rows=True).views_from_seeds(images, seeds, 4)
     selected = BatchedViewAugmentation(spec, MEAN, STD, select_rows=False).views_from_seeds(images, seeds, 4)
     torch.testing.assert_close(selected, rows, rtol=0, atol=1e-6)
+
+
+def test_the_jitter_order_is_a_stable_sort_so_ties_order_alike_on_every_device():
+    """Two of a view's four order uniforms can tie in float32; an unstable sort may break the tie differently on CPU
+    and CUDA, a stable one (index order) nowhere."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sorts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stable: list[bool] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket is torch.ops.aten.sort:
+                self.stable.append(bool((kwargs or {}).get("stable", False)))
+            return func(*args, **(kwargs or {}))
+
+    augmentation = BatchedViewAugmentation(ViewAugmentation.from_strengths(8), MEAN, STD)
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    with Sorts() as sorts:
+        augmentation.views_from_seeds(images, random_seeds(2, 0), num_views=2)
+    assert sorts.stable == [True]

@@ -153,8 +153,8 @@ class Recorder(TorchDispatchMode):
             kwargs["device"] = _CPU if device.type in ("cuda", "cpu") else device
         inputs = counts.tensors(args) + counts.tensors(kwargs.values())
         gpu_inputs = any(on_gpu(tensor) for tensor in inputs)
-        copied_from_gpu = on_gpu(args[1] if name == "copy_" else args[0]) if name in _COPIES else False
-        copied_to_gpu = on_gpu(args[0]) if name == "copy_" else None
+        copied_from_gpu = on_gpu(args[1] if name in ("copy_", "copy") else args[0]) if name in _COPIES else False
+        copied_to_gpu = on_gpu(args[0]) if name in ("copy_", "copy") else None
         self._tag_inputs(inputs)
         if name == "_pin_memory":
             return args[0]
@@ -191,13 +191,11 @@ class Recorder(TorchDispatchMode):
 
         transfer = None
         if name in _COPIES:
-            destination_gpu = copied_to_gpu if name == "copy_" else gpu
+            destination_gpu = copied_to_gpu if name in ("copy_", "copy") else gpu
             if copied_from_gpu != destination_gpu:
                 transfer = "host->device" if destination_gpu else "device->host"
-                if transfer == "device->host" and not kwargs.get("non_blocking", False) and name != "copy_":
+                if transfer == "device->host" and not _non_blocking(name, args, kwargs):
                     self.host_sync(f"aten.{name} to the host")
-                if transfer == "device->host" and name == "copy_" and not (len(args) > 2 and args[2]):
-                    self.host_sync("aten.copy_ to the host")
                 if transfer == "host->device" and not _non_blocking(name, args, kwargs):
                     # CUDA copies without non_blocking wait for the whole stream (memcpy_and_sync):
                     # torch.tensor(value, device=...), tensor.to(device), self.log of a Python number
@@ -309,8 +307,8 @@ def _empty_result(name: str, args: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _non_blocking(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a copy was asked for with ``non_blocking`` (``copy_(src, non_blocking)``, ``_to_copy(...,
-    non_blocking=)``)."""
-    if name == "copy_":
+    """Whether a copy was asked for with ``non_blocking`` (``copy_`` / ``copy(self, src, non_blocking)``,
+    ``_to_copy(..., non_blocking=)``)."""
+    if name in ("copy_", "copy"):
         return bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
     return bool(kwargs.get("non_blocking", False))

@@ -31,13 +31,12 @@ class EigenspectrumCallback(FigureCallback):
     Every ``every_n_steps`` optimiser steps it decomposes (paper Alg. 4) the statistics of each cost pair that the
     module's ``training_step`` returned (``outputs["statistics"]``, global-batch, keyed by pair: ``external``,
     ``internal/L3``, ...; :class:`~hfmca_lightning.methods.HFMCAModule` does; modules without cost pairs are hooked,
-    below), summed over the last
-    consecutive steps (every micro-batch of each, with gradient accumulation) that together hold at least
-    ``min_groups`` groups of that pair (default ``groups_per_feature`` times its larger feature dimension:
-    :class:`~hfmca_lightning.analysis.spectrum_window.SpectrumWindow`). A pair whose window is not full yet is not
-    logged. The
-    window mixes the statistics of consecutive parameter values, as the adaptive filter of Alg. 3 does; with
-    ``beta > 0`` the spectra still come from the window's raw statistics, not the filter's estimates.
+    below), summed over the last consecutive steps (every micro-batch of each, with gradient accumulation) that
+    together hold at least ``min_groups`` groups of that pair (default ``groups_per_feature`` times its larger
+    feature dimension: :class:`~hfmca_lightning.analysis.spectrum_window.SpectrumWindow`). A pair whose window is
+    not full yet is not logged. The window mixes the statistics of consecutive parameter values, as the adaptive
+    filter of Alg. 3 does; with ``beta > 0`` the spectra still come from the window's raw statistics, not the
+    filter's estimates.
 
     The largest eigenvalue of uncentred statistics belongs to the constant function (close to 1 for features whose
     span holds the constants: sigmoid, ReLU), so it is reported apart. Logged per pair ``<name>``:

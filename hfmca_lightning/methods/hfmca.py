@@ -521,7 +521,8 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         """Read the checks of the optimizer steps taken since the last read (waiting for their asynchronous copies,
         not for the device's queue) and raise the :class:`CostFactorisationError` (or, for finite costs with
         non-finite gradients, the :class:`NonFiniteStepError`) of the first that failed. Called
-        once the next step is queued, and before a checkpoint is written, validation starts or training ends."""
+        once the next step is queued, and before a checkpoint is written, validation starts, training ends or a
+        callback decomposes features (EigenspectrumCallback, HealthMetrics)."""
         failure = self._deferred_checks.first_failure()
         if failure is not None:
             raise self._stopped(failure.step, failure.epoch, failure.error) from None

@@ -242,10 +242,14 @@ def test_copies_to_the_device_without_non_blocking_are_host_syncs() -> None:
             torch.ones(3).pin_memory().to("cuda", non_blocking=True)
             on_device.copy_(torch.ones(3).pin_memory(), non_blocking=True)
             torch.full((), 2.0, device="cuda")
+            torch.ops.aten.copy.default(on_device, torch.ones(3), True)  # the functional form (compiled code)
+            torch.ops.aten.copy.default(on_device, torch.ones(3))
+            torch.ops.aten.copy.default(torch.empty(3).pin_memory(), on_device, True)
     assert [what.split(" to the device")[0] for what, _ in trace.host_syncs] == [
         "aten._to_copy",
         "aten._to_copy",
         "aten.copy_",
+        "aten.copy",
     ]
 
 

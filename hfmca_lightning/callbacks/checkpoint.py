@@ -13,7 +13,7 @@ __all__ = ["PreemptionCheckpoint"]
 
 
 class PreemptionCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (all its arguments) that writes a checkpoint, and ``last.ckpt``, on SIGTERM.
+    """``ModelCheckpoint`` (all its arguments) that writes ``last.ckpt`` on SIGTERM.
 
     SIGTERM is what SLURM, Kubernetes and spot instances send before they stop a job. Lightning's signal
     handler lets the current training step finish and then stops the run with ``SIGTERMException``; this
@@ -52,8 +52,16 @@ class PreemptionCheckpoint(ModelCheckpoint):
             self._last_global_step_saved = trainer.global_step
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException):
-            super().on_exception(trainer, pl_module, exception)
-            rank_zero_info(
-                f"SIGTERM: saved the state after step {trainer.global_step} to {self.last_model_path or self.dirpath}"
-            )
+        """On SIGTERM: the state in ``last.ckpt`` (without ``save_last=True``: in a checkpoint of the callback's
+        name), and one line saying where."""
+        if not isinstance(exception, SIGTERMException) or not self._should_save_on_exception(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        if self.save_last is True:
+            self._save_last_checkpoint(trainer, candidates)
+            path = self.last_model_path
+        else:
+            path = self.format_checkpoint_name(candidates)
+            self._save_checkpoint(trainer, path)
+        self._last_global_step_saved = trainer.global_step
+        rank_zero_info(f"SIGTERM: saved the state after step {trainer.global_step} to {path}")

@@ -253,7 +253,11 @@ def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tm
     assert first_checkpoint <= stopped_at < final_step
     # the preemption checkpoint, written when the signal came (not only the last periodic one)
     assert f"SIGTERM: saved the state after step {stopped_at}" in output, output[-3000:]
+    assert "Received SIGTERM" not in output and "SIGTERMException" not in output, output[-3000:]  # one line each
 
     resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
+    # the resume is exact, its folder this run's own: none of Lightning's warnings that say otherwise
+    for warning in ("ended before the epoch ended", "exists and is not empty"):
+        assert warning not in resumed.stdout, resumed.stdout[-3000:]

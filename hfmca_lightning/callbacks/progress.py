@@ -1,19 +1,21 @@
-"""``CostProgressBar``: the costs on the progress bar without waiting for the device."""
+"""``CostProgressBar``: the costs on the progress bar without waiting for the device; ``EpochLines``: a line per
+epoch where a bar cannot be drawn (a log file, a pipe)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from torch import Tensor
 
 from hfmca_lightning.diagnostics import host_buffer
 
-__all__ = ["AsyncHostValues", "CostProgressBar"]
+__all__ = ["AsyncHostValues", "CostProgressBar", "EpochLines"]
 
 
 class AsyncHostValues:
@@ -75,3 +77,49 @@ class CostProgressBar(TQDMProgressBar):
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         return {**super().get_metrics(trainer, pl_module), **self._values.latest()}
+
+
+class EpochLines(ProgressBar):
+    """The progress of a run written to a log (a file or a pipe, where a bar's redraws pile up into one line): one line
+    per training epoch, after its validation, with the epoch, the values a bar shows (the last step's cost from the
+    step's ``"progress_bar"`` values, brought over as :class:`CostProgressBar` brings them; what is logged with
+    ``prog_bar=True``, such as ``knn/top1``) and the epoch's seconds. The ``hfmca`` command uses it in place of the bar
+    when standard output is not a terminal; nothing per step, nothing in ``validate`` and ``test`` (their table
+    follows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values = AsyncHostValues()
+        self._enabled = True
+        self._started = time.perf_counter()
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
+            self._values.push(outputs["progress_bar"])
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._enabled or not trainer.is_global_zero:
+            return
+        metrics = {**self.get_metrics(trainer, pl_module), **self._values.latest()}
+        metrics.pop("v_num", None)
+        shown = ", ".join(
+            f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}" for name, value in metrics.items()
+        )
+        epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        seconds = time.perf_counter() - self._started
+        print(f"epoch {trainer.current_epoch + 1}{epochs}: {shown} ({seconds:.1f} s)", flush=True)

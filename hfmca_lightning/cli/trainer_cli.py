@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -21,12 +22,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from hfmca_lightning.callbacks.progress import CostProgressBar
+import hfmca_lightning.cli.verbosity as verbosity
+from hfmca_lightning.callbacks.progress import CostProgressBar, EpochLines
 from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.cli.options import SEED_RANGE
 from hfmca_lightning.cli.paths import check_config_files
+from hfmca_lightning.data import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import OfflineSafeWandbLogger
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
@@ -200,13 +203,20 @@ class HFMCACLI(LightningCLI):
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        # The costs on the bar without a host read per step (CostProgressBar), unless the config has a bar of its own.
+        # Unless the config has a bar of its own: on a terminal the costs on the bar without a host read per step
+        # (CostProgressBar); in a log file or a pipe, where a bar's redraws pile up, a line per epoch (EpochLines), or
+        # nothing with -q.
         given = config.get("callbacks") or []
         configured = [*(given if isinstance(given, list) else [given]), *callbacks]
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(callback, ProgressBar) for callback in configured
         ):
-            callbacks = [*callbacks, CostProgressBar()]
+            if verbosity.draws_bars(sys.stdout):
+                callbacks = [*callbacks, CostProgressBar()]
+            elif not verbosity.quiet():
+                callbacks = [*callbacks, EpochLines()]
+            else:
+                config = {**config, "enable_progress_bar": False}
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -230,12 +240,54 @@ class HFMCACLI(LightningCLI):
         if checkpoint_path is None:
             return
         checkpoint = read_checkpoint(checkpoint_path, check_weights=named)  # a path's weights: checked when parsed
+        # Resuming, the checkpoint folder holds this run's own checkpoints; the data module's state (not the loader's)
+        # resumes a stopped epoch exactly (docs/resume.md), which Lightning cannot see.
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        if isinstance(self.datamodule, MultiViewDataModule):
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
         run_id = saved_wandb_run_id(checkpoint)
         if run_id:
             for logger in self.trainer.loggers:
                 if isinstance(logger, OfflineSafeWandbLogger):
                     logger.resume_run(run_id)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand in ("validate", "test"):  # Lightning's table repeats epoch-level metrics under every loader
+            kwargs["verbose"] = False
+        return kwargs
+
+    def after_validate(self) -> None:
+        self._print_metrics("validate")
+
+    def after_test(self) -> None:
+        self._print_metrics("test")
+
+    def _print_metrics(self, stage: str) -> None:
+        """The metrics of ``validate`` / ``test``, each once: a name and a value per line."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {name: float(value) for name, value in sorted(self.trainer.callback_metrics.items())}
+        width = max([len(f"{stage} metric"), *(len(name) for name in metrics)])
+        print(f"{stage + ' metric':<{width}}  value")
+        for name, value in metrics.items():
+            print(f"{name:<{width}}  {value:.4f}")
+
+    def after_fit(self) -> None:
+        """Say where the run's checkpoints are: the last one to continue from, and the best one where a metric picks
+        it."""
+        if not self.trainer.is_global_zero:
+            return
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                written = {
+                    "last": callback.last_model_path,
+                    "best": callback.best_model_path if callback.monitor else "",
+                }
+                for kind, path in written.items():
+                    if path:
+                        verbosity.stage(f"{kind} checkpoint: {path}")
 
     def _lock_checkpoint_folders(self) -> None:
         """One ``fit`` per checkpoint folder: process 0 (the one that launches the others under DDP) locks every

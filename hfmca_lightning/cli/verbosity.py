@@ -8,13 +8,16 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
-__all__ = ["DEFAULT", "QUIET", "VERBOSE", "configure", "stage", "progress"]
+__all__ = ["DEFAULT", "QUIET", "VERBOSE", "configure", "draws_bars", "progress", "quiet", "stage"]
 
 QUIET, DEFAULT, VERBOSE = "quiet", "default", "verbose"
-_LIGHTNING = ("lightning.pytorch", "lightning.fabric")
+# lightly's benchmarking module (the online linear probe) imports the standalone packages too, whose import sets
+# their loggers to INFO and points Lightning's rank-zero messages at theirs: their rank_zero loggers get the level.
+_LIGHTNING = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
 _ADVERTISEMENTS = ("litlogger", "LitLogger", "litmodels")
 _level = DEFAULT
 
@@ -34,25 +37,32 @@ def configure(level: str = DEFAULT, trains: bool = True) -> None:
     _level = level
     show = level == VERBOSE or (level == DEFAULT and trains)
     for name in _LIGHTNING:
-        logging.getLogger(name).setLevel(logging.INFO if show else logging.WARNING)
         for logger in (logging.getLogger(f"{name}.utilities.rank_zero"), logging.getLogger(name)):
+            logger.setLevel(logging.INFO if show else logging.WARNING)
             if not any(isinstance(existing, _NoAdvertisements) for existing in logger.filters):
                 logger.addFilter(_NoAdvertisements())
+    # "[rank: 0] Received SIGTERM": the command says it in its own line
+    logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
+    # newer torch deprecates the LeafSpec that Lightning's batch flattening makes (a warning per process)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def quiet() -> bool:
     return _level == QUIET
 
 
-def _interactive() -> bool:
-    """Whether standard error is a terminal that can draw a bar: one of some width (tqdm draws nothing on a terminal of
-    zero columns, as a pseudo-terminal that was never sized reports)."""
-    if quiet() or not sys.stderr.isatty():
-        return False
+def draws_bars(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal that can draw a bar: one of some width (tqdm draws nothing on a terminal of
+    zero columns, as a pseudo-terminal that was never sized reports; in a file or a pipe its redraws pile up)."""
     try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
-    except (OSError, ValueError):
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
         return False
+
+
+def _interactive() -> bool:
+    """Whether this command's own progress (on standard error) is drawn as bars."""
+    return not quiet() and draws_bars(sys.stderr)
 
 
 def stage(description: str) -> None:

@@ -36,11 +36,13 @@ def timed_run(folder: Path, arguments: list[str], log: str) -> tuple[subprocess.
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path, tuple[subprocess.CompletedProcess, float]]:
-    """A run of the shrunk demo (2 epochs, persistent workers): its folder, last checkpoint and the run itself (the
-    ``fit`` case of the lifecycle test)."""
+    """A run of the shrunk demo (2 epochs, persistent workers, its progress reported): its folder, last checkpoint and
+    the run itself (the ``fit`` case of the lifecycle test)."""
     folder = tmp_path_factory.mktemp("run")
     arguments = ["fit", "--config", str(DEMO), "--config", str(tiny_overrides(folder, **WORKERS))]
-    run = timed_run(folder, [*arguments, "--trainer.max_epochs", "2"], "fit.log")
+    run = timed_run(
+        folder, [*arguments, "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "true"], "fit.log"
+    )
     assert run[0].returncode == 0, run[0].stdout[-3000:]
     return folder, folder / "checkpoints" / "last.ckpt", run
 
@@ -111,8 +113,22 @@ def test_each_command_ends_promptly_and_cleanly(trained, command):
     assert not [line for line in lines if "litlogger" in line], result.stdout[-2000:]
     banners = [line for line in lines if "gpu available" in line]
     assert bool(banners) == (command in ("fit", "-v validate")), result.stdout[-2000:]
-    if command.endswith(("validate", "test")):
-        assert f"{command.split()[-1]} metric" in result.stdout.lower(), result.stdout[-2000:]  # Lightning's table
+    if command == "fit":  # output to a file: a line per epoch, no bar's redraws; where the last checkpoint is
+        epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
+        assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], result.stdout[-2000:]
+        assert all(re.search(r"knn/top1 [\d.]+.*cost/external -?[\d.]+ \([\d.]+ s\)$", line) for line in epochs)
+        assert "it/s" not in result.stdout and "\r" not in result.stdout, result.stdout[-2000:]
+        assert f"hfmca: last checkpoint: {checkpoint}" in result.stdout, result.stdout[-2000:]
+    if command.endswith(("validate", "test")):  # a table of the metrics, each once
+        stage = command.split()[-1]
+        header = re.search(rf"^{stage} metric +value$", result.stdout, re.M)
+        assert header, result.stdout[-2000:]
+        table = result.stdout[header.end() :].split("\n\n")[0].split()[::2]
+        names = table
+        assert any(name.startswith("knn/") for name in names) and len(names) == len(set(names)), result.stdout[-2000:]
+        assert "dataloader" not in result.stdout.lower() and "it/s" not in result.stdout, result.stdout[-2000:]
+        assert ("restoring states" in result.stdout.lower()) == command.startswith("-v"), result.stdout[-2000:]
+        assert "deprecated" not in result.stdout, result.stdout[-2000:]
     if command == "-q analyze":
         progress = [line for line in lines if line.startswith("hfmca:") and not line.startswith("hfmca: warning")]
         assert not progress and "wrote" in result.stdout, result.stdout[-2000:]  # warnings and the result only

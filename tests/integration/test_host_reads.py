@@ -23,6 +23,7 @@ def test_whole_steps_of_the_cifar_config_with_internal_costs_read_nothing_on_the
     and reach the host by an asynchronous copy, read a step later; the costs reach the bar the same way and the
     logger every ``log_every_n_steps``."""
     monkeypatch.chdir(tmp_path)  # the config's checkpoint folder
+    monkeypatch.setattr("hfmca_lightning.cli.verbosity.draws_bars", lambda stream: True)  # as on a terminal
     overrides = {
         "trainer": {
             "max_epochs": 1,

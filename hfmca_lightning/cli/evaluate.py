@@ -81,7 +81,7 @@ def frozen_linear_accuracy(
     train_features, train_labels = features[BANK]
     if subset is not None:
         train_features, train_labels = train_features[subset], train_labels[subset]
-    stage(f"linear classifier on {len(train_features):,} features, {epochs} epochs")
+    stage(f"linear classifier on the features of {len(train_features):,} labelled images, {epochs} epochs")
     classifier = train_linear_classifier(
         train_features.to(device),
         train_labels.to(device),
@@ -93,6 +93,13 @@ def frozen_linear_accuracy(
     )
     test_features, test_labels = features[QUERIES]
     return topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, datamodule.num_classes)
+
+
+def linear_name(finetune: bool, label_fraction: float) -> str:
+    """The files' name of a linear or fine-tuning evaluation: ``linear`` / ``finetune``, with the share of the labels
+    below 100 % (``linear_1pct``), so the semi-supervised protocols of one run sit side by side."""
+    name = "finetune" if finetune else "linear"
+    return name if label_fraction >= 1 else f"{name}_{100 * label_fraction:g}pct"
 
 
 def _write(out: Path, name: str, result: dict[str, Any], table: str) -> Path:
@@ -118,7 +125,7 @@ def linear_evaluation(
 ) -> dict[str, Any]:
     """Top-1 / top-5 on the test split of a linear classifier on the frozen backbone's features (computed
     once), or with ``finetune`` of the whole backbone + linear layer; trained on ``label_fraction`` of the
-    labelled training split (class-balanced). Writes ``linear.json`` / ``linear.md`` (``finetune.*``)."""
+    labelled training split (class-balanced). Writes ``<name>.json`` / ``<name>.md`` (:func:`linear_name`)."""
     if epochs < 1 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
         raise ConfigurationError(
             f"linear evaluation needs epochs >= 1, batch_size >= 1 and a finite lr > 0; got {epochs}, {batch_size} "
@@ -136,7 +143,6 @@ def linear_evaluation(
         top = frozen_linear_accuracy(
             module, datamodule, subset, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device
         )
-    protocol = "finetune" if finetune else "linear"
     result = {
         "checkpoint": str(ckpt_path),
         "method": type(module).__name__,
@@ -155,7 +161,7 @@ def linear_evaluation(
         f"| {ckpt_path} | {result['method']} | {result['protocol']} | {100 * label_fraction:g}% | {100 * top[1]:.2f} | "
         f"{100 * top[5]:.2f} |\n"
     )
-    _write(Path(out) if out else default_out(ckpt_path), protocol, result, table)
+    _write(Path(out) if out else default_out(ckpt_path), linear_name(finetune, label_fraction), result, table)
     return result
 
 
@@ -286,7 +292,7 @@ def run_evaluation_command(argv: list[str]) -> None:
             raise ConfigurationError(f"--label_fraction must be in (0, 1]; got {args.label_fraction}")
     if args.config is not None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
-    name = ("finetune" if args.finetune else "linear") if args.command == "linear" else "knn"
+    name = linear_name(args.finetune, args.label_fraction) if args.command == "linear" else "knn"
     check_out(args.out or default_out(args.ckpt_path), args.overwrite, outputs=(f"{name}.json", f"{name}.md"))
     if args.command == "linear":
         lr = args.lr if args.lr is not None else (0.05 if args.finetune else 0.1)

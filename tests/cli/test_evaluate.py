@@ -142,10 +142,11 @@ def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(
     out = tmp_path / "linear"
     main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--epochs", "20", "--label_fraction", "0.25"])
     assert "linear classifier on frozen features, 25% of the labels: top-1" in capsys.readouterr().out
-    result = json.loads((out / "linear.json").read_text())
+    assert sorted(path.name for path in out.iterdir()) == ["linear_25pct.json", "linear_25pct.md"]
+    result = json.loads((out / "linear_25pct.json").read_text())
     assert result["train_samples"] == 8 and result["test_samples"] == 12  # 2 of 8 per class; 4 classes x 3 test images
     assert result["method"] == "SimCLR" and 0 <= result["top1"] <= result["top5"] == 1.0  # top-5 of 4 classes
-    assert "| 25% |" in (out / "linear.md").read_text()
+    assert "| 25% |" in (out / "linear_25pct.md").read_text()
     main(
         [
             "linear",
@@ -159,7 +160,7 @@ def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(
             "0.25",
         ]
     )
-    assert json.loads((tmp_path / "again" / "linear.json").read_text())["top1"] == result["top1"]  # seeded
+    assert json.loads((tmp_path / "again" / "linear_25pct.json").read_text())["top1"] == result["top1"]  # seeded
 
 
 def test_finetuning_reports_test_accuracy(simclr_run, tmp_path):

@@ -510,8 +510,11 @@ def compare(
         "Eigenvalues between the features of the two models at each layer after the constant function's "
         "(1: same subspace, 0: orthogonal)."
     )
+    checkpoints = {"a": str(ckpt_a), "b": str(ckpt_b)}
+    notes = [f"A: {checkpoints['a']}", f"B: {checkpoints['b']}", *notes]
+    report = {"checkpoints": checkpoints, "batch_norm": norm, "pairs": summary}
     with StagedFiles() as files:  # renamed into place together at the end, index.html last
-        files.write_text(out / "cross_spectra.json", json.dumps({"batch_norm": norm, "pairs": summary}, indent=1))
+        files.write_text(out / "cross_spectra.json", json.dumps(report, indent=1))
         _save_figure(
             files,
             layer_spectra_figure({name: pair["eigenvalues"] for name, pair in summary.items()}, title=title),

@@ -216,7 +216,13 @@ def compare(ckpt_a: Path, ckpt_b: Path, out: Path, *options: str) -> None:
 def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
     out = tmp_path / "compare"
     compare(checkpoints["selfsupervised"], checkpoints["unsupervised"], out)
-    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    report = json.loads((out / "cross_spectra.json").read_text())
+    # the two checkpoints, by path, in the report and on its page (their runs' names may be the same)
+    paths = {"a": str(checkpoints["selfsupervised"]), "b": str(checkpoints["unsupervised"])}
+    assert report["checkpoints"] == paths
+    page = (out / "index.html").read_text()
+    assert f"A: {paths['a']}" in page and f"B: {paths['b']}" in page
+    spectra = report["pairs"]
     # the training names; no backbone column, which would repeat L9's output; no LF: the unsupervised run has no head
     assert list(spectra) == [f"internal/L{i}" for i in range(1, 10)]
     assert all(0 <= value < 1 for pair in spectra.values() for value in pair["eigenvalues"])

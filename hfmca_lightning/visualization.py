@@ -137,7 +137,7 @@ def _draw_layer_spectra(
     ax.set_xlabel("layer pair")
     ax.set_ylabel("eigenvalue $\\sigma_k$ (1 = fully dependent)")
     ax.legend(loc="lower left", fontsize=8)
-    ax.set_title(title)
+    ax.set_title(title, wrap=True)  # a narrow figure (one or two pairs) keeps its whole title
     ax.grid(axis="y", alpha=0.3)
 
 

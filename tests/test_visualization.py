@@ -104,3 +104,13 @@ def test_save_figure_closes_a_figure_made_with_pyplot(tmp_path):
     assert figure.number in plt.get_fignums()
     save_figure(figure, tmp_path / "pyplot.png")
     assert (tmp_path / "pyplot.png").is_file() and figure.number not in plt.get_fignums()
+
+
+def test_a_long_title_of_a_narrow_spectrum_figure_stays_inside_it():
+    """One pair (the demo's callback figure, 4 inches wide) with the callback's title: wrapped, not cut off."""
+    figure = layer_spectra_figure(
+        {"external": [0.9, 0.5]}, title="Spectrum per layer pair, step 372 (windows of >= 6400 groups)"
+    )
+    figure.canvas.draw()
+    title = figure.axes[0].title.get_window_extent(figure.canvas.get_renderer())
+    assert 0 <= title.x0 and title.x1 <= figure.bbox.x1 and title.y1 <= figure.bbox.y1

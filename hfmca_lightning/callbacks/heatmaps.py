@@ -99,7 +99,9 @@ class DensityRatioHeatmapCallback(FigureCallback):
         unknown = set(self.layers or []) - set(names)
         if unknown:
             raise ConfigurationError(
-                f"DensityRatioHeatmapCallback layers {sorted(unknown)} are not internal cost layers {names}",
+                f"DensityRatioHeatmapCallback layers: {', '.join(sorted(unknown))} "
+                f"{'is' if len(unknown) == 1 else 'are'} not among the module's internal cost layers; choose from "
+                f"{' '.join(names)}",
                 parameter="layers",
             )
 

@@ -322,7 +322,10 @@ def analyze(
         names = [pair.log_name for pair in module.internal_costs.pairs]
         unknown = sorted(set(layers or []) - set(names))
         if unknown:
-            raise ConfigurationError(f"--layers {unknown} are not internal cost layers {names}")
+            raise ConfigurationError(
+                f"--layers: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not among this model's "
+                f"internal cost layers; choose from {' '.join(names)}"
+            )
         images, _ = figure_images(datamodule, num_images, target=image_class, start=first_image)
 
     def collect(batch: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:

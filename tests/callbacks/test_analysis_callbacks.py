@@ -148,7 +148,9 @@ def test_heatmap_callback_rejects_unknown_layers():
     trainer = Trainer(
         max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    with pytest.raises(ConfigurationError, match=r"\['L42'\] are not internal cost layers"):
+    with pytest.raises(
+        ConfigurationError, match=r"layers: L42 is not among the module's internal cost layers; choose from L1 "
+    ):
         trainer.fit(module, tiny_data())
 
 

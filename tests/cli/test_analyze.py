@@ -173,7 +173,7 @@ def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, mo
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--layers", "L42"], "--layers ['L42'] are not internal cost layers"),
+        (["--layers", "L42"], "--layers: L42 is not among this model's internal cost layers; choose from L1 L2"),
         (["--image_class", "99"], "the evaluation split has no images of class 99 from index 0 on"),
         (["--first_image", "100000"], "the evaluation split has no images from index 100000 on"),
     ],

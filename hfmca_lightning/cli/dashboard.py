@@ -31,6 +31,7 @@ from typing import Any
 
 from hfmca_lightning.cli.paths import read_config_file
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.loggers import wandb_credentials_available
 
 __all__ = ["eigenvalue_dynamics_workspace", "pairs_of_config", "run_dashboard_command", "save_workspace"]
 
@@ -138,11 +139,12 @@ def save_workspace(workspace: Any) -> str:
     try:
         workspace.save()
     except Exception as error:  # wandb raises several types for auth / network failures
-        raise ConfigurationError(
-            f"could not save the W&B view to {workspace.entity}/{workspace.project}: {error}. Log in with `wandb "
-            "login` "
-            "(or set WANDB_API_KEY) and check the entity and project names."
-        ) from None
+        where = f"could not save the W&B view to {workspace.entity}/{workspace.project}"
+        if not wandb_credentials_available():  # W&B's own message says to log in too: one sentence of it
+            raise ConfigurationError(
+                f"{where}: no W&B API key; log in with `wandb login` (or set WANDB_API_KEY)"
+            ) from None
+        raise ConfigurationError(f"{where}: {error}. Check the entity and project names, and the network.") from None
     return str(workspace.url)
 
 

@@ -169,3 +169,26 @@ def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
             assert sum(matches(p, key) for p in summaries) == 1, key
         if key.startswith("eigenvalues/"):
             assert matches(dynamics, key), key
+
+
+@pytest.mark.parametrize("has_key", [False, True])
+def test_a_failed_save_says_what_to_do_once(monkeypatch, has_key):
+    """Without an API key: log in (W&B's own words about it are not repeated); with one: the error and what to check."""
+    from wandb_workspaces.workspaces import Workspace, internal
+
+    from hfmca_lightning.errors import ConfigurationError
+
+    def refused(self):
+        raise RuntimeError("No API key configured. Use `wandb login` to log in." if not has_key else "403 Forbidden")
+
+    monkeypatch.setattr(internal.View, "from_name", staticmethod(lambda *args: None))
+    monkeypatch.setattr(Workspace, "save", refused)
+    monkeypatch.setattr("hfmca_lightning.cli.dashboard.wandb_credentials_available", lambda: has_key)
+    with pytest.raises(ConfigurationError) as raised:
+        save_workspace(eigenvalue_dynamics_workspace("team", "hfmca", PAIRS))
+    message = str(raised.value)
+    assert message.startswith("could not save the W&B view to team/hfmca: ")
+    if has_key:
+        assert "403 Forbidden" in message and "entity and project" in message
+    else:
+        assert message.count("wandb login") == 1 and "No API key configured" not in message

@@ -80,7 +80,7 @@ def progress(items: Iterable[T], description: str, total: int | None = None, uni
     if _interactive():
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=f"hfmca: {description}", unit=unit, leave=False, file=sys.stderr)
+        bar = tqdm(total=total, desc=f"hfmca: {description}", unit=f" {unit}", leave=False, file=sys.stderr)
     else:
         stage(f"{description} ...")
     count = 0

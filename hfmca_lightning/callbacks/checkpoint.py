@@ -13,7 +13,7 @@ __all__ = ["PreemptionCheckpoint"]
 
 
 class PreemptionCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (all its arguments) that writes ``last.ckpt`` on SIGTERM.
+    """``ModelCheckpoint`` (all its arguments) that saves the state on SIGTERM (in ``last.ckpt`` with ``save_last``).
 
     SIGTERM is what SLURM, Kubernetes and spot instances send before they stop a job. Lightning's signal
     handler lets the current training step finish and then stops the run with ``SIGTERMException``; this
@@ -52,9 +52,15 @@ class PreemptionCheckpoint(ModelCheckpoint):
             self._last_global_step_saved = trainer.global_step
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """On SIGTERM: the state in ``last.ckpt`` (without ``save_last=True``: in a checkpoint of the callback's
-        name), and one line saying where."""
-        if not isinstance(exception, SIGTERMException) or not self._should_save_on_exception(trainer):
+        """On SIGTERM: the state in ``last.ckpt`` (``save_last=True``), or in a checkpoint of the callback's name
+        (``last.ckpt`` linked to it with ``save_last="link"``), and one line saying where; a step saved already is
+        not saved again, only said."""
+        if not isinstance(exception, SIGTERMException) or not self.save_on_exception:
+            return
+        if not self._should_save_on_exception(trainer):  # this step is saved (or nothing is: fast_dev_run, sanity)
+            path = self.last_model_path or self._last_checkpoint_saved
+            if path and self._last_global_step_saved == trainer.global_step:
+                rank_zero_info(f"SIGTERM: the state after step {trainer.global_step} is in {path}")
             return
         candidates = self._monitor_candidates(trainer)
         if self.save_last is True:
@@ -63,5 +69,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
         else:
             path = self.format_checkpoint_name(candidates)
             self._save_checkpoint(trainer, path)
+            if self.save_last:  # "link": last.ckpt links to the file just written
+                self._save_last_checkpoint(trainer, candidates)
         self._last_global_step_saved = trainer.global_step
         rank_zero_info(f"SIGTERM: saved the state after step {trainer.global_step} to {path}")

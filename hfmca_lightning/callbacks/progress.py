@@ -56,7 +56,8 @@ class CostProgressBar(TQDMProgressBar):
     HFMCA modules return their external cost, or the total without one), brought to the host by
     :class:`AsyncHostValues`: on a GPU the bar shows the last value that has arrived, never waiting for the queue.
     Values logged with ``prog_bar=True`` show as usual (Lightning reads those on the host every step). The
-    ``hfmca`` command adds this bar unless the trainer has another or ``enable_progress_bar: false``.
+    ``hfmca`` command adds this bar when standard output is a terminal (else :class:`EpochLines`), unless the
+    trainer has another or ``enable_progress_bar: false``.
 
     Args:
         refresh_rate: as ``TQDMProgressBar``: update the bar every this many batches.
@@ -109,7 +110,7 @@ class EpochLines(ProgressBar):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
+        if self._enabled and isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
             self._values.push(outputs["progress_bar"])
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -19,10 +19,11 @@ so what was there before stays); 130 after Ctrl-C (SIGINT: one line ``hfmca: int
 first shuts down as Lightning does); 143 after SIGTERM (``fit`` first writes a checkpoint). In every case the
 command's data-loader workers are stopped before it exits (:mod:`hfmca_lightning.runtime.workers`).
 
-Output: ``fit`` prints Lightning's usual lines (without its advertisements); the commands that train nothing print
-only their own lines and results (``validate`` / ``test``: Lightning's table of metrics), with a progress bar per
-long stage when standard error is a terminal, a line per stage otherwise. ``-q`` leaves only warnings and errors
-(and the results), ``-v`` shows Lightning's lines in every command.
+Output: ``fit`` prints Lightning's usual lines (without its advertisements), a bar on a terminal and a line per
+epoch in a log; the commands that train nothing print only their own lines and results (``validate`` / ``test``: a
+table of their metrics), with a progress bar per long stage when standard error is a terminal, a line per stage
+otherwise. ``-q`` leaves only warnings and errors (and the results), ``-v`` shows Lightning's lines in every
+command.
 
 On Linux with glibc and no CUDA device the command first sets malloc to keep freed memory
 (:mod:`hfmca_lightning.runtime.cpu_memory`); ``HFMCA_KEEP_FREED_MEMORY=0`` turns that off, ``=1`` applies it anywhere.

@@ -204,24 +204,25 @@ class HFMCACLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         # Unless the config has a bar of its own: on a terminal the costs on the bar without a host read per step
-        # (CostProgressBar); in a log file or a pipe, where a bar's redraws pile up, a line per epoch (EpochLines), or
+        # (CostProgressBar); in a log file or a pipe, where a bar's redraws pile up, a line per epoch (EpochLines);
         # nothing with -q.
         given = config.get("callbacks") or []
         configured = [*(given if isinstance(given, list) else [given]), *callbacks]
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(callback, ProgressBar) for callback in configured
         ):
-            if verbosity.draws_bars(sys.stdout):
-                callbacks = [*callbacks, CostProgressBar()]
-            elif not verbosity.quiet():
-                callbacks = [*callbacks, EpochLines()]
-            else:
+            if verbosity.quiet():
                 config = {**config, "enable_progress_bar": False}
+            elif verbosity.draws_bars(sys.stdout):
+                callbacks = [*callbacks, CostProgressBar()]
+            else:
+                callbacks = [*callbacks, EpochLines()]
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
-            super()._run_subcommand(subcommand)
+            with warnings.catch_warnings():  # the filters a run sets (before_fit) end with it
+                super()._run_subcommand(subcommand)
         finally:
             self.run_folders.release()  # in-process runs (tests, notebooks): the next run may use the folder
 
@@ -242,7 +243,10 @@ class HFMCACLI(LightningCLI):
         checkpoint = read_checkpoint(checkpoint_path, check_weights=named)  # a path's weights: checked when parsed
         # Resuming, the checkpoint folder holds this run's own checkpoints; the data module's state (not the loader's)
         # resumes a stopped epoch exactly (docs/resume.md), which Lightning cannot see.
-        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        for folder in checkpoint_folders(self.trainer):
+            warnings.filterwarnings(
+                "ignore", message=rf"Checkpoint directory {re.escape(str(folder))} exists and is not"
+            )
         if isinstance(self.datamodule, MultiViewDataModule):
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
@@ -266,28 +270,27 @@ class HFMCACLI(LightningCLI):
 
     def _print_metrics(self, stage: str) -> None:
         """The metrics of ``validate`` / ``test``, each once: a name and a value per line."""
-        if not self.trainer.is_global_zero:
+        metrics = {
+            name: float(value) for name, value in sorted(self.trainer.callback_metrics.items()) if value.numel() == 1
+        }
+        if not self.trainer.is_global_zero or not metrics:
             return
-        metrics = {name: float(value) for name, value in sorted(self.trainer.callback_metrics.items())}
         width = max([len(f"{stage} metric"), *(len(name) for name in metrics)])
         print(f"{stage + ' metric':<{width}}  value")
         for name, value in metrics.items():
-            print(f"{name:<{width}}  {value:.4f}")
+            print(f"{name:<{width}}  {value:.6g}")
 
     def after_fit(self) -> None:
-        """Say where the run's checkpoints are: the last one to continue from, and the best one where a metric picks
-        it."""
+        """Say where the run's checkpoints are: the last one to continue from, and the best one (where a metric picks
+        it; else the newest kept)."""
         if not self.trainer.is_global_zero:
             return
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
-                written = {
-                    "last": callback.last_model_path,
-                    "best": callback.best_model_path if callback.monitor else "",
-                }
-                for kind, path in written.items():
+                best = "best checkpoint" if callback.monitor else "checkpoint"
+                for kind, path in (("last checkpoint", callback.last_model_path), (best, callback.best_model_path)):
                     if path:
-                        verbosity.stage(f"{kind} checkpoint: {path}")
+                        verbosity.stage(f"{kind}: {path}")
 
     def _lock_checkpoint_folders(self) -> None:
         """One ``fit`` per checkpoint folder: process 0 (the one that launches the others under DDP) locks every

@@ -24,6 +24,13 @@ _level = DEFAULT
 T = TypeVar("T")
 
 
+class _NoSignalEcho(logging.Filter):
+    """Lightning's ``[rank: 0] Received SIGTERM: 15``: the command says it in its own line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Received SIGTERM" not in record.getMessage()
+
+
 class _NoAdvertisements(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -41,8 +48,11 @@ def configure(level: str = DEFAULT, trains: bool = True) -> None:
             logger.setLevel(logging.INFO if show else logging.WARNING)
             if not any(isinstance(existing, _NoAdvertisements) for existing in logger.filters):
                 logger.addFilter(_NoAdvertisements())
-    # "[rank: 0] Received SIGTERM": the command says it in its own line
-    logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector").setLevel(logging.WARNING)
+    signals = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # its SLURM lines stay
+    for existing in [f for f in signals.filters if isinstance(f, _NoSignalEcho)]:
+        signals.removeFilter(existing)
+    if level != VERBOSE:
+        signals.addFilter(_NoSignalEcho())
     # newer torch deprecates the LeafSpec that Lightning's batch flattening makes (a warning per process)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
@@ -54,6 +64,8 @@ def quiet() -> bool:
 def draws_bars(stream: TextIO) -> bool:
     """Whether ``stream`` is a terminal that can draw a bar: one of some width (tqdm draws nothing on a terminal of
     zero columns, as a pseudo-terminal that was never sized reports; in a file or a pipe its redraws pile up)."""
+    if "ipykernel" in sys.modules:  # a notebook: tqdm draws its widget
+        return True
     try:
         return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
     except (OSError, ValueError, AttributeError):
@@ -80,7 +92,7 @@ def progress(items: Iterable[T], description: str, total: int | None = None, uni
     if _interactive():
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=f"hfmca: {description}", unit=f" {unit}", leave=False, file=sys.stderr)
+        bar = tqdm(total=total, desc=f"hfmca: {description}", unit=unit, leave=False, file=sys.stderr)
     else:
         stage(f"{description} ...")
     count = 0

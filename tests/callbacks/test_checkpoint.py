@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from hfmca_lightning.callbacks import PreemptionCheckpoint
 from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
@@ -74,3 +76,36 @@ def test_a_linked_last_checkpoint_is_linked_once_per_save_and_not_refreshed(tmp_
     assert len(links) == len(set(links))  # each link made once
     assert (tmp_path / "last.ckpt").is_symlink()
     assert (tmp_path / "last.ckpt").resolve() == (tmp_path / "epoch=1-step=10.ckpt").resolve()
+
+
+class SigtermAfterStep(Callback):
+    """Raises what Lightning's SIGTERM handler raises, after optimizer step ``step`` and the saves it made."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise SIGTERMException()
+
+
+@pytest.mark.parametrize(("save_last", "step"), [(True, 6), ("link", 6), (True, EVERY)])
+def test_sigterm_leaves_the_state_where_last_finds_it_and_says_where(tmp_path, save_last, step, monkeypatch):
+    """``last.ckpt`` (a file, or with ``"link"`` a link to the checkpoint just written) holds the step the run stopped
+    after, whether or not that step had just been saved; one line says where."""
+    said: list[str] = []
+    monkeypatch.setattr("hfmca_lightning.callbacks.checkpoint.rank_zero_info", said.append)
+    checkpoint = PreemptionCheckpoint(dirpath=tmp_path, save_last=save_last, every_n_train_steps=EVERY)
+    trainer = quiet_trainer(
+        max_epochs=2,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[SigtermAfterStep(step), checkpoint],
+    )
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == step
+    assert (tmp_path / "last.ckpt").is_symlink() == (save_last == "link")
+    assert len(said) == 1 and said[0].startswith("SIGTERM:"), said
+    assert f"after step {step}" in said[0] and str(tmp_path) in said[0], said

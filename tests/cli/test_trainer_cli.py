@@ -146,3 +146,20 @@ def test_last_is_the_newest_last_or_versioned_last_in_this_runs_last_folders(tmp
         path.write_bytes(b"")
         os.utime(path, (1_000 + age, 1_000 + age))  # each newer than the one before
     assert newest_last_checkpoint(trainer) == own / "last-v1.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("level", "terminal", "bar"),
+    [("default", True, "CostProgressBar"), ("default", False, "EpochLines"), ("quiet", True, None)],
+)
+def test_the_progress_report_follows_the_output_and_the_verbosity(tmp_path, monkeypatch, level, terminal, bar):
+    """docs/getting-started.md: a bar on a terminal, a line per epoch in a log file or a pipe, nothing with -q."""
+    import hfmca_lightning.cli.verbosity as verbosity
+    from hfmca_lightning.cli.trainer_cli import HFMCACLI
+
+    monkeypatch.setattr(verbosity, "draws_bars", lambda stream: terminal)
+    monkeypatch.setattr(verbosity, "_level", level)
+    monkeypatch.chdir(tmp_path)
+    cli = HFMCACLI(args=fit_args(tmp_path, **{"trainer.enable_progress_bar": True})[1:], run=False)
+    shown = cli.trainer.progress_bar_callback
+    assert (type(shown).__name__ if shown is not None else None) == bar

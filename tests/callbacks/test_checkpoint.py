@@ -17,6 +17,18 @@ from tests.helpers import quiet_trainer
 STEPS_PER_EPOCH, EVERY = 7, 5
 
 
+def epochs_of_seven_steps(epochs: int, *callbacks: Callback, validate: bool = True) -> Trainer:
+    """A quiet trainer of ``epochs`` epochs of 7 steps (one validation batch each, unless not ``validate``) that
+    writes checkpoints."""
+    return quiet_trainer(
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=int(validate),
+        enable_checkpointing=True,
+        callbacks=list(callbacks),
+    )
+
+
 class LastAtEpochStart(Callback):
     """The step that ``last.ckpt`` holds when each epoch after the first starts."""
 
@@ -39,13 +51,7 @@ def test_last_checkpoint_at_every_step_interval_epoch_end_and_train_end(tmp_path
 
     probe = LastAtEpochStart(last)
     checkpoint = Recording(dirpath=tmp_path, save_last=True, every_n_train_steps=EVERY)
-    trainer = quiet_trainer(
-        max_epochs=3,
-        limit_train_batches=STEPS_PER_EPOCH,
-        limit_val_batches=1,
-        enable_checkpointing=True,
-        callbacks=[probe, checkpoint],
-    )
+    trainer = epochs_of_seven_steps(3, probe, checkpoint)
     trainer.fit(BoringModel())
     # each epoch starts from last.ckpt of the epoch before's end (7, 14), not of its last 5-step save (5, 10)
     assert probe.steps == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
@@ -65,13 +71,7 @@ def test_a_linked_last_checkpoint_is_linked_once_per_save_and_not_refreshed(tmp_
             links.append((Path(filepath).name, trainer.global_step))
 
     checkpoint = Recording(dirpath=tmp_path, save_last="link", every_n_train_steps=EVERY)
-    trainer = quiet_trainer(
-        max_epochs=2,
-        limit_train_batches=STEPS_PER_EPOCH,
-        limit_val_batches=1,
-        enable_checkpointing=True,
-        callbacks=[checkpoint],
-    )
+    trainer = epochs_of_seven_steps(2, checkpoint)
     trainer.fit(BoringModel())
     assert len(links) == len(set(links))  # each link made once
     assert (tmp_path / "last.ckpt").is_symlink()
@@ -96,13 +96,7 @@ def test_sigterm_leaves_the_state_where_last_finds_it_and_says_where(tmp_path, s
     said: list[str] = []
     monkeypatch.setattr("hfmca_lightning.callbacks.checkpoint.rank_zero_info", said.append)
     checkpoint = PreemptionCheckpoint(dirpath=tmp_path, save_last=save_last, every_n_train_steps=EVERY)
-    trainer = quiet_trainer(
-        max_epochs=2,
-        limit_train_batches=STEPS_PER_EPOCH,
-        limit_val_batches=0,
-        enable_checkpointing=True,
-        callbacks=[SigtermAfterStep(step), checkpoint],
-    )
+    trainer = epochs_of_seven_steps(2, SigtermAfterStep(step), checkpoint, validate=False)
     with pytest.raises(SIGTERMException):
         trainer.fit(BoringModel())
     assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == step

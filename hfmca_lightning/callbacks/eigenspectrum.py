@@ -18,6 +18,7 @@ from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.methods.inspection import paper_order
+from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
 from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamics_figure
 
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
@@ -187,9 +188,7 @@ class EigenspectrumCallback(FigureCallback):
             self.window.add(statistics)  # every batch and micro-batch
         if not statistics or not stepped or (step - 1) % self.every_n_steps != 0:
             return
-        raise_if_a_step_failed = getattr(pl_module, "raise_if_a_step_failed", None)
-        if callable(raise_if_a_step_failed):  # a failed step ends the run in one line, not in a decomposition
-            raise_if_a_step_failed()
+        raise_if_a_step_failed_in(pl_module)
         self.window.close()
         regs = (
             dict.fromkeys(statistics, self.hooked_reg)

@@ -15,6 +15,7 @@ from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.callbacks.step_outputs import step_embeddings
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
 
 __all__ = ["CollapseError", "HealthMetrics"]
 
@@ -158,9 +159,7 @@ class HealthMetrics(Callback):
                 return
         if not stepped or (step % self.every_n_steps != 0 and not self.pending):
             return
-        raise_if_a_step_failed = getattr(pl_module, "raise_if_a_step_failed", None)
-        if callable(raise_if_a_step_failed):  # a failed step ends the run in one line, not in a decomposition
-            raise_if_a_step_failed()
+        raise_if_a_step_failed_in(pl_module)
         sums = self._reduced(trainer)
         if float(sums.samples) < self.samples_per_dim * sums.first_sum.shape[0]:
             self.pending = True

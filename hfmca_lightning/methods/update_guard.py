@@ -25,7 +25,16 @@ from hfmca_lightning.methods.deferred_checks import (
     nonfinite_gradients,
 )
 
-__all__ = ["NonFiniteStepError", "NonFiniteUpdateGuard"]
+__all__ = ["NonFiniteStepError", "NonFiniteUpdateGuard", "raise_if_a_step_failed_in"]
+
+
+def raise_if_a_step_failed_in(module: object) -> None:
+    """Raise the error of ``module``'s first failed update since the last read, where the module reads them
+    (``HFMCAModule``'s and the baselines' ``raise_if_a_step_failed``; other modules have none): callbacks call it
+    before they decompose a step's features, so a failed step ends the run in one line, not in a decomposition."""
+    read = getattr(module, "raise_if_a_step_failed", None)
+    if callable(read):
+        read()
 
 
 class NonFiniteUpdateGuard:

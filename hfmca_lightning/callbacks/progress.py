@@ -28,6 +28,11 @@ class AsyncHostValues:
         self._pending: deque[tuple[list[str], Tensor, Any]] = deque(maxlen=keep)
         self._latest: dict[str, float] = {}
 
+    def push_step(self, outputs: Any) -> None:
+        """Start bringing a training step's ``"progress_bar"`` values to the host (nothing for other outputs)."""
+        if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
+            self.push(outputs["progress_bar"])
+
     def push(self, values: Mapping[str, Tensor]) -> None:
         """Start bringing ``values`` (0-dim tensors, any device) to the host."""
         if not values:
@@ -72,8 +77,7 @@ class CostProgressBar(TQDMProgressBar):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
-            self._values.push(outputs["progress_bar"])
+        self._values.push_step(outputs)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
@@ -110,8 +114,8 @@ class EpochLines(ProgressBar):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._enabled and isinstance(outputs, Mapping) and isinstance(outputs.get("progress_bar"), Mapping):
-            self._values.push(outputs["progress_bar"])
+        if self._enabled:
+            self._values.push_step(outputs)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._enabled or not trainer.is_global_zero:

@@ -25,6 +25,7 @@ aten = torch.ops.aten
 _CPU = torch.device("cpu")
 _TAG = "_traced"
 _COPIES = ("_to_copy", "copy_", "copy")
+_COPIES_INTO_FIRST = ("copy_", "copy")
 _FUSED_OPTIMIZERS = {"_fused_sgd_", "_fused_adam_", "_fused_adamw_", "_fused_adagrad_"}
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
 
@@ -153,8 +154,9 @@ class Recorder(TorchDispatchMode):
             kwargs["device"] = _CPU if device.type in ("cuda", "cpu") else device
         inputs = counts.tensors(args) + counts.tensors(kwargs.values())
         gpu_inputs = any(on_gpu(tensor) for tensor in inputs)
-        copied_from_gpu = on_gpu(args[1] if name in ("copy_", "copy") else args[0]) if name in _COPIES else False
-        copied_to_gpu = on_gpu(args[0]) if name in ("copy_", "copy") else None
+        into_first = name in _COPIES_INTO_FIRST  # copy_(self, src) / copy(self, src): the source second
+        copied_from_gpu = on_gpu(args[1] if into_first else args[0]) if name in _COPIES else False
+        copied_to_gpu = on_gpu(args[0]) if into_first else None
         self._tag_inputs(inputs)
         if name == "_pin_memory":
             return args[0]
@@ -191,7 +193,7 @@ class Recorder(TorchDispatchMode):
 
         transfer = None
         if name in _COPIES:
-            destination_gpu = copied_to_gpu if name in ("copy_", "copy") else gpu
+            destination_gpu = copied_to_gpu if into_first else gpu
             if copied_from_gpu != destination_gpu:
                 transfer = "host->device" if destination_gpu else "device->host"
                 if transfer == "device->host" and not _non_blocking(name, args, kwargs):
@@ -309,6 +311,6 @@ def _empty_result(name: str, args: tuple[Any, ...]) -> torch.Tensor:
 def _non_blocking(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a copy was asked for with ``non_blocking`` (``copy_`` / ``copy(self, src, non_blocking)``,
     ``_to_copy(..., non_blocking=)``)."""
-    if name in ("copy_", "copy"):
+    if name in _COPIES_INTO_FIRST:
         return bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
     return bool(kwargs.get("non_blocking", False))

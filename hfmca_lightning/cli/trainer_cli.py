@@ -270,10 +270,12 @@ class HFMCACLI(LightningCLI):
 
     def _print_metrics(self, stage: str) -> None:
         """The metrics of ``validate`` / ``test``, each once: a name and a value per line."""
+        if not self.trainer.is_global_zero:
+            return
         metrics = {
             name: float(value) for name, value in sorted(self.trainer.callback_metrics.items()) if value.numel() == 1
         }
-        if not self.trainer.is_global_zero or not metrics:
+        if not metrics:
             return
         width = max([len(f"{stage} metric"), *(len(name) for name in metrics)])
         print(f"{stage + ' metric':<{width}}  value")

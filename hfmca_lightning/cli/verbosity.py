@@ -31,6 +31,9 @@ class _NoSignalEcho(logging.Filter):
         return "Received SIGTERM" not in record.getMessage()
 
 
+_NO_SIGNAL_ECHO = _NoSignalEcho()
+
+
 class _NoAdvertisements(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -49,10 +52,7 @@ def configure(level: str = DEFAULT, trains: bool = True) -> None:
             if not any(isinstance(existing, _NoAdvertisements) for existing in logger.filters):
                 logger.addFilter(_NoAdvertisements())
     signals = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # its SLURM lines stay
-    for existing in [f for f in signals.filters if isinstance(f, _NoSignalEcho)]:
-        signals.removeFilter(existing)
-    if level != VERBOSE:
-        signals.addFilter(_NoSignalEcho())
+    (signals.removeFilter if level == VERBOSE else signals.addFilter)(_NO_SIGNAL_ECHO)  # added once at most
     # newer torch deprecates the LeafSpec that Lightning's batch flattening makes (a warning per process)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 

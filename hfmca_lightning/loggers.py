@@ -1,18 +1,26 @@
-"""A W&B logger that never crashes or hangs a run for want of an account or a network."""
+"""Loggers that continue a run: a W&B logger that never crashes or hangs a run for want of an account or a network,
+and a resumed run's CSV log continued in the folder of the run it resumes."""
 
 from __future__ import annotations
 
+import csv
+import io
 import netrc
 import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from hfmca_lightning.errors import HFMCAWarning
+from hfmca_lightning.runtime.files import write_text_atomically
 
-__all__ = ["OfflineSafeWandbLogger", "wandb_credentials_available"]
+__all__ = ["OfflineSafeWandbLogger", "continue_csv_log", "wandb_credentials_available"]
 
 
 def wandb_credentials_available() -> bool:
@@ -78,3 +86,53 @@ def _settings(init_timeout: float) -> Any:
     import wandb
 
     return wandb.Settings(init_timeout=init_timeout)
+
+
+class _ContinuedMetrics(ExperimentWriter):
+    """Lightning's CSV writer on a ``metrics.csv`` that holds the rows of the run being resumed: it keeps the rows of
+    the steps before ``from_step`` (rewritten atomically), drops those the resumed run logs again, and appends."""
+
+    def __init__(self, log_dir: str, from_step: int) -> None:
+        self._from_step = from_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv
+        path = Path(self.metrics_file_path)
+        if not path.is_file():
+            return
+        with path.open(newline="") as file:
+            reader = csv.DictReader(file)
+            kept = [row for row in reader if _step_of(row) < self._from_step]
+            self.metrics_keys = list(reader.fieldnames or [])
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(kept)
+        write_text_atomically(path, text.getvalue())
+
+
+def _step_of(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("step") or "inf")
+    except ValueError:
+        return float("inf")
+
+
+def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int) -> str | None:
+    """Point ``logger`` at the version folder of the resumed run (the one of ``log_dirs``, stored in its checkpoint,
+    under the logger's own ``save_dir / name``) and continue its ``metrics.csv`` from ``from_step``, the checkpoint's
+    global step: the rows of earlier steps are kept, the rest dropped (the resumed run logs those steps again).
+    Lightning writes a training step's row under ``global_step - 1`` and an epoch's end under its last step's, so
+    exactly the rows of the work in the checkpoint are kept. Returns the folder, or None when no stored folder is
+    under the logger's (a new version folder then, as without this)."""
+    root = os.path.abspath(logger.root_dir)
+    folder = next((path for path in log_dirs if os.path.dirname(os.path.abspath(path)) == root), None)
+    if folder is None:
+        return None
+    name = os.path.basename(os.path.normpath(folder))
+    number = re.fullmatch(r"version_(\d+)", name)
+    logger._version = int(number.group(1)) if number else name  # CSVLogger(version=...) after construction
+    if rank_zero_only.rank == 0:  # the writer is rank 0's (rank_zero_experiment)
+        os.makedirs(logger.log_dir, exist_ok=True)
+        logger._experiment = _ContinuedMetrics(logger.log_dir, from_step)
+    return logger.log_dir

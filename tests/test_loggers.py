@@ -1,10 +1,17 @@
-"""W&B logging never needs an account or a network: offline runs are stored locally and resumed."""
+"""W&B logging never needs an account or a network: offline runs are stored locally and resumed; a resumed run's
+metrics.csv goes on in the folder of the run it resumes."""
 
 from __future__ import annotations
 
-import pytest
+import csv
+from pathlib import Path
+from types import SimpleNamespace
 
-from hfmca_lightning.loggers import OfflineSafeWandbLogger, wandb_credentials_available
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from hfmca_lightning.callbacks.run_state import RunState
+from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log, wandb_credentials_available
 from tests.helpers import fit, interrupted_fit
 
 wandb = pytest.importorskip("wandb")
@@ -95,3 +102,64 @@ def test_a_key_without_network_falls_back_to_offline_instead_of_failing(no_wandb
     assert logger._offline and run is not None
     wandb.finish()
     assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+
+
+# --- a resumed run's metrics.csv -------------------------------------------------------------------------------------
+
+
+def _write_metrics(folder: Path, rows: list[dict[str, object]]) -> None:
+    folder.mkdir(parents=True)
+    keys = sorted({key for row in rows for key in row})
+    with (folder / "metrics.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _rows(folder: Path) -> list[dict[str, str]]:
+    with (folder / "metrics.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_continued_csv_log_keeps_the_rows_before_the_checkpoint_and_appends(tmp_path):
+    """Rows of steps 0-5 (an epoch's end at step 3) from a run whose checkpoint is at global step 4: the rows of the
+    steps before 4 stay (a training step's row is written under ``global_step - 1``), those of steps 4 and 5 go (the
+    resumed run logs them again), and the resumed run's rows, with a key the file did not have, are appended."""
+    folder = tmp_path / "logs" / "run" / "version_0"
+    old = [{"step": step, "epoch": step // 4, "cost": float(step)} for step in range(6)]
+    _write_metrics(folder, [*old[:4], {"step": 3, "epoch": 0, "knn": 0.5}, *old[4:]])
+    logger = CSVLogger(str(tmp_path / "logs"), name="run")
+    assert continue_csv_log(logger, [str(folder)], from_step=4) == str(folder)
+    assert logger.version == 0 and logger.log_dir == str(folder)
+    assert [(row["step"], row["cost"], row["knn"]) for row in _rows(folder)] == [
+        ("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", ""), ("3", "", "0.5")
+    ]  # fmt: skip
+    logger.log_metrics({"cost": 40.0, "health": 1.0}, step=4)
+    logger.save()
+    rows = _rows(folder)
+    assert len(rows) == 6 and (rows[-1]["step"], rows[-1]["cost"], rows[-1]["health"]) == ("4", "40.0", "1.0")
+    assert rows[0]["health"] == "" and [path.name for path in folder.parent.iterdir()] == ["version_0"]
+
+
+def test_a_csv_log_of_another_folder_or_a_named_version_is_handled(tmp_path):
+    """A stored folder under another ``save_dir`` is not continued (a new version folder, as without a checkpoint);
+    a named version (``version: my_run``) is continued under its name."""
+    _write_metrics(tmp_path / "logs" / "run" / "version_0", [{"step": 0, "cost": 1.0}])
+    elsewhere = CSVLogger(str(tmp_path / "other"), name="run")
+    assert continue_csv_log(elsewhere, [str(tmp_path / "logs" / "run" / "version_0")], from_step=1) is None
+    assert elsewhere.version == 0 and not Path(elsewhere.log_dir).exists()
+    named = tmp_path / "logs" / "run" / "my_run"
+    _write_metrics(named, [{"step": 0, "cost": 1.0}, {"step": 1, "cost": 2.0}])
+    logger = CSVLogger(str(tmp_path / "logs"), name="run")
+    assert continue_csv_log(logger, [str(named)], from_step=1) == str(named)
+    assert logger.version == "my_run" and [row["step"] for row in _rows(named)] == ["0"]
+
+
+def test_rows_logged_straight_to_a_csv_logger_are_on_disk_with_the_checkpoint(tmp_path):
+    """Lightning writes its own rows at once; rows a callback logs straight to the logger (the spectra) wait for the
+    flush interval, so a SIGKILL after the checkpoint would lose them: ``RunState`` writes them when it is saved."""
+    logger = CSVLogger(str(tmp_path), name="run")
+    logger.log_metrics({"spectrum/top": 0.5}, step=3)
+    assert not (Path(logger.log_dir) / "metrics.csv").exists()
+    RunState().on_save_checkpoint(SimpleNamespace(loggers=[logger]), None, {})  # type: ignore[arg-type]
+    assert [(row["step"], row["spectrum/top"]) for row in _rows(Path(logger.log_dir))] == [("3", "0.5")]

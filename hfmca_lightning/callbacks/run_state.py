@@ -1,5 +1,5 @@
 """Exact resume: the randomness of every training batch is a function of ``(seed, batch index, rank)``; the run's
-identity (seed, W&B run id) travels with the checkpoint."""
+identity (seed, W&B run id, CSV log folders) travels with the checkpoint."""
 
 from __future__ import annotations
 
@@ -10,16 +10,22 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from hfmca_lightning.runtime.seeding import step_seed
 
-__all__ = ["RunState", "saved_wandb_run_id"]
+__all__ = ["RunState", "saved_csv_log_dirs", "saved_wandb_run_id"]
 
 
 def saved_wandb_run_id(checkpoint: dict[str, Any]) -> str | None:
     """The W&B run id that :class:`RunState` stored in ``checkpoint``, if any."""
     return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("wandb_run_id")
+
+
+def saved_csv_log_dirs(checkpoint: dict[str, Any]) -> list[str]:
+    """The version folders of the run's CSV loggers that :class:`RunState` stored in ``checkpoint``."""
+    folders = checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("csv_log_dirs") or []
+    return [str(folder) for folder in folders]
 
 
 class RunState(Callback):
@@ -34,8 +40,10 @@ class RunState(Callback):
     uninterrupted run draws, whatever else consumed random numbers in between (data-loader start-up,
     validation, a different number of sanity-check batches). Ranks draw different numbers.
 
-    The seed is stored in every checkpoint and restored on resume, together with the W&B run id (read by the
-    ``hfmca`` CLI before Lightning starts the logger). The CLI adds this callback to every run.
+    The seed is stored in every checkpoint and restored on resume, together with the W&B run id and the CSV loggers'
+    version folders (read by the ``hfmca`` CLI before Lightning starts the loggers, so that a resumed run continues
+    the same W&B run and ``metrics.csv``). The CSV loggers write their rows to disk with every checkpoint. The CLI adds
+    this callback to every run.
 
     Args:
         seed: the run's seed; default: ``seed_everything``'s (the ``PL_GLOBAL_SEED`` environment variable Lightning
@@ -59,6 +67,11 @@ class RunState(Callback):
         np.random.seed(seed % 2**32)
         random.seed(seed)
 
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        for logger in trainer.loggers:  # rows logged straight to the loggers (spectra) on disk with the checkpoint
+            if isinstance(logger, CSVLogger):
+                logger.save()  # rank 0's rows; a no-op elsewhere
+
     def state_dict(self) -> dict[str, Any]:
         # Numbers and strings only, so checkpoints load with torch.load(weights_only=True).
         state: dict[str, Any] = {"seed": self.seed}
@@ -66,6 +79,9 @@ class RunState(Callback):
             for logger in self._trainer.loggers:
                 if isinstance(logger, WandbLogger):
                     state["wandb_run_id"] = logger.version
+            folders = [logger.log_dir for logger in self._trainer.loggers if isinstance(logger, CSVLogger)]
+            if folders:
+                state["csv_log_dirs"] = folders
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

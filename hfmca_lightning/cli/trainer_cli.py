@@ -18,20 +18,21 @@ from typing import Any, Union, get_args, get_origin
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import hfmca_lightning.cli.verbosity as verbosity
 from hfmca_lightning.callbacks.progress import CostProgressBar, EpochLines
-from hfmca_lightning.callbacks.run_state import RunState, saved_wandb_run_id
+from hfmca_lightning.callbacks.run_state import RunState, saved_csv_log_dirs, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
 from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.cli.options import SEED_RANGE
 from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.data import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.loggers import OfflineSafeWandbLogger
+from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
 from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
@@ -228,8 +229,8 @@ class HFMCACLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Lock the run's checkpoint folders, resolve and check the checkpoint to resume, store the resolved config in
-        checkpoints (for ``hfmca analyze``), and point W&B at the checkpoint's run before Lightning starts a new
-        one."""
+        checkpoints (for ``hfmca analyze``), and point W&B and the CSV loggers at the checkpoint's run before Lightning
+        starts new ones."""
         config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
         for callback in self.trainer.callbacks:
             if isinstance(callback, StoredConfig):
@@ -255,6 +256,9 @@ class HFMCACLI(LightningCLI):
             for logger in self.trainer.loggers:
                 if isinstance(logger, OfflineSafeWandbLogger):
                     logger.resume_run(run_id)
+        for logger in self.trainer.loggers:  # metrics.csv goes on in the resumed run's folder
+            if isinstance(logger, CSVLogger):
+                continue_csv_log(logger, saved_csv_log_dirs(checkpoint), int(checkpoint.get("global_step", 0)))
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)

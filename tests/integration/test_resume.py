@@ -10,6 +10,7 @@ must equal that of an uninterrupted run, with atol 0.
 from __future__ import annotations
 
 import copy
+import csv
 import os
 import signal
 from collections.abc import Iterator
@@ -50,15 +51,15 @@ TINY_NOISY_MODEL = {
 
 
 def demo_overrides(folder: Path) -> Path:
-    """configs/demo.yaml shrunk: 64 images (8 steps per epoch), 3 epochs, a tiny model; 2 persistent workers as
-    shipped."""
+    """configs/demo.yaml shrunk: 64 images (8 steps per epoch), 3 epochs, a tiny model, a row of metrics.csv per
+    step; 2 persistent workers as shipped."""
     model = copy.deepcopy(TINY_NOISY_MODEL)
     model["external_head"] = {
         "class_path": "hfmca_lightning.models.GridExternalHead",
         "init_args": {"feature_dim": 16, "grid_height": 2, "grid_width": 2, "hidden_dim": 16, "noise_channels": 3},
     }
     overrides = {
-        "trainer": {"max_epochs": 3, "enable_progress_bar": False},
+        "trainer": {"max_epochs": 3, "enable_progress_bar": False, "log_every_n_steps": 1},
         "model": {"init_args": model},
         "data": {"init_args": SHRUNK_DATA},
     }
@@ -149,7 +150,7 @@ class ReferenceRun:
     the interrupted run's; :meth:`result` waits for it and gives every tensor of its last checkpoint and its step."""
 
     def __init__(self, folder: Path, args: list[str], last: Path, test_classes: bool = False) -> None:
-        self.folder, self.last = folder, last
+        self.folder, self.last = folder, last  # (and the run's metrics.csv, under folder / "runs")
         self.process = start_hfmca(folder, *args, test_classes=test_classes)
         self._result: tuple[dict[str, torch.Tensor], int] | None = None
 
@@ -188,10 +189,24 @@ def test_sigkill_after_the_first_epoch_checkpoint_then_resume_is_exact(tmp_path,
     stopped_at = saved_step(checkpoints / "last.ckpt")
     assert 0 < stopped_at < final_step, "the kill came after the run had finished"
 
+    logs = tmp_path / "runs" / "demo" / "logs"
+    killed_rows = csv_rows(logs)  # written with the checkpoint: the run's flush interval is 100 steps
+    assert killed_rows and max(int(row["step"]) for row in killed_rows) == stopped_at - 1, killed_rows[-1]
+
     resumed = run_hfmca(tmp_path, *args, "--ckpt_path", "last", log_name="resumed.log")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert any("LinearProbe" in key for key in expected), "the shipped online linear probe's state is compared too"
     assert_same_tensors(expected, checkpoint_tensors(checkpoints / "last.ckpt"))
+    # One metrics.csv, continued in the killed run's folder, row for row the uninterrupted run's.
+    assert [path.name for path in logs.iterdir()] == ["version_0"]
+    assert csv_rows(logs) == csv_rows(demo_uninterrupted.folder / "runs" / "demo" / "logs")
+
+
+def csv_rows(logs: Path) -> list[dict[str, str]]:
+    """The rows of the one metrics.csv under ``logs``."""
+    (path,) = logs.glob("version_*/metrics.csv")
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,9 @@ def figure_images(
     data: MultiViewDataModule, count: int, target: int | None = None, start: int = 0
 ) -> tuple[Tensor, Tensor]:
     """Up to ``count`` un-augmented images of the test split (the training split without labels) from index
-    ``start`` on, of class ``target`` only where given (the appendix's figures show one class).
+    ``start`` on: of class ``target`` only where given (the appendix's figures show one class); else taken from each
+    class in turn, in order (the first image of every class, then the second, ...), so that splits stored class by
+    class (image folders) show several classes too.
 
     Returns:
         ``(images (N, C, H, W), targets (N,))``, ``N <= count``.
@@ -80,13 +82,23 @@ def figure_images(
         raise ConfigurationError(
             f"the evaluation split has no images{which} from index {start} on ({len(split)} images)"
         )
-    items = [dataset[index] for index in indices[:count]]
+    items = [dataset[index] for index in _classes_in_turn(indices, split.targets)[:count]]
     return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])
 
 
+def _classes_in_turn(indices: list[int], targets: Sequence[int]) -> list[int]:
+    """``indices`` reordered by their rank within their class, then by class: ``a0 b0 c0 a1 b1 ...``."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for index in indices:
+        ranks.append(seen.get(targets[index], 0))
+        seen[targets[index]] = ranks[-1] + 1
+    return [index for _, _, index in sorted(zip(ranks, (targets[i] for i in indices), indices))]
+
+
 def figure_batches(data: MultiViewDataModule, count: int) -> Iterator[Tensor]:
-    """The first ``count`` images of :func:`figure_images`'s split, un-augmented, in ``(B, C, H, W)`` batches of at
-    most ``data.eval_batch_size`` (never all in memory at once)."""
+    """The first ``count`` images of :func:`figure_images`'s split in its order, un-augmented, in ``(B, C, H, W)``
+    batches of at most ``data.eval_batch_size`` (never all in memory at once)."""
     dataset = EvalDataset(_figure_split(data), data.eval_transform)
     for start in range(0, min(count, len(dataset)), data.eval_batch_size):
         stop = min(start + data.eval_batch_size, count, len(dataset))

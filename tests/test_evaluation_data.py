@@ -138,12 +138,26 @@ def test_figure_images_are_unaugmented_test_images_of_a_class_from_an_index():
         figure_images(module, 3, target=7)
 
 
+def test_figure_images_of_any_class_take_each_class_in_turn():
+    """SyntheticShapes' test split is stored class by class (``0 0 1 1 2 2``), as image folders are: the figures'
+    images are the first of each class, then the second, from ``start`` on."""
+    module = data()
+    _, test = labelled_splits(module)
+    assert test.targets == [0, 0, 1, 1, 2, 2]
+    for start, count, indices in ((0, 5, [0, 2, 4, 1, 3]), (1, 3, [1, 2, 4])):
+        images, targets = figure_images(module, count, start=start)
+        assert targets.tolist() == [test.targets[index] for index in indices]
+        expected = torch.stack([module.eval_transform(test[index][0]) for index in indices])
+        torch.testing.assert_close(images, expected, rtol=0, atol=0)
+
+
 def test_figure_batches_hold_the_first_images_in_evaluation_batches():
     module = data(eval_batch_size=4)
+    _, test = labelled_splits(module)
     batches = list(figure_batches(module, 5))
     assert [len(batch) for batch in batches] == [4, 1]
-    images, _ = figure_images(module, 5)
-    torch.testing.assert_close(torch.cat(batches), images, rtol=0, atol=0)
+    expected = torch.stack([module.eval_transform(test[index][0]) for index in range(5)])
+    torch.testing.assert_close(torch.cat(batches), expected, rtol=0, atol=0)
     assert sum(len(batch) for batch in figure_batches(module, 100)) == 6  # at most the split
 
 

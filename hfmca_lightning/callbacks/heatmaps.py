@@ -37,16 +37,16 @@ class _Counted:
 class DensityRatioHeatmapCallback(FigureCallback):
     """Every ``every_n_epochs``, the telescoping density-ratio response of a fixed set of test images.
 
-    The first ``num_images`` images of the evaluation split (:func:`~hfmca_lightning.evaluation_data.figure_images`) go
-    through the backbone; each internal pair is decomposed (Alg. 4) from statistics **accumulated over the first
-    ``statistics_images`` images** of that split (default 2,000; all of them when the split is smaller, with a
-    warning), in float64 and eval mode, not from the few drawn images: with 9 images and 64 features the
-    decomposition of independent features shows spurious eigenvalues above 0.5. The response is then
-    propagated from the top hooked layer down (Alg. 5). ``image_class`` draws only images of that class (the
-    appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure
-    overlays the response at ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
-    ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with
-    internal costs. Rank 0 only.
+    ``num_images`` images of the evaluation split, taken from each class in turn
+    (:func:`~hfmca_lightning.evaluation_data.figure_images`), go through the backbone; each internal pair is decomposed
+    (Alg. 4) from statistics **accumulated over the first ``statistics_images`` images** of that split (default 2,000;
+    all of them when the split is smaller, with a warning), in float64 and eval mode, not from the few drawn images:
+    with 9 images and 64 features the decomposition of independent features shows spurious eigenvalues above 0.5. The
+    response is then propagated from the top hooked layer down (Alg. 5). ``image_class`` draws only images of that class
+    (the appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure overlays
+    the response at ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
+    ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with internal
+    costs. Rank 0 only.
 
     Args:
         num_images: images in the figure.

@@ -17,7 +17,7 @@ from hfmca_lightning.analysis import eigenspectrum
 from hfmca_lightning.callbacks import DensityRatioHeatmapCallback, EigenspectrumCallback
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation_data import denormalise, figure_images, labelled_splits
+from hfmca_lightning.evaluation_data import denormalise, figure_batches, figure_images, labelled_splits
 from hfmca_lightning.losses import WindowGeometry
 from hfmca_lightning.methods import HFMCAModule
 from tests.helpers import (
@@ -185,7 +185,7 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
     )
     trainer.fit(module, data)
     assert used["images"] == 3 and callback.last_statistics_images == 24
-    images, _ = figure_images(data, 24)
+    images = torch.cat(list(figure_batches(data, 24)))  # the split's first 24
     expected = collect_statistics(module, [images])
     for name, stats in expected.items():
         got = used["statistics"][name]

@@ -144,6 +144,8 @@ def _untrusted_class(node: Any, where: str, base: Path | None = None, visited: _
             at = f"{where}.{key}" if where else str(key)
             if key == "class_path" and not _trusted(value):
                 return f"{at} names {_shown(value)}, outside {', '.join(TRUSTED_PACKAGES)}"
+            if key == "class_path" and (why := _not_a_trusted_class(value)) is not None:
+                return f"{at} names {_shown(value)}, {why}"
             found = _untrusted_class(value, at, base, visited)
             if found is not None:
                 return found
@@ -185,6 +187,8 @@ def _untrusted_class(node: Any, where: str, base: Path | None = None, visited: _
             and _importable(text)
         ):
             return f"{where} names {_shown(node)}, code outside {', '.join(TRUSTED_PACKAGES)}"
+        if _DOTTED_NAME.match(text) and _trusted(text) and (why := _not_a_trusted_class(text)) is not None:
+            return f"{where} names {_shown(node)}, {why}; a stored config may name classes only"
     return None
 
 
@@ -253,6 +257,39 @@ def _file_settings(path: Path, size: int) -> Any:
 
 def _trusted(path: Any) -> bool:
     return isinstance(path, str) and path.split(".", 1)[0] in TRUSTED_PACKAGES and "." in path
+
+
+# Parts of the trusted packages that load native code or pickles, compile, or reach other processes: a stored config
+# may name nothing in them.
+_CODE_LOADING_MODULES = (
+    "torch.ops", "torch.classes", "torch.hub", "torch.jit", "torch.package", "torch.serialization", "torch.library",
+    "torch.utils.cpp_extension", "torch.distributed", "torch.multiprocessing", "torch.compiler", "torch._",
+)  # fmt: skip
+
+
+def _not_a_trusted_class(path: str) -> str | None:
+    """Why a dotted name of the trusted packages may not come from a stored config (None: it names a class of them,
+    outside :data:`_CODE_LOADING_MODULES`): the name of a function or an object is refused, since a routine given for
+    a callable setting (a data set's image ``loader``) runs with the values the config gives it."""
+    if path.startswith(_CODE_LOADING_MODULES):
+        return "which loads code"
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))  # of a trusted package
+        except ImportError:
+            continue
+        except Exception:  # noqa: BLE001 - a module of a trusted package that fails to import: not a class to build
+            return "which cannot be imported"
+        for name in parts[cut:]:
+            found = getattr(found, name, None)
+        if found is None:
+            return None  # no such name: jsonargparse refuses it in its own words
+        if not inspect.isclass(found):
+            return f"a {type(found).__name__}, not a class"
+        module = getattr(found, "__module__", "") or ""
+        return "which loads code" if module.startswith(_CODE_LOADING_MODULES) else None
+    return None
 
 
 def _importable(path: str) -> bool:

@@ -21,7 +21,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hfmca_lightning.cli.verbosity as verbosity
 from hfmca_lightning.callbacks.progress import CostProgressBar, EpochLines
@@ -31,7 +31,7 @@ from hfmca_lightning.cli.config_errors import describe_instantiation_error
 from hfmca_lightning.cli.options import SEED_RANGE
 from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.data import MultiViewDataModule
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
 from hfmca_lightning.runtime.files import write_text_atomically
@@ -113,7 +113,11 @@ def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, 
 def _is_last_checkpoint(path: Path, callback: ModelCheckpoint) -> bool:
     """Whether ``path`` is a ``last.ckpt`` the callback writes: its last name, or that name with the version
     Lightning adds when the name is taken (``last-v1.ckpt``)."""
-    if path.suffix != callback.FILE_EXTENSION or not path.is_file():
+    return path.is_file() and _is_last_checkpoint_name(path, callback)
+
+
+def _is_last_checkpoint_name(path: Path, callback: ModelCheckpoint) -> bool:
+    if path.suffix != callback.FILE_EXTENSION:
         return False
     name = re.escape(callback.CHECKPOINT_NAME_LAST)
     name = re.sub(r"\\\{.*?\\\}", ".*", name)  # a name with metrics in it: {epoch}-last
@@ -122,15 +126,31 @@ def _is_last_checkpoint(path: Path, callback: ModelCheckpoint) -> bool:
 
 def newest_last_checkpoint(trainer: Trainer) -> Path | None:
     """What ``--ckpt_path last`` resumes: the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders of the
-    trainer's callbacks that write one (``save_last``), never a file of another folder; None when there is none."""
+    trainer's callbacks that write one (``save_last``), never a file of another folder; None when there is none.
+
+    Where there is none but a ``last.ckpt`` link whose file is gone (``save_last: link``: Lightning deletes the file it
+    linked to before it links the new one, so a kill in between leaves the link dangling), the newest checkpoint file
+    of that folder, with a warning: the run goes on from there instead of starting over."""
+    folders = checkpoint_folders(trainer, last_only=True)
+    listed = {folder: list(folder.iterdir()) if folder.is_dir() else [] for folder in folders}
     candidates = [
-        path
-        for folder, callback in checkpoint_folders(trainer, last_only=True).items()
-        if folder.is_dir()
-        for path in folder.iterdir()
-        if _is_last_checkpoint(path, callback)
+        path for folder, paths in listed.items() for path in paths if _is_last_checkpoint(path, folders[folder])
     ]
-    return max(candidates, key=lambda path: path.stat().st_mtime, default=None)
+    if candidates:
+        return max(candidates, key=lambda path: path.stat().st_mtime)
+    for folder, paths in listed.items():
+        dangling = [path for path in paths if path.is_symlink() and not path.exists()]
+        dangling = [path for path in dangling if _is_last_checkpoint_name(path, folders[folder])]
+        files = [path for path in paths if path.suffix == folders[folder].FILE_EXTENSION and path.is_file()]
+        if dangling and files:
+            newest = max(files, key=lambda path: path.stat().st_mtime)
+            rank_zero_warn(
+                f"{dangling[0]} links to {os.readlink(dangling[0])}, which is gone (the run stopped while replacing "
+                f"it); resuming from the newest checkpoint of that folder, {newest.name}",
+                category=HFMCAWarning,
+            )
+            return newest
+    return None
 
 
 class HFMCACLI(LightningCLI):
@@ -181,6 +201,11 @@ class HFMCACLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
             read_checkpoint(ckpt_path)  # missing / corrupt / foreign: one line, before anything is built
+
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: Lightning would merge the ``--ckpt_path`` checkpoint's hyper-parameters over the command's config
+        here, importing and building the classes they name, and a checkpoint from others may name any code. The
+        command's ``--config`` is the run's; the checkpoint gives tensors only (docs/trust.md)."""
 
     def instantiate_classes(self) -> None:
         try:

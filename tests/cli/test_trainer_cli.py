@@ -148,6 +148,25 @@ def test_last_is_the_newest_last_or_versioned_last_in_this_runs_last_folders(tmp
     assert newest_last_checkpoint(trainer) == own / "last-v1.ckpt"
 
 
+def test_last_as_a_dangling_link_resumes_from_the_newest_checkpoint_of_its_folder(tmp_path):
+    """``save_last: link``: Lightning deletes the checkpoint ``last.ckpt`` links to before it links the next, so a kill
+    in between leaves the link dangling. ``--ckpt_path last`` then goes on from the newest checkpoint of that folder,
+    with a warning naming it, instead of starting over."""
+    checkpoints = tmp_path / "checkpoints"
+    linked = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(checkpoints), "save_last": "link", "save_top_k": -1, "every_n_train_steps": 2},
+    }
+    fit(tmp_path, **{"trainer.callbacks": [linked]})  # one epoch: 4 steps
+    assert os.readlink(checkpoints / "last.ckpt") == "epoch=0-step=4.ckpt"
+    (checkpoints / "epoch=0-step=4.ckpt").unlink()
+    with pytest.warns(Warning, match=r"last.ckpt links to epoch=0-step=4.ckpt, which is gone .* epoch=0-step=2.ckpt"):
+        fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **{"trainer.callbacks": [linked]})
+    # trained on from step 2: step 4 redone, and the newest last (Lightning names it last-v1.ckpt) at step 8
+    assert (checkpoints / "epoch=0-step=4.ckpt").is_file()
+    assert max(step_of(path) for path in checkpoints.glob("last*.ckpt")) == 8
+
+
 @pytest.mark.parametrize(
     ("level", "terminal", "bar"),
     [("default", True, "CostProgressBar"), ("default", False, "EpochLines"), ("quiet", True, None)],

@@ -244,3 +244,69 @@ def test_a_stored_config_the_parser_refuses_is_one_line_naming_the_checkpoint(
     )
     assert "pass it as your own with --config" in message and "\n" not in message
     assert not marker.exists()
+
+
+def test_a_checkpoints_hyper_parameters_are_not_merged_into_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's CLI merges a ``--ckpt_path`` checkpoint's hyper-parameters over the config, importing the classes
+    they name: ``hfmca validate`` takes the command's config only, and the named module is never imported."""
+    from hfmca_lightning.cli import main
+    from tests.helpers import tiny_overrides
+
+    modules, marker = tmp_path / "modules", tmp_path / "imported"
+    (modules / "recording_hparams").mkdir(parents=True)
+    (modules / "recording_hparams" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n\nclass Net:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(modules))
+    hyper = {"_class_path": "recording_hparams.Net", "backbone": {"class_path": "recording_hparams.Net"}}
+    checkpoint = lightning_checkpoint(tmp_path / "foreign.ckpt", {"hyper_parameters": hyper})
+    with pytest.raises(SystemExit) as stopped:  # one line: the file holds no weights of the demo's model
+        main(
+            [
+                "validate",
+                "--config",
+                str(DEMO),
+                "--config",
+                str(tiny_overrides(tmp_path)),
+                "--ckpt_path",
+                str(checkpoint),
+            ]
+        )
+    assert stopped.value.code == 2 and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("torch.ops.load_library", "which loads code"),  # a data set's `loader`: each image file dlopen'ed
+        ("torch.hub.load", "which loads code"),
+        ("torchvision.datasets.folder.default_loader", "a function, not a class"),
+        ("torch.float32", "a dtype, not a class"),
+    ],
+)
+def test_a_stored_config_may_name_classes_only_and_none_that_load_code(tmp_path: Path, name: str, why: str) -> None:
+    """The trusted packages hold routines that load native code or run what they are given: a stored config naming one
+    (as a value or a class_path) is refused in one line; their classes pass."""
+    from hfmca_lightning.cli.runs import run_config
+    from hfmca_lightning.errors import ConfigurationError
+
+    folder = {"class_path": "torchvision.datasets.DatasetFolder", "init_args": {"root": "data", "loader": name}}
+    for source in (folder, {"class_path": name}):
+        config = yaml.safe_load(DEMO.read_text())
+        config["data"]["init_args"]["source"] = {
+            "class_path": "hfmca_lightning.data.DatasetSource",
+            "init_args": {"train": source},
+        }
+        checkpoint = {"callbacks": {"StoredConfig": {"config": yaml.safe_dump(config)}}}
+        with pytest.raises(ConfigurationError, match="the config stored in the checkpoint is refused") as refused:
+            run_config(tmp_path / "stored.ckpt", checkpoint)
+        assert f"names '{name}', {why}" in str(refused.value)
+    folder["init_args"]["loader"] = "torchvision.io.ImageReadMode"  # a class: passes the check
+    config = yaml.safe_load(DEMO.read_text())
+    config["data"]["init_args"]["source"] = {
+        "class_path": "hfmca_lightning.data.DatasetSource",
+        "init_args": {"train": folder},
+    }
+    assert run_config(tmp_path / "stored.ckpt", {"callbacks": {"StoredConfig": {"config": yaml.safe_dump(config)}}})

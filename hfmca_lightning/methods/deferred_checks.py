@@ -86,6 +86,7 @@ class DeferredChecks:
 
     def __init__(self) -> None:
         self._pending: deque[_Pending] = deque()
+        self._failure: FailedStep | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -98,8 +99,9 @@ class DeferredChecks:
 
     def first_failure(self) -> FailedStep | None:
         """Read every pushed step's checks (waiting for their copies only) and forget them; the first failed step, or
-        None."""
-        failure = None
+        None. A failure, once read, is given at every later read too: the failed step's forward pass may have left
+        non-finite BatchNorm statistics, so nothing after it (a save on exception) may write the model's state."""
+        failure = self._failure
         while self._pending:
             pending = self._pending.popleft()
             if pending.event is not None:
@@ -111,10 +113,8 @@ class DeferredChecks:
             elif failure is None and gradients_failed:
                 error = NonFiniteStepError("the gradients are not finite (NaN or Inf) although every cost is")
                 failure = FailedStep(pending.step, pending.epoch, error)
+        self._failure = failure
         return failure
-
-    def clear(self) -> None:
-        self._pending.clear()
 
 
 class SkipUpdateIfFailed:

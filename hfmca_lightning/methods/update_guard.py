@@ -47,6 +47,7 @@ class NonFiniteUpdateGuard:
         self._losses: list[Tensor] = []
         self._pending: deque[tuple[int, int, Tensor, Any]] = deque()
         self._skip = SkipUpdateIfFailed()
+        self._failed_at: tuple[int, int] | None = None  # (step, epoch) of the first failed update, once read
 
     def add_loss(self, loss: Tensor) -> None:
         """A micro-batch's loss (detached) of the step being taken."""
@@ -73,8 +74,9 @@ class NonFiniteUpdateGuard:
 
     def raise_if_a_step_failed(self) -> None:
         """Read the flags of the steps taken since the last read (waiting for their copies, not for the device's
-        queue); raise :class:`NonFiniteStepError` for the first that failed."""
-        failure = None
+        queue); raise :class:`NonFiniteStepError` for the first that failed, and again at every later call (the failed
+        step's forward pass may have left non-finite BatchNorm statistics: no later save may write them)."""
+        failure = self._failed_at
         while self._pending:
             step, epoch, host, event = self._pending.popleft()
             if event is not None:
@@ -82,7 +84,7 @@ class NonFiniteUpdateGuard:
             if failure is None and bool(host):
                 failure = (step, epoch)
         if failure is not None:
-            step, epoch = failure
+            self._failed_at = step, epoch = failure
             raise NonFiniteStepError(
                 f"training stopped at step {step} (epoch {epoch}): {self.method}'s loss or gradients are not finite "
                 "(NaN or Inf) and its update was skipped. Checkpoints written before this step are intact: resume "

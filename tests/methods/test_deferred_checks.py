@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import re
 from functools import partial
 
 import pytest
@@ -10,11 +12,20 @@ from lightly.utils.lars import LARS
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from hfmca_lightning.cli import main
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.losses.cost_checks import CHECK_COLUMNS, CostChecks, CostFactorisationError
 from hfmca_lightning.methods.deferred_checks import DeferredChecks, NonFiniteStepError, SkipUpdateIfFailed
-from tests.helpers import PoisonBatchAt, PoisonGradientAt, bn_free_module, quiet_trainer
+from tests.helpers import (
+    DEMO,
+    DEMO_TINY_MODEL,
+    PoisonBatchAt,
+    PoisonGradientAt,
+    bn_free_module,
+    quiet_trainer,
+    tiny_overrides,
+)
 
 OPTIMIZERS = {
     "fused SGD": partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True),
@@ -88,7 +99,7 @@ def _checks(failed_column: int | None) -> CostChecks:
     return CostChecks(state, ("external",), ((4, 4),), (0.1,), torch.zeros((), dtype=torch.int64))
 
 
-def test_deferred_checks_report_the_first_failed_step_and_forget_what_they_read():
+def test_deferred_checks_report_the_first_failed_step_at_every_read_and_forget_what_they_read():
     deferred = DeferredChecks()
     for step, column in enumerate((None, 0, 1, None)):
         checks = _checks(column)
@@ -97,7 +108,13 @@ def test_deferred_checks_report_the_first_failed_step_and_forget_what_they_read(
         failure = deferred.first_failure()
     assert recorder.reads == []  # the values are host buffers: nothing waits for a device
     assert failure is not None and failure.step == 1 and "low-level matrix A" in str(failure.error)
-    assert len(deferred) == 0 and deferred.first_failure() is None
+    assert len(deferred) == 0 and deferred.first_failure() is failure  # a failed run stays failed
+    checks = _checks(None)
+    deferred.push(checks, checks.packed(), 4, epoch=0)
+    assert deferred.first_failure() is failure and len(deferred) == 0
+    good = DeferredChecks()
+    good.push(checks, checks.packed(), 0, epoch=0)
+    assert good.first_failure() is None and good.first_failure() is None
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused SGD", "SGD"])
@@ -143,3 +160,31 @@ def test_a_nan_gradient_of_a_finite_cost_is_skipped_and_every_checkpoint_on_disk
         assert all(bool(torch.isfinite(weight).all()) for weight in weights if weight.is_floating_point()), path.name
     last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 3 and max(torch.load(p, weights_only=True)["global_step"] for p in files) == 3
+
+
+def test_a_save_on_exception_after_a_failed_step_writes_nothing(tmp_path, capsys):
+    """Lightning's ``ModelCheckpoint(save_on_exception=True)`` saves when the run raises: after a failed step (a
+    diverging learning rate; its forward pass leaves non-finite BatchNorm statistics) that save is refused too, and
+    every checkpoint on disk is the finite state of a step before the failure."""
+    checkpoints = tmp_path / "checkpoints"
+    every_step = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "dirpath": str(checkpoints), "save_last": True, "save_on_exception": True, "every_n_train_steps": 1
+        },
+    }  # fmt: skip
+    model = copy.deepcopy(DEMO_TINY_MODEL)
+    model["init_args"]["optimizer"] = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1e38}}
+    overrides = tiny_overrides(tmp_path, model=model, **{"trainer.callbacks": [every_step]})
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(DEMO), "--config", str(overrides)])
+    assert stopped.value.code == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hfmca: error: ")]
+    failed = re.search(r"training stopped at step (\d+)", errors[0]) if len(errors) == 1 else None
+    assert failed is not None, errors
+    files = sorted(checkpoints.glob("*.ckpt"))
+    assert files
+    for path in files:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        assert saved["global_step"] <= int(failed.group(1)), path.name
+        assert all(torch.isfinite(value).all() for value in saved["state_dict"].values() if value.is_floating_point())

@@ -35,8 +35,11 @@ def test_a_diverging_baseline_stops_in_one_line_and_every_checkpoint_on_disk_is_
     checkpoints = tmp_path / "checkpoints"
     every_step = {
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(checkpoints), "save_last": True, "every_n_train_steps": 1, "save_top_k": 1},
-    }
+        "init_args": {  # and Lightning's save when the run raises, which must not write the failed step's state
+            "dirpath": str(checkpoints), "save_last": True, "every_n_train_steps": 1, "save_top_k": 1,
+            "save_on_exception": True,
+        },
+    }  # fmt: skip
     overrides = tiny_overrides(
         tmp_path,
         model={"init_args": {"backbone": TINY_BACKBONE, **method, "optimizer": DIVERGING}},

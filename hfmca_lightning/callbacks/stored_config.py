@@ -18,7 +18,8 @@ def saved_config(checkpoint: dict[str, Any]) -> str | None:
 
 
 class StoredConfig(Callback):
-    """Writes ``config`` (the full resolved YAML of the run, set by the ``hfmca`` CLI) into every checkpoint."""
+    """Writes ``config`` (the full resolved YAML of the run, set by the ``hfmca`` CLI) into every checkpoint. A resumed
+    run stores its own config, not the one of the checkpoint it resumes (which is taken only where none was set)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -28,4 +29,5 @@ class StoredConfig(Callback):
         return {"config": self.config} if self.config is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.config = state_dict.get("config", self.config)
+        if self.config is None:
+            self.config = state_dict.get("config")

@@ -132,7 +132,7 @@ def spectrum_table(summaries: dict[str, dict[str, dict]]) -> str:
 
 def spectrum_history(checkpoint: Path) -> dict[str, tuple[list[int], np.ndarray]]:
     """The EigenspectrumCallback's history kept in a checkpoint: ``{pair: (steps, top eigenvalues (T, k))}``."""
-    states = torch.load(checkpoint, map_location="cpu", weights_only=False).get("callbacks", {})
+    states = torch.load(checkpoint, map_location="cpu", weights_only=True).get("callbacks", {})
     (state,) = [value for key, value in states.items() if "EigenspectrumCallback" in key]
     history = {}
     for name, entries in state["history"].items():

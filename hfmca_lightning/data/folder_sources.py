@@ -57,15 +57,20 @@ class FolderImages(LabelledImages):
         )
 
 
+# What PIL may read an image file as: the formats of IMAGE_EXTENSIONS (its JPEG opener reads MPO too), never one that
+# hands the file to another program (EPS to Ghostscript) whatever its name says.
+PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP", "GIF")
+
+
 def read_image(path: str) -> Tensor:
     """An image file as an RGB uint8 tensor ``(3, H, W)``: JPEG, PNG, WebP and GIF by torchvision's decoders
-    (libjpeg-turbo), anything else by PIL."""
+    (libjpeg-turbo), anything else by PIL, as one of :data:`PIL_FORMATS` only."""
     if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
         try:
             return decode_image(path, mode=ImageReadMode.RGB)
         except RuntimeError:
             pass  # e.g. CMYK JPEGs, PNGs named .jpg: PIL reads those
-    with Image.open(path) as image:
+    with Image.open(path, formats=PIL_FORMATS) as image:
         return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from hfmca_lightning.data import (
     CIFAR,
@@ -22,6 +23,7 @@ from hfmca_lightning.data import (
     UnlabelledFolderSource,
     archive_sources,
 )
+from hfmca_lightning.data.folder_sources import PIL_FORMATS
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError
 from tests.helpers import fit, write_cifar, write_image_folder, write_stl10
@@ -249,6 +251,26 @@ def test_unreadable_image_is_named_when_read(tmp_path):
     index = [path for path, _ in train.samples].index(str(broken))
     with pytest.raises(ConfigurationError, match=r"cannot read image .*broken\.png.*on_bad_image: skip"):
         train[index]
+
+
+def test_an_image_file_is_read_only_as_an_image_format(tmp_path, monkeypatch):
+    """PIL would read an EPS file named ``.jpg`` by running Ghostscript on it: a file of another format than the
+    image formats is an unreadable image, named, whatever its name, and Ghostscript is never called."""
+    from PIL import EpsImagePlugin
+
+    ghostscript_runs = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *args, **kwargs: ghostscript_runs.append(args))
+    write_image_folder(tmp_path, per_class=2, num_classes=2)
+    eps = tmp_path / "train" / "class_1" / "drawing.jpg"
+    eps.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n")
+    with pytest.raises(UnidentifiedImageError, match="cannot identify"):
+        Image.open(eps, formats=PIL_FORMATS)
+    assert Image.open(eps).format == "EPS"  # what PIL would take it for
+    train = ImageFolderSource(root=str(tmp_path)).split(train=True)
+    index = [path for path, _ in train.samples].index(str(eps))
+    with pytest.raises(ConfigurationError, match=r"cannot read image .*drawing\.jpg"):
+        train[index]
+    assert ghostscript_runs == []
 
 
 def test_unreadable_images_can_be_skipped_with_a_count(tmp_path):

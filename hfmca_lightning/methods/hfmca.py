@@ -233,6 +233,12 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             raise ConfigurationError(
                 "HFMCAModule needs an external_head, internal_costs, or both: there is no cost to train"
             )
+        if external_head is None and internal_costs is not None and internal_costs.weight == 0:
+            raise ConfigurationError(
+                "internal_costs.weight is 0 and there is no external_head: no cost would train the model; give the "
+                "internal costs a weight > 0",
+                parameter="weight",
+            )
         if external_head is None and (projector is not None or external_cost is not None):
             raise ConfigurationError("projector / external_cost are given but there is no external_head to use them")
         if checkpoint_backbone and internal_costs is not None:
@@ -415,7 +421,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
                 batch_size = groups[0].shape[0]
                 features = torch.cat(
                     [
-                        self.embed(group.flatten(0, 1) if group.dim() == 5 else group).unflatten(0, (batch_size, -1))
+                        (self._embed_group(group) if group.dim() == 5 else self._embed_for_training(group)).unflatten(
+                            0, (batch_size, -1)
+                        )
                         for group in groups
                     ],
                     dim=1,

@@ -3,6 +3,7 @@ docs/conventions.md §3)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -111,6 +112,16 @@ class InternalCosts(nn.Module):
             raise ConfigurationError("internal costs need at least one layer name", parameter="layers")
         if len(set(layers)) != len(layers):
             raise ConfigurationError(f"internal cost layers must be distinct; got {layers}", parameter="layers")
+        if not all(isinstance(layer, str) and layer.strip() for layer in layers):
+            raise ConfigurationError(
+                f"internal cost layers are module names, none empty; got {layers}", parameter="layers"
+            )
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigurationError(
+                f"weight is lambda of external + weight * sum(internal): finite and >= 0; got {weight} (a negative "
+                "weight would maximise the internal costs)",
+                parameter="weight",
+            )
         if precision not in STATISTICS_PRECISIONS:
             raise ConfigurationError(
                 f"precision must be one of {', '.join(STATISTICS_PRECISIONS)}; got {precision!r}", parameter="precision"

@@ -220,6 +220,29 @@ def test_internal_statistics_add_up_over_views_and_chunks():
                     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("options", [{"views_through_backbone": "per_view"}, {"backbone_chunk_size": 3}])
+def test_views_and_chunks_go_through_the_backbone_as_configured_without_an_external_head(options):
+    """Internal costs alone (no head): ``per_view`` and ``backbone_chunk_size`` split the backbone's batch as with a
+    head, and the statistics add up to those of one batch."""
+
+    def module(**kwargs) -> HFMCAModule:
+        torch.manual_seed(0)
+        backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0)
+        return HFMCAModule(backbone, internal_costs=InternalCosts(["blocks.L1", "blocks.L3"]), **kwargs).eval()
+
+    views = torch.rand(2, 4, 3, 32, 32)
+    variant, seen = module(**options), []
+    variant.backbone.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        reference = module().collect(views).statistics
+        statistics = variant.collect(views).statistics
+    assert seen == ([2, 2, 2, 2] if "views_through_backbone" in options else [3, 3, 2])
+    for name in ("internal/L1", "internal/L3"):
+        assert int(statistics[name].group_count) == int(reference[name].group_count)
+        for got, expected in zip(statistics[name].means(), reference[name].means()):
+            torch.testing.assert_close(got, expected)
+
+
 def test_checkpointing_and_internal_costs_are_exclusive():
     with pytest.raises(ConfigurationError, match="checkpoint_backbone recomputes") as error:
         HFMCAModule(

@@ -169,3 +169,28 @@ def test_resnet18_internal_costs_never_allocate_the_unfolded_windows():
         (sum(costs.values()) + features.sum() * 0).backward()
     assert len(costs) == 8 and all(torch.isfinite(c) for c in costs.values())
     assert tracker.largest <= 2 * largest_activation < unfolded / 10
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"weight": -1.0}, "finite and >= 0; got -1.0"),
+        ({"weight": float("nan")}, "finite and >= 0; got nan"),
+        ({"layers": ["blocks.L1", ""]}, "none empty"),
+    ],
+)
+def test_a_weight_that_would_not_train_or_an_empty_layer_name_is_refused(settings, message):
+    with pytest.raises(ConfigurationError, match=message):
+        InternalCosts(**{"layers": ["blocks.L1"], **settings})
+
+
+def test_internal_costs_of_weight_zero_without_a_head_are_refused():
+    """Nothing would train the model (``cost/total`` is 0); with an external head, weight 0 only logs them."""
+    from hfmca_lightning.methods import HFMCAModule
+    from hfmca_lightning.models import GridExternalHead
+
+    backbone = SpectrumCNN(channels=4, hidden_dim=6, noise_channels=0)
+    with pytest.raises(ConfigurationError, match="weight is 0 and there is no external_head"):
+        HFMCAModule(backbone, internal_costs=InternalCosts(["blocks.L1"], weight=0.0))
+    head = GridExternalHead(4, 2, 2, 6, noise_channels=0)
+    HFMCAModule(backbone, external_head=head, internal_costs=InternalCosts(["blocks.L1"], weight=0.0))

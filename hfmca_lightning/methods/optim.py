@@ -95,5 +95,19 @@ def configure_optimizers(
         )
     except ValueError as error:  # torch's optimisers check their settings: lr < 0, momentum < 0, ...
         raise ConfigurationError(f"the optimizer cannot be built: {error} (model.init_args.optimizer)") from None
-    schedule = lr_scheduler(built) if lr_scheduler is not None else cosine_schedule(module, built, warmup_epochs)
+    if lr_scheduler is None:
+        return {"optimizer": built, "lr_scheduler": cosine_schedule(module, built, warmup_epochs)}
+    if warmup_epochs:
+        raise ConfigurationError(
+            f"warmup_epochs ({warmup_epochs}) warms up the default cosine schedule, but an lr_scheduler is given: put "
+            "the warm-up in that schedule (e.g. torch.optim.lr_scheduler.SequentialLR) and set warmup_epochs to 0",
+            parameter="warmup_epochs",
+        )
+    schedule = lr_scheduler(built)
+    if isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "lr_scheduler ReduceLROnPlateau steps on a monitored validation metric, which these training runs do not "
+            "have; use a schedule over steps or epochs (the default cosine, StepLR, OneCycleLR, ...)",
+            parameter="lr_scheduler",
+        )
     return {"optimizer": built, "lr_scheduler": schedule}

@@ -127,3 +127,28 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
     )
     with pytest.raises(ConfigurationError, match="warmup_epochs=5.0 is 30 steps, longer than the whole run"):
         trainer.fit(module, data)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"warmup_epochs": 0.5, "lr_scheduler": lambda optimizer: torch.optim.lr_scheduler.ConstantLR(optimizer)},
+            r"warmup_epochs \(0.5\) warms up the default cosine schedule, but an lr_scheduler is given",
+        ),
+        (
+            {"lr_scheduler": lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)},
+            "ReduceLROnPlateau steps on a monitored validation metric",
+        ),
+    ],
+    ids=["warm-up beside a scheduler", "ReduceLROnPlateau"],
+)
+def test_a_schedule_setting_that_would_be_ignored_is_refused(settings, message):
+    """``warmup_epochs`` shapes the default schedule only, and ReduceLROnPlateau has no metric to step on: each is
+    one line before the first step, not a silent no-op or Lightning's traceback."""
+    from hfmca_lightning.errors import ConfigurationError
+    from hfmca_lightning.methods.optim import configure_optimizers
+
+    module = small_module()
+    with pytest.raises(ConfigurationError, match=message):
+        configure_optimizers(module, None, settings.get("lr_scheduler"), settings.get("warmup_epochs", 0.0))

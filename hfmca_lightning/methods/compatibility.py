@@ -13,8 +13,9 @@ __all__ = ["check_batch_format", "check_feature_sizes", "check_image_size"]
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
     """A backbone built for one image size (an ``image_size`` attribute, as :class:`~hfmca_lightning.models.SpectrumCNN`
-    has) and a data source of another are one clear error: otherwise the maps grow with the images (a 224-px source
-    through the 32-px spectrum CNN ran out of memory) or the geometry no longer ends in one position."""
+    has) or for other than RGB images (``in_channels``) and a data source of another are one clear error: otherwise
+    the maps grow with the images (a 224-px source through the 32-px spectrum CNN ran out of memory), the geometry no
+    longer ends in one position, or the first convolution fails on the first batch."""
     expected = getattr(backbone, "image_size", None)
     source = getattr(datamodule, "source", None)
     given = getattr(source, "image_size", None)
@@ -27,6 +28,13 @@ def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
                 f"map), but the data gives {min(sizes)}-px views: use fewer stages or larger views",
                 parameter="image_size",
             )
+    channels = getattr(backbone, "in_channels", None)
+    if isinstance(channels, int) and source is not None and channels != 3:  # every source gives RGB images
+        raise ConfigurationError(
+            f"the backbone {type(backbone).__name__} takes {channels}-channel images, but the data source "
+            f"{type(source).__name__} gives RGB (3 channels): set the backbone's in_channels to 3",
+            parameter="in_channels",
+        )
     if not isinstance(expected, int) or not isinstance(given, int) or expected == given:
         return
     raise ConfigurationError(

@@ -68,8 +68,15 @@ class SpectrumCNN(nn.Module):
         layout: SpectrumLayout = "paper",
     ) -> None:
         super().__init__()
+        for name, value, least in (
+            ("in_channels", in_channels, 1), ("channels", channels, 1), ("hidden_dim", hidden_dim, 1),
+            ("noise_channels", noise_channels, 0),
+        ):  # fmt: skip
+            if value < least:
+                raise ConfigurationError(f"SpectrumCNN: {name} must be >= {least}; got {value}", parameter=name)
         self.feature_dim = channels
         self.image_size = image_size
+        self.in_channels = in_channels
         # L0's and L9's padding and L9's final pool depend on the layout: _arranged sets them.
         blocks = {"L0": spectrum_block(in_channels, channels, hidden_dim, noise_channels, kernel=1, padding=0)}
         blocks.update(

@@ -80,6 +80,17 @@ def test_fastsiam_needs_several_views():
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
 
 
+@pytest.mark.parametrize("method", [SimCLR, MoCo, BYOL, SimSiam, BarlowTwins, VICReg], ids=lambda m: m.__name__)
+def test_a_pair_baseline_given_more_views_than_it_compares_is_refused(method):
+    """The pair losses read views 0 and 1: more views per image would be drawn and never used."""
+    module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8), views=SimCLRViews(count=4), batch_size=4, num_workers=0
+    )
+    with pytest.raises(ConfigurationError, match=f"{method.__name__} compares 2 views per image, but the data gives 4"):
+        Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
+
+
 def test_fastsiam_target_is_the_mean_of_the_other_views():
     torch.manual_seed(0)
     module = FastSiam(SmallConvNet(width=4, num_stages=1), **SMALL_HEADS[FastSiam]).eval()
@@ -142,3 +153,20 @@ def test_vicregl_without_view_grids_fails_before_training():
     with pytest.raises(ConfigurationError, match="more matches than the 4x4 local map") as error:
         Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(too_many, data)
     assert error.value.parameter == "num_matches"
+
+
+@pytest.mark.parametrize(
+    ("method", "settings", "message"),
+    [
+        (SimCLR, {"temperature": -1.0}, "SimCLR: temperature must be finite and > 0; got -1.0"),
+        (MoCo, {"momentum": 1.5}, r"MoCo: momentum must be in \[0, 1\]"),
+        (BYOL, {"momentum": -1.0}, r"BYOL: momentum must be in \[0, 1\]"),
+        (SimCLR, {"hidden_dim": 0}, "SimCLR: hidden_dim must be a size >= 1; got 0"),
+        (SimSiam, {"prediction_dim": 0}, "SimSiam: prediction_dim must be a size >= 1"),
+        (BarlowTwins, {"output_dim": 0}, "BarlowTwins: output_dim must be a size >= 1"),
+    ],
+)
+def test_a_baseline_setting_out_of_its_range_is_one_line(method, settings, message):
+    """Before: trained silently (a negative temperature, a momentum outside [0, 1]) or an error deep in a head."""
+    with pytest.raises(ConfigurationError, match=message):
+        method(SmallConvNet(width=8, num_stages=2), **settings)

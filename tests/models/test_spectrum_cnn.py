@@ -157,3 +157,22 @@ def test_a_padded_window_has_the_spectrum_of_the_same_members_without_padding():
     # the same sums: float64 rounding of the coverage weights (16 / 4 against 1) and window means, ~4 n u relative
     torch.testing.assert_close(padded_values, plain_values, rtol=0, atol=1e-12)
     assert float(padded_values[0]) > 0.9  # as zero members: at most 4 / 16
+
+
+@pytest.mark.parametrize("setting", ["in_channels", "channels", "hidden_dim"])
+def test_a_size_below_one_is_refused_when_built(setting):
+    with pytest.raises(ConfigurationError, match=f"SpectrumCNN: {setting} must be >= 1; got 0"):
+        SpectrumCNN(**{setting: 0})
+
+
+def test_a_backbone_for_other_than_rgb_images_is_refused_before_the_first_batch():
+    """Every source gives RGB images: ``in_channels=1`` was a convolution error in the first training step."""
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+    from hfmca_lightning.methods.compatibility import check_image_size
+
+    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4), views=SimCLRViews(count=4))
+    check_image_size(SpectrumCNN(channels=4, hidden_dim=6), data)
+    with pytest.raises(
+        ConfigurationError, match="takes 1-channel images, but the data source SyntheticShapes gives RGB"
+    ):
+        check_image_size(SpectrumCNN(in_channels=1, channels=4, hidden_dim=6), data)

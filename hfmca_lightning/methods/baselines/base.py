@@ -30,6 +30,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     """
 
     min_views = 2
+    max_views: int | None = None  # the views the loss reads (pair losses: 2); None: any number
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "optimizer", "lr_scheduler"])
+        _check_settings(type(self).__name__, dict(self.hparams))
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -61,6 +63,12 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         if num_views is not None and num_views < self.min_views:
             raise ConfigurationError(
                 f"{type(self).__name__} needs at least {self.min_views} views per image; the data gives {num_views}"
+            )
+        if num_views is not None and self.max_views is not None and num_views > self.max_views:
+            raise ConfigurationError(
+                f"{type(self).__name__} compares {self.max_views} views per image, but the data gives {num_views}: "
+                f"the others would be drawn and never used. Draw {self.max_views} (SimCLRViews' count, MultiCrop's "
+                "crops)"
             )
 
     def forward(self, images: Tensor) -> Tensor:
@@ -116,9 +124,26 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         self.raise_if_a_step_failed()  # never a checkpoint after a failed step
 
 
+def _check_settings(method: str, settings: dict[str, Any]) -> None:
+    """A baseline's sizes (``*_dim``) >= 1, ``temperature`` > 0 and ``momentum`` in [0, 1], each refused in one line
+    before anything is built (else an IndexError deep in a head, or a loss that trains nothing)."""
+    for name, value in settings.items():
+        if name.endswith("_dim") and isinstance(value, int) and value < 1:
+            problem = "a size >= 1"
+        elif name == "temperature" and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            problem = "finite and > 0"
+        elif name == "momentum" and not (isinstance(value, (int, float)) and 0 <= value <= 1):
+            problem = "in [0, 1] (the momentum copy's EMA weight)"
+        else:
+            continue
+        raise ConfigurationError(f"{method}: {name} must be {problem}; got {value}", parameter=name)
+
+
 class ProjectedPairBaseline(SSLBaseline):
     """A baseline whose loss is ``criterion(head(backbone(view 0)), head(backbone(view 1)))``; subclasses
     set ``projection_head`` and ``criterion``."""
+
+    max_views = 2
 
     projection_head: nn.Module
     criterion: nn.Module

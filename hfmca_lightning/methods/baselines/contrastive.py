@@ -32,6 +32,8 @@ class SimCLR(ProjectedPairBaseline):
 class MoCo(MomentumBaseline):
     """MoCo v2 (He et al. 2020; Chen et al. 2020): momentum key encoder and a memory bank of negatives."""
 
+    max_views = 2
+
     def __init__(
         self,
         backbone: nn.Module,

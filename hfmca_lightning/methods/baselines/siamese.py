@@ -16,6 +16,8 @@ __all__ = ["BYOL", "SimSiam", "FastSiam"]
 class BYOL(MomentumBaseline):
     """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised."""
 
+    max_views = 2
+
     def __init__(
         self,
         backbone: nn.Module,
@@ -46,6 +48,8 @@ class BYOL(MomentumBaseline):
 class SimSiam(SSLBaseline):
     """SimSiam (Chen & He 2021): predictor against the stop-gradient projection of the other view."""
 
+    max_views = 2
+
     def __init__(
         self,
         backbone: nn.Module,
@@ -75,6 +79,7 @@ class FastSiam(SimSiam):
     other views' stop-gradient projections. Uses all ``L`` views of the batch (the paper: 4)."""
 
     min_views = 3
+    max_views = None
 
     def views_loss(self, views: list[Tensor]) -> Tensor:
         projections, predictions = self.project(views)

@@ -24,6 +24,7 @@ from hfmca_lightning.visualization import layer_spectra_figure, learning_dynamic
 __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
 
 HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
+HOOKED_REG = 1e-3  # the regulariser of the pairs hooked on modules without cost pairs
 
 
 class EigenspectrumCallback(FigureCallback):
@@ -100,7 +101,7 @@ class EigenspectrumCallback(FigureCallback):
         min_groups: int | None = None,
         groups_per_feature: int = 100,
         hooked_layers: list[str] | None = None,
-        hooked_reg: float = 1e-3,
+        hooked_reg: float = HOOKED_REG,
         embedding_key: str | None = None,
     ) -> None:
         super().__init__(output_dir)
@@ -155,7 +156,17 @@ class EigenspectrumCallback(FigureCallback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if stage == "fit" and self._hooked is None and not callable(getattr(pl_module, "cost_modules", None)):
+        has_costs = callable(getattr(pl_module, "cost_modules", None))
+        given = [name for name, value, default in (("hooked_layers", self.hooked_layers, None),
+                 ("hooked_reg", self.hooked_reg, HOOKED_REG)) if value != default]  # fmt: skip
+        if has_costs and given:
+            raise ConfigurationError(
+                f"EigenspectrumCallback: {' and '.join(given)} set the pairs hooked on modules without cost pairs, "
+                f"but {type(pl_module).__name__} has its own (their spectra use the costs' settings): remove "
+                f"{'them' if len(given) > 1 else 'it'}",
+                parameter=given[0],
+            )
+        if stage == "fit" and self._hooked is None and not has_costs:
             self._hooked = HookedSpectrumPairs(self.hooked_layers, self.hooked_reg)
             self._hooked.attach(pl_module)
 

@@ -4,6 +4,7 @@ training steps already compute (:mod:`hfmca_lightning.analysis.health`), and a c
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -80,6 +81,12 @@ class HealthMetrics(Callback):
                 f"HealthMetrics: collapse_fraction must be in [0, 1); got {collapse_fraction}",
                 parameter="collapse_fraction",
             )
+        if stop_on_collapse and collapse_fraction == 0:
+            raise ConfigurationError(
+                f"HealthMetrics: collapse_fraction {collapse_fraction} never raises the collapse alarm, so "
+                "stop_on_collapse would never stop the run; give a fraction in (0, 1)",
+                parameter="collapse_fraction",
+            )
         self.every_n_steps, self.samples_per_dim = every_n_steps, samples_per_dim
         self.embedding_key, self.views_first = embedding_key, views_first
         self.collapse_fraction, self.stop_on_collapse = collapse_fraction, stop_on_collapse
@@ -129,6 +136,13 @@ class HealthMetrics(Callback):
         self._from_outputs = given is not None
         if given is not None:
             return given
+        if self.embedding_key is not None:
+            got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+            raise ConfigurationError(
+                f"HealthMetrics: embedding_key {self.embedding_key!r} names no (B * L, D) embeddings of the training "
+                f"step's output ({got}); name another key, or leave it out to hook the backbone",
+                parameter="embedding_key",
+            )
         calls = [call for call in self._hooked if call.shape[0] == samples]
         if calls and len({call.shape[1] for call in calls}) == 1:
             return torch.stack(calls, dim=1)

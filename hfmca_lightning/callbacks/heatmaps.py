@@ -58,8 +58,9 @@ class DensityRatioHeatmapCallback(FigureCallback):
         first_image: the index of the evaluation split the images start at.
 
     Raises:
-        ConfigurationError: when ``num_images``, ``every_n_epochs`` or ``statistics_images`` is below 1; at the
-            start of fitting, when the module has no internal costs or ``layers`` names others.
+        ConfigurationError: when ``num_images``, ``every_n_epochs`` or ``statistics_images`` is below 1 or an index
+            below 0; at the start of fitting, when the module has no internal costs, ``layers`` names others, or the
+            evaluation split has no image of ``image_class`` from ``first_image`` on.
     """
 
     def __init__(
@@ -80,6 +81,9 @@ class DensityRatioHeatmapCallback(FigureCallback):
         ):
             if value < 1:
                 raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 1; got {value}", parameter=name)
+        for name, index in (("first_image", first_image), ("image_class", image_class)):
+            if index is not None and index < 0:
+                raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 0; got {index}", parameter=name)
         self.num_images = num_images
         self.layers = layers
         self.every_n_epochs = every_n_epochs
@@ -104,6 +108,8 @@ class DensityRatioHeatmapCallback(FigureCallback):
                 f"{' '.join(names)}",
                 parameter="layers",
             )
+        if trainer.is_global_zero and trainer.datamodule is not None:  # the figure's images exist (now, not later)
+            figure_images(trainer.datamodule, 1, target=self.image_class, start=self.first_image)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:

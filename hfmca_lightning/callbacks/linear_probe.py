@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -14,7 +15,7 @@ from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddi
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.evaluation.features import evaluation_mode
 from hfmca_lightning.evaluation.linear import topk_accuracies
 
@@ -96,6 +97,11 @@ class LinearProbe(Callback):
                 raise ConfigurationError(f"LinearProbe needs {name} >= 1; got {value}", parameter=name)
         if lr <= 0:
             raise ConfigurationError(f"LinearProbe needs lr > 0; got {lr}", parameter="lr")
+        for name, value in (("momentum", momentum), ("weight_decay", weight_decay)):
+            if value < 0:
+                raise ConfigurationError(f"LinearProbe needs {name} >= 0; got {value}", parameter=name)
+        if not topk or any(k < 1 for k in topk):
+            raise ConfigurationError(f"LinearProbe needs topk of values >= 1; got {list(topk)}", parameter="topk")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.embedding_key, self.label_key, self.views_first = embedding_key, label_key, views_first
@@ -103,6 +109,7 @@ class LinearProbe(Callback):
         self.classifier: Any = None  # lightly's OnlineLinearClassifier, built in setup
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._warned = False
         self._logits: list[Tensor] = []
         self._targets: list[Tensor] = []
 
@@ -117,6 +124,15 @@ class LinearProbe(Callback):
                 f"set its num_classes to {data_classes} or leave it out",
                 parameter="num_classes",
             )
+        if self.num_classes is None and data_classes == 0:  # a source without labels: nothing to probe
+            if self.classifier is None and not self._warned:
+                rank_zero_warn(
+                    "LinearProbe: the data has no labels (a source without classes and no labelled evaluation data); "
+                    "the probe is skipped",
+                    category=HFMCAWarning,
+                )
+                self._warned = True
+            return
         self.num_classes = self.num_classes or data_classes
         self.feature_dim = self.feature_dim or getattr(getattr(pl_module, "backbone", None), "feature_dim", None)
         if self.num_classes is None or self.feature_dim is None:
@@ -145,6 +161,8 @@ class LinearProbe(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.classifier is None:  # no labels (setup)
+            return
         batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
         images, targets = first_views(batch, batch_format)
         distributed = trainer.world_size > 1
@@ -194,7 +212,7 @@ class LinearProbe(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if evaluation_split(trainer, dataloader_idx) != QUERIES:
+        if self.classifier is None or evaluation_split(trainer, dataloader_idx) != QUERIES:
             return
         embeddings, labels = evaluation_rows(outputs, self.embedding_key, self.label_key, "LinearProbe", pl_module)
         self.standardise.eval()

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import Tensor
 
+from hfmca_lightning.errors import ConfigurationError
+
 __all__ = ["EMBEDDING_KEYS", "LABEL_KEYS", "evaluation_rows", "step_embeddings", "step_tensor"]
 
 EMBEDDING_KEYS = ("features", "embedding")
@@ -65,7 +67,7 @@ def evaluation_rows(
     """``(embeddings (N, D), labels (N,))`` of an evaluation step's output, detached.
 
     Raises:
-        TypeError: naming ``reader`` and the keys it looked for, when the output lacks either.
+        ConfigurationError: naming ``reader`` and the keys it looked for, when the output lacks either.
     """
     embeddings = step_tensor(outputs, embedding_key, EMBEDDING_KEYS)
     labels = step_tensor(outputs, label_key, LABEL_KEYS)
@@ -73,7 +75,7 @@ def evaluation_rows(
         wanted = " / ".join(repr(k) for k in ((embedding_key,) if embedding_key is not None else EMBEDDING_KEYS))
         wanted_labels = " / ".join(repr(k) for k in ((label_key,) if label_key is not None else LABEL_KEYS))
         got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
-        raise TypeError(
+        raise ConfigurationError(
             f"{reader} needs {type(module).__name__}'s validation_step to return a dict with the embeddings (N, D) "
             f"under {wanted} and the labels (N,) under {wanted_labels}; it returned {got} (name other keys with "
             f"{reader}'s embedding_key / label_key)"

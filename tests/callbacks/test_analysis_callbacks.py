@@ -203,6 +203,24 @@ def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_draw
 def test_heatmap_statistics_image_count_must_be_positive():
     with pytest.raises(ConfigurationError, match="statistics_images >= 1"):
         DensityRatioHeatmapCallback(statistics_images=0)
+    with pytest.raises(ConfigurationError, match="first_image >= 0; got -5"):  # was read from the split's end
+        DensityRatioHeatmapCallback(first_image=-5)
+
+
+def test_heatmap_images_that_do_not_exist_stop_the_fit_before_its_first_step():
+    """``image_class`` names a class the evaluation split lacks: refused when fitting starts, not at the first figure
+    ``every_n_epochs`` epochs later."""
+    steps = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, *args) -> None:
+            steps.append(1)
+
+    callback = DensityRatioHeatmapCallback(layers=["L1"], image_class=99, every_n_epochs=5)
+    trainer = quiet_trainer(max_epochs=5, limit_val_batches=0, callbacks=[callback, Steps()])
+    with pytest.raises(ConfigurationError, match="the evaluation split has no images of class 99"):
+        trainer.fit(tiny_spectrum_module(), tiny_data())
+    assert steps == []
 
 
 def test_heatmaps_can_show_images_of_one_class(tmp_path, monkeypatch):

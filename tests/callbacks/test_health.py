@@ -131,6 +131,17 @@ def test_a_user_module_that_returns_loss_and_features_is_measured():
         assert_health_equal(logged[step], embeddings)
 
 
+def test_an_embedding_key_the_steps_do_not_return_is_one_line_not_a_silent_hook():
+    """A named ``embedding_key`` is the user's choice of embeddings: where the steps return none under it, the run
+    stops at the first collected step, instead of measuring the backbone's output in its place."""
+    module = HealthProbe(dim=8, inputs=8)
+    trainer = quiet_trainer(
+        max_steps=3, callbacks=[HealthMetrics(every_n_steps=3, embedding_key="z")], limit_val_batches=0
+    )
+    with pytest.raises(ConfigurationError, match="HealthMetrics: embedding_key 'z' names no"):
+        trainer.fit(module, train_dataloaders=gaussian_views(dim=8, batch_size=8))
+
+
 # --- exact resume -----------------------------------------------------------------------------------------------------
 
 
@@ -333,6 +344,7 @@ def test_a_healthy_hfmca_run_never_rings_the_alarm():
         ({"samples_per_dim": 0}, "samples_per_dim"),
         ({"collapse_fraction": 1.0}, "collapse_fraction"),
         ({"collapse_fraction": -0.1}, "collapse_fraction"),
+        ({"collapse_fraction": 0.0, "stop_on_collapse": True}, "collapse_fraction"),  # an alarm that never rings
     ],
 )
 def test_settings_out_of_range_are_refused_in_one_line(settings, parameter):

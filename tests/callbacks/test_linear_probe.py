@@ -79,6 +79,40 @@ def test_wrong_number_of_classes_is_one_clear_error():
         _fit([LinearProbe(num_classes=7)], epochs=1)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"momentum": -1.0}, "momentum >= 0; got -1.0"),
+        ({"weight_decay": -1.0}, "weight_decay >= 0; got -1.0"),
+        ({"topk": (0,)}, r"topk of values >= 1; got \[0\]"),
+    ],
+)
+def test_a_probe_setting_out_of_range_is_one_line_when_built(settings, message):
+    """Before: torch's SGD traceback at setup, or a torchmetrics error after a whole epoch (``topk: [0]``)."""
+    with pytest.raises(ConfigurationError, match=message):
+        LinearProbe(**settings)
+
+
+@pytest.mark.filterwarnings("ignore:UnlabelledFolderSource has no labelled evaluation split")
+def test_a_probe_on_data_without_labels_is_skipped_with_a_warning(tmp_path):
+    """A source without classes (an unlabelled image folder, no labelled evaluation data) has 0 classes: the probe
+    says so once and trains nothing, instead of building a classifier of zero classes."""
+    from hfmca_lightning.data import UnlabelledFolderSource
+    from hfmca_lightning.errors import HFMCAWarning
+    from tests.helpers import write_image_folder
+
+    write_image_folder(tmp_path, per_class=8, num_classes=2, size=16)
+    data = MultiViewDataModule(
+        UnlabelledFolderSource(str(tmp_path / "train"), image_size=16), views=SimCLRViews(count=2), batch_size=8,
+        num_workers=0,
+    )  # fmt: skip
+    probe = LinearProbe()
+    module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
+    with pytest.warns(HFMCAWarning, match="LinearProbe: the data has no labels"):
+        quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=[probe], accelerator="cpu").fit(module, data)
+    assert probe.classifier is None and probe.state_dict() == {}
+
+
 def _probe_and_module() -> tuple[LinearProbe, SimCLR, SimpleNamespace]:
     seed_everything(0)
     module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)

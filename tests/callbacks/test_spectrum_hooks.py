@@ -111,3 +111,17 @@ def test_internal_pairs_are_recorded_only_on_the_steps_their_window_needs(monkey
     assert [step for step, _ in spectrum.history["external"]] == [5, 9]
     assert spectrum.window_groups["external"] == 48
     assert [step for step, _ in spectrum.history["internal/features.2"]] == [1, 5, 9]
+
+
+def test_hooked_pair_settings_on_a_module_with_cost_pairs_are_refused():
+    """``hooked_layers`` / ``hooked_reg`` choose the pairs hooked on modules without cost pairs: given with an
+    HFMCAModule (whose spectra come from its costs) they would do nothing, so the fit stops before its first step."""
+    import pytest
+
+    from hfmca_lightning.errors import ConfigurationError
+    from tests.helpers import bn_free_module
+
+    for settings, named in (({"hooked_layers": ["features"]}, "hooked_layers"), ({"hooked_reg": 0.5}, "hooked_reg")):
+        trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[EigenspectrumCallback(**settings)])
+        with pytest.raises(ConfigurationError, match=f"EigenspectrumCallback: {named} set the pairs hooked on"):
+            trainer.fit(bn_free_module(), data(views=4))

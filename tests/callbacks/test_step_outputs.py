@@ -16,6 +16,7 @@ from torch import Tensor
 from hfmca_lightning.callbacks import EigenspectrumCallback, HealthMetrics, KNNEvaluation, LinearProbe
 from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddings
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
@@ -40,12 +41,12 @@ def test_both_conventions_give_the_same_embeddings_per_sample():
 def test_an_evaluation_output_without_the_keys_is_one_line_naming_them():
     embeddings, labels = evaluation_rows({"embedding": torch.ones(2, 3), "label": torch.zeros(2)}, None, None, "K", 0)
     assert embeddings.shape == (2, 3) and labels.shape == (2,)
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(ConfigurationError) as error:  # one line from the hfmca command, not a traceback
         evaluation_rows({"logits": torch.ones(2, 3)}, None, None, "KNNEvaluation", object())
     message = str(error.value)
     assert "\n" not in message and "'features' / 'embedding'" in message and "'targets' / 'label'" in message
     assert "['logits']" in message and "embedding_key / label_key" in message
-    with pytest.raises(TypeError, match="under 'z' and the labels"):
+    with pytest.raises(ConfigurationError, match="under 'z' and the labels"):
         evaluation_rows({"features": torch.ones(2, 3), "targets": torch.zeros(2)}, "z", None, "LinearProbe", 0)
 
 

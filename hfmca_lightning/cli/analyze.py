@@ -590,11 +590,16 @@ def run_analysis_command(argv: list[str]) -> None:
         command.add_argument(
             "--groups_per_feature",
             type=options.positive_int,
-            default=100,
-            help="groups per feature the statistics need at least",
+            default=None,
+            help="groups per feature the statistics need at least, without --num_batches (default 100)",
         )
         command.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
+    if args.num_batches is not None and args.groups_per_feature is not None:
+        raise ConfigurationError(
+            "--num_batches and --groups_per_feature both say how many batches the statistics take: give one"
+        )
+    args.groups_per_feature = 100 if args.groups_per_feature is None else args.groups_per_feature
     if args.command == "analyze":
         if args.config is not None:
             read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work

@@ -274,8 +274,8 @@ def run_evaluation_command(argv: list[str]) -> None:
     linear.add_argument(
         "--batch_size",
         type=options.positive_int,
-        default=256,
-        help="of the linear classifier on features (fine-tuning uses the run's)",
+        default=None,
+        help="of the linear classifier on features (default 256; fine-tuning uses the run's)",
     )
     linear.add_argument(
         "--lr",
@@ -290,6 +290,12 @@ def run_evaluation_command(argv: list[str]) -> None:
     if args.command == "linear":
         if not 0 < args.label_fraction <= 1:
             raise ConfigurationError(f"--label_fraction must be in (0, 1]; got {args.label_fraction}")
+        if args.finetune and args.batch_size is not None:
+            raise ConfigurationError(
+                "--batch_size is the linear classifier's batch on frozen features; --finetune trains in the run's "
+                "batches (its data.init_args.batch_size): leave --batch_size out"
+            )
+        args.batch_size = 256 if args.batch_size is None else args.batch_size
     if args.config is not None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     name = linear_name(args.finetune, args.label_fraction) if args.command == "linear" else "knn"

@@ -216,5 +216,6 @@ def run_export_command(argv: list[str]) -> None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     check_out(args.out, args.overwrite)
     splits = ["train", "test"] if args.embeddings == [] else args.embeddings
+    splits = None if splits is None else list(dict.fromkeys(splits))  # `train train`: one file, written once
     path = export_backbone(args.ckpt_path, args.out, embeddings=splits, device=args.device, config_path=args.config)
     print(f"wrote {path.parent}")

@@ -79,13 +79,15 @@ def knn_grid(
     ks: Sequence[int],
     temperatures: Sequence[float],
 ) -> list[dict[str, float]]:
-    """:func:`knn_accuracy` for every ``(k, temperature)``: rows ``{"k", "temperature", "top1"}``, k-major."""
+    """:func:`knn_accuracy` for every ``(k, temperature)``: rows ``{"k", "temperature", "top1"}``, k-major, each ``k``
+    as used (at most the bank's size: a larger one votes with the whole bank, and is reported as that size, once)."""
+    used = list(dict.fromkeys(min(k, bank.shape[0]) for k in ks))
     return [
         {
             "k": k,
             "temperature": t,
             "top1": knn_accuracy(queries, query_targets, bank, bank_targets, num_classes, k=k, temperature=t),
         }
-        for k in ks
+        for k in used
         for t in temperatures
     ]

@@ -72,7 +72,8 @@ class HFMCACost(nn.Module):
         reg: ``> 0`` diagonal regulariser (0.1 for SSL training, 1e-3 for spectrum analysis).
         beta: EMA factor in ``[0, 1)`` (0 for SSL training, 0.5 for spectrum analysis).
         sync_dist: reduce statistics over ranks, see :func:`hfmca_cost`.
-        name: the cost's name in error messages and logs.
+        name: the cost's name in its error messages (HFMCAModule logs its costs under fixed keys, ``cost/external``
+            and ``cost/internal/<layer>``).
 
     Raises:
         ConfigurationError: when ``reg`` is not a finite number ``> 0`` or ``beta`` is not in ``[0, 1)``.

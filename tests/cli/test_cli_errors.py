@@ -301,6 +301,30 @@ def test_a_diverged_runs_checkpoint_is_one_line_for_every_command(command, tmp_p
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["linear", "--finetune", "--batch_size", "8"],
+            "--batch_size is the linear classifier's batch on frozen features; --finetune trains in the run's",
+        ),
+        (["analyze", "--num_batches", "2", "--groups_per_feature", "50"], "--num_batches and --groups_per_feature"),
+        (["compare", "--num_batches", "2", "--groups_per_feature", "50"], "--num_batches and --groups_per_feature"),
+    ],
+    ids=["linear --finetune --batch_size", "analyze", "compare"],
+)
+def test_options_one_of_which_would_be_ignored_are_one_line(command, expected, tmp_path, trained_checkpoint, capsys):
+    """Each pair was accepted and one option silently did nothing."""
+    name, *options = command
+    checkpoints = ["--ckpt_a", str(trained_checkpoint), "--ckpt_b", str(trained_checkpoint)]
+    given = checkpoints if name == "compare" else ["--ckpt_path", str(trained_checkpoint)]
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, *given, "--out", str(tmp_path / "out"), *options])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.splitlines()[-1].startswith(f"hfmca: error: {expected}"), err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 @pytest.mark.parametrize(("case", "args", "changes", "expected"), CASES, ids=[case[0] for case in CASES])
 def test_bad_input_is_one_line_with_exit_status_2_before_training(
     case, args, changes, expected, tmp_path, trained_checkpoint, capsys

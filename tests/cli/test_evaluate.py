@@ -88,6 +88,9 @@ def test_exported_weights_give_the_modules_features_in_stock_torchvision(simclr_
 def test_exported_embeddings_are_the_features_and_labels_of_each_split(simclr_run, tmp_path):
     out = tmp_path / "embed"
     main(["export", "--ckpt_path", str(simclr_run), "--out", str(out), "--embeddings"])
+    repeated = tmp_path / "repeated"  # a split named twice is written once (it failed half-way, leaving files)
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(repeated), "--embeddings", "test", "test"])
+    assert sorted(path.name for path in repeated.iterdir()) == ["backbone.json", "backbone.pt", "embeddings_test.npz"]
     module, datamodule = load_run(simclr_run)
     for split, loader in zip(("train", "test"), datamodule.val_dataloader()):
         saved = np.load(out / f"embeddings_{split}.npz")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hfmca_lightning.evaluation import knn_accuracy, knn_predict
+from hfmca_lightning.evaluation import knn_accuracy, knn_grid, knn_predict
 
 
 def reference_knn(queries, bank, targets, num_classes, k, temperature):
@@ -41,3 +41,13 @@ def test_bad_arguments():
         knn_predict(torch.rand(2, 3), torch.rand(4, 3), torch.zeros(4, dtype=torch.long), 2, temperature=0)
     with pytest.raises(ValueError, match="bank has 4 features but 3 targets"):
         knn_predict(torch.rand(2, 3), torch.rand(4, 3), torch.zeros(3, dtype=torch.long), 2)
+
+
+def test_the_grid_reports_each_k_as_used():
+    """A k above the bank's size votes with the whole bank: the row says so (k = the bank's size), once."""
+    torch.manual_seed(0)
+    bank, targets = torch.randn(10, 4), torch.arange(10) % 2
+    queries, query_targets = torch.randn(5, 4), torch.arange(5) % 2
+    rows = knn_grid(queries, query_targets, bank, targets, 2, ks=[3, 50, 200], temperatures=[0.1])
+    assert [row["k"] for row in rows] == [3, 10]
+    assert rows[1]["top1"] == knn_accuracy(queries, query_targets, bank, targets, 2, k=10, temperature=0.1)

@@ -56,7 +56,11 @@ class HookedSpectrumPairs:
         layers = self.layers if self.layers is not None else analysis_layers(backbone)
         if layers:
             self.internal = InternalCosts(layers, reg=self.reg, precision="float64")
-            self.internal.attach(backbone)
+            try:
+                self.internal.attach(backbone)
+            except ConfigurationError as error:  # the layers are the callback's, not a module's internal costs
+                message = str(error).replace("internal cost layer", "EigenspectrumCallback hooked_layers:", 1)
+                raise ConfigurationError(message, parameter="hooked_layers") from None
         backbone.register_forward_hook(self._backbone_output)
         head = getattr(module, "projection_head", None)
         if isinstance(head, nn.Module):

@@ -286,7 +286,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             )
         self.internal_costs = internal_costs
         if internal_costs is not None:
-            internal_costs.attach(self.backbone)
+            try:
+                internal_costs.attach(self.backbone)
+            except ConfigurationError as error:  # named where the config gives the layers
+                raise ConfigurationError(str(error), parameter=f"internal_costs.init_args.{error.parameter}") from None
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.views_through_backbone = views_through_backbone

@@ -125,3 +125,17 @@ def test_hooked_pair_settings_on_a_module_with_cost_pairs_are_refused():
         trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[EigenspectrumCallback(**settings)])
         with pytest.raises(ConfigurationError, match=f"EigenspectrumCallback: {named} set the pairs hooked on"):
             trainer.fit(bn_free_module(), data(views=4))
+
+
+def test_an_unknown_hooked_layer_is_named_as_the_callbacks_setting():
+    import pytest
+
+    from hfmca_lightning.errors import ConfigurationError
+
+    callback = EigenspectrumCallback(hooked_layers=["no.such.layer"])
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[callback])
+    module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=16, output_dim=8)
+    with pytest.raises(
+        ConfigurationError, match="EigenspectrumCallback hooked_layers: 'no.such.layer' is not a module"
+    ):
+        trainer.fit(module, data())

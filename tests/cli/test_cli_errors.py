@@ -122,6 +122,18 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "in [0, 1)",
     ),
     (
+        "an internal cost layer the backbone lacks",
+        lambda tmp, ckpt: [],
+        lambda tmp: {
+            "model.init_args.internal_costs": {
+                "class_path": "hfmca_lightning.methods.InternalCosts",
+                "init_args": {"layers": ["blocks.L42"]},
+            }
+        },
+        "model.init_args.internal_costs.init_args.layers: internal cost layer 'blocks.L42' is not a module of the "
+        "backbone SmallConvNet",
+    ),
+    (
         "negative num_workers",
         lambda tmp, ckpt: ["--data.init_args.num_workers", "-1"],
         lambda tmp: {},

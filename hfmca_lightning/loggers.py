@@ -15,9 +15,10 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from hfmca_lightning.errors import HFMCAWarning
+from hfmca_lightning.runtime.checkpoint_io import is_local
 from hfmca_lightning.runtime.files import write_text_atomically
 
 __all__ = ["OfflineSafeWandbLogger", "continue_csv_log", "wandb_credentials_available"]
@@ -90,7 +91,9 @@ def _settings(init_timeout: float) -> Any:
 
 class _ContinuedMetrics(ExperimentWriter):
     """Lightning's CSV writer on a ``metrics.csv`` that holds the rows of the run being resumed: it keeps the rows of
-    the steps before ``from_step`` (rewritten atomically), drops those the resumed run logs again, and appends."""
+    the steps before ``from_step`` (rewritten atomically) and appends. The rows of later steps (the resumed run logs
+    those steps again) go to ``metrics-after-step-<from_step>.csv`` beside it, so that a resume from an older
+    checkpoint loses no history; a file that cannot be read as CSV is moved aside with a warning."""
 
     def __init__(self, log_dir: str, from_step: int) -> None:
         self._from_step = from_step
@@ -100,15 +103,34 @@ class _ContinuedMetrics(ExperimentWriter):
         path = Path(self.metrics_file_path)
         if not path.is_file():
             return
-        with path.open(newline="") as file:
-            reader = csv.DictReader(file)
-            kept = [row for row in reader if _step_of(row) < self._from_step]
-            self.metrics_keys = list(reader.fieldnames or [])
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
-        writer.writeheader()
-        writer.writerows(kept)
-        write_text_atomically(path, text.getvalue())
+        try:
+            with path.open(newline="", encoding="utf-8") as file:
+                reader = csv.DictReader(file)
+                rows = list(reader)
+                keys = list(reader.fieldnames or [])
+            kept = [row for row in rows if _step_of(row) < self._from_step]
+            dropped = [row for row in rows if _step_of(row) >= self._from_step]
+            texts = [_csv_text(keys, kept), _csv_text(keys, dropped) if dropped else None]
+        except (csv.Error, ValueError, UnicodeDecodeError) as error:
+            aside = path.with_name(f"metrics-unreadable-{os.getpid()}.csv")
+            os.replace(path, aside)
+            rank_zero_warn(
+                f"{path} cannot be read as CSV ({error}); moved to {aside.name}, the resumed run starts a new one",
+                category=HFMCAWarning,
+            )
+            return
+        if texts[1] is not None:
+            write_text_atomically(path.with_name(f"metrics-after-step-{self._from_step}.csv"), texts[1])
+        write_text_atomically(path, texts[0])
+        self.metrics_keys = keys
+
+
+def _csv_text(keys: list[str], rows: list[dict[str, str]]) -> str:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 def _step_of(row: dict[str, str]) -> float:
@@ -118,13 +140,16 @@ def _step_of(row: dict[str, str]) -> float:
         return float("inf")
 
 
-def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int) -> str | None:
+def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int, writes: bool = True) -> str | None:
     """Point ``logger`` at the version folder of the resumed run (the one of ``log_dirs``, stored in its checkpoint,
     under the logger's own ``save_dir / name``) and continue its ``metrics.csv`` from ``from_step``, the checkpoint's
     global step: the rows of earlier steps are kept, the rest dropped (the resumed run logs those steps again).
     Lightning writes a training step's row under ``global_step - 1`` and an epoch's end under its last step's, so
-    exactly the rows of the work in the checkpoint are kept. Returns the folder, or None when no stored folder is
-    under the logger's (a new version folder then, as without this)."""
+    exactly the rows of the work in the checkpoint are kept. ``writes``: whether this process writes the file (the
+    global rank 0). Returns the folder, or None when no stored folder is under the logger's local ``save_dir`` (a new
+    version folder then, as without this)."""
+    if not is_local(logger.root_dir):
+        return None
     root = os.path.abspath(logger.root_dir)
     folder = next((path for path in log_dirs if os.path.dirname(os.path.abspath(path)) == root), None)
     if folder is None:
@@ -132,7 +157,7 @@ def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int)
     name = os.path.basename(os.path.normpath(folder))
     number = re.fullmatch(r"version_(\d+)", name)
     logger._version = int(number.group(1)) if number else name  # CSVLogger(version=...) after construction
-    if rank_zero_only.rank == 0:  # the writer is rank 0's (rank_zero_experiment)
+    if writes:  # the writer is rank 0's (rank_zero_experiment)
         os.makedirs(logger.log_dir, exist_ok=True)
         logger._experiment = _ContinuedMetrics(logger.log_dir, from_step)
     return logger.log_dir

@@ -28,6 +28,19 @@ def torch_threads_as_found() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def logger_levels_as_found() -> Iterator[None]:
+    """Every test starts with the process's logger levels: ``hfmca`` commands run in-process set Lightning's (a
+    command that does not train hides its INFO lines), which later tests that read those lines must not inherit."""
+    import logging
+
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
+    levels = {logger: logger.level for logger in loggers if isinstance(logger, logging.Logger)}
+    yield
+    for logger, level in levels.items():
+        logger.setLevel(level)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(INTEGRATION):

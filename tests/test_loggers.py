@@ -116,8 +116,8 @@ def _write_metrics(folder: Path, rows: list[dict[str, object]]) -> None:
         writer.writerows(rows)
 
 
-def _rows(folder: Path) -> list[dict[str, str]]:
-    with (folder / "metrics.csv").open(newline="") as file:
+def _rows(folder: Path, name: str = "metrics.csv") -> list[dict[str, str]]:
+    with (folder / name).open(newline="") as file:
         return list(csv.DictReader(file))
 
 
@@ -139,6 +139,29 @@ def test_a_continued_csv_log_keeps_the_rows_before_the_checkpoint_and_appends(tm
     rows = _rows(folder)
     assert len(rows) == 6 and (rows[-1]["step"], rows[-1]["cost"], rows[-1]["health"]) == ("4", "40.0", "1.0")
     assert rows[0]["health"] == "" and [path.name for path in folder.parent.iterdir()] == ["version_0"]
+    # the dropped rows are kept beside it (a resume from an older checkpoint loses no history)
+    assert [(row["step"], row["cost"]) for row in _rows(folder, "metrics-after-step-4.csv")] == [
+        ("4", "4.0"), ("5", "5.0")
+    ]  # fmt: skip
+
+
+def test_a_metrics_file_that_is_not_csv_is_moved_aside_with_a_warning(tmp_path):
+    """A row with more fields than the header, or bytes that are not UTF-8: the resume goes on with a new file and
+    says where the old one went, instead of a traceback."""
+    from hfmca_lightning.errors import HFMCAWarning
+
+    for name, content in (("extra", b"step,cost\n0,1.0\n1,2.0,3.0\n"), ("bytes", b"step,cost\n0,\xff\xfe\n")):
+        folder = tmp_path / name / "run" / "version_0"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_bytes(content)
+        logger = CSVLogger(str(tmp_path / name), name="run")
+        with pytest.warns(HFMCAWarning, match="cannot be read as CSV"):
+            continue_csv_log(logger, [str(folder)], from_step=1)
+        (aside,) = folder.glob("metrics-unreadable-*.csv")
+        assert aside.read_bytes() == content and not (folder / "metrics.csv").exists()
+        logger.log_metrics({"cost": 5.0}, step=1)
+        logger.save()
+        assert [row["cost"] for row in _rows(folder)] == ["5.0"]
 
 
 def test_a_csv_log_of_another_folder_or_a_named_version_is_handled(tmp_path):

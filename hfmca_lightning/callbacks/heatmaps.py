@@ -108,7 +108,7 @@ class DensityRatioHeatmapCallback(FigureCallback):
                 f"{' '.join(names)}",
                 parameter="layers",
             )
-        if trainer.is_global_zero and trainer.datamodule is not None:  # the figure's images exist (now, not later)
+        if trainer.datamodule is not None:  # the figure's images exist (now, not later; on every process alike)
             figure_images(trainer.datamodule, 1, target=self.image_class, start=self.first_image)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -233,7 +233,8 @@ def knn_evaluation(
     header = (
         "| k | " + " | ".join(f"t = {t:g}" for t in temperatures) + " |\n|---:|" + "---:|" * len(temperatures) + "\n"
     )
-    lines = [f"| {k} | " + " | ".join(f"{100 * row['top1']:.2f}" for row in rows if row["k"] == k) + " |" for k in ks]
+    used = dict.fromkeys(row["k"] for row in rows)  # a k above the bank's size is the bank's size (knn_grid)
+    lines = [f"| {k} | " + " | ".join(f"{100 * row['top1']:.2f}" for row in rows if row["k"] == k) + " |" for k in used]
     table = (
         f"kNN top-1 (%) of {ckpt_path} ({result['method']}), {len(bank)} bank / {len(queries)} test images\n\n{header}"
         + "\n".join(lines)

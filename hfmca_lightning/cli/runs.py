@@ -263,8 +263,12 @@ def _trusted(path: Any) -> bool:
 # may name nothing in them.
 _CODE_LOADING_MODULES = (
     "torch.ops", "torch.classes", "torch.hub", "torch.jit", "torch.package", "torch.serialization", "torch.library",
-    "torch.utils.cpp_extension", "torch.distributed", "torch.multiprocessing", "torch.compiler", "torch._",
+    "torch.utils.cpp_extension", "torch.distributed.rpc", "torch.distributed.elastic", "torch.distributed.run",
+    "torch.distributed.launch", "torch.multiprocessing", "torch.compiler", "torch._",
 )  # fmt: skip
+# Routines a stored config may name: the defaults a full config dump holds (torchvision's image-folder data sets'
+# `loader`), which read an image file as PIL does.
+_TRUSTED_ROUTINES = frozenset({"torchvision.datasets.folder.default_loader", "torchvision.datasets.folder.pil_loader"})
 
 
 def _not_a_trusted_class(path: str) -> str | None:
@@ -273,6 +277,8 @@ def _not_a_trusted_class(path: str) -> str | None:
     a callable setting (a data set's image ``loader``) runs with the values the config gives it."""
     if path.startswith(_CODE_LOADING_MODULES):
         return "which loads code"
+    if path in _TRUSTED_ROUTINES:
+        return None
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -354,10 +360,16 @@ def load_run(
     try:
         module.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:
-        first = str(error).strip().splitlines()[0]
-        raise ConfigurationError(
-            f"{ckpt_path} does not fit the model of its config ({first}); pass --config with the run's YAML"
-        ) from None
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        detail = " ".join(lines[1:2] or lines[:1])  # torch's first line only says where: the next says what
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        where = f"the config {config_path}" if config_path else "the config stored in it"
+        remedy = (
+            "pass the config of the run that wrote the checkpoint"
+            if config_path
+            else "pass --config with the run's YAML"
+        )
+        raise ConfigurationError(f"{ckpt_path} does not fit the model of {where} ({detail}); {remedy}") from None
     module.eval()
     datamodule.setup("fit")
     return module, datamodule

@@ -94,7 +94,8 @@ def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, 
     """The local checkpoint folders the run's ``ModelCheckpoint`` callbacks write into, known before training (with
     ``last_only``: those of the callbacks that write ``last.ckpt``): each callback's ``dirpath``; without one,
     ``<default_root_dir>/checkpoints`` when the trainer has no logger. (With a logger and no ``dirpath``,
-    Lightning writes into the logger's new version folder, which no other run shares and none resumes from.)"""
+    Lightning writes into the first logger's version folder, known only once the run starts: a new one for a new run,
+    the checkpoint's for a resumed one whose first logger is a CSV logger.)"""
     folders: dict[Path, ModelCheckpoint] = {}
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or (last_only and not callback.save_last):
@@ -283,7 +284,12 @@ class HFMCACLI(LightningCLI):
                     logger.resume_run(run_id)
         for logger in self.trainer.loggers:  # metrics.csv goes on in the resumed run's folder
             if isinstance(logger, CSVLogger):
-                continue_csv_log(logger, saved_csv_log_dirs(checkpoint), int(checkpoint.get("global_step", 0)))
+                continue_csv_log(
+                    logger,
+                    saved_csv_log_dirs(checkpoint),
+                    int(checkpoint.get("global_step", 0)),
+                    writes=self.trainer.is_global_zero,
+                )
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["check_batch_format", "check_feature_sizes", "check_image_size"]
+__all__ = ["check_batch_format", "check_checkpoint_architecture", "check_feature_sizes", "check_image_size"]
 
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
@@ -72,3 +72,30 @@ def check_feature_sizes(backbone: nn.Module, projector: nn.Module | None, extern
             )
         if part is not None and key == "projector":
             size, giver = getattr(part, "output_dim", None), "the projector gives"
+
+
+def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Raise one clear error if ``checkpoint`` was written by a model of another architecture."""
+    # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, which a checkpoint may lack) is theirs to read.
+    saved = {key: value for key, value in checkpoint.get("state_dict", {}).items() if isinstance(value, Tensor)}
+    current = {key: value for key, value in module.state_dict().items() if isinstance(value, Tensor)}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    mismatched = [
+        f"{key}: checkpoint {tuple(saved[key].shape)} vs model {tuple(current[key].shape)}"
+        for key in sorted(set(saved) & set(current))
+        if saved[key].shape != current[key].shape and current[key].numel() > 0  # lazily sized buffers adapt
+    ]
+    if missing or unexpected or mismatched:
+        details = []
+        if missing:
+            details.append(f"{len(missing)} parameters missing from the checkpoint (e.g. {missing[0]})")
+        if unexpected:
+            details.append(f"{len(unexpected)} parameters the model does not have (e.g. {unexpected[0]})")
+        if mismatched:
+            details.append(f"{len(mismatched)} shape mismatches (e.g. {mismatched[0]})")
+        raise ConfigurationError(
+            f"the checkpoint was trained with a different architecture than {type(module).__name__} as "
+            f"configured: {'; '.join(details)}. Resume with the config the checkpoint was trained with "
+            "(saved as config.yaml in the run folder)."
+        )

@@ -19,7 +19,12 @@ from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationErro
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
-from hfmca_lightning.methods.compatibility import check_batch_format, check_feature_sizes, check_image_size
+from hfmca_lightning.methods.compatibility import (
+    check_batch_format,
+    check_checkpoint_architecture,
+    check_feature_sizes,
+    check_image_size,
+)
 from hfmca_lightning.methods.deferred_checks import (
     DeferredChecks,
     NonFiniteStepError,
@@ -40,7 +45,6 @@ __all__ = [
     "HFMCAModule",
     "Objective",
     "ObjectiveValues",
-    "check_checkpoint_architecture",
     "objective_values",
 ]
 
@@ -99,33 +103,6 @@ def objective_values(
     if internal:
         total = total + internal_weight * torch.stack(internal).sum()
     return ObjectiveValues(values, total, state, (~torch.isfinite(total)).to(torch.int64), filters)
-
-
-def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
-    """Raise one clear error if ``checkpoint`` was written by a model of another architecture."""
-    # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, which a checkpoint may lack) is theirs to read.
-    saved = {key: value for key, value in checkpoint.get("state_dict", {}).items() if isinstance(value, Tensor)}
-    current = {key: value for key, value in module.state_dict().items() if isinstance(value, Tensor)}
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    mismatched = [
-        f"{key}: checkpoint {tuple(saved[key].shape)} vs model {tuple(current[key].shape)}"
-        for key in sorted(set(saved) & set(current))
-        if saved[key].shape != current[key].shape and current[key].numel() > 0  # lazily sized buffers adapt
-    ]
-    if missing or unexpected or mismatched:
-        details = []
-        if missing:
-            details.append(f"{len(missing)} parameters missing from the checkpoint (e.g. {missing[0]})")
-        if unexpected:
-            details.append(f"{len(unexpected)} parameters the model does not have (e.g. {unexpected[0]})")
-        if mismatched:
-            details.append(f"{len(mismatched)} shape mismatches (e.g. {mismatched[0]})")
-        raise ConfigurationError(
-            f"the checkpoint was trained with a different architecture than {type(module).__name__} as "
-            f"configured: {'; '.join(details)}. Resume with the config the checkpoint was trained with "
-            "(saved as config.yaml in the run folder)."
-        )
 
 
 class _HookGuardedCompile:
@@ -613,3 +590,4 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_architecture(self, checkpoint)
+        self._deferred_checks = DeferredChecks()  # the state of a good step: a failure of this object's is gone

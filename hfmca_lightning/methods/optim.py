@@ -99,8 +99,8 @@ def configure_optimizers(
         return {"optimizer": built, "lr_scheduler": cosine_schedule(module, built, warmup_epochs)}
     if warmup_epochs:
         raise ConfigurationError(
-            f"warmup_epochs ({warmup_epochs}) warms up the default cosine schedule, but an lr_scheduler is given: put "
-            "the warm-up in that schedule (e.g. torch.optim.lr_scheduler.SequentialLR) and set warmup_epochs to 0",
+            f"warmup_epochs ({warmup_epochs}) warms up the default cosine schedule, but an lr_scheduler is given: "
+            "leave lr_scheduler out for the cosine schedule with this warm-up, or set warmup_epochs to 0",
             parameter="warmup_epochs",
         )
     schedule = lr_scheduler(built)

@@ -125,12 +125,16 @@ def test_package_backbones_export_with_their_init_args(tmp_path):
 
 def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_path, capsys):
     out = tmp_path / "knn"
-    main(["knn", "--ckpt_path", str(simclr_run), "--out", str(out), "--k", "5", "20", "--temperature", "0.07", "0.1"])
+    ks = ["--k", "5", "20", "200"]  # 200: more than the 32 bank images, reported as the 32 it uses
+    main(["knn", "--ckpt_path", str(simclr_run), "--out", str(out), *ks, "--temperature", "0.07", "0.1"])
     result = json.loads((out / "knn.json").read_text())
-    assert [(row["k"], row["temperature"]) for row in result["results"]] == [(5, 0.07), (5, 0.1), (20, 0.07), (20, 0.1)]
+    assert [(row["k"], row["temperature"]) for row in result["results"]] == [
+        (5, 0.07), (5, 0.1), (20, 0.07), (20, 0.1), (32, 0.07), (32, 0.1)
+    ]  # fmt: skip
     assert (result["bank"], result["queries"]) == (32, 12)
     table = (out / "knn.md").read_text()
     assert "| k | t = 0.07 | t = 0.1 |" in table and table.count("\n| 5 |") == 1
+    assert table.count("\n| 32 | ") == 1 and "| 200 |" not in table
     module, datamodule = load_run(simclr_run)
     trainer = quiet_trainer(
         callbacks=[KNNEvaluation(k=20, temperature=0.1)],
@@ -213,3 +217,21 @@ def test_a_classifier_inside_a_sequential_is_replaced_where_it_was(tmp_path):
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(namespace["net"](images), backbone(images), rtol=0, atol=1e-6)
+
+
+def test_a_config_of_another_architecture_is_one_line_naming_what_differs(simclr_run, tmp_path):
+    """``--config`` of the run with another projection width: the baseline says what differs, in one line, as
+    HFMCAModule does (it was torch's load_state_dict message, cut to its first line)."""
+    import yaml
+
+    from hfmca_lightning.callbacks.stored_config import saved_config
+    from hfmca_lightning.errors import ConfigurationError
+
+    config = yaml.safe_load(saved_config(torch.load(simclr_run, weights_only=True)) or "")
+    config["model"]["init_args"]["hidden_dim"] = 64
+    (tmp_path / "wider.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigurationError) as refused:
+        load_run(simclr_run, config_path=tmp_path / "wider.yaml")
+    message = str(refused.value)
+    assert message.startswith("the checkpoint was trained with a different architecture than SimCLR as configured")
+    assert "shape mismatches (e.g. projection_head." in message and "\n" not in message

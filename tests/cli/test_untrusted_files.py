@@ -282,7 +282,7 @@ def test_a_checkpoints_hyper_parameters_are_not_merged_into_the_run(
     [
         ("torch.ops.load_library", "which loads code"),  # a data set's `loader`: each image file dlopen'ed
         ("torch.hub.load", "which loads code"),
-        ("torchvision.datasets.folder.default_loader", "a function, not a class"),
+        ("torchvision.io.read_file", "a function, not a class"),
         ("torch.float32", "a dtype, not a class"),
     ],
 )
@@ -303,7 +303,7 @@ def test_a_stored_config_may_name_classes_only_and_none_that_load_code(tmp_path:
         with pytest.raises(ConfigurationError, match="the config stored in the checkpoint is refused") as refused:
             run_config(tmp_path / "stored.ckpt", checkpoint)
         assert f"names '{name}', {why}" in str(refused.value)
-    folder["init_args"]["loader"] = "torchvision.io.ImageReadMode"  # a class: passes the check
+    folder["init_args"]["loader"] = "torchvision.datasets.folder.default_loader"  # the default a full dump holds
     config = yaml.safe_load(DEMO.read_text())
     config["data"]["init_args"]["source"] = {
         "class_path": "hfmca_lightning.data.DatasetSource",

@@ -188,3 +188,16 @@ def test_a_save_on_exception_after_a_failed_step_writes_nothing(tmp_path, capsys
         saved = torch.load(path, map_location="cpu", weights_only=True)
         assert saved["global_step"] <= int(failed.group(1)), path.name
         assert all(torch.isfinite(value).all() for value in saved["state_dict"].values() if value.is_floating_point())
+
+
+def test_loading_a_checkpoint_clears_a_failure_of_the_module_object():
+    """A failure stays until the module's state is replaced: after ``on_load_checkpoint`` (a notebook fitting the same
+    object again from a good checkpoint) the old failure no longer stops it."""
+    module = bn_free_module()
+    checks = _checks(0)
+    module._deferred_checks.push(checks, checks.packed(), 3, epoch=0)
+    for _ in range(2):
+        with pytest.raises(CostFactorisationError, match="training stopped at step 3"):
+            module.raise_if_a_step_failed()
+    module.on_load_checkpoint({"state_dict": module.state_dict()})
+    module.raise_if_a_step_failed()

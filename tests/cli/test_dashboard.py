@@ -140,6 +140,7 @@ def test_dry_run_prints_the_view_without_saving(capsys):
 def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
     """A SimCLR run logs its hooked spectra, RankMe and health metrics under the HFMCA keys: every one of them has its
     panel in the view that shows HFMCA runs (one view for both)."""
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
     from hfmca_lightning.methods.baselines import SimCLR
     from hfmca_lightning.models import SmallConvNet
 
@@ -153,7 +154,13 @@ def test_a_baselines_spectra_land_in_the_same_panels(tmp_path):
         log_every_n_steps=1,
         limit_val_batches=0,
     )
-    trainer.fit(SimCLR(SmallConvNet(width=4, num_stages=2), hidden_dim=8, output_dim=4), tiny_data())
+    data = MultiViewDataModule(  # tiny_data()'s, with the two views SimCLR compares
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=3),
+        views=SimCLRViews(count=2),
+        batch_size=6,
+        num_workers=0,
+    )
+    trainer.fit(SimCLR(SmallConvNet(width=4, num_stages=2), hidden_dim=8, output_dim=4), data)
     keys = next(csv.reader(open(Path(trainer.log_dir) / "metrics.csv")))
     pairs = {"external", "internal/features.0", "internal/features.1"}
     workspace = eigenvalue_dynamics_workspace("team", "hfmca")

@@ -6,6 +6,7 @@ so a Ctrl-C during start-up also ends with one line and exit status 130."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -14,8 +15,11 @@ __all__ = ["main"]
 
 
 def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C while the command imports what it needs: the line, then the process ends at once. Nothing is written
+    yet, and an exception raised into an import can be swallowed by code it interrupts (a finaliser), leaving a
+    half-imported module that fails later with a traceback (matplotlib's, seen)."""
     print("hfmca: interrupted.", file=sys.stderr, flush=True)
-    raise SystemExit(130)
+    os._exit(130)
 
 
 def main(args: list[str] | None = None) -> None:

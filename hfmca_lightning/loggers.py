@@ -143,7 +143,8 @@ def _step_of(row: dict[str, str]) -> float:
 def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int, writes: bool = True) -> str | None:
     """Point ``logger`` at the version folder of the resumed run (the one of ``log_dirs``, stored in its checkpoint,
     under the logger's own ``save_dir / name``) and continue its ``metrics.csv`` from ``from_step``, the checkpoint's
-    global step: the rows of earlier steps are kept, the rest dropped (the resumed run logs those steps again).
+    global step: the rows of earlier steps are kept, the rest moved to ``metrics-after-step-<from_step>.csv`` (the
+    resumed run logs those steps again).
     Lightning writes a training step's row under ``global_step - 1`` and an epoch's end under its last step's, so
     exactly the rows of the work in the checkpoint are kept. ``writes``: whether this process writes the file (the
     global rank 0). Returns the folder, or None when no stored folder is under the logger's local ``save_dir`` (a new

@@ -114,10 +114,11 @@ def trace_config(
     for section, values in (overrides or {}).items():
         target = config.setdefault(section, {})
         (target.setdefault("init_args", {}) if "class_path" in target else target).update(values)
-    if drop_internal:  # and the callbacks that draw internal pairs
+    # The heatmap callback draws once per epoch, not in a step (and reads its images on the host when fitting starts)
+    callbacks = config.get("trainer", {}).get("callbacks") or []
+    config.setdefault("trainer", {})["callbacks"] = [c for c in callbacks if "Heatmap" not in c.get("class_path", "")]
+    if drop_internal:
         config["model"]["init_args"].pop("internal_costs", None)
-        callbacks = config.get("trainer", {}).get("callbacks") or []
-        config["trainer"]["callbacks"] = [c for c in callbacks if "Heatmap" not in c.get("class_path", "")]
     steps = _steps_per_draw(config)
     traced = traced_config(config, steps=1 + steps, spare=steps + 1)
     trace = Trace(gpu, steps=steps)

@@ -79,7 +79,7 @@ class RunState(Callback):
             for logger in self._trainer.loggers:
                 if isinstance(logger, WandbLogger):
                     state["wandb_run_id"] = logger.version
-            folders = [logger.log_dir for logger in self._trainer.loggers if isinstance(logger, CSVLogger)]
+            folders = [os.path.abspath(log.log_dir) for log in self._trainer.loggers if isinstance(log, CSVLogger)]
             if folders:
                 state["csv_log_dirs"] = folders
         return state

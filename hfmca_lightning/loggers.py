@@ -107,7 +107,7 @@ class _ContinuedMetrics(ExperimentWriter):
             with path.open(newline="", encoding="utf-8") as file:
                 reader = csv.DictReader(file)
                 rows = list(reader)
-                keys = list(reader.fieldnames or [])
+                keys = sorted(reader.fieldnames or [])  # Lightning appends under its sorted keys
             kept = [row for row in rows if _step_of(row) < self._from_step]
             dropped = [row for row in rows if _step_of(row) >= self._from_step]
             texts = [_csv_text(keys, kept), _csv_text(keys, dropped) if dropped else None]
@@ -119,8 +119,13 @@ class _ContinuedMetrics(ExperimentWriter):
                 category=HFMCAWarning,
             )
             return
-        if texts[1] is not None:
-            write_text_atomically(path.with_name(f"metrics-after-step-{self._from_step}.csv"), texts[1])
+        if texts[1] is not None:  # a new name each time: a second resume from the same step keeps the first's rows
+            side = path.with_name(f"metrics-after-step-{self._from_step}.csv")
+            version = 0
+            while side.exists():
+                version += 1
+                side = path.with_name(f"metrics-after-step-{self._from_step}-v{version}.csv")
+            write_text_atomically(side, texts[1])
         write_text_atomically(path, texts[0])
         self.metrics_keys = keys
 

@@ -139,10 +139,14 @@ def test_a_continued_csv_log_keeps_the_rows_before_the_checkpoint_and_appends(tm
     rows = _rows(folder)
     assert len(rows) == 6 and (rows[-1]["step"], rows[-1]["cost"], rows[-1]["health"]) == ("4", "40.0", "1.0")
     assert rows[0]["health"] == "" and [path.name for path in folder.parent.iterdir()] == ["version_0"]
-    # the dropped rows are kept beside it (a resume from an older checkpoint loses no history)
+    # the dropped rows are kept beside it (a resume from an older checkpoint loses no history), a second resume from
+    # the same step keeping the first's
     assert [(row["step"], row["cost"]) for row in _rows(folder, "metrics-after-step-4.csv")] == [
         ("4", "4.0"), ("5", "5.0")
     ]  # fmt: skip
+    continue_csv_log(CSVLogger(str(tmp_path / "logs"), name="run"), [str(folder)], from_step=4)
+    assert [row["cost"] for row in _rows(folder, "metrics-after-step-4-v1.csv")] == ["40.0"]
+    assert [row["cost"] for row in _rows(folder, "metrics-after-step-4.csv")] == ["4.0", "5.0"]
 
 
 def test_a_metrics_file_that_is_not_csv_is_moved_aside_with_a_warning(tmp_path):

@@ -115,8 +115,11 @@ def trace_config(
         target = config.setdefault(section, {})
         (target.setdefault("init_args", {}) if "class_path" in target else target).update(values)
     # The heatmap callback draws once per epoch, not in a step (and reads its images on the host when fitting starts)
-    callbacks = config.get("trainer", {}).get("callbacks") or []
-    config.setdefault("trainer", {})["callbacks"] = [c for c in callbacks if "Heatmap" not in c.get("class_path", "")]
+    trainer = config.get("trainer") or {}
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    trainer["callbacks"] = [c for c in callbacks if "Heatmap" not in str((c or {}).get("class_path", ""))]
+    config["trainer"] = trainer
     if drop_internal:
         config["model"]["init_args"].pop("internal_costs", None)
     steps = _steps_per_draw(config)

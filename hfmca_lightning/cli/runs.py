@@ -29,6 +29,7 @@ from hfmca_lightning.cli.paths import read_config_file
 from hfmca_lightning.cli.trainer_cli import HFMCACLI
 from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.methods.compatibility import ArchitectureMismatch
 from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
 
 __all__ = [
@@ -356,19 +357,19 @@ def load_run(
             "MultiViewDataModule"
         )
     backbone_of(module)
-    module.on_load_checkpoint(checkpoint)
+    where = f"the config {config_path}" if config_path else "the config stored in it"
+    remedy = (
+        "pass the config of the run that wrote the checkpoint" if config_path else "pass --config with the run's YAML"
+    )
     try:
+        module.on_load_checkpoint(checkpoint)  # HFMCAModule's architecture check
         module.load_state_dict(checkpoint["state_dict"])
+    except ArchitectureMismatch as error:
+        raise ConfigurationError(f"{ckpt_path} does not fit the model of {where} ({error.details}); {remedy}") from None
     except RuntimeError as error:
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
         detail = " ".join(lines[1:2] or lines[:1])  # torch's first line only says where: the next says what
         detail = detail if len(detail) <= 300 else detail[:297] + "..."
-        where = f"the config {config_path}" if config_path else "the config stored in it"
-        remedy = (
-            "pass the config of the run that wrote the checkpoint"
-            if config_path
-            else "pass --config with the run's YAML"
-        )
         raise ConfigurationError(f"{ckpt_path} does not fit the model of {where} ({detail}); {remedy}") from None
     module.eval()
     datamodule.setup("fit")

@@ -8,7 +8,13 @@ from torch import Tensor, nn
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["check_batch_format", "check_checkpoint_architecture", "check_feature_sizes", "check_image_size"]
+__all__ = [
+    "ArchitectureMismatch",
+    "check_batch_format",
+    "check_checkpoint_architecture",
+    "check_feature_sizes",
+    "check_image_size",
+]
 
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
@@ -74,8 +80,17 @@ def check_feature_sizes(backbone: nn.Module, projector: nn.Module | None, extern
             size, giver = getattr(part, "output_dim", None), "the projector gives"
 
 
+class ArchitectureMismatch(ConfigurationError):
+    """A checkpoint of another architecture than the configured model; ``details`` says what differs."""
+
+    def __init__(self, message: str, details: str) -> None:
+        super().__init__(message)
+        self.details = details
+
+
 def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
-    """Raise one clear error if ``checkpoint`` was written by a model of another architecture."""
+    """Raise one clear error (:class:`ArchitectureMismatch`) if ``checkpoint`` was written by a model of another
+    architecture."""
     # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, which a checkpoint may lack) is theirs to read.
     saved = {key: value for key, value in checkpoint.get("state_dict", {}).items() if isinstance(value, Tensor)}
     current = {key: value for key, value in module.state_dict().items() if isinstance(value, Tensor)}
@@ -94,8 +109,9 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
             details.append(f"{len(unexpected)} parameters the model does not have (e.g. {unexpected[0]})")
         if mismatched:
             details.append(f"{len(mismatched)} shape mismatches (e.g. {mismatched[0]})")
-        raise ConfigurationError(
+        raise ArchitectureMismatch(
             f"the checkpoint was trained with a different architecture than {type(module).__name__} as "
             f"configured: {'; '.join(details)}. Resume with the config the checkpoint was trained with "
-            "(saved as config.yaml in the run folder)."
+            "(saved as config.yaml in the run folder).",
+            "; ".join(details),
         )

@@ -16,7 +16,7 @@ from hfmca_lightning.cli import main
 from hfmca_lightning.cli.runs import load_run
 from hfmca_lightning.evaluation import extract_features
 from hfmca_lightning.evaluation_data import figure_images
-from tests.helpers import FLOAT32_UNIT, REPO, quiet_trainer, tiny_overrides
+from tests.helpers import DEMO, FLOAT32_UNIT, REPO, quiet_trainer, tiny_overrides
 
 SIMCLR_RESNET = {
     "init_args": {
@@ -220,8 +220,9 @@ def test_a_classifier_inside_a_sequential_is_replaced_where_it_was(tmp_path):
 
 
 def test_a_config_of_another_architecture_is_one_line_naming_what_differs(simclr_run, tmp_path):
-    """``--config`` of the run with another projection width: the baseline says what differs, in one line, as
-    HFMCAModule does (it was torch's load_state_dict message, cut to its first line)."""
+    """``--config`` of the run with another projection width (torch's load finds it), or of the demo's HFMCA model
+    (HFMCAModule's own check finds it): one line naming the checkpoint, the config and what differs, with what to
+    pass (it was torch's message cut to its first line, or the advice to resume with the run's config)."""
     import yaml
 
     from hfmca_lightning.callbacks.stored_config import saved_config
@@ -230,8 +231,13 @@ def test_a_config_of_another_architecture_is_one_line_naming_what_differs(simclr
     config = yaml.safe_load(saved_config(torch.load(simclr_run, weights_only=True)) or "")
     config["model"]["init_args"]["hidden_dim"] = 64
     (tmp_path / "wider.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(ConfigurationError) as refused:
-        load_run(simclr_run, config_path=tmp_path / "wider.yaml")
-    message = str(refused.value)
-    assert message.startswith("the checkpoint was trained with a different architecture than SimCLR as configured")
-    assert "shape mismatches (e.g. projection_head." in message and "\n" not in message
+    for config_path, details in (
+        (tmp_path / "wider.yaml", "(size mismatch for projection_head."),
+        (DEMO, "parameters missing from the checkpoint (e.g. "),
+    ):
+        with pytest.raises(ConfigurationError) as refused:
+            load_run(simclr_run, config_path=config_path)
+        message = str(refused.value)
+        assert message.startswith(f"{simclr_run} does not fit the model of the config {config_path} ("), message
+        assert details in message and "\n" not in message
+        assert message.endswith("; pass the config of the run that wrote the checkpoint")

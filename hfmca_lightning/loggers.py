@@ -108,8 +108,9 @@ class _ContinuedMetrics(ExperimentWriter):
                 reader = csv.DictReader(file)
                 rows = list(reader)
                 keys = sorted(reader.fieldnames or [])  # Lightning appends under its sorted keys
-            kept = [row for row in rows if _step_of(row) < self._from_step]
-            dropped = [row for row in rows if _step_of(row) >= self._from_step]
+            kept, dropped = [], []
+            for row in rows:
+                (kept if _step_of(row) < self._from_step else dropped).append(row)
             texts = [_csv_text(keys, kept), _csv_text(keys, dropped) if dropped else None]
         except (csv.Error, ValueError, UnicodeDecodeError) as error:
             aside = path.with_name(f"metrics-unreadable-{os.getpid()}.csv")

@@ -125,7 +125,7 @@ class LinearProbe(Callback):
                 parameter="num_classes",
             )
         if self.num_classes is None and data_classes == 0:  # a source without labels: nothing to probe
-            if self.classifier is None and not self._warned:
+            if not self._warned:
                 rank_zero_warn(
                     "LinearProbe: the data has no labels (a source without classes and no labelled evaluation data); "
                     "the probe is skipped",

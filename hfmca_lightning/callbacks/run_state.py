@@ -17,15 +17,19 @@ from hfmca_lightning.runtime.seeding import step_seed
 __all__ = ["RunState", "saved_csv_log_dirs", "saved_wandb_run_id"]
 
 
+def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What :class:`RunState` stored in ``checkpoint`` (empty where nothing)."""
+    return checkpoint.get("callbacks", {}).get(RunState.__name__, {})
+
+
 def saved_wandb_run_id(checkpoint: dict[str, Any]) -> str | None:
     """The W&B run id that :class:`RunState` stored in ``checkpoint``, if any."""
-    return checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("wandb_run_id")
+    return _saved_state(checkpoint).get("wandb_run_id")
 
 
 def saved_csv_log_dirs(checkpoint: dict[str, Any]) -> list[str]:
     """The version folders of the run's CSV loggers that :class:`RunState` stored in ``checkpoint``."""
-    folders = checkpoint.get("callbacks", {}).get(RunState.__name__, {}).get("csv_log_dirs") or []
-    return [str(folder) for folder in folders]
+    return [str(folder) for folder in _saved_state(checkpoint).get("csv_log_dirs") or []]
 
 
 class RunState(Callback):

@@ -140,8 +140,11 @@ def newest_last_checkpoint(trainer: Trainer) -> Path | None:
     if candidates:
         return max(candidates, key=lambda path: path.stat().st_mtime)
     for folder, paths in listed.items():
-        dangling = [path for path in paths if path.is_symlink() and not path.exists()]
-        dangling = [path for path in dangling if _is_last_checkpoint_name(path, folders[folder])]
+        dangling = [
+            path
+            for path in paths
+            if path.is_symlink() and not path.exists() and _is_last_checkpoint_name(path, folders[folder])
+        ]
         files = [path for path in paths if path.suffix == folders[folder].FILE_EXTENSION and path.is_file()]
         if dangling and files:
             newest = max(files, key=lambda path: path.stat().st_mtime)
@@ -278,12 +281,10 @@ class HFMCACLI(LightningCLI):
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         self.config_init[self.subcommand]["ckpt_path"] = str(checkpoint_path)  # what was checked is what loads
         run_id = saved_wandb_run_id(checkpoint)
-        if run_id:
-            for logger in self.trainer.loggers:
-                if isinstance(logger, OfflineSafeWandbLogger):
-                    logger.resume_run(run_id)
-        for logger in self.trainer.loggers:  # metrics.csv goes on in the resumed run's folder
-            if isinstance(logger, CSVLogger):
+        for logger in self.trainer.loggers:
+            if run_id and isinstance(logger, OfflineSafeWandbLogger):
+                logger.resume_run(run_id)
+            elif isinstance(logger, CSVLogger):  # metrics.csv goes on in the resumed run's folder
                 continue_csv_log(
                     logger,
                     saved_csv_log_dirs(checkpoint),

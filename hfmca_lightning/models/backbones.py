@@ -146,11 +146,8 @@ class SmallConvNet(nn.Module):
 
     Each stage is one module, ``features.0`` .. ``features.<num_stages - 1>`` (:attr:`internal_layers`), whose window
     geometry is ``(4, 2, 1)``: the stages are what ``hfmca analyze`` and the spectrum callback look inside by default.
-    Weights saved with one flat ``features`` sequence (``features.4.weight``) load into the stages.
     Output: ``(N, feature_dim)`` after global average pooling, ``feature_dim = width * 2**(num_stages-1)``.
     """
-
-    LAYERS_PER_STAGE = 4
 
     def __init__(self, width: int = 32, num_stages: int = 3) -> None:
         super().__init__()
@@ -179,26 +176,6 @@ class SmallConvNet(nn.Module):
     def internal_layers(self) -> list[str]:
         """Module names of the stages: ``features.0`` .. ``features.<num_stages - 1>``."""
         return [f"features.{index}" for index in range(len(self.features))]
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        # One flat sequence of layers (features.<4 s + j>.<name>) -> stage s, layer j.
-        flat = re.compile(re.escape(prefix) + r"features\.(\d+)\.([^.]+)$")
-        for key in [key for key in state_dict if flat.match(key)]:
-            index, name = flat.match(key).groups()  # type: ignore[union-attr]  # matched just above
-            stage, layer = divmod(int(index), self.LAYERS_PER_STAGE)
-            state_dict[f"{prefix}features.{stage}.{layer}.{name}"] = state_dict.pop(key)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
     def forward(self, images: Tensor) -> Tensor:
         return self.pool(self.features(images)).flatten(1)

@@ -219,10 +219,30 @@ def test_a_classifier_inside_a_sequential_is_replaced_where_it_was(tmp_path):
         torch.testing.assert_close(namespace["net"](images), backbone(images), rtol=0, atol=1e-6)
 
 
+def test_a_baseline_resumed_with_another_architecture_is_one_line(simclr_run, tmp_path, capsys):
+    """``hfmca fit --ckpt_path`` of a SimCLR run with a wider projection head: one line naming what differs, before
+    any training (it was torch's multi-line list of keys from inside Lightning's checkpoint restore)."""
+    import yaml
+
+    from hfmca_lightning.callbacks.stored_config import saved_config
+
+    config = yaml.safe_load(saved_config(torch.load(simclr_run, weights_only=True)) or "")
+    config["model"]["init_args"]["hidden_dim"] = 64
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    (tmp_path / "wider.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(tmp_path / "wider.yaml"), "--ckpt_path", str(simclr_run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hfmca: error: the checkpoint was trained with a different architecture than SimCLR"), err
+    assert "6 shape mismatches (e.g. projection_head.layers.0.weight: checkpoint (32, 512) vs model (64, 512))" in last
+    assert "Traceback" not in err and not list(tmp_path.rglob("*.ckpt"))
+
+
 def test_a_config_of_another_architecture_is_one_line_naming_what_differs(simclr_run, tmp_path):
-    """``--config`` of the run with another projection width (torch's load finds it), or of the demo's HFMCA model
-    (HFMCAModule's own check finds it): one line naming the checkpoint, the config and what differs, with what to
-    pass (it was torch's message cut to its first line, or the advice to resume with the run's config)."""
+    """``--config`` of the run with another projection width, or of the demo's HFMCA model: one line naming the
+    checkpoint, the config and what differs (the modules' own architecture check), with what to pass."""
     import yaml
 
     from hfmca_lightning.callbacks.stored_config import saved_config
@@ -232,7 +252,7 @@ def test_a_config_of_another_architecture_is_one_line_naming_what_differs(simclr
     config["model"]["init_args"]["hidden_dim"] = 64
     (tmp_path / "wider.yaml").write_text(yaml.safe_dump(config))
     for config_path, details in (
-        (tmp_path / "wider.yaml", "(size mismatch for projection_head."),
+        (tmp_path / "wider.yaml", "(6 shape mismatches (e.g. projection_head.layers.0.weight: checkpoint (32, 512)"),
         (DEMO, "parameters missing from the checkpoint (e.g. "),
     ):
         with pytest.raises(ConfigurationError) as refused:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size
+from hfmca_lightning.methods.compatibility import check_batch_format, check_checkpoint_architecture, check_image_size
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.methods.update_guard import NonFiniteUpdateGuard
@@ -124,6 +124,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         self.raise_if_a_step_failed()  # never a checkpoint after a failed step
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_checkpoint_architecture(self, checkpoint)  # one line, not torch's list of keys
         self._update_guard = NonFiniteUpdateGuard(type(self).__name__)  # a failure of this object's is gone
 
 

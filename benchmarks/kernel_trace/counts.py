@@ -183,10 +183,17 @@ def flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, 
     return float(sum(result.numel() for result in results))
 
 
+# Products that add to an accumulator given first (addmm(C, A, B)): they compute in their factors' dtype, which an
+# ``out_dtype`` overload (bf16 factors, a float32 accumulator) does not share with the accumulator.
+ACCUMULATING_PRODUCTS = {"addmm", "baddbmm", "addmv", "addr", "addbmm"}
+
+
 def rate_class(func: torch._ops.OpOverload, args: tuple[Any, ...], dtype: torch.dtype | None) -> str:
-    """Which peak rate an operation's arithmetic runs at: tensor-core products by dtype (float32 products on TF32
-    tensor cores where torch allows it at the time of the call), CUDA cores otherwise."""
+    """Which peak rate an operation's arithmetic runs at: tensor-core products by their factors' dtype (float32
+    products on TF32 tensor cores where torch allows it at the time of the call), CUDA cores otherwise."""
     name = func._schema.name.split("::")[-1]
+    if name in ACCUMULATING_PRODUCTS:
+        dtype = compute_dtype(args[1:], None)
     if dtype == torch.float64:
         return "fp64_tensor" if name in MATRIX_PRODUCTS or name in CONVOLUTIONS else "fp64"
     if name in MATRIX_PRODUCTS and dtype in (torch.bfloat16, torch.float16):

@@ -85,10 +85,17 @@ def test_products_with_a_float32_result_are_counted_from_their_factors(monkeypat
             product = torch.mm(a, b, out_dtype=torch.float32)
             torch.addmm(accumulator, a.float(), b.float(), beta=0.5, alpha=2.0)
             torch.baddbmm(accumulator[None], a[None].float(), b[None].float(), beta=0.5)
-    assert product.dtype == torch.float32
-    (mm,), (addmm,), (baddbmm,) = recorded("mm", trace), recorded("addmm", trace), recorded("baddbmm", trace)
-    assert mm.flops == addmm.flops == baddbmm.flops == 2 * m * k * n
+            accumulated = torch.addmm(accumulator, a, b, out_dtype=torch.float32)
+    assert product.dtype == accumulated.dtype == torch.float32
+    (mm,), (addmm, accumulating), (baddbmm,) = (
+        recorded("mm", trace),
+        recorded("addmm", trace),
+        recorded("baddbmm", trace),
+    )
+    assert mm.flops == addmm.flops == baddbmm.flops == accumulating.flops == 2 * m * k * n
     assert mm.read == 2 * (m * k + k * n) and mm.written == 4 * m * n and mm.rate == "bf16_tensor"
+    # a float32 accumulator first, bf16 factors: bf16 tensor cores (it was rated at the CUDA cores' float32 rate)
+    assert accumulating.rate == "bf16_tensor" and addmm.rate != "bf16_tensor"
 
 
 def test_cholesky_flops_are_n_cubed_over_three_per_matrix() -> None:
@@ -134,6 +141,26 @@ def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
     # the split rounds each float32 factor to TF32 with integer shifts and masks of its bits
     assert {"__rshift__", "avg_pool2d"} <= names[H100.name]
     assert "__rshift__" not in names["V100"] and "avg_pool2d" in names["V100"]
+
+
+def test_bf16_statistics_take_each_backward_product_along_k_in_one_kernel() -> None:
+    """``precision="bf16"`` on a tensor-core GPU: the backward's products over the maps' rows are ``H G3^T`` and
+    ``dH = H (G2 + G2^T) + M G3`` each as one product along K (``2 K2`` and ``3 K1 + 2 K2``), and ``Z (G1 + G1^T)`` as
+    two (its two parts), not the seven products with float32 results in between they were."""
+    batch, k1, k2, size, geometry = 8, 16, 32, 8, WindowGeometry(3, 1, 1)
+    with tracing(H100) as live:
+        low = torch.randn(batch, k1, size, size, device="cuda").bfloat16().requires_grad_()
+        high = torch.randn(batch, k2, size, size, device="cuda").bfloat16().requires_grad_()
+        with live.record() as trace:
+            stats = feature_map_statistics(low, high, geometry, precision="bf16")
+            (stats.low_outer_sum.sum() + stats.high_outer_sum.sum() + stats.cross_sum.sum()).backward()
+    rows = batch * size * size
+    products = [
+        op for op in trace.operations if op.backward and op.name in ("mm", "addmm", "bmm", "baddbmm") and op.flops
+    ]
+    along_k = sorted(round(op.flops / (2 * rows)) for op in products)  # K times the output's columns
+    assert along_k == sorted([2 * k2 * k1, k1 * k1, k1 * k1, (3 * k1 + 2 * k2) * k2]), along_k
+    assert all(op.rate == "bf16_tensor" for op in products), [(op.name, op.rate, op.dtype) for op in products]
 
 
 def test_gradient_checks_take_the_multi_tensor_kernel_of_the_gpu() -> None:

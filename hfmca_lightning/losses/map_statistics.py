@@ -413,10 +413,13 @@ def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = No
         return product if accumulator is None else product.add_(accumulator)
 
 
-def _split_bfloat16(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(hi, lo)``: ``x`` rounded to bfloat16 and the rounded rest, ``hi + lo`` within ``2^-16 |x|``."""
-    hi = x.to(torch.bfloat16)
-    return hi, (x - hi).to(torch.bfloat16)
+def _split_bfloat16(x: Tensor) -> Tensor:
+    """``[hi; lo]`` ``(2, *x.shape)``: ``x`` rounded to bfloat16 and the rounded rest, ``hi + lo`` within
+    ``2^-16 |x|``, side by side in one tensor."""
+    parts = torch.empty((2, *x.shape), dtype=torch.bfloat16, device=x.device)
+    parts[0].copy_(x)
+    torch.sub(x, parts[0], out=parts[1])  # exact in float64, rounded once into the bfloat16 part
+    return parts
 
 
 def _split_product(left: Tensor, right: tuple[Tensor, Tensor], accumulator: Tensor | None = None) -> Tensor:
@@ -443,35 +446,50 @@ def _as_map(rows_: Tensor, shape: torch.Size) -> Tensor:
     return rows_.view(batch, height, width, channels).permute(0, 3, 1, 2)
 
 
-def _gradient_parts(grads: Sequence[Tensor | None], dims: tuple[int, int], like: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """The bfloat16 ``(hi, lo)`` parts of ``G1 + G1^T``, ``G2 + G2^T``, ``G3`` and ``[G3; G3]`` (zeros for None),
-    split together."""
+def _gradient_parts(
+    grads: Sequence[Tensor | None], dims: tuple[int, int], like: Tensor
+) -> tuple[tuple[Tensor, Tensor], Tensor, Tensor]:
+    """The bfloat16 right factors of the backward pass from the float64 gradients of the three sums (zeros for
+    None), split in one pass (:func:`_split_bfloat16`): ``(hi, lo)`` of ``G1 + G1^T``; ``[G3_hi; G3_hi; G2_hi; G2_lo;
+    G3_lo]`` ``(3 K1 + 2 K2, K2)`` with ``G2`` here ``G2 + G2^T``, the factor of ``dH`` for the rows of
+    :func:`_backward_rows` (the end of the split's high half and the start of its low half, so no copy); and
+    ``[G3_hi^T; G3_lo^T]`` ``(2 K2, K1)``, that of the pooled part of ``dZ``."""
     k1, k2 = dims
-    sizes = ((k1, k1), (k2, k2), (k1, k2), (k1, k2))
-    matrices = [
+    low, high, cross = (
         like.new_zeros(size, dtype=torch.float64) if grad is None else grad + grad.mT if symmetric else grad
-        for grad, size, symmetric in zip(grads, sizes[:3], (True, True, False))
-    ]
-    hi, lo = _split_bfloat16(torch.cat([matrix.flatten() for matrix in (*matrices, matrices[2])]))
-    parts, start = [], 0
-    for rows_, columns in sizes:
-        end = start + rows_ * columns
-        parts.append((hi[start:end].view(rows_, columns), lo[start:end].view(rows_, columns)))
-        start = end
-    stacked = start - 2 * k1 * k2
-    parts[3] = (hi[stacked:].view(2 * k1, k2), lo[stacked:].view(2 * k1, k2))
-    return parts
+        for grad, size, symmetric in zip(grads, ((k1, k1), (k2, k2), (k1, k2)), (True, True, False))
+    )
+    blocks = (high, cross, low, cross, cross, high)
+    parts = _split_bfloat16(torch.cat([block.reshape(-1) for block in blocks]))  # (2, n): [hi; lo]
+    total, low_start = parts.shape[1], high.numel() + cross.numel()
+    hi, lo = (part[low_start : low_start + low.numel()].view(k1, k1) for part in parts)
+    high_factor = parts.flatten()[total - 2 * cross.numel() - high.numel() : total + low_start].view(-1, k2)
+    cross_hi, cross_lo = (part[high.numel() : low_start].view(k1, k2) for part in parts)
+    return (hi, lo), high_factor, torch.cat([cross_hi, cross_lo], dim=1).T
 
 
-def _split_means(means: Tensor) -> Tensor:
-    """``(B, H', W', 2 K1)``: the float32 window means of a channels-last map as the bfloat16 parts ``[hi | lo]`` of
-    each position's row (one matrix, so that one product takes both)."""
-    rows_ = means.permute(0, 2, 3, 1)
-    parts = torch.empty((*rows_.shape[:-1], 2 * rows_.shape[-1]), dtype=torch.bfloat16, device=means.device)
-    hi, lo = parts.split(rows_.shape[-1], dim=-1)
-    hi.copy_(rows_)
-    torch.sub(rows_, hi, out=lo)  # exact in float32, rounded once into the bfloat16 part
-    return parts
+def _split_means_into(means: Tensor, lo: Tensor, hi_twice: Tensor) -> None:
+    """Float32 window-mean rows ``(..., K1)`` as two bfloat16 parts: the rounded means into both ``hi_twice[..., 0,
+    :]`` and ``hi_twice[..., 1, :]``, the rounded rest into ``lo`` (``hi + lo`` within ``2^-16 |M|``)."""
+    hi_twice.copy_(means.unsqueeze(-2).expand_as(hi_twice))
+    torch.sub(means, hi_twice[..., 0, :], out=lo)  # exact in float32, rounded once into the bfloat16 part
+
+
+def _backward_rows(h_map: Tensor, means: Tensor) -> Tensor:
+    """``(B, H', W', 3 K1 + 2 K2)`` bfloat16: each output position's row ``[m_lo | m_hi | h | h | m_hi]``, the two
+    bfloat16 parts of its float32 window means ``(B, K1, H', W')`` (:func:`_split_means_into`) and its row of the
+    channels-last output map ``(B, K2, H', W')`` twice, so that the backward pass takes each of its products with
+    every part it needs as one product along K; ``[m_lo | m_hi]`` is also the forward pass's factor of the cross
+    sum."""
+    m_rows, h_rows = means.permute(0, 2, 3, 1), h_map.permute(0, 2, 3, 1)  # channels-last: views
+    k1, k2 = m_rows.shape[-1], h_rows.shape[-1]
+    rows_ = torch.empty((*h_rows.shape[:-1], 3 * k1 + 2 * k2), dtype=torch.bfloat16, device=h_map.device)
+    # both m_hi columns as one (..., 2, K1) view, K1 + 2 K2 columns apart
+    hi_twice = rows_.as_strided((*rows_.shape[:-1], 2, k1), (*rows_.stride()[:-1], k1 + 2 * k2, 1), k1)
+    _split_means_into(m_rows, rows_[..., :k1], hi_twice)
+    h_twice = rows_[..., 2 * k1 : 2 * k1 + 2 * k2].unflatten(-1, (2, k2))
+    h_twice.copy_(h_rows.unsqueeze(-2).expand(*h_rows.shape[:-1], 2, k2))
+    return rows_
 
 
 class Bfloat16Statistics(torch.autograd.Function):
@@ -491,9 +509,12 @@ class Bfloat16Statistics(torch.autograd.Function):
     bfloat16 parts likewise: the two terms of ``dZ`` cancel to a fraction of their size), and one rounding of each
     result to bfloat16 (the gradients of bfloat16 maps are bfloat16):
 
-        dZ = w * (Z (G1 + G1^T)) + avg_pool2d_backward(H G3^T),    dH = H (G2 + G2^T) + M G3.
+        dZ = w * (Z (G1 + G1^T)) + avg_pool2d_backward(H G3^T),    dH = H (G2 + G2^T) + M G3,
 
-    Keeps the maps (which autograd keeps anyway) and the two parts of ``M``.
+    ``dH`` and ``H G3^T`` each one product along K of the rows the forward pass lays out for them
+    (:func:`_backward_rows`: each output row twice between the two parts of its window means), the product of the two
+    low parts of ``M G3`` (``2^-16`` of the term) left out. Keeps the input map (which autograd keeps anyway) and
+    those rows.
     """
 
     @staticmethod
@@ -503,33 +524,31 @@ class Bfloat16Statistics(torch.autograd.Function):
         layouts = tuple(torch.channels_last if is_channels_last(x) else torch.contiguous_format for x in (z_map, h_map))
         z_map = z_map.contiguous(memory_format=torch.channels_last)
         h_map = h_map.contiguous(memory_format=torch.channels_last)
-        means = _split_means(avg_pool_means(z_map.float(), geometry))
+        rows_ = _backward_rows(h_map, avg_pool_means(z_map.float(), geometry))
         z, h = _position_major(z_map), _position_major(h_map)
-        m = means.view(means.shape[0], -1, means.shape[-1]).transpose(0, 1)  # (P2, B, 2 K1)
+        m = rows_[..., : 2 * z_map.shape[1]].flatten(1, 2).transpose(0, 1)  # (P2, B, 2 K1): [m_lo | m_hi]
         low = (float32_product(z.mT, z) * coverage[:, None, None]).sum(dim=0, dtype=torch.float64)
         high = float32_product(h.mT, h).sum(dim=0, dtype=torch.float64)
         cross = float32_product(m.mT, h).unflatten(1, (2, -1)).sum(dim=(0, 1), dtype=torch.float64)
-        ctx.save_for_backward(z_map, h_map, means, coverage)
-        ctx.geometry, ctx.layouts = geometry, layouts
+        ctx.save_for_backward(z_map, rows_, coverage)
+        ctx.geometry, ctx.layouts, ctx.high = geometry, layouts, (h_map.shape, h_map.dtype)
         return low, high, cross
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        z_map, h_map, means, coverage = ctx.saved_tensors
+        z_map, rows_, coverage = ctx.saved_tensors
         geometry: WindowGeometry = ctx.geometry
-        low, high, cross, stacked = _gradient_parts(grads, (z_map.shape[1], h_map.shape[1]), z_map)
-        z, h, m = _rows(z_map), _rows(h_map), means.view(-1, means.shape[-1])
+        (h_shape, h_dtype), k1 = ctx.high, z_map.shape[1]
+        low, high_factor, pooled_factor = _gradient_parts(grads, (k1, h_shape[1]), z_map)
+        z, rows_ = _rows(z_map), rows_.flatten(0, 2)
         grad_z = grad_h = None
         if ctx.needs_input_grad[0]:
-            pooled_shape = torch.Size((z_map.shape[0], z_map.shape[1], *h_map.shape[-2:]))
-            pooled = _as_map(_split_product(h, (cross[0].T, cross[1].T)), pooled_shape)
+            pooled_shape = torch.Size((z_map.shape[0], k1, *h_shape[-2:]))
+            pooled = _as_map(float32_product(rows_[:, 2 * k1 : -k1], pooled_factor), pooled_shape)  # [h | h]: H G3^T
             adjoint = avg_pool_means_adjoint(pooled, z_map.shape[-2:], geometry)
             weighted = _as_map(_split_product(z, low), z_map.shape)
             grad_z = torch.empty(z_map.shape, dtype=z_map.dtype, device=z_map.device, memory_format=ctx.layouts[0])
             torch.addcmul(adjoint, weighted, coverage.view(1, 1, *z_map.shape[-2:]), out=grad_z)  # rounded once
         if ctx.needs_input_grad[1]:
-            # M G3 = [M_hi | M_lo] [G3_hi; G3_hi] + M_hi G3_lo (the product of the two low parts is 2^-16 of the term)
-            rows_ = float32_product(m, stacked[0], _split_product(h, high))
-            rows_ = float32_product(m[:, : z_map.shape[1]], cross[1], rows_)
-            grad_h = _as_map(rows_, h_map.shape).to(h_map.dtype, memory_format=ctx.layouts[1])
+            grad_h = _as_map(float32_product(rows_, high_factor), h_shape).to(h_dtype, memory_format=ctx.layouts[1])
         return grad_z, grad_h, None, None

@@ -82,11 +82,11 @@ def test_window_means_rounded_to_bfloat16_are_not_precise_enough(monkeypatch):
     the cost by more than 10x the tolerance at the deepest block and the gradients by more than 5x theirs."""
     from hfmca_lightning.losses import map_statistics
 
-    def rounded_means(means: torch.Tensor) -> torch.Tensor:  # [hi | lo] with lo = 0
-        rows = means.permute(0, 2, 3, 1).bfloat16()
-        return torch.cat([rows, torch.zeros_like(rows)], dim=-1)
+    def rounded_means(means: torch.Tensor, lo: torch.Tensor, hi_twice: torch.Tensor) -> None:  # lo = 0
+        hi_twice.copy_(means.unsqueeze(-2).expand_as(hi_twice))
+        lo.zero_()
 
-    monkeypatch.setattr(map_statistics, "_split_means", rounded_means)
+    monkeypatch.setattr(map_statistics, "_split_means_into", rounded_means)
     low, high = bfloat16_maps(256, 512, 8, WindowGeometry(7, 2, 3))
     exact = cost_and_gradients(low, high, WindowGeometry(7, 2, 3), "float64")
     cost_error, gradient_errors = relative_errors(cost_and_gradients(low, high, WindowGeometry(7, 2, 3), "bf16"), exact)
@@ -100,15 +100,13 @@ def test_gradients_of_the_sums_in_one_bfloat16_part_are_not_precise_enough(monke
     ``dZ`` cancel to a fraction of their size)."""
     from hfmca_lightning.losses import map_statistics
 
-    split = map_statistics._gradient_parts
-
-    def high_parts_only(*args):
-        return [(hi, torch.zeros_like(lo)) for hi, lo in split(*args)]
+    def high_parts_only(x: torch.Tensor) -> torch.Tensor:  # [hi; 0]
+        return torch.stack([x.bfloat16(), torch.zeros_like(x, dtype=torch.bfloat16)])
 
     geometry = WindowGeometry(5, 1, 2)
     low, high = bfloat16_maps(64, 64, 32, geometry)
     exact = cost_and_gradients(low, high, geometry, "float64")
-    monkeypatch.setattr(map_statistics, "_gradient_parts", high_parts_only)
+    monkeypatch.setattr(map_statistics, "_split_bfloat16", high_parts_only)
     _, gradient_errors = relative_errors(cost_and_gradients(low, high, geometry, "bf16"), exact)
     assert max(gradient_errors) > 3 * BF16_GRADIENT_TOLERANCE, gradient_errors
 

@@ -253,6 +253,8 @@ class HFMCACLI(LightningCLI):
         try:
             with warnings.catch_warnings():  # the filters a run sets (before_fit) end with it
                 super()._run_subcommand(subcommand)
+        except MisconfigurationException as error:  # Lightning's own checks of the run (limit_val_batches, ...)
+            raise ConfigurationError(f"trainer: {error}") from None
         finally:
             self.run_folders.release()  # in-process runs (tests, notebooks): the next run may use the folder
 

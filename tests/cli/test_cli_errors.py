@@ -208,6 +208,12 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "the checkpoint was trained with a different architecture",
     ),
     (
+        "limit_val_batches below one batch",
+        lambda tmp, ckpt: ["--trainer.limit_val_batches", "0.001"],
+        lambda tmp: {},
+        "trainer: You requested to check 0.001 of the `val_dataloader` but 0.001 * ",
+    ),
+    (
         "missing data root",
         lambda tmp, ckpt: [],
         lambda tmp: {

@@ -362,7 +362,7 @@ def load_run(
         "pass the config of the run that wrote the checkpoint" if config_path else "pass --config with the run's YAML"
     )
     try:
-        module.on_load_checkpoint(checkpoint)  # the modules' architecture check
+        module.on_load_checkpoint(checkpoint)  # as Lightning restores: the hook, then the state (checked)
         module.load_state_dict(checkpoint["state_dict"])
     except ArchitectureMismatch as error:
         raise ConfigurationError(f"{ckpt_path} does not fit the model of {where} ({error.details}); {remedy}") from None

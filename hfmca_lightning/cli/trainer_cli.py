@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
@@ -88,6 +89,20 @@ class AtomicSaveConfig(SaveConfigCallback):
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)
+
+
+# Where Lightning checks a run's settings as it sets the run up (limit_*_batches and the loaders, the devices, the
+# hooks a configuration needs): its errors from there are the user's settings, from anywhere else the code's.
+_TRAINER_SET_UP = tuple(
+    f"/lightning/pytorch/trainer/{module}.py"
+    for module in ("connectors/data_connector", "connectors/accelerator_connector", "configuration_validator", "setup")
+)
+
+
+def _from_trainer_set_up(error: BaseException) -> bool:
+    """Whether ``error`` was raised where Lightning checks a run's settings (:data:`_TRAINER_SET_UP`)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and any(part in frames[-1].filename.replace("\\", "/") for part in _TRAINER_SET_UP)
 
 
 def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, ModelCheckpoint]:
@@ -253,7 +268,9 @@ class HFMCACLI(LightningCLI):
         try:
             with warnings.catch_warnings():  # the filters a run sets (before_fit) end with it
                 super()._run_subcommand(subcommand)
-        except MisconfigurationException as error:  # Lightning's own checks of the run (limit_val_batches, ...)
+        except MisconfigurationException as error:
+            if not _from_trainer_set_up(error):  # raised by code (a module's, a callback's): its traceback
+                raise
             raise ConfigurationError(f"trainer: {error}") from None
         finally:
             self.run_folders.release()  # in-process runs (tests, notebooks): the next run may use the folder

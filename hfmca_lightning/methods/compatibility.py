@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = [
     "ArchitectureMismatch",
     "check_batch_format",
-    "check_checkpoint_architecture",
     "check_feature_sizes",
     "check_image_size",
+    "load_checked_state_dict",
 ]
 
 
@@ -88,19 +90,25 @@ class ArchitectureMismatch(ConfigurationError):
         self.details = details
 
 
-def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any]) -> None:
-    """Raise one clear error (:class:`ArchitectureMismatch`) if ``checkpoint`` was written by a model of another
-    architecture."""
-    # Tensors only: modules' extra state (e.g. SpectrumCNN's layout, which a checkpoint may lack) is theirs to read.
-    saved = {key: value for key, value in checkpoint.get("state_dict", {}).items() if isinstance(value, Tensor)}
-    current = {key: value for key, value in module.state_dict().items() if isinstance(value, Tensor)}
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
+def load_checked_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> Any:
+    """``nn.Module.load_state_dict`` of ``module`` that, when ``strict``, raises one clear error
+    (:class:`ArchitectureMismatch`) for the state of another architecture instead of torch's list of keys: shapes
+    compared before anything is loaded (lazily sized parameters and buffers adapt), missing and unexpected keys as
+    torch finds them after the modules' own load hooks. ``strict=False`` loads what fits, as torch does."""
+    if not strict:
+        return nn.Module.load_state_dict(module, state_dict, strict=False, assign=assign)
+    current = module.state_dict()
     mismatched = [
-        f"{key}: checkpoint {tuple(saved[key].shape)} vs model {tuple(current[key].shape)}"
-        for key in sorted(set(saved) & set(current))
-        if saved[key].shape != current[key].shape and current[key].numel() > 0  # lazily sized buffers adapt
-    ]
+        f"{key}: checkpoint {tuple(value.shape)} vs model {tuple(current[key].shape)}"
+        for key, value in state_dict.items()
+        if isinstance(value, Tensor) and isinstance(current.get(key), Tensor) and _sized(current[key])
+        and value.shape != current[key].shape
+    ]  # fmt: skip
+    result = None if mismatched else nn.Module.load_state_dict(module, state_dict, strict=False, assign=assign)
+    missing = sorted(result.missing_keys) if result is not None else []
+    unexpected = sorted(result.unexpected_keys) if result is not None else []
     if missing or unexpected or mismatched:
         details = []
         if missing:
@@ -115,3 +123,9 @@ def check_checkpoint_architecture(module: nn.Module, checkpoint: dict[str, Any])
             "(saved as config.yaml in the run folder).",
             "; ".join(details),
         )
+    return result
+
+
+def _sized(tensor: Tensor) -> bool:
+    """Whether a parameter or buffer has its size (lazily sized ones take the checkpoint's)."""
+    return not is_lazy(tensor) and tensor.numel() > 0

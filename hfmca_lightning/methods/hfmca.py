@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -21,9 +21,9 @@ from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_fil
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.compatibility import (
     check_batch_format,
-    check_checkpoint_architecture,
     check_feature_sizes,
     check_image_size,
+    load_checked_state_dict,
 )
 from hfmca_lightning.methods.deferred_checks import (
     DeferredChecks,
@@ -588,6 +588,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             self, self.optimizer_factory, self.scheduler_factory, self.warmup_epochs, self.weight_decay_on_bias_and_norm
         )
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``; the state of another architecture is one clear error when ``strict``
+        (:func:`~hfmca_lightning.methods.compatibility.load_checked_state_dict`)."""
+        return load_checked_state_dict(self, state_dict, strict, assign)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_checkpoint_architecture(self, checkpoint)
         self._deferred_checks = DeferredChecks()  # the state of a good step: a failure of this object's is gone

@@ -359,6 +359,19 @@ def test_bad_input_is_one_line_with_exit_status_2_before_training(
 
 
 @pytest.mark.integration  # a subprocess or a training run
+def test_a_lightning_error_raised_by_code_during_training_keeps_its_traceback(tmp_path, capsys):
+    """Lightning's ``MisconfigurationException`` is a one-line configuration error only where Lightning checks the
+    run's settings (``limit_val_batches`` above); raised by a callback's code once training runs, it is the code's
+    error and keeps its traceback."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    overrides = tiny_overrides(tmp_path)
+    callback = '{"class_path": "tests.helpers.LogsUselesslyAfterOneStep"}'
+    with pytest.raises(MisconfigurationException, match="is not useful"):
+        main(["fit", "--config", str(DEMO), "--config", str(overrides), f"--trainer.callbacks+={callback}"])
+    assert "hfmca: error:" not in capsys.readouterr().err
+
+
 def test_the_console_script_prints_the_same_single_line(tmp_path):
     """The installed ``hfmca`` command, as a user runs it: no usage text, no traceback, no warnings wall."""
     assert HFMCA.is_file() and shutil.which(str(HFMCA))

@@ -116,6 +116,14 @@ class StopAfterEpochs(Callback):
             trainer.should_stop = True
 
 
+class LogsUselesslyAfterOneStep(Callback):
+    """A callback with a bug Lightning raises a ``MisconfigurationException`` for, once training has begun."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
+        if trainer.global_step >= 1:
+            pl_module.log("x", 1.0, on_step=False, on_epoch=False)
+
+
 HFMCA = Path(sys.executable).with_name("hfmca")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from lightly.models.utils import deactivate_requires_grad, update_momentum
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.compatibility import check_batch_format, check_checkpoint_architecture, check_image_size
+from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size, load_checked_state_dict
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.methods.update_guard import NonFiniteUpdateGuard
@@ -123,8 +124,12 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.raise_if_a_step_failed()  # never a checkpoint after a failed step
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``; the state of another architecture is one clear error when ``strict``
+        (:func:`~hfmca_lightning.methods.compatibility.load_checked_state_dict`)."""
+        return load_checked_state_dict(self, state_dict, strict, assign)
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_checkpoint_architecture(self, checkpoint)  # one line, not torch's list of keys
         self._update_guard = NonFiniteUpdateGuard(type(self).__name__)  # a failure of this object's is gone
 
 

@@ -192,8 +192,6 @@ def rate_class(func: torch._ops.OpOverload, args: tuple[Any, ...], dtype: torch.
     """Which peak rate an operation's arithmetic runs at: tensor-core products by their factors' dtype (float32
     products on TF32 tensor cores where torch allows it at the time of the call), CUDA cores otherwise."""
     name = func._schema.name.split("::")[-1]
-    if name in ACCUMULATING_PRODUCTS:
-        dtype = compute_dtype(args[1:], None)
     if dtype == torch.float64:
         return "fp64_tensor" if name in MATRIX_PRODUCTS or name in CONVOLUTIONS else "fp64"
     if name in MATRIX_PRODUCTS and dtype in (torch.bfloat16, torch.float16):
@@ -221,8 +219,11 @@ def _conv_tf32() -> bool:
     return bool(torch.backends.cudnn.allow_tf32)
 
 
-def compute_dtype(args: tuple[Any, ...], out: Any) -> torch.dtype | None:
-    """The dtype an operation computes in: its first floating tensor argument's, else its first result's."""
+def compute_dtype(func: torch._ops.OpOverload, args: tuple[Any, ...], out: Any) -> torch.dtype | None:
+    """The dtype an operation computes in: its first floating tensor argument's (a product's factors', not its
+    accumulator's), else its first result's."""
+    if func._schema.name.split("::")[-1] in ACCUMULATING_PRODUCTS:
+        args = args[1:]
     found = tensors(args) + tensors([out])
     floating = next((tensor for tensor in found if tensor.is_floating_point()), None)
     return floating.dtype if floating is not None else found[0].dtype if found else None

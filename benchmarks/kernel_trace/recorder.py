@@ -233,7 +233,7 @@ class Recorder(TorchDispatchMode):
             kernels += len(transposed)
             read += sum(counts.span_bytes(tensor) for tensor in transposed)
             written += sum(counts.span_bytes(tensor) for tensor in transposed)
-            dtype = counts.compute_dtype(args, out)
+            dtype = counts.compute_dtype(func, args, out)
             self.operations.append(
                 Operation(
                     name=func._schema.name.split("::")[-1],

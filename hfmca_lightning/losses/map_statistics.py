@@ -475,15 +475,19 @@ def _split_means_into(means: Tensor, lo: Tensor, hi_twice: Tensor) -> None:
     torch.sub(means, hi_twice[..., 0, :], out=lo)  # exact in float32, rounded once into the bfloat16 part
 
 
-def _backward_rows(h_map: Tensor, means: Tensor) -> Tensor:
+def _backward_rows(h_map: Tensor, means: Tensor, backward: bool = True) -> Tensor:
     """``(B, H', W', 3 K1 + 2 K2)`` bfloat16: each output position's row ``[m_lo | m_hi | h | h | m_hi]``, the two
     bfloat16 parts of its float32 window means ``(B, K1, H', W')`` (:func:`_split_means_into`) and its row of the
     channels-last output map ``(B, K2, H', W')`` twice, so that the backward pass takes each of its products with
     every part it needs as one product along K; ``[m_lo | m_hi]`` is also the forward pass's factor of the cross
-    sum."""
+    sum, and all there is without a ``backward`` to come."""
     m_rows, h_rows = means.permute(0, 2, 3, 1), h_map.permute(0, 2, 3, 1)  # channels-last: views
     k1, k2 = m_rows.shape[-1], h_rows.shape[-1]
-    rows_ = torch.empty((*h_rows.shape[:-1], 3 * k1 + 2 * k2), dtype=torch.bfloat16, device=h_map.device)
+    width = 3 * k1 + 2 * k2 if backward else 2 * k1
+    rows_ = torch.empty((*h_rows.shape[:-1], width), dtype=torch.bfloat16, device=h_map.device)
+    if not backward:
+        _split_means_into(m_rows, rows_[..., :k1], rows_[..., k1:].unsqueeze(-2))
+        return rows_
     # both m_hi columns as one (..., 2, K1) view, K1 + 2 K2 columns apart
     hi_twice = rows_.as_strided((*rows_.shape[:-1], 2, k1), (*rows_.stride()[:-1], k1 + 2 * k2, 1), k1)
     _split_means_into(m_rows, rows_[..., :k1], hi_twice)
@@ -524,7 +528,7 @@ class Bfloat16Statistics(torch.autograd.Function):
         layouts = tuple(torch.channels_last if is_channels_last(x) else torch.contiguous_format for x in (z_map, h_map))
         z_map = z_map.contiguous(memory_format=torch.channels_last)
         h_map = h_map.contiguous(memory_format=torch.channels_last)
-        rows_ = _backward_rows(h_map, avg_pool_means(z_map.float(), geometry))
+        rows_ = _backward_rows(h_map, avg_pool_means(z_map.float(), geometry), any(ctx.needs_input_grad[:2]))
         z, h = _position_major(z_map), _position_major(h_map)
         m = rows_[..., : 2 * z_map.shape[1]].flatten(1, 2).transpose(0, 1)  # (P2, B, 2 K1): [m_lo | m_hi]
         low = (float32_product(z.mT, z) * coverage[:, None, None]).sum(dim=0, dtype=torch.float64)

@@ -95,7 +95,7 @@ def test_products_with_a_float32_result_are_counted_from_their_factors(monkeypat
     assert mm.flops == addmm.flops == baddbmm.flops == accumulating.flops == 2 * m * k * n
     assert mm.read == 2 * (m * k + k * n) and mm.written == 4 * m * n and mm.rate == "bf16_tensor"
     # a float32 accumulator first, bf16 factors: bf16 tensor cores (it was rated at the CUDA cores' float32 rate)
-    assert accumulating.rate == "bf16_tensor" and addmm.rate != "bf16_tensor"
+    assert (accumulating.rate, accumulating.dtype) == ("bf16_tensor", "bfloat16") and addmm.rate != "bf16_tensor"
 
 
 def test_cholesky_flops_are_n_cubed_over_three_per_matrix() -> None:
@@ -146,7 +146,7 @@ def test_the_code_takes_the_branches_of_the_modelled_gpu() -> None:
 def test_bf16_statistics_take_each_backward_product_along_k_in_one_kernel() -> None:
     """``precision="bf16"`` on a tensor-core GPU: the backward's products over the maps' rows are ``H G3^T`` and
     ``dH = H (G2 + G2^T) + M G3`` each as one product along K (``2 K2`` and ``3 K1 + 2 K2``), and ``Z (G1 + G1^T)`` as
-    two (its two parts), not the seven products with float32 results in between they were."""
+    two (its two parts), not the eight products with float32 results in between they were."""
     batch, k1, k2, size, geometry = 8, 16, 32, 8, WindowGeometry(3, 1, 1)
     with tracing(H100) as live:
         low = torch.randn(batch, k1, size, size, device="cuda").bfloat16().requires_grad_()

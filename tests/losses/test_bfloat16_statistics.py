@@ -163,3 +163,23 @@ def test_bf16_refuses_a_window_avg_pool_cannot_take():
     maps = torch.rand(2, 3, 6, 6), torch.rand(2, 3, 8, 8)
     with pytest.raises(ValueError, match="2 \\* padding <= kernel"):
         feature_map_statistics(*maps, WindowGeometry(1, 1, 1), precision="bf16")
+
+
+def test_sums_without_gradients_are_the_sums_with_them_and_unused_sums_need_no_gradient():
+    """Under ``no_grad`` the forward keeps only the window means' parts (no rows for a backward): the same sums, bit
+    for bit. And a backward from one sum alone (the others' gradients None) is the float64 gradient of that sum."""
+    torch.manual_seed(0)
+    geometry = WindowGeometry(3, 2, 1)
+    low = torch.rand(3, 6, 7, 7).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
+    high = torch.rand(3, 5, *geometry.output_size((7, 7))).bfloat16().contiguous(memory_format=torch.channels_last)
+    coverage = window_coverage((7, 7), geometry.output_size((7, 7)), geometry).flatten().float()
+    with_gradients = Bfloat16Statistics.apply(low, high, coverage, geometry)
+    with torch.no_grad():
+        without = Bfloat16Statistics.apply(low, high, coverage, geometry)
+    assert all(torch.equal(a, b) for a, b in zip(with_gradients, without))
+    (gradient,) = torch.autograd.grad(with_gradients[2].sum(), low)  # the cross sum alone; high needs none
+    low64 = low.detach().double().requires_grad_()
+    reference = feature_map_statistics(low64, high.double(), geometry, precision="float64").cross_sum.sum()
+    (expected,) = torch.autograd.grad(reference, low64)
+    bound = 2**-8 * expected.abs() + 2**-14 * expected.abs().max()  # as test_bf16_statistics_have_the_gradients_...
+    assert bool(((gradient.double() - expected).abs() <= bound).all())

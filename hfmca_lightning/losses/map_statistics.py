@@ -401,13 +401,15 @@ _OUT_DTYPE_PRODUCTS = all(
 
 def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None) -> Tensor:
     """``accumulator + left @ right`` of bfloat16 matrices (2-D, or batched 3-D), accumulated and returned in
-    float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are exact in float32), the same
-    exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
+    float32 (added to a given float32 ``accumulator`` in place): one bf16 tensor-core product on CUDA (products of
+    bfloat16 numbers are exact in float32; in place, CUDA does not first copy the accumulator into a new result),
+    the same exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
     if left.device.type == "cuda" and _OUT_DTYPE_PRODUCTS:
         batched = left.dim() == 3
         if accumulator is None:
             return (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
-        return (torch.baddbmm if batched else torch.addmm)(accumulator, left, right, out_dtype=torch.float32)
+        accumulate = torch.baddbmm if batched else torch.addmm
+        return accumulate(accumulator, left, right, out_dtype=torch.float32, out=accumulator)
     with float32_products(left.device):
         product = torch.matmul(left.float(), right.float())
         return product if accumulator is None else product.add_(accumulator)

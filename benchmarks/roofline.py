@@ -42,8 +42,11 @@ def _use_code(code: Path | None) -> None:
     calibration), else from this one."""
     here = str(Path(__file__).resolve().parent)
     sys.path[:] = [path for path in sys.path if path not in ("", here)]
+    sys.path.insert(0, here)
+    import kernel_trace  # noqa: F401  # always from this checkout, whatever the other one's benchmarks hold
+
     roots = [code, code / "benchmarks"] if code is not None else [ROOT, ROOT / "benchmarks"]
-    sys.path[:0] = [str(path) for path in roots] + [here]  # kernel_trace always from this checkout
+    sys.path[:0] = [str(path) for path in roots]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

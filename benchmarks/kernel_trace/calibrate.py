@@ -30,7 +30,8 @@ def work_and_kernels(trace: Trace) -> tuple[float, int]:
 
 
 def fit(rows: dict[str, tuple[float, int, float]]) -> tuple[float, float]:
-    """``(efficiency, launch_floor)`` from ``{row: (W, K, measured seconds)}`` (relative least squares).
+    """``(efficiency, launch_floor)`` from ``{row: (W, K, measured seconds)}`` (relative least squares; an efficiency
+    above 1, faster than the peak rates, is held at 1 and the floor fitted alone).
 
     Raises:
         ValueError: with fewer than two rows, or rows that no positive efficiency fits.
@@ -48,6 +49,9 @@ def fit(rows: dict[str, tuple[float, int, float]]) -> tuple[float, float]:
         floor, inverse_efficiency = 0.0, sy / syy
     if not inverse_efficiency > 0:
         raise ValueError("the measured rows fit no positive efficiency (a row faster than its work allows?)")
+    if inverse_efficiency < 1:  # faster than the peak rates: the peak rates, and the floor fitted alone
+        inverse_efficiency = 1.0
+        floor = max(0.0, (sx - sxy) / sxx)
     return 1.0 / inverse_efficiency, floor
 
 

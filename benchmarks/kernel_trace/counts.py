@@ -5,8 +5,17 @@ backward, attention); the linear algebra counted here (Cholesky ``n^3 / 3`` per 
 and so on); one FLOP per output element for elementwise work and per input element for reductions. Bytes: every
 tensor argument read once and every result written once, each as the elements its strides reach (an expanded matrix
 is read once, not once per batch entry); in-place operations read and write their first argument, except those that
-only write it (``copy_``, ``fill_``, ``zero_``, random fills); arguments that only give a shape (the input of
-``avg_pool2d_backward``, of ``zeros_like``) are not read. Views, metadata and allocations launch nothing.
+only write it (``copy_``, ``fill_``, ``zero_``, random fills), and those that return nothing (fused optimizers,
+multi-tensor updates) write every argument their schema marks as written; one tensor given twice (``Z^T Z`` as
+``bmm(z.mT, z)``) is read once; arguments that only give a shape (the input of ``avg_pool2d_backward``, of
+``zeros_like``) are not read. Views, metadata and allocations launch nothing.
+
+Work that CUDA's implementation of an operation does inside it, as kernels of its own (:func:`hidden_work`): a
+reduction to a wider dtype than its input's first casts the input (``sum(x, dtype=float64)`` of float32 ``x``); an
+out-of-place ``addmm`` / ``baddbmm`` with a full accumulator first copies it into the result; batch norm in training
+takes a statistics pass before its elementwise pass (the input read twice), and its backward on channels-last maps a
+reduction before its elementwise pass (both inputs read twice); a convolution's backward launches a kernel per
+gradient it is asked for.
 """
 
 from __future__ import annotations
@@ -66,6 +75,15 @@ CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_co
 # the multi-tensor kernels of fused optimizers per ~110 tensors).
 EXTRA_KERNELS = {"convolution_backward": 1, "linalg_cholesky_ex": 1, "_linalg_eigh": 3, "linalg_lu_factor_ex": 1}
 MULTI_TENSOR_CHUNK = 110
+# In-place operations that change a tensor's metadata only, and allocations the list above does not name.
+NO_KERNEL_NAMES = {
+    "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "detach_", "resize_as_",
+    "empty_permuted",
+}  # fmt: skip
+# Products that add to an accumulator given first (addmm(C, A, B)): they compute in their factors' dtype, which an
+# ``out_dtype`` overload (bf16 factors, a float32 accumulator) does not share with the accumulator.
+ACCUMULATING_PRODUCTS = {"addmm", "baddbmm", "addmv", "addr", "addbmm"}
+REDUCTIONS = {"sum", "mean", "prod", "nansum"}
 
 
 def tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -90,7 +108,8 @@ def transposed_layouts(func: torch._ops.OpOverload, args: tuple[Any, ...], out: 
     if name not in ("convolution", "convolution_backward"):
         return []
     activations = [args[0]] if name == "convolution" else [args[0], args[1]]
-    activations += [result for result in tensors([out])[:1]]
+    first_result = out[0] if isinstance(out, (tuple, list)) else out  # the backward's input gradient, if asked for
+    activations += [first_result] if isinstance(first_result, torch.Tensor) else []
     return [
         tensor
         for tensor in activations
@@ -101,30 +120,90 @@ def transposed_layouts(func: torch._ops.OpOverload, args: tuple[Any, ...], out: 
 
 
 def kernels(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Kernel launches of one operation (0: a view, an allocation, metadata)."""
-    if func in NO_KERNEL or func.is_view or func._schema.name.startswith(("prim::", "profiler::")):
-        return 0
+    """Kernel launches of one operation (0: a view, an allocation, metadata), :func:`hidden_work` not included."""
     name = func._schema.name.split("::")[-1]
+    if (
+        func in NO_KERNEL
+        or func.is_view
+        or name in NO_KERNEL_NAMES
+        or func._schema.name.startswith(("prim::", "profiler::"))
+    ):
+        return 0
     if name.startswith("_foreach_") or name.startswith("_fused_"):
         listed = max((len(arg) for arg in args if isinstance(arg, (list, tuple))), default=1)
         return max(1, math.ceil(listed / MULTI_TENSOR_CHUNK))
+    if name == "convolution_backward":  # one cuDNN kernel per gradient asked for (the bias's apart)
+        mask = args[10] if len(args) > 10 else (True, True, True)
+        return max(1, int(bool(mask[0])) + int(bool(mask[1])))
     return 1 + EXTRA_KERNELS.get(name, 0)
+
+
+def _distinct(found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``found`` without a second tensor that reaches the same elements (``z.mT`` beside ``z``): read once."""
+    seen, distinct = set(), []
+    for tensor in found:
+        try:
+            storage = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            distinct.append(tensor)
+            continue
+        reach = frozenset((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1 and stride)
+        key = (storage, tensor.storage_offset(), reach, tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(tensor)
+    return distinct
 
 
 def moved_bytes(
     func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
 ) -> tuple[int, int]:
-    """``(read, written)`` bytes of one operation."""
+    """``(read, written)`` bytes of one operation, :func:`hidden_work` not included."""
     name = func._schema.name.split("::")[-1]
     inputs = tensors(args) + tensors(value for key, value in kwargs.items() if key != "out")
     outputs = tensors([out])
+    if out is None:  # fused optimizers, multi-tensor updates: what the schema says they write
+        arguments = func._schema.arguments
+        for index, value in enumerate(args[: len(arguments)]):
+            alias, argument = arguments[index].alias_info, arguments[index].name
+            unscaled = argument == "grads" and kwargs.get("grad_scale") is None  # written when unscaled only
+            if alias is not None and alias.is_write and not unscaled:
+                outputs += tensors([value])
     unread = [args[index] for operation, index in SHAPE_ONLY if operation == name and index < len(args)]
     if name in WRITE_ONLY:
         unread += tensors(args[:1])
+    if name == "convolution_backward" and len(args) > 10 and not args[10][0]:
+        unread += tensors(args[2:3])  # the weight: only the input's gradient reads it
     inputs = [tensor for tensor in inputs if not any(tensor is other for other in unread)]
-    read = sum(span_bytes(tensor) for tensor in inputs)
-    written = sum(span_bytes(tensor) for tensor in outputs)
+    read = sum(span_bytes(tensor) for tensor in _distinct(inputs))
+    written = sum(span_bytes(tensor) for tensor in _distinct(outputs))
     return read, written
+
+
+def hidden_work(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> tuple[int, int, int]:
+    """``(kernels, read, written)`` that CUDA's implementation of the operation adds to :func:`kernels` and
+    :func:`moved_bytes` (module docstring)."""
+    name = func._schema.name.split("::")[-1]
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if first is None:
+        return 0, 0, 0
+    if name in REDUCTIONS and kwargs.get("dtype") is not None:
+        wider = kwargs["dtype"]
+        if wider != first.dtype and not (first.dtype in (torch.bfloat16, torch.float16) and wider == torch.float32):
+            widened = span_bytes(first) // first.element_size() * torch.empty((), dtype=wider).element_size()
+            return 1, widened, widened  # the cast writes it, the reduction reads it (instead of the input)
+    if name in ("addmm", "baddbmm") and "out" not in kwargs and kwargs.get("beta", 1) != 0:
+        results = tensors([out])
+        if results and first.shape == results[0].shape and all(first.stride()):  # a full accumulator, copied
+            return 1, span_bytes(first), span_bytes(results[0])
+    if name == "native_batch_norm" and len(args) > 5 and args[5]:  # training: the statistics pass
+        return 1, span_bytes(first), 0
+    if name == "native_batch_norm_backward" and len(args) > 1:
+        passes = int(args[1].dim() == 4 and args[1].is_contiguous(memory_format=torch.channels_last))
+        return passes, span_bytes(first) + span_bytes(args[1]), 0
+    return 0, 0, 0
 
 
 def _matrix_dims(tensor: torch.Tensor) -> tuple[int, int, int]:
@@ -181,11 +260,6 @@ def flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, 
     ):
         return float(first.numel())
     return float(sum(result.numel() for result in results))
-
-
-# Products that add to an accumulator given first (addmm(C, A, B)): they compute in their factors' dtype, which an
-# ``out_dtype`` overload (bf16 factors, a float32 accumulator) does not share with the accumulator.
-ACCUMULATING_PRODUCTS = {"addmm", "baddbmm", "addmv", "addr", "addbmm"}
 
 
 def rate_class(func: torch._ops.OpOverload, args: tuple[Any, ...], dtype: torch.dtype | None) -> str:

@@ -65,8 +65,11 @@ class Phases:
     ``modules`` maps module objects to phase names (a module's ``forward`` frames, and everything they call, are in
     its phase); frames of ``InternalCosts._hook`` are ``internal/<log name>``; frames in ``torch/optim`` the
     optimizer; ``HFMCAModule.objective`` the cost path (every pair's factorisations); ``group_statistics`` the
-    external cost; frames in ``hfmca_lightning/data`` the data; the innermost of these wins, except that everything
-    a callback runs (the linear probe's pass through the backbone too) is the callbacks'.
+    external cost; frames in ``hfmca_lightning/data`` the data; the rest of a training step (``training_step``,
+    Lightning's closure that runs it and seeds the backward pass, the update's checks in
+    ``on_before_optimizer_step``: work that runs inside ``optimizer.step`` but is not the update) ``logging and
+    checks``; the innermost of these wins, except that everything a callback runs (the linear probe's pass through
+    the backbone too) is the callbacks'.
     """
 
     def __init__(self, modules: dict[int, str] | None = None) -> None:
@@ -102,6 +105,8 @@ class Phases:
         if name == "_hook" and filename.endswith("internal_costs.py"):
             pair = frame.f_locals.get("pair")
             return f"internal/{pair.log_name}" if pair is not None else "internal"
+        if name in ("training_step", "on_before_optimizer_step") or filename.endswith(_CLOSURE):
+            return "logging and checks"
         if "/torch/optim/" in filename:
             return "optimizer"
         if name == "objective" and filename.endswith("methods/hfmca.py"):
@@ -111,6 +116,9 @@ class Phases:
         if "/hfmca_lightning/data/" in filename:
             return "data"
         return ""
+
+
+_CLOSURE = "/lightning/pytorch/loops/optimization/automatic.py"  # runs training_step inside optimizer.step
 
 
 def _short(filename: str) -> str:
@@ -229,6 +237,8 @@ class Recorder(TorchDispatchMode):
         kernels = counts.kernels(func, args, kwargs)
         if kernels:
             read, written = counts.moved_bytes(func, args, kwargs, out)
+            hidden = counts.hidden_work(func, args, kwargs, out) if gpu else (0, 0, 0)
+            kernels, read, written = kernels + hidden[0], read + hidden[1], written + hidden[2]
             transposed = counts.transposed_layouts(func, args, out) if gpu else []
             kernels += len(transposed)
             read += sum(counts.span_bytes(tensor) for tensor in transposed)

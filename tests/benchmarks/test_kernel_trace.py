@@ -280,6 +280,84 @@ def test_copies_to_the_device_without_non_blocking_are_host_syncs() -> None:
     ]
 
 
+def test_work_cuda_does_inside_an_operation_is_counted() -> None:
+    """What CUDA's implementations launch inside one ATen operation: the cast of a reduction to a wider dtype, the
+    copy of an out-of-place ``addmm``'s accumulator (none in place), batch norm's statistics pass in training and its
+    backward's reduction on channels-last maps."""
+    n = 1 << 16
+    with tracing(H100) as live:
+        x = torch.randn(64, n // 64, device="cuda")
+        a, b = (torch.randn(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        accumulator = torch.zeros(256, 256, device="cuda")
+        maps = torch.randn(8, 16, 8, 8, device="cuda").contiguous(memory_format=torch.channels_last)
+        maps.requires_grad_()
+        norm = torch.nn.BatchNorm2d(16).to("cuda")
+        with live.record() as trace:
+            x.sum(dim=0, dtype=torch.float64)
+            torch.addmm(accumulator, a, b, out_dtype=torch.float32)
+            torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+            norm(maps).square().sum().backward()  # a gradient of the map's size
+    (total,) = recorded("sum", trace)[:1]
+    assert (total.kernels, total.read, total.written) == (2, 4 * n + 8 * n, 8 * n + 8 * (n // 64))
+    copied, in_place = recorded("addmm", trace)
+    factors, result = 2 * 2 * 256 * 256, 4 * 256 * 256
+    assert (copied.kernels, copied.read, copied.written) == (2, factors + 2 * result, 2 * result)
+    assert (in_place.kernels, in_place.read, in_place.written) == (1, factors + result, result)
+    (forward,), (backward,) = recorded("native_batch_norm", trace), recorded("native_batch_norm_backward", trace)
+    map_bytes = 4 * maps.numel()
+    assert forward.kernels == 2 and forward.read >= 2 * map_bytes
+    assert backward.kernels == 2 and backward.read >= 4 * map_bytes
+
+
+def test_in_place_updates_write_what_they_update_and_metadata_launches_nothing() -> None:
+    """A fused optimizer step returns nothing but writes the weights and momenta; ``as_strided_`` (which
+    ``adaptive_avg_pool2d`` calls on channels-last maps) only changes metadata; a tensor given twice is read once; a
+    convolution's backward launches one kernel per gradient asked for."""
+    with tracing(H100) as live:
+        weights = [torch.nn.Parameter(torch.randn(1000, device="cuda")) for _ in range(3)]
+        for weight in weights:
+            weight.grad = torch.randn_like(weight)
+        optimizer = torch.optim.SGD(weights, lr=0.1, momentum=0.9, fused=True)
+        optimizer.step()  # the momentum buffers exist from here
+        z = torch.randn(4, 32, 16, device="cuda")
+        images = torch.randn(2, 3, 8, 8, device="cuda")
+        conv = torch.nn.Conv2d(3, 4, 3).to("cuda")
+        with live.record() as trace:
+            optimizer.step()
+            torch.randn(2, 3, 4, 4, device="cuda").as_strided_((2, 3, 16), (48, 16, 1))
+            torch.bmm(z.mT, z)
+            conv(images).sum().backward()  # the images need no gradient: the weight's alone
+    (update,) = [op for op in trace.operations if op.name.startswith("_fused_sgd")]
+    assert update.written == 2 * 3 * 4 * 1000  # weights and momenta
+    assert not recorded("as_strided_", trace)
+    (gram,) = recorded("bmm", trace)
+    assert gram.read == 4 * z.numel()
+    (gradients,) = recorded("convolution_backward", trace)
+    assert gradients.kernels == 1
+
+
+def test_a_training_steps_own_work_is_not_the_optimizers() -> None:
+    """Lightning runs ``training_step`` inside ``optimizer.step``: its logging and checks are a phase of their own,
+    not the optimizer's update (which the backbone step of the targets counts)."""
+    from kernel_trace.recorder import Phases
+
+    def phase() -> str:  # as the recorder asks, two frames below the operation's caller
+        return Phases().current()[0]
+
+    def operation() -> str:
+        return phase()
+
+    def training_step() -> str:
+        return operation()
+
+    def step(closure):  # noqa: ANN001, ANN202  # in a file under torch/optim, as an optimizer's step
+        return closure()
+
+    step.__code__ = step.__code__.replace(co_filename="/site-packages/torch/optim/sgd.py")
+    assert step(training_step) == "logging and checks"
+    assert step(operation) == "optimizer"
+
+
 def test_health_statistics_of_device_features_wait_for_nothing() -> None:
     from hfmca_lightning.analysis.health import HealthStatistics
 
@@ -309,6 +387,16 @@ def test_the_fit_recovers_constants_that_made_the_rows() -> None:
     fitted_efficiency, fitted_floor = fit(rows)
     assert fitted_efficiency == pytest.approx(efficiency, rel=1e-9)
     assert fitted_floor == pytest.approx(floor, rel=1e-9)
+
+
+def test_the_fit_holds_the_efficiency_at_the_peak_rates() -> None:
+    """Rows faster than the peak rates allow (an efficiency of 1.2) fit the peak rates and the floor alone."""
+    rows = {
+        f"row {i}": (work, kernels, kernels * 10e-6 + work / 1.2)
+        for i, (work, kernels) in enumerate([(4e-3, 200), (5e-3, 400), (12e-3, 1300)])
+    }
+    efficiency, floor = fit(rows)
+    assert efficiency == 1.0 and 0 < floor < 10e-6  # the work at the peak rates takes longer: a shorter floor
 
 
 def test_the_fit_refuses_rows_that_cannot_give_two_constants() -> None:

@@ -13,9 +13,9 @@ multi-tensor updates) write every argument their schema marks as written; one te
 Work that CUDA's implementation of an operation does inside it, as kernels of its own (:func:`hidden_work`): a
 reduction to a wider dtype than its input's first casts the input (``sum(x, dtype=float64)`` of float32 ``x``); an
 out-of-place ``addmm`` / ``baddbmm`` with a full accumulator first copies it into the result; batch norm in training
-takes a statistics pass before its elementwise pass (the input read twice), and its backward on channels-last maps a
-reduction before its elementwise pass (both inputs read twice); a convolution's backward launches a kernel per
-gradient it is asked for.
+takes a statistics pass before its elementwise pass (the input read twice), and its backward reads both its inputs
+twice (on channels-last maps in a reduction before its elementwise pass); a convolution's backward launches a kernel
+per gradient it is asked for.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ SHAPE_ONLY = {
 }  # fmt: skip
 MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot", "vdot", "addr", "_int_mm"}
 CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_convolution"}
-# Operations that launch more than one kernel (cuDNN's data and weight gradients, cuSOLVER's factorisation and check,
-# the multi-tensor kernels of fused optimizers per ~110 tensors).
-EXTRA_KERNELS = {"convolution_backward": 1, "linalg_cholesky_ex": 1, "_linalg_eigh": 3, "linalg_lu_factor_ex": 1}
+# Operations that launch more than one kernel (cuSOLVER's factorisation and check; the multi-tensor kernels of fused
+# optimizers per ~110 tensors below, a convolution's backward per gradient in kernels()).
+EXTRA_KERNELS = {"linalg_cholesky_ex": 1, "_linalg_eigh": 3, "linalg_lu_factor_ex": 1}
 MULTI_TENSOR_CHUNK = 110
 # In-place operations that change a tensor's metadata only, and allocations the list above does not name.
 NO_KERNEL_NAMES = {
@@ -122,12 +122,9 @@ def transposed_layouts(func: torch._ops.OpOverload, args: tuple[Any, ...], out: 
 def kernels(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Kernel launches of one operation (0: a view, an allocation, metadata), :func:`hidden_work` not included."""
     name = func._schema.name.split("::")[-1]
-    if (
-        func in NO_KERNEL
-        or func.is_view
-        or name in NO_KERNEL_NAMES
-        or func._schema.name.startswith(("prim::", "profiler::"))
-    ):
+    if func in NO_KERNEL or func.is_view or name in NO_KERNEL_NAMES or torch.Tag.inplace_view in func.tags:
+        return 0  # views, allocations, in-place views (as_strided_, squeeze_, ...: metadata only)
+    if func._schema.name.startswith(("prim::", "profiler::")):
         return 0
     if name.startswith("_foreach_") or name.startswith("_fused_"):
         listed = max((len(arg) for arg in args if isinstance(arg, (list, tuple))), default=1)
@@ -147,7 +144,8 @@ def _distinct(found: list[torch.Tensor]) -> list[torch.Tensor]:
         except (RuntimeError, NotImplementedError):
             distinct.append(tensor)
             continue
-        reach = frozenset((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1 and stride)
+        pairs = zip(tensor.shape, tensor.stride())
+        reach = tuple(sorted((size, stride) for size, stride in pairs if size > 1 and stride))  # a multiset
         key = (storage, tensor.storage_offset(), reach, tensor.dtype)
         if key not in seen:
             seen.add(key)
@@ -194,7 +192,7 @@ def hidden_work(
         if wider != first.dtype and not (first.dtype in (torch.bfloat16, torch.float16) and wider == torch.float32):
             widened = span_bytes(first) // first.element_size() * torch.empty((), dtype=wider).element_size()
             return 1, widened, widened  # the cast writes it, the reduction reads it (instead of the input)
-    if name in ("addmm", "baddbmm") and "out" not in kwargs and kwargs.get("beta", 1) != 0:
+    if name in ("addmm", "baddbmm") and kwargs.get("out") is not first and kwargs.get("beta", 1) != 0:
         results = tensors([out])
         if results and first.shape == results[0].shape and all(first.stride()):  # a full accumulator, copied
             return 1, span_bytes(first), span_bytes(results[0])

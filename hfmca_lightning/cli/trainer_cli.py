@@ -91,18 +91,18 @@ class AtomicSaveConfig(SaveConfigCallback):
         self.already_saved = trainer.strategy.broadcast(self.already_saved)
 
 
-# Where Lightning checks a run's settings as it sets the run up (limit_*_batches and the loaders, the devices, the
-# hooks a configuration needs): its errors from there are the user's settings, from anywhere else the code's.
-_TRAINER_SET_UP = tuple(
-    f"/lightning/pytorch/trainer/{module}.py"
-    for module in ("connectors/data_connector", "connectors/accelerator_connector", "configuration_validator", "setup")
-)
+# Lightning's own code: a MisconfigurationException raised there alone (its checks of limit_*_batches, of the
+# loaders, of a callback's needs such as LearningRateMonitor's logger) is about the run's settings.
+_LIGHTNING = ("/lightning/pytorch/", "/lightning/fabric/", "/lightning_fabric/", "/pytorch_lightning/")
 
 
-def _from_trainer_set_up(error: BaseException) -> bool:
-    """Whether ``error`` was raised where Lightning checks a run's settings (:data:`_TRAINER_SET_UP`)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and any(part in frames[-1].filename.replace("\\", "/") for part in _TRAINER_SET_UP)
+def _raised_by_lightning_alone(error: BaseException) -> bool:
+    """Whether ``error`` was raised by Lightning's code alone below the command (every frame after
+    :meth:`HFMCACLI._run_subcommand` in Lightning): a setting's error, not a module's or a callback's code's."""
+    frames = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)]
+    own = next((index for index, name in enumerate(frames) if name.endswith("/cli/trainer_cli.py")), -1)
+    below = [name for name in frames[own + 1 :] if not name.endswith("/cli/trainer_cli.py")]
+    return bool(below) and all(any(part in name for part in _LIGHTNING) for name in below)
 
 
 def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, ModelCheckpoint]:
@@ -269,7 +269,7 @@ class HFMCACLI(LightningCLI):
             with warnings.catch_warnings():  # the filters a run sets (before_fit) end with it
                 super()._run_subcommand(subcommand)
         except MisconfigurationException as error:
-            if not _from_trainer_set_up(error):  # raised by code (a module's, a callback's): its traceback
+            if not _raised_by_lightning_alone(error):  # raised by code (a module's, a callback's): its traceback
                 raise
             raise ConfigurationError(f"trainer: {error}") from None
         finally:

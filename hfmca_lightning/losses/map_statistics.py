@@ -397,19 +397,22 @@ _OUT_DTYPE_PRODUCTS = all(
     hasattr(operation, "dtype") for operation in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm,
                                                   torch.ops.aten.baddbmm)
 )  # fmt: skip
+# addmm(C, A, B, out_dtype=float32) with a float32 accumulator C and bf16 factors (torch >= 2.10; before, C had to
+# be of the factors' dtype)
+_FLOAT32_ACCUMULATOR = _OUT_DTYPE_PRODUCTS and tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 10)
 
 
 def float32_product(left: Tensor, right: Tensor, accumulator: Tensor | None = None) -> Tensor:
     """``accumulator + left @ right`` of bfloat16 matrices (2-D, or batched 3-D), accumulated and returned in
-    float32 (added to a given float32 ``accumulator`` in place): one bf16 tensor-core product on CUDA (products of
-    bfloat16 numbers are exact in float32; in place, CUDA does not first copy the accumulator into a new result),
-    the same exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
+    float32: one bf16 tensor-core product on CUDA (products of bfloat16 numbers are exact in float32), a 2-D one
+    accumulated into the float32 ``accumulator`` in place (out of place, CUDA first copies the accumulator into a
+    new result); the same exact products in float32 elsewhere (CPUs have no bf16 product with a float32 result)."""
     if left.device.type == "cuda" and _OUT_DTYPE_PRODUCTS:
         batched = left.dim() == 3
-        if accumulator is None:
-            return (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
-        accumulate = torch.baddbmm if batched else torch.addmm
-        return accumulate(accumulator, left, right, out_dtype=torch.float32, out=accumulator)
+        if accumulator is not None and not batched and _FLOAT32_ACCUMULATOR:
+            return torch.addmm(accumulator, left, right, out_dtype=torch.float32, out=accumulator)
+        product = (torch.bmm if batched else torch.mm)(left, right, out_dtype=torch.float32)
+        return product if accumulator is None else accumulator.add_(product)
     with float32_products(left.device):
         product = torch.matmul(left.float(), right.float())
         return product if accumulator is None else product.add_(accumulator)

@@ -94,9 +94,10 @@ def load_checked_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
 ) -> Any:
     """``nn.Module.load_state_dict`` of ``module`` that, when ``strict``, raises one clear error
-    (:class:`ArchitectureMismatch`) for the state of another architecture instead of torch's list of keys: shapes
-    compared before anything is loaded (lazily sized parameters and buffers adapt), missing and unexpected keys as
-    torch finds them after the modules' own load hooks. ``strict=False`` loads what fits, as torch does."""
+    (:class:`ArchitectureMismatch`) for the state of another architecture instead of torch's list of keys, and
+    leaves the module as it was: shapes compared before anything is loaded (lazily sized parameters and buffers
+    adapt), missing and unexpected keys as torch finds them after the modules' own load hooks (what torch loaded
+    meanwhile put back). ``strict=False`` is torch's (missing and unexpected keys allowed, shapes not)."""
     if not strict:
         return nn.Module.load_state_dict(module, state_dict, strict=False, assign=assign)
     current = module.state_dict()
@@ -106,9 +107,14 @@ def load_checked_state_dict(
         if isinstance(value, Tensor) and isinstance(current.get(key), Tensor) and _sized(current[key])
         and value.shape != current[key].shape
     ]  # fmt: skip
+    kept = {
+        key: value.detach().clone() for key, value in current.items() if isinstance(value, Tensor) and _sized(value)
+    }
     result = None if mismatched else nn.Module.load_state_dict(module, state_dict, strict=False, assign=assign)
     missing = sorted(result.missing_keys) if result is not None else []
     unexpected = sorted(result.unexpected_keys) if result is not None else []
+    if missing or unexpected:
+        nn.Module.load_state_dict(module, kept, strict=False)  # as it was
     if missing or unexpected or mismatched:
         details = []
         if missing:

@@ -214,6 +214,12 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "trainer: You requested to check 0.001 of the `val_dataloader` but 0.001 * ",
     ),
     (
+        "LearningRateMonitor without a logger",
+        lambda tmp, ckpt: ["--trainer.logger", "false", "--trainer.callbacks+=LearningRateMonitor"],
+        lambda tmp: {},
+        "trainer: Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger",
+    ),
+    (
         "missing data root",
         lambda tmp, ckpt: [],
         lambda tmp: {

@@ -166,16 +166,17 @@ def test_bf16_refuses_a_window_avg_pool_cannot_take():
 
 
 def test_sums_without_gradients_are_the_sums_with_them_and_unused_sums_need_no_gradient():
-    """Under ``no_grad`` the forward keeps only the window means' parts (no rows for a backward): the same sums, bit
-    for bit. And a backward from one sum alone (the others' gradients None) is the float64 gradient of that sum."""
+    """For maps that need no gradient the forward keeps only the window means' parts (no rows for a backward): the
+    same sums, bit for bit. And a backward from one sum alone (the others' gradients None) is the float64 gradient
+    of that sum."""
     torch.manual_seed(0)
     geometry = WindowGeometry(3, 2, 1)
     low = torch.rand(3, 6, 7, 7).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
     high = torch.rand(3, 5, *geometry.output_size((7, 7))).bfloat16().contiguous(memory_format=torch.channels_last)
     coverage = window_coverage((7, 7), geometry.output_size((7, 7)), geometry).flatten().float()
     with_gradients = Bfloat16Statistics.apply(low, high, coverage, geometry)
-    with torch.no_grad():
-        without = Bfloat16Statistics.apply(low, high, coverage, geometry)
+    with torch.no_grad():  # maps that need no gradient, as under no_grad: no rows for a backward
+        without = Bfloat16Statistics.apply(low.detach(), high, coverage, geometry)
     assert all(torch.equal(a, b) for a, b in zip(with_gradients, without))
     (gradient,) = torch.autograd.grad(with_gradients[2].sum(), low)  # the cross sum alone; high needs none
     low64 = low.detach().double().requires_grad_()

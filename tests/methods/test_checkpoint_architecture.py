@@ -42,14 +42,16 @@ def test_another_architecture_is_one_clear_error_and_loads_nothing(build):
     assert all(torch.equal(value, before[key]) for key, value in module.state_dict().items())
 
 
-def test_missing_and_unexpected_parameters_are_named():
+def test_missing_and_unexpected_parameters_are_named_and_the_module_is_left_as_it_was():
     module, state = simclr(), simclr().state_dict()
+    before = {key: value.clone() for key, value in module.state_dict().items()}
     state["backbone.extra.weight"] = torch.zeros(1)
     del state["projection_head.layers.0.weight"]
     with pytest.raises(ArchitectureMismatch, match="1 parameters missing from the checkpoint") as refused:
         module.load_state_dict(state)
     assert "(e.g. projection_head.layers.0.weight)" in refused.value.details
     assert "1 parameters the model does not have (e.g. backbone.extra.weight)" in refused.value.details
+    assert all(torch.equal(value, before[key]) for key, value in module.state_dict().items())
 
 
 def test_strict_false_loads_what_fits():

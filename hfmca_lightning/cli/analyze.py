@@ -13,7 +13,6 @@ renamed into place, ``index.html`` last, so a failure mid-way (a full disk) leav
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import sys
@@ -532,7 +531,7 @@ def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:
 
 def run_analysis_command(argv: list[str]) -> None:
     """Parse and run ``analyze ...`` or ``compare ...``."""
-    parser = argparse.ArgumentParser(prog="hfmca", description="Analysis of trained HFMCA checkpoints.")
+    parser = options.OneLineParser(prog="hfmca", description="Analysis of trained HFMCA checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("analyze", help="spectra, density-ratio heatmaps and basis functions of one checkpoint")
     one.add_argument("--ckpt_path", required=True)

@@ -22,13 +22,13 @@ view instead of adding another. Its sections follow the keys that ``hfmca fit`` 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import read_config_file
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.loggers import wandb_credentials_available
@@ -187,7 +187,7 @@ def _panel_fields(panel: Any) -> dict[str, Any]:
 
 def run_dashboard_command(argv: list[str]) -> None:
     """Parse and run ``hfmca dashboard ...``."""
-    parser = argparse.ArgumentParser(
+    parser = options.OneLineParser(
         prog="hfmca dashboard", description="Create or update the W&B eigenvalue-dynamics view of a project."
     )
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")

@@ -13,7 +13,6 @@ commands may share a folder; a command whose own files are already there is refu
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -36,6 +35,7 @@ from hfmca_lightning.evaluation import (
     train_linear_classifier,
 )
 from hfmca_lightning.evaluation_data import finetune_loader, labelled_splits
+from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
 from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["split_features", "frozen_linear_accuracy", "linear_evaluation", "knn_evaluation", "run_evaluation_command"]
@@ -246,7 +246,7 @@ def knn_evaluation(
 
 def run_evaluation_command(argv: list[str]) -> None:
     """Parse and run ``linear ...`` or ``knn ...``."""
-    parser = argparse.ArgumentParser(prog="hfmca", description="Offline evaluation of trained checkpoints.")
+    parser = options.OneLineParser(prog="hfmca", description="Offline evaluation of trained checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     linear = commands.add_parser(
         "linear", help="linear classifier on frozen features, or --finetune; top-1/top-5 on the test split"
@@ -300,6 +300,8 @@ def run_evaluation_command(argv: list[str]) -> None:
     if args.config is not None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
     name = linear_name(args.finetune, args.label_fraction) if args.command == "linear" else "knn"
+    if not Path(args.ckpt_path).is_file():
+        read_checkpoint(args.ckpt_path)  # missing, or a folder: one line, before the output folder is made
     check_out(args.out or default_out(args.ckpt_path), args.overwrite, outputs=(f"{name}.json", f"{name}.md"))
     if args.command == "linear":
         lr = args.lr if args.lr is not None else (0.05 if args.finetune else 0.1)

@@ -21,7 +21,6 @@ backbones (``SmallConvNet``, ``SpectrumCNN``) into their class with the ``init_a
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from functools import partial
@@ -192,7 +191,7 @@ def _sha256(path: Path) -> str:
 
 def run_export_command(argv: list[str]) -> None:
     """Parse and run ``export ...``."""
-    parser = argparse.ArgumentParser(
+    parser = options.OneLineParser(
         prog="hfmca export", description="A trained backbone as plain weights (torchvision / timm / state_dict)."
     )
     parser.add_argument("--ckpt_path", required=True)

@@ -5,12 +5,32 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import NoReturn
 
 import torch
 
-__all__ = ["SEED_RANGE", "device_name", "finite_positive_float", "non_negative_int", "positive_int", "seed"]
+from hfmca_lightning.errors import ConfigurationError
+
+__all__ = [
+    "SEED_RANGE",
+    "OneLineParser",
+    "device_name",
+    "finite_positive_float",
+    "non_negative_int",
+    "positive_int",
+    "seed",
+]
 
 SEED_RANGE = (0, 2**32 - 1)  # numpy's, which Lightning's seed_everything enforces
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The commands' parser (and their sub-commands'): a mistake on the command line is one line, ``hfmca: error:
+    <command>: <problem> (see hfmca <command> --help)``, exit status 2, as ``hfmca fit``'s are, not the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("hfmca").strip()
+        raise ConfigurationError(f"{command + ': ' if command else ''}{message} (see `{self.prog} --help`)")
 
 
 def _integer(value: str) -> int:

@@ -219,7 +219,8 @@ class HFMCACLI(LightningCLI):
             )
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
-            read_checkpoint(ckpt_path)  # missing / corrupt / foreign: one line, before anything is built
+            # missing / corrupt / foreign: one line, before anything is built
+            read_checkpoint(ckpt_path, missing_hint=" (or use `--ckpt_path last`: the run's newest)")
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: Lightning would merge the ``--ckpt_path`` checkpoint's hyper-parameters over the command's config

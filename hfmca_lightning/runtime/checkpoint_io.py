@@ -59,9 +59,10 @@ def is_local(path: _PATH) -> bool:
     return "file" in (get_filesystem(path).protocol or ("file",))
 
 
-def read_checkpoint(path: str | Path, check_weights: bool = True) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, check_weights: bool = True, missing_hint: str = "") -> dict[str, Any]:
     """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file
-    (``check_weights=False``: without reading every weight for its finiteness, for a file checked before).
+    (``check_weights=False``: without reading every weight for its finiteness, for a file checked before;
+    ``missing_hint`` ends the message for a missing file).
 
     Tells apart a missing path, a file that is not a readable checkpoint (truncated, corrupt, another
     format), a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``) and one whose
@@ -69,7 +70,7 @@ def read_checkpoint(path: str | Path, check_weights: bool = True) -> dict[str, A
     """
     path = Path(path)
     if not path.exists():
-        raise ConfigurationError(f"checkpoint not found: {path}. Check --ckpt_path (or use `--ckpt_path last`).")
+        raise ConfigurationError(f"checkpoint not found: {path}. Check --ckpt_path{missing_hint}.")
     if not path.is_file():
         raise ConfigurationError(
             f"checkpoint path {path} is a folder; give the .ckpt file inside it (e.g. {path / 'last.ckpt'})."

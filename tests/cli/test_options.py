@@ -50,8 +50,29 @@ def test_an_option_out_of_its_range_is_a_usage_error_before_any_work(
         main([command, *checkpoint, *rest])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    assert message in err.splitlines()[-1], err
-    assert "Traceback" not in err and not list(tmp_path.iterdir())  # no --out folder made
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"hfmca: error: {command}: "), err
+    assert message in err and err.rstrip().endswith(f"(see `hfmca {command} --help`)"), err
+    assert not list(tmp_path.iterdir())  # no --out folder made
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["knn"], "knn: the following arguments are required: --ckpt_path"),
+        (["export", "--ckpt_path", NO_CHECKPOINT], "export: the following arguments are required: --out"),
+        (["analyze", "--ckpt_path", NO_CHECKPOINT, "--out", "a", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+        (["dashboard", "--entity"], "dashboard: argument --entity: expected one argument"),
+    ],
+    ids=["knn without --ckpt_path", "export without --out", "analyze --bogus", "dashboard --entity"],
+)
+def test_a_command_line_mistake_is_one_line(arguments: list[str], message: str, tmp_path: Path, monkeypatch, capsys):
+    """Every command's parser, as ``hfmca fit``'s: one line ``hfmca: error: ...``, exit status 2, no usage text."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("hfmca: error: ") and message in err and "usage:" not in err, err
 
 
 def test_the_types_accept_their_ranges_and_refuse_the_rest() -> None:
@@ -75,3 +96,16 @@ def test_the_types_accept_their_ranges_and_refuse_the_rest() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(argparse.ArgumentTypeError, match="no CUDA GPU"):
             options.device_name("cuda")
+
+
+@pytest.mark.parametrize("command", ["knn", "linear"])
+def test_a_missing_checkpoint_is_one_line_before_the_output_folder_is_made(command, tmp_path, capsys):
+    """The default ``--out`` is the run's ``evaluation`` folder: not made for a checkpoint that is not there, and no
+    advice of ``--ckpt_path last``, which only fit, validate and test take."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "missing.ckpt"
+    checkpoint.parent.mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--ckpt_path", str(checkpoint)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"hfmca: error: checkpoint not found: {checkpoint}"), err
+    assert "last" not in err and not (tmp_path / "run" / "evaluation").exists()

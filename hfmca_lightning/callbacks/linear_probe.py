@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -173,6 +174,9 @@ class LinearProbe(Callback):
         if images.shape[0] >= 2:
             embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0], self.views_first)
             features = None if embeddings is None else embeddings[:, 0]
+            if features is None and not is_overridden("forward", pl_module, LightningModule):
+                self._skip_without_features(pl_module)
+                return
             if features is None:  # in the run's precision (bf16-mixed: under its autocast, as the training step)
                 with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
                     features = pl_module(images)
@@ -196,6 +200,17 @@ class LinearProbe(Callback):
         self.optimizer.step()
         if loss is not None:
             pl_module.log("linear/train_loss", loss.detach())
+
+    def _skip_without_features(self, pl_module: LightningModule) -> None:
+        """A module whose training step returns no features and that has no ``forward`` gives the probe nothing to
+        read: said once, and the probe trains and evaluates nothing (every process alike)."""
+        rank_zero_warn(
+            f"LinearProbe: {type(pl_module).__name__}'s training_step returns no features and it has no forward "
+            "(images -> features), so the online probe is skipped. Return {'loss': ..., 'features': ...} from "
+            "training_step, or define forward, to get it.",
+            category=HFMCAWarning,
+        )
+        self.classifier = None
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._logits.clear()

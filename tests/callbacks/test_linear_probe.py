@@ -6,10 +6,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.callbacks import LinearProbe, RunState
@@ -221,3 +222,31 @@ def test_features_a_step_returns_are_used_without_a_pass_of_their_own():
         rtol=1e-4,
         atol=1e-6,
     )
+
+
+class _ContrastiveWithoutForward(LightningModule):
+    """A user's module as the baselines docs show one: a training step that returns its loss alone, no forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = SmallConvNet(width=8, num_stages=2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        views, _ = batch
+        first, second = self.backbone(views[:, 0]), self.backbone(views[:, 1])
+        return (first - second).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_module_without_features_or_forward_trains_with_the_probe_skipped():
+    """It trained only without the probe (every shipped config has one): the probe's own pass called the missing
+    forward, a traceback after the first step. It now says so once and trains nothing, and the run goes on."""
+    from hfmca_lightning.errors import HFMCAWarning
+
+    probe = LinearProbe()
+    with pytest.warns(HFMCAWarning, match="_ContrastiveWithoutForward's training_step returns no features and it has"):
+        trainer = quiet_trainer(max_steps=3, limit_val_batches=1, callbacks=[probe], accelerator="cpu")
+        trainer.fit(_ContrastiveWithoutForward(), _data())
+    assert trainer.global_step == 3 and probe.classifier is None

@@ -103,3 +103,37 @@ def test_headings_stand_on_their_own_lines():
         prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         glued += [f"{page.name}: {line}" for line in prose.splitlines() if re.search(r"[^\s#]#{1,6} \w", line)]
     assert glued == []
+
+
+def documented_trainer_commands() -> list[str]:
+    """Every ``hfmca fit / validate / test`` line of the README's and the docs' shell blocks (line continuations
+    joined, comments and the launcher before ``hfmca`` dropped), once each."""
+    found: dict[str, None] = {}
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = re.search(r"(?:^|[\s/)])hfmca\)? ((?:fit|validate|test)\b.*)", line.split(" #")[0].strip())
+                if command:
+                    found[" ".join(command.group(1).split())] = None
+    return list(found)
+
+
+def test_there_are_documented_trainer_commands():
+    assert len(documented_trainer_commands()) >= 10
+
+
+@pytest.mark.parametrize("command", documented_trainer_commands())
+def test_every_documented_trainer_command_parses(command: str, monkeypatch, capsys):
+    """As a user types it (from the repository root): its config files, keys and values parse (``--print_config``:
+    nothing is built or read), so a renamed key or config never stays in the docs."""
+    import shlex
+
+    from hfmca_lightning.cli import main
+
+    monkeypatch.chdir(REPO)
+    arguments = shlex.split(command)
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments if "--help" in arguments else [*arguments, "--print_config"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    assert out.strip(), command

@@ -247,6 +247,6 @@ def test_a_module_without_features_or_forward_trains_with_the_probe_skipped():
 
     probe = LinearProbe()
     with pytest.warns(HFMCAWarning, match="_ContrastiveWithoutForward's training_step returns no features and it has"):
-        trainer = quiet_trainer(max_steps=3, limit_val_batches=1, callbacks=[probe], accelerator="cpu")
+        trainer = quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=[probe], accelerator="cpu")
         trainer.fit(_ContrastiveWithoutForward(), _data())
     assert trainer.global_step == 3 and probe.classifier is None

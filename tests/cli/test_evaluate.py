@@ -123,6 +123,32 @@ def test_package_backbones_export_with_their_init_args(tmp_path):
     assert namespace["net"].feature_dim == description["feature_dim"] == 16
 
 
+def test_knn_and_linear_write_into_the_runs_evaluation_folder_and_refuse_only_their_own_files(
+    simclr_run, tmp_path, capsys
+):
+    """evaluation.md: the default ``--out`` is ``<run dir>/evaluation``, shared by both commands; each refuses its own
+    files there without ``--overwrite`` (one line, before any work), not the other's, and replaces them with it."""
+    import shutil
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    checkpoint.parent.mkdir(parents=True)
+    shutil.copy(simclr_run, checkpoint)
+    evaluation = tmp_path / "run" / "evaluation"
+    main(["knn", "--ckpt_path", str(checkpoint), "--k", "5"])
+    assert (evaluation / "knn.json").is_file() and (evaluation / "knn.md").is_file()
+    main(["linear", "--ckpt_path", str(checkpoint), "--epochs", "1"])  # beside knn's files
+    linear_files = sorted(path.name for path in evaluation.glob("linear*"))
+    assert linear_files and all(name.endswith((".json", ".md")) for name in linear_files)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["knn", "--ckpt_path", str(checkpoint), "--k", "5"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("hfmca: error: ") and "--overwrite" in err, err
+    written = (evaluation / "knn.json").stat().st_mtime_ns
+    main(["knn", "--ckpt_path", str(checkpoint), "--k", "5", "--overwrite"])
+    assert (evaluation / "knn.json").stat().st_mtime_ns != written
+
+
 def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_path, capsys):
     out = tmp_path / "knn"
     ks = ["--k", "5", "20", "200"]  # 200: more than the 32 bank images, reported as the 32 it uses

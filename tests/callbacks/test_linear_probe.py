@@ -240,6 +240,7 @@ class _ContrastiveWithoutForward(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.filterwarnings("ignore:You passed in a `val_dataloader` but have no `validation_step`")
 def test_a_module_without_features_or_forward_trains_with_the_probe_skipped():
     """It trained only without the probe (every shipped config has one): the probe's own pass called the missing
     forward, a traceback after the first step. It now says so once and trains nothing, and the run goes on."""

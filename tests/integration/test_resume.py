@@ -127,8 +127,7 @@ def cifar_overrides(folder: Path, every_n_train_steps: int, data_path: str = "ba
     return write_overrides(folder, "shrink.yaml", overrides)
 
 
-SLOW_DATA_PATHS = ("batched-workers", "images-on-device", "batched-on-device", "multi-crop", "user-transform",
-                   "shipped")  # fmt: skip
+SLOW_DATA_PATHS = ("batched-workers", "images-on-device", "batched-on-device", "multi-crop", "user-transform")
 
 
 def fit_args(config: Path, overrides: Path, *extra: str) -> list[str]:
@@ -212,9 +211,10 @@ def csv_rows(logs: Path) -> list[dict[str, str]]:
 @pytest.mark.parametrize(
     "data_path",
     [
-        # make test: the demo's SIGKILL run; CI's make test-extended: its SIGTERM run and stable-pretraining's dict
-        # batches here
+        # make test: the demo's SIGKILL run; CI's make test-extended: its SIGTERM run, the shipped CIFAR data path
+        # (the training set on the device) and stable-pretraining's dict batches here
         *(pytest.param(path, marks=pytest.mark.slow) for path in SLOW_DATA_PATHS),
+        pytest.param("shipped", marks=pytest.mark.extended),
         pytest.param("stable-pretraining", marks=pytest.mark.extended),
     ],
 )

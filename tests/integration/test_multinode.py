@@ -1,6 +1,6 @@
 """Multi-node DDP is Lightning's: two processes launched as two nodes of one process each (NODE_RANK 0 and 1,
 MASTER_ADDR / MASTER_PORT on loopback, gloo) train a few steps and end with the weights of one process that
-saw the doubled batch."""
+saw the doubled batch; and ``hfmca fit`` run as docs/resume.md says, the same command on each node, writes one run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.helpers import DISTRIBUTED_ENVIRONMENT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
+from tests.helpers import (
+    DEMO,
+    DISTRIBUTED_ENVIRONMENT,
+    HFMCA,
+    PER_RANK_BATCH,
+    bn_free_module,
+    ddp_data,
+    ddp_trainer,
+    tiny_overrides,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -76,3 +86,32 @@ def test_two_nodes_of_one_process_equal_one_process_with_the_doubled_batch(tmp_p
     for key, value in single.state_dict().items():
         # as tests/integration/test_ddp.py: float32 gradient sums split over two processes, over 3 SGD steps
         torch.testing.assert_close(two_nodes[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.extended
+def test_hfmca_fit_as_the_same_command_on_two_nodes_writes_one_run(tmp_path):
+    """docs/resume.md's "Several machines": every node runs the same ``hfmca fit`` with ``--trainer.num_nodes`` and the
+    rendezvous in its environment, the run folder shared (a cluster's file system): both end with status 0, the
+    second as the run's second member, and the run's checkpoints are one run's (32 images, 8 per process and step:
+    2 steps)."""
+    overrides = tiny_overrides(tmp_path / "run")
+    command = [str(HFMCA), "fit", "--config", str(DEMO), "--config", str(overrides), "--trainer.num_nodes", "2",
+               "--trainer.devices", "1", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]  # fmt: skip
+    port = str(free_port())
+    base = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENVIRONMENT}
+    nodes = [
+        subprocess.Popen(
+            command,
+            env={**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1], outputs[1][-2000:]
+    checkpoints = sorted(path.name for path in (tmp_path / "run" / "checkpoints").iterdir())
+    assert checkpoints == ["epoch=0-step=2.ckpt", "last.ckpt"], checkpoints

@@ -51,17 +51,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_nodes_of_one_process_equal_one_process_with_the_doubled_batch(tmp_path):
-    single = bn_free_module()
-    ddp_trainer(1, max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0).fit(
-        single, ddp_data(2 * PER_RANK_BATCH)
-    )
-
+def run_as_two_nodes(command: list[str], cwd: Path) -> list[str]:
+    """``command`` run twice at once as the two nodes of one job (NODE_RANK 0 and 1, the rendezvous on loopback), as
+    a launcher starts it on each machine; both must end with status 0. Their outputs."""
     port = str(free_port())
     base = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENVIRONMENT}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-c", NODE, str(tmp_path / "node0.pt"), str(STEPS)],
+            command,
             env={
                 **base,
                 "PYTHONPATH": str(REPO),
@@ -69,15 +66,25 @@ def test_two_nodes_of_one_process_equal_one_process_with_the_doubled_batch(tmp_p
                 "MASTER_PORT": port,
                 "NODE_RANK": str(rank),
             },
-            cwd=tmp_path,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    return outputs
+
+
+def test_two_nodes_of_one_process_equal_one_process_with_the_doubled_batch(tmp_path):
+    single = bn_free_module()
+    ddp_trainer(1, max_epochs=1, limit_train_batches=STEPS, limit_val_batches=0).fit(
+        single, ddp_data(2 * PER_RANK_BATCH)
+    )
+
+    outputs = run_as_two_nodes([sys.executable, "-c", NODE, str(tmp_path / "node0.pt"), str(STEPS)], tmp_path)
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1], outputs[1][-2000:]
 
     two_nodes = torch.load(tmp_path / "node0.pt", weights_only=True)
@@ -97,21 +104,7 @@ def test_hfmca_fit_as_the_same_command_on_two_nodes_writes_one_run(tmp_path):
     overrides = tiny_overrides(tmp_path / "run")
     command = [str(HFMCA), "fit", "--config", str(DEMO), "--config", str(overrides), "--trainer.num_nodes", "2",
                "--trainer.devices", "1", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]  # fmt: skip
-    port = str(free_port())
-    base = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENVIRONMENT}
-    nodes = [
-        subprocess.Popen(
-            command,
-            env={**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank)},
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-2000:] for output in outputs)
+    outputs = run_as_two_nodes(command, tmp_path)
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1], outputs[1][-2000:]
     checkpoints = sorted(path.name for path in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["epoch=0-step=2.ckpt", "last.ckpt"], checkpoints

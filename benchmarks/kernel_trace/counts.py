@@ -75,11 +75,8 @@ CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "cudnn_co
 # optimizers per ~110 tensors below, a convolution's backward per gradient in kernels()).
 EXTRA_KERNELS = {"linalg_cholesky_ex": 1, "_linalg_eigh": 3, "linalg_lu_factor_ex": 1}
 MULTI_TENSOR_CHUNK = 110
-# In-place operations that change a tensor's metadata only, and allocations the list above does not name.
-NO_KERNEL_NAMES = {
-    "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "detach_", "resize_as_",
-    "empty_permuted",
-}  # fmt: skip
+# Allocations the list above does not name (in-place views, metadata only, carry torch's inplace_view tag).
+NO_KERNEL_NAMES = {"empty_permuted"}
 # Products that add to an accumulator given first (addmm(C, A, B)): they compute in their factors' dtype, which an
 # ``out_dtype`` overload (bf16 factors, a float32 accumulator) does not share with the accumulator.
 ACCUMULATING_PRODUCTS = {"addmm", "baddbmm", "addmv", "addr", "addbmm"}
@@ -190,7 +187,7 @@ def hidden_work(
     if name in REDUCTIONS and kwargs.get("dtype") is not None:
         wider = kwargs["dtype"]
         if wider != first.dtype and not (first.dtype in (torch.bfloat16, torch.float16) and wider == torch.float32):
-            widened = span_bytes(first) // first.element_size() * torch.empty((), dtype=wider).element_size()
+            widened = span_bytes(first) // first.element_size() * wider.itemsize
             return 1, widened, widened  # the cast writes it, the reduction reads it (instead of the input)
     if name in ("addmm", "baddbmm") and kwargs.get("out") is not first and kwargs.get("beta", 1) != 0:
         results = tensors([out])

@@ -5,7 +5,9 @@ The ``hfmca`` command prints them as one line (``hfmca: error: ...``, exit statu
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "DataNotFoundError", "HFMCAWarning"]
+from collections.abc import Collection
+
+__all__ = ["ConfigurationError", "DataNotFoundError", "HFMCAWarning", "check_at_least", "check_choice"]
 
 
 class ConfigurationError(ValueError):
@@ -30,3 +32,18 @@ class HFMCAWarning(UserWarning):
     """Something a run should know but that does not stop it (an image skipped, an evaluation split missing); every
     warning the package gives has this category (the test suite turns it into an error wherever it is not
     expected)."""
+
+
+def check_at_least(value: int, least: int, name: str, owner: str | None = None) -> None:
+    """One line naming ``name`` (of ``owner``, where given) when ``value < least``."""
+    if value < least:
+        where = f"{owner}: " if owner else ""
+        raise ConfigurationError(f"{where}{name} must be >= {least}; got {value}", parameter=name)
+
+
+def check_choice(value: object, choices: Collection[object], name: str, owner: str | None = None) -> None:
+    """One line naming ``name`` (of ``owner``, where given) and its choices when ``value`` is none of them."""
+    if value not in choices:
+        where = f"{owner}: " if owner else ""
+        listed = ", ".join(str(choice) for choice in choices)
+        raise ConfigurationError(f"{where}{name} must be one of {listed}; got {value!r}", parameter=name)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.callbacks.step_outputs import step_embeddings
 from hfmca_lightning.data.batch_formats import first_views
-from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
 
 __all__ = ["CollapseError", "HealthMetrics"]
@@ -73,9 +73,8 @@ class HealthMetrics(Callback):
         collapse_fraction: float = 0.25,
         stop_on_collapse: bool = False,
     ) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("samples_per_dim", samples_per_dim)):
-            if value < 1:
-                raise ConfigurationError(f"HealthMetrics: {name} must be >= 1; got {value}", parameter=name)
+        check_at_least(every_n_steps, 1, "every_n_steps", "HealthMetrics")
+        check_at_least(samples_per_dim, 1, "samples_per_dim", "HealthMetrics")
         if not 0 <= collapse_fraction < 1:
             raise ConfigurationError(
                 f"HealthMetrics: collapse_fraction must be in [0, 1); got {collapse_fraction}",

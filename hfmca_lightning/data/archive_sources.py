@@ -19,7 +19,7 @@ from torchvision.datasets import STL10 as _TorchvisionSTL10
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
 from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages, check_image_sizes
-from hfmca_lightning.errors import ConfigurationError, DataNotFoundError
+from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, check_choice
 
 __all__ = ["CIFAR", "STL10"]
 
@@ -103,8 +103,7 @@ class CIFAR(_ReleaseSource):
         download: bool = False,
         verify: bool = True,
     ) -> None:
-        if name not in ("cifar10", "cifar100"):
-            raise ConfigurationError(f"CIFAR name must be 'cifar10' or 'cifar100'; got {name!r}", parameter="name")
+        check_choice(name, ("cifar10", "cifar100"), "name", "CIFAR")
         self.name = self._label = name
         self.root, self.download, self.verify = Path(root).expanduser(), download, verify
         self._spec = _TorchvisionCIFAR10 if name == "cifar10" else _TorchvisionCIFAR100
@@ -235,6 +234,7 @@ class STL10(_ReleaseSource):
         self.train_on_labelled, self.image_size = train_on_labelled, image_size
 
     def _read(self, name: str) -> _BinaryImages:
+        self.prepare()
         images_file = self.folder / f"{name}_X.bin"
         size = images_file.stat().st_size
         if size == 0 or size % (3 * 96 * 96):
@@ -259,10 +259,8 @@ class STL10(_ReleaseSource):
         return _BinaryImages(images, targets)
 
     def split(self, train: bool) -> LabelledImages:
-        self.prepare()
         return self._read("train" if train else "test")
 
     def training_split(self) -> LabelledImages:
-        self.prepare()
         unlabelled = self._read("unlabeled")
         return _ConcatImages([unlabelled, self._read("train")]) if self.train_on_labelled else unlabelled

@@ -1,13 +1,8 @@
-"""SimCLR views with per-view random parameters in a fixed number of whole-batch tensor operations (docs/conventions.md
-§5): at CIFAR size the cost of per-sample augmentation is dispatch, not arithmetic.
-
-Crop and flip are one sampling grid and one bilinear ``grid_sample``; the colour jitter is torchvision's, in a random
-order per view, each brightness, contrast or saturation round one blend ``clamp(f x + (1 - f) reference)``; then
-greyscale, a separable Gaussian blur, solarisation and normalisation, with each view kind's probabilities. Random
-numbers come from each sample's seed through a counter-based hash (:mod:`hfmca_lightning.data.counter_random`), so an
-image's views depend on its seed only, not on its batch, its rank or the device; nothing is read on the host. Pixels
-stay float32: torchvision's uint8 blends truncate after every jitter step, which leaves its views about 1/255 darker
-per step (0.01-0.03 of the normalised mean on the demo's images, the only difference seen in pixel statistics).
+"""SimCLR views of whole batches on any device (:class:`BatchedViewAugmentation`; docs/conventions.md §5): the
+distributions of :func:`~hfmca_lightning.data.transforms.view_transform` in a fixed number of tensor operations (at
+CIFAR size per-sample augmentation costs dispatch, not arithmetic), each sample's parameters from its seed alone
+(:mod:`~hfmca_lightning.data.counter_random`), pixels kept in float32 (torchvision's uint8 blends truncate after every
+jitter step, about 1/255 darker per step).
 """
 
 from __future__ import annotations
@@ -141,13 +136,10 @@ class BatchedViewAugmentation(nn.Module):
         self.select_rows = select_rows
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
-        kinds = [spec.kind(kind) for kind in range(spec.view_kinds)]
-        self.register_buffer("blur_p", torch.tensor([blur for blur, _ in kinds], dtype=torch.float32), persistent=False)
-        self.register_buffer(
-            "solarize_p", torch.tensor([solarize for _, solarize in kinds], dtype=torch.float32), persistent=False
-        )
-        self._any_blur = any(blur for blur, _ in kinds)
-        self._any_solarize = any(solarize for _, solarize in kinds)
+        blur_p, solarize_p = zip(*(spec.kind(kind) for kind in range(spec.view_kinds)))
+        self.register_buffer("blur_p", torch.tensor(blur_p, dtype=torch.float32), persistent=False)
+        self.register_buffer("solarize_p", torch.tensor(solarize_p, dtype=torch.float32), persistent=False)
+        self._any_blur, self._any_solarize = any(blur_p), any(solarize_p)
 
     def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
         """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, image ``b``'s parameters from ``seeds[b]``

@@ -21,7 +21,7 @@ from hfmca_lightning.data.drawers import DrawSetup, TorchvisionDrawer, ViewDrawe
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import eval_transform
 from hfmca_lightning.data.view_specs import SameClassViews, SimCLRViews, TransformViews, ViewSpec
-from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least, check_choice
 from hfmca_lightning.runtime.workers import cores_per_process, leave_signals_to_the_main_process, track
 
 __all__ = ["BANK", "EVALUATION_LOADERS", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
@@ -113,14 +113,11 @@ class MultiViewDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value, least in (("batch_size", batch_size, 1), ("eval_batch_size", eval_batch_size, 1),
-                                   ("num_workers", num_workers, 0)):  # fmt: skip
-            if value < least:
-                raise ConfigurationError(f"{name} must be >= {least}; got {value}", parameter=name)
-        for name, value, choices in (("batch_format", batch_format, BATCH_FORMATS),
-                                     ("evaluation_loaders", evaluation_loaders, EVALUATION_LOADERS)):  # fmt: skip
-            if value not in choices:
-                raise ConfigurationError(f"{name} must be one of {', '.join(choices)}; got {value!r}", parameter=name)
+        check_at_least(batch_size, 1, "batch_size")
+        check_at_least(eval_batch_size, 1, "eval_batch_size")
+        check_at_least(num_workers, 0, "num_workers")
+        check_choice(batch_format, BATCH_FORMATS, "batch_format")
+        check_choice(evaluation_loaders, EVALUATION_LOADERS, "evaluation_loaders")
         if isinstance(views, type) and issubclass(views, ViewSpec):
             raise ConfigurationError(
                 f"views is the class {views.__name__}; give an instance: {views.__name__}(...)", parameter="views"
@@ -307,10 +304,9 @@ class MultiViewDataModule(LightningDataModule):
         splits = self.evaluation_splits
         if splits is None:
             raise ValueError(f"{type(self.source).__name__} has no labelled evaluation split")
-        if self.batch_format in DICT_FORMATS and not tuples:
-            dataset = EvalDataset(splits[split], self.eval_transform, with_index=True)
-            return self.loader(dataset, self.eval_batch_size, collate_fn=_sample_dicts, **kwargs)
-        return self.loader(EvalDataset(splits[split], self.eval_transform), self.eval_batch_size, **kwargs)
+        dicts = self.batch_format in DICT_FORMATS and not tuples
+        dataset = EvalDataset(splits[split], self.eval_transform, with_index=dicts)
+        return self.loader(dataset, self.eval_batch_size, collate_fn=_sample_dicts if dicts else None, **kwargs)
 
     def val_dataloader(self) -> list[DataLoader] | DataLoader:
         """``[BANK, QUERIES]`` evaluation loaders (:meth:`evaluation_loader`), or with ``evaluation_loaders="queries"``

@@ -1,13 +1,6 @@
 """Any torch ``Dataset`` of ``(image, target)`` pairs as an image source. Its images (PIL, ``(H, W, 3)`` uint8
 arrays, or ``(C, H, W)`` / ``(H, W)`` uint8 or ``[0, 1]`` float tensors) reach every drawer as ``(3, H, W)`` uint8
-tensors, greyscale repeated over the three channels. From YAML::
-
-    source:
-      class_path: hfmca_lightning.data.DatasetSource
-      init_args:
-        train: {class_path: torchvision.datasets.CIFAR10, init_args: {root: data, train: true, download: true}}
-        test: {class_path: torchvision.datasets.CIFAR10, init_args: {root: data, train: false, download: true}}
-        image_size: 32
+tensors, greyscale repeated over the three channels (from YAML: docs/training.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from hfmca_lightning.data.datasets import Sample, SampleKey, SeededRandomSampler
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
 from hfmca_lightning.data.view_specs import Normalisation, SimCLRViews, ViewSpec
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_choice
 
 __all__ = ["BatchedDrawer", "ImageBatch", "TorchvisionDrawer", "ViewDrawer", "check_drawer"]
 
@@ -150,11 +150,7 @@ class SeededDrawer(ViewDrawer):
 
     def __init__(self, output_dtype: OutputDtype, channels_last: bool) -> None:
         super().__init__()
-        if output_dtype not in ("float32", "bfloat16"):
-            raise ConfigurationError(
-                f"{type(self).__name__}: output_dtype must be 'float32' or 'bfloat16'; got {output_dtype!r}",
-                parameter="output_dtype",
-            )
+        check_choice(output_dtype, ("float32", "bfloat16"), "output_dtype", type(self).__name__)
         self.output_dtype, self.channels_last = output_dtype, channels_last
 
     def _clear(self) -> None:
@@ -204,8 +200,7 @@ class BatchedDrawer(SeededDrawer):
         output_dtype: OutputDtype = "float32",
         channels_last: bool = False,
     ) -> None:
-        if on not in ("workers", "device"):
-            raise ConfigurationError(f"BatchedDrawer: on must be 'workers' or 'device'; got {on!r}", parameter="on")
+        check_choice(on, ("workers", "device"), "on", "BatchedDrawer")
         super().__init__(output_dtype, channels_last)
         if on == "workers" and (output_dtype != "float32" or channels_last):
             raise ConfigurationError(

@@ -16,7 +16,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, channel_values, check_image_sizes
-from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning, check_choice
 
 __all__ = ["FolderImages", "ImageFolderSource", "UnlabelledFolderSource"]
 
@@ -151,10 +151,7 @@ class _FolderSource(ImageSource):
         std: tuple[float, float, float],
         on_bad_image: Literal["error", "skip"],
     ) -> None:
-        if on_bad_image not in ("error", "skip"):
-            raise ConfigurationError(
-                f"on_bad_image must be 'error' or 'skip'; got {on_bad_image!r}", parameter="on_bad_image"
-            )
+        check_choice(on_bad_image, ("error", "skip"), "on_bad_image", type(self).__name__)
         check_image_sizes(type(self).__name__, image_size, eval_resize)
         self.root, self.image_size, self.eval_resize = Path(root).expanduser(), image_size, eval_resize
         self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")

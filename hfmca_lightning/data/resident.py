@@ -18,7 +18,7 @@ from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler
 from hfmca_lightning.data.drawers import OutputDtype, SeededDrawer
 from hfmca_lightning.data.sources import ArrayImages, LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["ResidentBatch", "ResidentDrawer", "stored_split"]
 
@@ -145,10 +145,7 @@ class ResidentDrawer(SeededDrawer):
     def __init__(
         self, batches_per_call: int = 1, output_dtype: OutputDtype = "float32", channels_last: bool = False
     ) -> None:
-        if batches_per_call < 1:
-            raise ConfigurationError(
-                f"ResidentDrawer: batches_per_call must be >= 1; got {batches_per_call}", parameter="batches_per_call"
-            )
+        check_at_least(batches_per_call, 1, "batches_per_call", "ResidentDrawer")
         super().__init__(output_dtype, channels_last)
         self.batches_per_call = batches_per_call
 

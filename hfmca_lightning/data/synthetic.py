@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hfmca_lightning.data.sources import ArrayImages, ImageSource
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.data.sources import ArrayImages, ImageSource, check_image_sizes
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["SHAPES", "SyntheticShapes", "generate_shapes"]
 
@@ -94,13 +94,9 @@ class SyntheticShapes(ImageSource):
                 f"{num_classes}",
                 parameter="num_classes",
             )
-        for name, value, least in (
-            ("train_per_class", train_per_class, 1),
-            ("test_per_class", test_per_class, 1),
-            ("image_size", image_size, 8),
-        ):
-            if value < least:
-                raise ConfigurationError(f"SyntheticShapes needs {name} >= {least}; got {value}", parameter=name)
+        check_at_least(train_per_class, 1, "train_per_class", "SyntheticShapes")
+        check_at_least(test_per_class, 1, "test_per_class", "SyntheticShapes")
+        check_image_sizes("SyntheticShapes", image_size, None)
 
     def split(self, train: bool) -> ArrayImages:
         per_class = self.train_per_class if train else self.test_per_class

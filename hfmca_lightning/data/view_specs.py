@@ -17,7 +17,7 @@ from torchvision.transforms.functional import to_pil_image
 from hfmca_lightning.data.datasets import DrawnViews, SeededViews, cycled_views, same_class_views, seeded_generators
 from hfmca_lightning.data.sources import LabelledImages
 from hfmca_lightning.data.transforms import ViewAugmentation, view_transform, view_transforms
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["MultiCrop", "SameClassViews", "SimCLRViews", "SingleView", "TransformViews", "ViewSpec"]
 
@@ -81,11 +81,6 @@ class _Augmented(ViewSpec):
         return SeededViews(split, partial(cycled_views, transforms, self.num_views))
 
 
-def _check_count(owner: str, count: int, least: int = 1, name: str = "count") -> None:
-    if count < least:
-        raise ConfigurationError(f"{owner}: {name} must be >= {least}; got {count}", parameter=name)
-
-
 class SimCLRViews(_Augmented):
     """``count`` SimCLR views of one image (paper Alg. 1). The Table 2 knobs map 0 to no distortion and 1 to the
     paper's extreme; ``None`` keeps the SimCLR CIFAR default (:mod:`hfmca_lightning.data.transforms`).
@@ -119,8 +114,8 @@ class SimCLRViews(_Augmented):
         solarize: float | list[float] = 0.0,
         grids: int = 0,
     ) -> None:
-        _check_count("SimCLRViews", count)
-        _check_count("SimCLRViews", grids, 0, "grids")
+        check_at_least(count, 1, "count", "SimCLRViews")
+        check_at_least(grids, 0, "grids", "SimCLRViews")
         self.count, self.grids = count, grids
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
@@ -182,7 +177,7 @@ class SameClassViews(_Augmented):
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
     ) -> None:
-        _check_count("SameClassViews", count)
+        check_at_least(count, 1, "count", "SameClassViews")
         self.count = count
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
@@ -251,8 +246,8 @@ class MultiCrop(_Augmented):
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
     ) -> None:
-        _check_count("MultiCrop", global_crops, 0, "global_crops")
-        _check_count("MultiCrop", local_crops, 0, "local_crops")
+        check_at_least(global_crops, 0, "global_crops", "MultiCrop")
+        check_at_least(local_crops, 0, "local_crops", "MultiCrop")
         if global_crops + local_crops < 1:
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
         for name, (low, high) in (("global_scale", global_scale), ("local_scale", local_scale)):
@@ -264,7 +259,7 @@ class MultiCrop(_Augmented):
                 )
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
-                _check_count("MultiCrop", size, 1, name)
+                check_at_least(size, 1, name, "MultiCrop")
         self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 from hfmca_lightning.models.layers import NoiseChannels
 
 __all__ = ["ViewProjector", "GridExternalHead"]
@@ -20,8 +20,7 @@ class ViewProjector(nn.Module):
     def __init__(self, input_dim: int = 512, output_dim: int = 128, hidden_dim: int = 512) -> None:
         super().__init__()
         for name, size in (("input_dim", input_dim), ("output_dim", output_dim), ("hidden_dim", hidden_dim)):
-            if size < 1:
-                raise ConfigurationError(f"ViewProjector: {name} must be >= 1; got {size}", parameter=name)
+            check_at_least(size, 1, name, "ViewProjector")
         self.input_dim, self.output_dim = input_dim, output_dim
         self.layers = nn.Sequential(
             nn.Linear(input_dim, hidden_dim, bias=False),
@@ -59,14 +58,12 @@ class GridExternalHead(nn.Module):
         for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
             if value < 1:
                 raise ConfigurationError(f"the head grid must be at least 1x1; got {name}={value}", parameter=name)
-        for name, value, least in (
-            ("feature_dim", feature_dim, 1),
-            ("hidden_dim", hidden_dim, 1),
-            ("output_dim", 1 if output_dim is None else output_dim, 1),  # None: feature_dim
-            ("noise_channels", noise_channels, 0),
-        ):
-            if value < least:
-                raise ConfigurationError(f"GridExternalHead: {name} must be >= {least}; got {value}", parameter=name)
+        check_at_least(feature_dim, 1, "feature_dim", "GridExternalHead")
+        check_at_least(hidden_dim, 1, "hidden_dim", "GridExternalHead")
+        check_at_least(
+            1 if output_dim is None else output_dim, 1, "output_dim", "GridExternalHead"
+        )  # None: feature_dim
+        check_at_least(noise_channels, 0, "noise_channels", "GridExternalHead")
         self.feature_dim = feature_dim
         self.grid = (grid_height, grid_width)
         self.output_dim = output_dim or feature_dim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import check_at_least
 from hfmca_lightning.losses.window_geometry import WindowGeometry
 
 __all__ = ["NoiseChannels", "PaddingLayer"]
@@ -20,8 +20,7 @@ class PaddingLayer(nn.ZeroPad2d):
     """
 
     def __init__(self, padding: int = 1) -> None:
-        if padding < 0:
-            raise ConfigurationError(f"padding must be >= 0; got {padding}", parameter="padding")
+        check_at_least(padding, 0, "padding")
         super().__init__(padding)
 
 
@@ -37,8 +36,7 @@ class NoiseChannels(nn.Module):
 
     def __init__(self, num_channels: int = 20) -> None:
         super().__init__()
-        if num_channels < 0:
-            raise ConfigurationError(f"num_channels must be >= 0; got {num_channels}", parameter="num_channels")
+        check_at_least(num_channels, 0, "num_channels")
         self.num_channels = num_channels
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.models.layers import NoiseChannels, PaddingLayer
 
 __all__ = ["SpectrumCNN", "spectrum_block", "SpectrumLayout"]
@@ -68,12 +68,9 @@ class SpectrumCNN(nn.Module):
         layout: SpectrumLayout = "paper",
     ) -> None:
         super().__init__()
-        for name, value, least in (
-            ("in_channels", in_channels, 1), ("channels", channels, 1), ("hidden_dim", hidden_dim, 1),
-            ("noise_channels", noise_channels, 0),
-        ):  # fmt: skip
-            if value < least:
-                raise ConfigurationError(f"SpectrumCNN: {name} must be >= {least}; got {value}", parameter=name)
+        for name, value in (("in_channels", in_channels), ("channels", channels), ("hidden_dim", hidden_dim)):
+            check_at_least(value, 1, name, "SpectrumCNN")
+        check_at_least(noise_channels, 0, "noise_channels", "SpectrumCNN")
         self.feature_dim = channels
         self.image_size = image_size
         self.in_channels = in_channels

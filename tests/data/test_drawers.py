@@ -120,11 +120,11 @@ def test_one_drawer_configures_two_data_modules_each_with_its_own_views(make):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: BatchedDrawer(on="gpu"), "BatchedDrawer: on must be 'workers' or 'device'; got 'gpu'"),
+        (lambda: BatchedDrawer(on="gpu"), "BatchedDrawer: on must be one of workers, device; got 'gpu'"),
         (lambda: BatchedDrawer(output_dtype="bfloat16"), "output_dtype and channels_last apply to views drawn"),
         (lambda: BatchedDrawer(channels_last=True), "output_dtype and channels_last apply to views drawn"),
-        (lambda: BatchedDrawer(output_dtype="float16"), "output_dtype must be 'float32' or 'bfloat16'"),
-        (lambda: ResidentDrawer(output_dtype="float16"), "output_dtype must be 'float32' or 'bfloat16'"),
+        (lambda: BatchedDrawer(output_dtype="float16"), "output_dtype must be one of float32, bfloat16"),
+        (lambda: ResidentDrawer(output_dtype="float16"), "output_dtype must be one of float32, bfloat16"),
         (lambda: ResidentDrawer(batches_per_call=0), "ResidentDrawer: batches_per_call must be >= 1; got 0"),
         (
             lambda: data(SameClassViews(count=2), BatchedDrawer()),

@@ -372,7 +372,7 @@ def test_synthetic_shapes_reject_too_many_classes():
 
 @pytest.mark.parametrize("source", [ImageFolderSource, UnlabelledFolderSource])
 def test_an_unknown_on_bad_image_is_refused_when_the_source_is_made(source, tmp_path):
-    with pytest.raises(ConfigurationError, match="on_bad_image must be 'error' or 'skip'; got 'ignore'") as error:
+    with pytest.raises(ConfigurationError, match="on_bad_image must be one of error, skip; got 'ignore'") as error:
         source(str(tmp_path), on_bad_image="ignore")
     assert error.value.parameter == "on_bad_image"
 

@@ -223,7 +223,7 @@ def test_every_drawer_setting_has_its_effect() -> None:
     "make, message",
     [
         (lambda: BatchedDrawer(on="workers", output_dtype="bfloat16"), "apply to views drawn on the device"),
-        (lambda: BatchedDrawer(on="gpu"), "on must be 'workers' or 'device'"),  # type: ignore[arg-type]
+        (lambda: BatchedDrawer(on="gpu"), "on must be one of workers, device"),  # type: ignore[arg-type]
         (lambda: ResidentDrawer(batches_per_call=0), "batches_per_call must be >= 1"),
         (lambda: ResidentDrawer(output_dtype="float16"), "output_dtype must be"),  # type: ignore[arg-type]
         (lambda: SimCLRViews(count=0), "count must be >= 1"),

@@ -97,7 +97,7 @@ def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_with_it(check
 
 
 @pytest.mark.integration  # subprocess runs
-@pytest.mark.parametrize("name", ["export", "analyze"])
+@pytest.mark.parametrize("name", ["export", pytest.param("analyze", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("where", ["under a file", "read-only folder", "read-only file system"])
 def test_an_out_that_cannot_be_written_is_one_line_before_any_work(checkpoint, tmp_path, tmpfs, name, where):
     if where == "under a file":
@@ -129,7 +129,7 @@ def exported(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.integration  # subprocess runs
-@pytest.mark.parametrize("limit", ["file size limit", "full file system"])
+@pytest.mark.parametrize("limit", [pytest.param("file size limit", marks=pytest.mark.extended), "full file system"])
 def test_a_full_disk_mid_export_is_one_line_and_keeps_the_previous_export(checkpoint, tmp_path, tmpfs, limit):
     out = tmpfs("256k") / "export" if limit == "full file system" else tmp_path / "export"
     main(command("export", checkpoint, out))

@@ -59,11 +59,11 @@ def _mmcr_views() -> TransformViews:
 @pytest.mark.parametrize(
     ("internal", "data"),
     [
-        (False, lambda: {}),
+        pytest.param(False, lambda: {}, marks=pytest.mark.extended),  # external+internal covers it
         (True, lambda: {}),
         (False, lambda: {"drawer": ResidentDrawer(batches_per_call=2)}),
         (True, lambda: {"views": MultiCrop(2, 2, local_size=8)}),
-        (False, lambda: {"views": _mmcr_views()}),
+        pytest.param(False, lambda: {"views": _mmcr_views()}, marks=pytest.mark.extended),
         pytest.param(False, lambda: {"drawer": BatchedDrawer()}, marks=pytest.mark.slow),
         pytest.param(False, lambda: {"drawer": BatchedDrawer(on="device")}, marks=pytest.mark.slow),
     ],
@@ -103,7 +103,7 @@ def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, data, tmp_p
         torch.testing.assert_close(distributed.state_dict()[key], value, rtol=1e-5, atol=1e-5 * scale, msg=key)
 
 
-@pytest.mark.parametrize("loaders", ["bank_and_queries", "queries"])
+@pytest.mark.parametrize("loaders", ["bank_and_queries", pytest.param("queries", marks=pytest.mark.extended)])
 def test_knn_under_ddp_equals_single_process_on_the_same_bank(loaders):
     """Two evaluation loaders, or the queries' alone with the bank drawn by the callback itself (sharded as Lightning
     shards the loop's): the accuracy of one process with both loaders."""

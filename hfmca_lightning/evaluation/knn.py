@@ -24,9 +24,9 @@ def knn_predict(
 ) -> Tensor:
     """Top-1 class of each query by a similarity-weighted vote of its ``k`` nearest bank features.
 
-    Features are L2-normalised; similarity is the cosine; neighbour ``j`` votes for its class with
-    weight ``exp(cos_j / temperature)``. Queries are processed in chunks of ``chunk_size`` so the
-    ``(Q, N)`` similarity matrix never exists at once.
+    Features are L2-normalised; similarity is the cosine; neighbour ``j`` votes for its class with weight
+    ``exp(cos_j / temperature)``, computed relative to the nearest neighbour's (no temperature overflows). Queries
+    are processed in chunks of ``chunk_size`` so the ``(Q, N)`` similarity matrix never exists at once.
 
     Args:
         queries: ``(Q, D)``; bank: ``(N, D)``; bank_targets: ``(N,)`` int in ``[0, num_classes)``.
@@ -47,7 +47,9 @@ def knn_predict(
     for chunk in F.normalize(queries.float(), dim=1).split(chunk_size):
         similarity, neighbours = (chunk @ bank.T).topk(k, dim=1)
         votes = torch.zeros(chunk.shape[0], num_classes, device=chunk.device)
-        votes.scatter_add_(1, bank_targets[neighbours], (similarity / temperature).exp())
+        # exp((cos_j - cos_1) / t): the same ranking of the classes, without overflow at small temperatures
+        weights = ((similarity - similarity[:, :1]) / temperature).exp()
+        votes.scatter_add_(1, bank_targets[neighbours], weights)
         predictions.append(votes.argmax(dim=1))
     return torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.long, device=queries.device)
 

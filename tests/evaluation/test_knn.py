@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -5,7 +7,7 @@ from hfmca_lightning.evaluation import knn_accuracy, knn_grid, knn_predict
 
 
 def reference_knn(queries, bank, targets, num_classes, k, temperature):
-    """One query at a time, sorted neighbours, explicit vote."""
+    """One query at a time, sorted neighbours, explicit vote in float64 (exp(1 / 0.002) still fits)."""
     predictions = []
     for query in queries:
         sims = [
@@ -14,7 +16,7 @@ def reference_knn(queries, bank, targets, num_classes, k, temperature):
         sims.sort(key=lambda pair: -pair[0])
         votes = [0.0] * num_classes
         for sim, target in sims[:k]:
-            votes[target] += torch.exp(torch.tensor(sim / temperature)).item()
+            votes[target] += math.exp(sim / temperature)
         predictions.append(max(range(num_classes), key=lambda c: votes[c]))
     return torch.tensor(predictions)
 
@@ -27,6 +29,19 @@ def test_knn_predict_matches_reference(k, chunk_size):
     queries = torch.randn(15, 6, generator=generator)
     got = knn_predict(queries, bank, targets, 4, k=k, temperature=0.1, chunk_size=chunk_size)
     assert torch.equal(got, reference_knn(queries, bank, targets, 4, min(k, 40), 0.1))
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.002])
+def test_small_temperatures_vote_as_the_reference(temperature):
+    """Non-negative features (ReLU-pooled backbones) have cosines near 1: exp(cos / t) overflows float32 once 1 / t
+    passes 88.7, which tied every class at inf and gave the first class."""
+    generator = torch.Generator().manual_seed(1)
+    bank = torch.rand(60, 8, generator=generator) + 1.0
+    targets = torch.randint(0, 5, (60,), generator=generator)
+    queries = torch.rand(20, 8, generator=generator) + 1.0
+    got = knn_predict(queries, bank, targets, 5, k=20, temperature=temperature)
+    expected = reference_knn(queries, bank, targets, 5, 20, temperature)
+    assert torch.equal(got, expected) and len(set(expected.tolist())) > 1
 
 
 def test_separable_clusters_are_classified_perfectly():

@@ -14,7 +14,7 @@ from hfmca_lightning.analysis.rankme import rankme
 from hfmca_lightning.analysis.spectrum_window import SpectrumWindow
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
-from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor
+from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor, unknown_embedding_key
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.methods.inspection import paper_order
@@ -25,6 +25,7 @@ __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
 
 HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
 HOOKED_REG = 1e-3  # the regulariser of the pairs hooked on modules without cost pairs
+DEFAULT_GROUPS_PER_FEATURE = 100  # groups per feature of a window without min_groups
 
 
 class EigenspectrumCallback(FigureCallback):
@@ -73,7 +74,7 @@ class EigenspectrumCallback(FigureCallback):
         threshold: the ``num_above_<threshold>`` count.
         output_dir: where figures go (default ``<run dir>/figures``).
         min_groups: the fewest groups a window holds (default ``groups_per_feature * max(K1, K2)`` per pair).
-        groups_per_feature: see ``min_groups``.
+        groups_per_feature: see ``min_groups`` (default 100; set one of the two).
         hooked_layers: for modules without cost pairs, the backbone layers hooked (default: its named stages or
             residual blocks).
         hooked_reg: for modules without cost pairs, the regulariser of the hooked pairs' spectra.
@@ -81,7 +82,8 @@ class EigenspectrumCallback(FigureCallback):
 
     Raises:
         ConfigurationError: when a setting is out of its range (``every_n_steps``, ``top_k``, ``min_groups`` and
-            ``groups_per_feature`` ``>= 1``, ``0 < threshold < 1``, ``hooked_reg > 0``).
+            ``groups_per_feature`` ``>= 1``, ``0 < threshold < 1``, ``hooked_reg > 0``), or ``min_groups`` and
+            ``groups_per_feature`` are both set.
 
     Example::
 
@@ -99,7 +101,7 @@ class EigenspectrumCallback(FigureCallback):
         threshold: float = 0.5,
         output_dir: str | None = None,
         min_groups: int | None = None,
-        groups_per_feature: int = 100,
+        groups_per_feature: int | None = None,
         hooked_layers: list[str] | None = None,
         hooked_reg: float = HOOKED_REG,
         embedding_key: str | None = None,
@@ -110,7 +112,7 @@ class EigenspectrumCallback(FigureCallback):
             ("top_k", top_k, top_k >= 1),
             ("threshold", threshold, 0 < threshold < 1),
             ("min_groups", min_groups, min_groups is None or min_groups >= 1),
-            ("groups_per_feature", groups_per_feature, groups_per_feature >= 1),
+            ("groups_per_feature", groups_per_feature, groups_per_feature is None or groups_per_feature >= 1),
             ("hooked_reg", hooked_reg, hooked_reg > 0),
         )
         for name, value, valid in checks:
@@ -120,6 +122,13 @@ class EigenspectrumCallback(FigureCallback):
                     f"(or null), groups_per_feature >= 1 and hooked_reg > 0; got {name}={value}",
                     parameter=name,
                 )
+        if min_groups is not None and groups_per_feature is not None:
+            raise ConfigurationError(
+                f"EigenspectrumCallback: set min_groups ({min_groups}: the same window for every pair) or "
+                f"groups_per_feature ({groups_per_feature}: a window scaled by each pair's dimension), not both",
+                parameter="groups_per_feature",
+            )
+        groups_per_feature = DEFAULT_GROUPS_PER_FEATURE if groups_per_feature is None else groups_per_feature
         self.every_n_steps = every_n_steps
         self.min_groups = min_groups
         self.groups_per_feature = groups_per_feature
@@ -188,6 +197,10 @@ class EigenspectrumCallback(FigureCallback):
         step = trainer.global_step  # after the optimiser step: the batch that produced these statistics is step - 1
         stepped, self._steps_seen = step > self._steps_seen, step  # the last micro-batch of an optimiser step
         returned = step_tensor(outputs, self.embedding_key, EMBEDDING_KEYS)
+        if returned is None and self.embedding_key is not None:
+            raise unknown_embedding_key(
+                "EigenspectrumCallback", self.embedding_key, outputs, "read `features` or `embedding`"
+            )
         features = returned[1].detach() if returned is not None else None
         if self._hooked is not None:
             statistics, hooked_features = self._hooked.collect()

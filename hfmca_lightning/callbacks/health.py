@@ -4,7 +4,6 @@ training steps already compute (:mod:`hfmca_lightning.analysis.health`), and a c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from hfmca_lightning.analysis.health import HealthStatistics
-from hfmca_lightning.callbacks.step_outputs import step_embeddings
+from hfmca_lightning.callbacks.step_outputs import step_embeddings, unknown_embedding_key
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
@@ -136,12 +135,7 @@ class HealthMetrics(Callback):
         if given is not None:
             return given
         if self.embedding_key is not None:
-            got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
-            raise ConfigurationError(
-                f"HealthMetrics: embedding_key {self.embedding_key!r} names no (B * L, D) embeddings of the training "
-                f"step's output ({got}); name another key, or leave it out to hook the backbone",
-                parameter="embedding_key",
-            )
+            raise unknown_embedding_key("HealthMetrics", self.embedding_key, outputs, "hook the backbone")
         calls = [call for call in self._hooked if call.shape[0] == samples]
         if calls and len({call.shape[1] for call in calls}) == 1:
             return torch.stack(calls, dim=1)

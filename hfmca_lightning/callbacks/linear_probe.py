@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, split_length
-from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddings
+from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddings, unknown_embedding_key
 from hfmca_lightning.data.batch_formats import first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
@@ -96,11 +97,11 @@ class LinearProbe(Callback):
         for name, value in (("feature_dim", feature_dim), ("num_classes", num_classes)):
             if value is not None and value < 1:
                 raise ConfigurationError(f"LinearProbe needs {name} >= 1; got {value}", parameter=name)
-        if lr <= 0:
-            raise ConfigurationError(f"LinearProbe needs lr > 0; got {lr}", parameter="lr")
+        if not 0 < lr < math.inf:  # NaN too
+            raise ConfigurationError(f"LinearProbe needs a finite lr > 0; got {lr}", parameter="lr")
         for name, value in (("momentum", momentum), ("weight_decay", weight_decay)):
-            if value < 0:
-                raise ConfigurationError(f"LinearProbe needs {name} >= 0; got {value}", parameter=name)
+            if not 0 <= value < math.inf:
+                raise ConfigurationError(f"LinearProbe needs a finite {name} >= 0; got {value}", parameter=name)
         if not topk or any(k < 1 for k in topk):
             raise ConfigurationError(f"LinearProbe needs topk of values >= 1; got {list(topk)}", parameter="topk")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
@@ -173,6 +174,8 @@ class LinearProbe(Callback):
         loss = None
         if images.shape[0] >= 2:
             embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0], self.views_first)
+            if embeddings is None and self.embedding_key is not None:
+                raise unknown_embedding_key("LinearProbe", self.embedding_key, outputs, "use the module's forward")
             features = None if embeddings is None else embeddings[:, 0]
             if features is None and not is_overridden("forward", pl_module, LightningModule):
                 self._skip_without_features(pl_module)

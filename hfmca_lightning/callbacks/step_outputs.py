@@ -22,7 +22,14 @@ from torch import Tensor
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["EMBEDDING_KEYS", "LABEL_KEYS", "evaluation_rows", "step_embeddings", "step_tensor"]
+__all__ = [
+    "EMBEDDING_KEYS",
+    "LABEL_KEYS",
+    "evaluation_rows",
+    "step_embeddings",
+    "step_tensor",
+    "unknown_embedding_key",
+]
 
 EMBEDDING_KEYS = ("features", "embedding")
 LABEL_KEYS = ("targets", "label")
@@ -59,6 +66,17 @@ def step_embeddings(outputs: Any, key: str | None, samples: int, views_first: bo
     if views_first:
         return embeddings.reshape(-1, samples, embeddings.shape[-1]).transpose(0, 1)
     return embeddings.reshape(samples, -1, embeddings.shape[-1])
+
+
+def unknown_embedding_key(reader: str, key: str, outputs: Any, otherwise: str) -> ConfigurationError:
+    """The error of a callback whose ``embedding_key`` names no ``(B * L, D)`` embeddings of the training step's
+    output; ``otherwise``: what the callback does when the key is left out."""
+    got = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+    return ConfigurationError(
+        f"{reader}: embedding_key {key!r} names no (B * L, D) embeddings of the training step's output ({got}); "
+        f"name another key, or leave it out to {otherwise}",
+        parameter="embedding_key",
+    )
 
 
 def evaluation_rows(

@@ -428,6 +428,15 @@ def test_bad_window_settings_are_one_clear_error(name, value):
     assert error.value.parameter == name
 
 
+def test_min_groups_and_groups_per_feature_together_are_refused():
+    """min_groups replaces the window that groups_per_feature scales: both set, one was silently ignored."""
+    with pytest.raises(ConfigurationError, match="set min_groups .* or groups_per_feature .*, not both") as error:
+        EigenspectrumCallback(min_groups=500, groups_per_feature=1000)
+    assert error.value.parameter == "groups_per_feature"
+    assert EigenspectrumCallback().window.groups_per_feature == 100
+    assert EigenspectrumCallback(groups_per_feature=7).window.groups_per_feature == 7
+
+
 def test_a_resumed_run_has_the_spectrum_state_of_an_uninterrupted_one(tmp_path):
     """The shrunk demo with a spectrum callback, 2 epochs straight, or 1 epoch, its checkpoint, and the second from
     it: the final checkpoints hold the same history, window (chunks and open interval), last spectra and group

@@ -85,6 +85,10 @@ def test_wrong_number_of_classes_is_one_clear_error():
     [
         ({"momentum": -1.0}, "momentum >= 0; got -1.0"),
         ({"weight_decay": -1.0}, "weight_decay >= 0; got -1.0"),
+        # before: a run that logged linear/train_loss nan and chance accuracy without a word
+        ({"lr": float("nan")}, "a finite lr > 0; got nan"),
+        ({"momentum": float("inf")}, "a finite momentum >= 0; got inf"),
+        ({"weight_decay": float("nan")}, "a finite weight_decay >= 0; got nan"),
         ({"topk": (0,)}, r"topk of values >= 1; got \[0\]"),
     ],
 )

@@ -109,3 +109,30 @@ def test_the_callbacks_log_the_same_numbers_for_either_convention(tmp_path):
         for step, value in values.items():
             # RankMe sees the same rows in another order: singular values agree to float32 rounding
             assert theirs[name][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, step)
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [
+        LinearProbe(embedding_key="featurs"),
+        EigenspectrumCallback(every_n_steps=1, min_groups=8, embedding_key="featurs"),
+        HealthMetrics(every_n_steps=1, samples_per_dim=1, embedding_key="featurs"),
+    ],
+    ids=["LinearProbe", "EigenspectrumCallback", "HealthMetrics"],
+)
+def test_an_embedding_key_the_training_steps_do_not_return_stops_the_first_step(callback):
+    """A mistyped key is refused at the first training step, not read as "no key": the probe ran a forward pass of
+    its own every step and the spectrum callback never logged RankMe, without a word."""
+    module = HFMCAModule(
+        SmallConvNet(width=8, num_stages=2),
+        projector=ViewProjector(16, 8, 8),
+        external_head=GridExternalHead(8, 2, 2, 8, noise_channels=0),
+        external_cost=HFMCACost(reg=0.1, name="external"),
+    )
+    source = SyntheticShapes(num_classes=4, train_per_class=6, test_per_class=3, image_size=16)
+    data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=8, num_workers=0, eval_batch_size=10)
+    trainer = quiet_trainer(max_steps=3, callbacks=[callback], limit_val_batches=0, accelerator="cpu")
+    name = type(callback).__name__
+    with pytest.raises(ConfigurationError, match=rf"^{name}: embedding_key 'featurs' names no \(B \* L, D\) embed"):
+        trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 1

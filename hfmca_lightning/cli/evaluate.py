@@ -165,6 +165,13 @@ def linear_evaluation(
     return result
 
 
+def trainer_device(device: str) -> tuple[str, int | list[int]]:
+    """Lightning's ``(accelerator, devices)`` of one device named as ``--device`` names it (``cuda:1``: that GPU)."""
+    parsed = torch.device(device)
+    accelerator = {"cuda": "gpu", "mps": "mps"}.get(parsed.type, "cpu")
+    return accelerator, [parsed.index] if parsed.type == "cuda" and parsed.index is not None else 1
+
+
 def _finetune(
     module: LightningModule,
     datamodule: MultiViewDataModule,
@@ -186,10 +193,11 @@ def _finetune(
     classifier = FineTunedClassifier(
         backbone.train(), int(feature_dim), datamodule.num_classes, lr=lr, batch_size=datamodule.batch_size
     )
+    accelerator, devices = trainer_device(device)
     trainer = Trainer(
         max_epochs=epochs,
-        accelerator="gpu" if device.startswith("cuda") else "cpu",
-        devices=1,
+        accelerator=accelerator,
+        devices=devices,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -229,8 +230,10 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             raise ConfigurationError(
                 f"backbone_chunk_size must be >= 1 or null; got {backbone_chunk_size}", parameter="backbone_chunk_size"
             )
-        if warmup_epochs < 0:
-            raise ConfigurationError(f"warmup_epochs must be >= 0; got {warmup_epochs}", parameter="warmup_epochs")
+        if not 0 <= warmup_epochs < math.inf:  # NaN too
+            raise ConfigurationError(
+                f"warmup_epochs must be finite and >= 0; got {warmup_epochs}", parameter="warmup_epochs"
+            )
         check_feature_sizes(backbone, projector, external_head)
         if isinstance(compile_costs, str) and compile_costs != CUDA_ONLY:
             backends = torch._dynamo.list_backends(exclude_tags=())

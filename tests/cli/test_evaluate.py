@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,6 +217,26 @@ def test_finetuning_trains_the_backbone_on_the_chosen_labels(simclr_run):
         if key.endswith("weight") and not torch.equal(value, before[key])
     ]
     assert "net.conv1.weight" in changed and "net.layer4.1.conv2.weight" in changed
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"), [("cpu", ("cpu", 1)), ("cuda", ("gpu", 1)), ("cuda:1", ("gpu", [1])), ("mps", ("mps", 1))]
+)
+def test_finetuning_runs_on_the_device_named(simclr_run, monkeypatch, device, expected):
+    """``--device mps`` fine-tuned on the CPU and ``--device cuda:1`` on GPU 0: Lightning is given that device."""
+    from hfmca_lightning.cli import evaluate
+
+    class Stop(Exception):
+        pass
+
+    def trainer(**settings: Any) -> None:
+        assert (settings["accelerator"], settings["devices"]) == expected
+        raise Stop
+
+    monkeypatch.setattr(evaluate, "Trainer", trainer)
+    module, datamodule = load_run(simclr_run)
+    with pytest.raises(Stop):
+        evaluate._finetune(module, datamodule, torch.arange(8), epochs=1, lr=0.05, seed=0, device=device)
 
 
 def test_bad_label_fraction_is_one_line(simclr_run, capsys):

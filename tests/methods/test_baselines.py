@@ -164,6 +164,12 @@ def test_vicregl_without_view_grids_fails_before_training():
         (SimCLR, {"hidden_dim": 0}, "SimCLR: hidden_dim must be a size >= 1; got 0"),
         (SimSiam, {"prediction_dim": 0}, "SimSiam: prediction_dim must be a size >= 1"),
         (BarlowTwins, {"output_dim": 0}, "BarlowTwins: output_dim must be a size >= 1"),
+        # before: the local loss maximised (alpha 2: weight -1), a NaN loss (no matches), or a value dropped
+        (VICRegL, {"alpha": 2.0}, r"VICRegL: alpha must be in \[0, 1\] \(the global loss's weight"),
+        (VICRegL, {"alpha": -0.5}, r"VICRegL: alpha must be in \[0, 1\]"),
+        (VICRegL, {"num_matches": (0, 0)}, r"VICRegL: num_matches must be two counts >= 1 .*; got \(0, 0\)"),
+        (VICRegL, {"num_matches": (-1, 4)}, "VICRegL: num_matches must be two counts >= 1"),
+        (VICRegL, {"num_matches": (1, 2, 3)}, "VICRegL: num_matches must be two counts >= 1"),
     ],
 )
 def test_a_baseline_setting_out_of_its_range_is_one_line(method, settings, message):

@@ -129,6 +129,15 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
         trainer.fit(module, data)
 
 
+@pytest.mark.parametrize("warmup_epochs", [-1.0, float("nan"), float("inf")])
+def test_a_warmup_out_of_range_is_refused_when_the_module_is_made(warmup_epochs):
+    """Before (NaN): fit started, then torch's "cannot convert float NaN to integer" from the scheduler."""
+    from hfmca_lightning.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=f"warmup_epochs must be finite and >= 0; got {warmup_epochs}"):
+        small_module(warmup_epochs=warmup_epochs)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

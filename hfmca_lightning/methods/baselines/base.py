@@ -134,8 +134,9 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
 
 
 def _check_settings(method: str, settings: dict[str, Any]) -> None:
-    """A baseline's sizes (``*_dim``) >= 1, ``temperature`` > 0 and ``momentum`` in [0, 1], each refused in one line
-    before anything is built (else an IndexError deep in a head, or a loss that trains nothing)."""
+    """A baseline's sizes (``*_dim``) >= 1, ``temperature`` > 0, ``momentum`` and ``alpha`` in [0, 1] and
+    ``num_matches`` two counts >= 1, each refused in one line before anything is built (else an IndexError deep in a
+    head, a NaN loss, or a loss that trains nothing or the wrong way)."""
     for name, value in settings.items():
         if name.endswith("_dim") and isinstance(value, int) and value < 1:
             problem = "a size >= 1"
@@ -143,6 +144,12 @@ def _check_settings(method: str, settings: dict[str, Any]) -> None:
             problem = "finite and > 0"
         elif name == "momentum" and not (isinstance(value, (int, float)) and 0 <= value <= 1):
             problem = "in [0, 1] (the momentum copy's EMA weight)"
+        elif name == "alpha" and not (isinstance(value, (int, float)) and 0 <= value <= 1):
+            problem = "in [0, 1] (the global loss's weight; the local loss's is 1 - alpha)"
+        elif name == "num_matches" and not (
+            isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and v >= 1 for v in value)
+        ):
+            problem = "two counts >= 1 (nearest neighbours kept by the two matchings)"
         else:
             continue
         raise ConfigurationError(f"{method}: {name} must be {problem}; got {value}", parameter=name)

@@ -126,6 +126,16 @@ class MultiViewDataModule(LightningDataModule):
             views = SimCLRViews()
         elif not isinstance(views, ViewSpec):
             views = TransformViews(views)
+        if isinstance(drawer, type):
+            raise ConfigurationError(
+                f"drawer is the class {drawer.__name__}; give an instance: {drawer.__name__}(...)", parameter="drawer"
+            )
+        if batch_format == "solo" and getattr(views, "grids", 0):
+            raise ConfigurationError(
+                "batch_format solo, (indexes, views, targets), has no place for crop grids: use stacked, lightly or "
+                "dict with SimCLRViews(grids=...)",
+                parameter="batch_format",
+            )
         drawer = drawer if drawer is not None else TorchvisionDrawer()
         check_drawer(views, drawer)
         self.source, self.views = source, views

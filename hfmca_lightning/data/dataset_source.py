@@ -14,9 +14,15 @@ import torch
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
-from torchvision.transforms.v2.functional import pil_to_tensor
 
-from hfmca_lightning.data.sources import ImageSource, LabelledImages, channel_values, check_image_sizes
+from hfmca_lightning.data.sources import (
+    UNLABELLED,
+    ImageSource,
+    LabelledImages,
+    channel_values,
+    check_image_sizes,
+    pil_rgb,
+)
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["DatasetSource", "as_uint8_image"]
@@ -61,12 +67,26 @@ class DatasetSource(ImageSource):
         self.image_size, self.eval_resize = image_size, eval_resize
         self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
         self._train_images = DatasetImages(train)
-        largest = max(self._train_images.targets, default=-1)
+        targets = self._train_images.targets
+        labelled = [target for target in targets if target != UNLABELLED]
+        if min(labelled, default=0) < 0:
+            raise ConfigurationError(
+                f"DatasetSource: a training target is {min(labelled)}; targets are class indices >= 0, or "
+                f"{UNLABELLED} for an image without a class",
+                parameter="train",
+            )
+        largest = max(labelled, default=-1)
         self.num_classes = largest + 1 if num_classes is None else num_classes
-        if self.num_classes < 1 or self.num_classes <= largest:
+        if (num_classes is not None and num_classes < 1) or self.num_classes <= largest:
             raise ConfigurationError(
                 f"DatasetSource: num_classes {self.num_classes} does not hold the training targets (largest {largest})",
                 parameter="num_classes",
+            )
+        if test is not None and len(labelled) < len(targets):
+            raise ConfigurationError(
+                f"DatasetSource: {len(targets) - len(labelled)} training images have no class (target {UNLABELLED}), "
+                "but with a test split the training split is the bank of kNN and probes: label them, or leave out test",
+                parameter="test",
             )
 
     def split(self, train: bool) -> LabelledImages:
@@ -81,7 +101,17 @@ class DatasetSource(ImageSource):
 
     @functools.cached_property
     def _test_images(self) -> DatasetImages | None:
-        return None if self.test is None else DatasetImages(self.test)
+        if self.test is None:
+            return None
+        images = DatasetImages(self.test)
+        outside = [target for target in images.targets if not 0 <= target < self.num_classes]
+        if outside:
+            raise ConfigurationError(
+                f"DatasetSource: {len(outside)} test targets are outside the {self.num_classes} classes of the "
+                f"training split (e.g. {outside[0]}); the test split must use the training split's class indices",
+                parameter="test",
+            )
+        return images
 
 
 class DatasetImages(LabelledImages):
@@ -112,7 +142,7 @@ class DatasetImages(LabelledImages):
 def as_uint8_image(image: Any) -> Tensor:
     """The ``(3, H, W)`` uint8 tensor of an image of a kind the module docstring lists (floats are rounded)."""
     if isinstance(image, Image.Image):
-        return pil_to_tensor(image.convert("RGB"))
+        return pil_rgb(image)
     if isinstance(image, np.ndarray):
         image = torch.from_numpy(np.ascontiguousarray(image))
         image = image.permute(2, 0, 1) if image.dim() == 3 else image
@@ -127,6 +157,12 @@ def as_uint8_image(image: Any) -> Tensor:
             f"DatasetSource: an image has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)"
         )
     if image.is_floating_point():
+        low, high = (float(value) for value in image.aminmax()) if image.numel() else (0.0, 0.0)
+        if not -1 / 255 <= low <= high <= 1 + 1 / 255:  # NaN too; a grey level over: a resize's overshoot
+            raise ConfigurationError(
+                f"DatasetSource: an image holds values from {low:g} to {high:g}; give floats in [0, 1], not normalised "
+                "(the source normalises with its mean and std; floats in [0, 255]: divide by 255), or uint8"
+            )
         image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
     elif image.dtype != torch.uint8:
         raise ConfigurationError(f"DatasetSource: an image is {image.dtype}; give uint8 or floats in [0, 1]")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import groupby
+from itertools import accumulate, groupby
 from typing import Any
 
 import numpy as np
@@ -95,11 +95,17 @@ def seeded_generators(seed: int) -> Iterator[None]:
 
 class SeededViews(Dataset):
     """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views that
-    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, consecutive views of equal shape
-    stacked into a group; ``(view, grid)`` pairs (VICRegL) also give the grids."""
+    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, stacked into groups of
+    ``group_sizes`` views (None: consecutive views of equal shape); ``(view, grid)`` pairs (VICRegL) also give the
+    grids."""
 
-    def __init__(self, split: LabelledImages, draw: Callable[[LabelledImages, int, int], DrawnViews]) -> None:
-        self.split, self.draw = split, draw
+    def __init__(
+        self,
+        split: LabelledImages,
+        draw: Callable[[LabelledImages, int, int], DrawnViews],
+        group_sizes: Sequence[int] | None = None,
+    ) -> None:
+        self.split, self.draw, self.group_sizes = split, draw, group_sizes
 
     def __len__(self) -> int:
         return len(self.split)
@@ -110,7 +116,11 @@ class SeededViews(Dataset):
         grids = None
         if isinstance(views[0], tuple):
             grids, views = torch.stack([grid for _, grid in views]), [view for view, _ in views]
-        groups = [torch.stack(list(group)) for _, group in groupby(views, key=lambda view: view.shape)]
+        if self.group_sizes is None:
+            groups = [torch.stack(list(group)) for _, group in groupby(views, key=lambda view: view.shape)]
+        else:
+            ends = list(accumulate(self.group_sizes))
+            groups = [torch.stack(views[end - size : end]) for size, end in zip(self.group_sizes, ends)]
         return groups, int(target), index, grids
 
 

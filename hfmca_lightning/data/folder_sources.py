@@ -9,13 +9,20 @@ import warnings
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2.functional import to_dtype
 
-from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, channel_values, check_image_sizes
+from hfmca_lightning.data.sources import (
+    UNLABELLED,
+    ImageSource,
+    LabelledImages,
+    channel_values,
+    check_image_sizes,
+    pil_rgb,
+)
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning, check_choice
 
 __all__ = ["FolderImages", "ImageFolderSource", "UnlabelledFolderSource"]
@@ -63,15 +70,15 @@ PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP", "GIF")
 
 
 def read_image(path: str) -> Tensor:
-    """An image file as an RGB uint8 tensor ``(3, H, W)``: JPEG, PNG, WebP and GIF by torchvision's decoders
-    (libjpeg-turbo), anything else by PIL, as one of :data:`PIL_FORMATS` only."""
+    """An image file as an RGB uint8 tensor ``(3, H, W)`` (16-bit images scaled to 8 bits): JPEG, PNG, WebP and GIF by
+    torchvision's decoders (libjpeg-turbo), anything else by PIL, as one of :data:`PIL_FORMATS` only."""
     if path.lower().endswith((".jpg", ".jpeg", ".png", ".webp", ".gif")):
         try:
-            return decode_image(path, mode=ImageReadMode.RGB)
+            return to_dtype(decode_image(path, mode=ImageReadMode.RGB), torch.uint8, scale=True)  # 16-bit PNGs
         except RuntimeError:
             pass  # e.g. CMYK JPEGs, PNGs named .jpg: PIL reads those
     with Image.open(path, formats=PIL_FORMATS) as image:
-        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+        return pil_rgb(image)
 
 
 def _links_up(entry: os.DirEntry, folder: str) -> bool:
@@ -191,6 +198,12 @@ class ImageFolderSource(_FolderSource):
         on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
         super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
+        if test_dir is not None and os.path.normpath(test_dir) == os.path.normpath(train_dir):
+            raise ConfigurationError(
+                f"ImageFolderSource: test_dir is the training split ({train_dir}): kNN and probes would score the "
+                "training images against themselves; name the held-out split, or null for none",
+                parameter="test_dir",
+            )
         self.train_dir, self.test_dir, self.class_list = train_dir, test_dir, class_list
         self.classes: list[str] | None = None
         self.num_classes = 0
@@ -285,7 +298,8 @@ class UnlabelledFolderSource(_FolderSource):
         std: as :class:`ImageFolderSource`.
         on_bad_image: as :class:`ImageFolderSource`.
         evaluation: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits
-            kNN and probes use; without it, training runs and kNN is skipped with a warning.
+            kNN and probes use, with the same ``image_size``, ``eval_resize``, ``mean`` and ``std``; without it,
+            training runs and kNN is skipped with a warning.
     """
 
     def __init__(
@@ -299,6 +313,14 @@ class UnlabelledFolderSource(_FolderSource):
         evaluation: ImageSource | None = None,
     ) -> None:
         super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
+        for name in ("image_size", "eval_resize", "mean", "std"):
+            if evaluation is not None and getattr(evaluation, name) != getattr(self, name):
+                raise ConfigurationError(
+                    f"UnlabelledFolderSource: evaluation has {name} {getattr(evaluation, name)}, this source "
+                    f"{getattr(self, name)}; evaluation images are read as the training images are (with this "
+                    f"source's settings): give both the same {name}",
+                    parameter="evaluation",
+                )
         self.evaluation = evaluation
         self.num_classes = evaluation.num_classes if evaluation is not None else 0
         self._images: FolderImages | None = None

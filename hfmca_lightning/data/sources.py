@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -22,14 +23,26 @@ UNLABELLED = -1  # the target of an image without a class
 
 
 def channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
-    """Per-channel normalisation values (RGB) as a triple (a ``std`` of finite values > 0); one clear error for
-    anything else."""
-    if len(values) != 3 or (name == "std" and not all(0 < value < float("inf") for value in values)):
-        what = "finite value > 0" if name == "std" else "value"
+    """Per-channel normalisation statistics of images in [0, 1] (RGB) as a triple: a ``mean`` in [0, 1], a ``std`` in
+    (0, 1]; one clear error for anything else (0-255 statistics included)."""
+    within = (lambda value: 0 <= value <= 1) if name == "mean" else (lambda value: 0 < value <= 1)
+    if len(values) != 3 or not all(within(value) for value in values):  # NaN too
+        interval = "[0, 1]" if name == "mean" else "(0, 1]"
         raise ConfigurationError(
-            f"{name} needs one {what} per RGB channel (3 values); got {list(values)}", parameter=name
+            f"{name} needs one value in {interval} per RGB channel, a statistic of images in [0, 1] (0-255 "
+            f"statistics: divide by 255); got {list(values)}",
+            parameter=name,
         )
     return float(values[0]), float(values[1]), float(values[2])
+
+
+def pil_rgb(image: Image.Image) -> Tensor:
+    """A PIL image as an RGB uint8 tensor ``(3, H, W)``; 16-bit greyscale scaled to 8 bits (PIL's own conversion
+    clips it at 255)."""
+    if image.mode.startswith("I;16"):
+        grey = torch.from_numpy((np.asarray(image).astype(np.int32) >> 8).astype(np.uint8))
+        return grey.expand(3, -1, -1).contiguous()
+    return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
 
 
 def check_image_sizes(owner: str, image_size: int, eval_resize: int | None) -> None:

@@ -96,6 +96,7 @@ class SyntheticShapes(ImageSource):
             )
         check_at_least(train_per_class, 1, "train_per_class", "SyntheticShapes")
         check_at_least(test_per_class, 1, "test_per_class", "SyntheticShapes")
+        check_at_least(seed, 0, "seed", "SyntheticShapes")
         check_image_sizes("SyntheticShapes", image_size, None)
 
     def split(self, train: bool) -> ArrayImages:

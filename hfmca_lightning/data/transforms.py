@@ -17,6 +17,7 @@ blur=(1.0, 0.1), solarize=(0.0, 0.2)``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,9 +137,12 @@ class ViewAugmentation:
                     "set one of them",
                     parameter="color_jitter",
                 )
-            if len(color_jitter) != 4 or any(value < 0 for value in color_jitter):
+            if len(color_jitter) != 4 or not (
+                all(0 <= value < math.inf for value in color_jitter[:3]) and 0 <= color_jitter[3] <= 0.5
+            ):
                 raise ConfigurationError(
-                    f"color_jitter is (brightness, contrast, saturation, hue), each >= 0; got {list(color_jitter)}",
+                    "color_jitter is (brightness, contrast, saturation, hue), finite and >= 0, hue at most 0.5; got "
+                    f"{list(color_jitter)}",
                     parameter="color_jitter",
                 )
             jitter = tuple(float(value) for value in color_jitter)  # type: ignore[assignment]

@@ -250,11 +250,11 @@ class MultiCrop(_Augmented):
         check_at_least(local_crops, 0, "local_crops", "MultiCrop")
         if global_crops + local_crops < 1:
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
-        for name, (low, high) in (("global_scale", global_scale), ("local_scale", local_scale)):
-            if not 0 < low <= high <= 1:
+        for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
+            if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
                 raise ConfigurationError(
                     f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
-                    f"got {(low, high)}",
+                    f"got {scale!r}",
                     parameter=name,
                 )
         for name, size in (("global_size", global_size), ("local_size", local_size)):
@@ -282,12 +282,13 @@ class MultiCrop(_Augmented):
         return [group for group in groups if group[0]]  # type: ignore[misc]
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        augmentation = self.augmentation(image_size)
+        augmentation, groups = self.augmentation(image_size), self.groups(image_size)
         transforms: list[Any] = []
-        for count, size, scale in self.groups(image_size):
+        for count, size, scale in groups:
             group = replace(augmentation, image_size=size, crop_scale=scale)
             transforms += [view_transform(group, *normalisation, view=len(transforms) + n) for n in range(count)]
-        return SeededViews(split, partial(cycled_views, transforms, len(transforms)))
+        sizes = [count for count, _, _ in groups]  # global and local crops of one size stay two groups
+        return SeededViews(split, partial(cycled_views, transforms, len(transforms)), sizes)
 
 
 class TransformViews(ViewSpec):

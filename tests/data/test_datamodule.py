@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hfmca_lightning.data import (
+    BatchedDrawer,
     MultiViewDataModule,
     SameClassViews,
     SimCLRViews,
@@ -115,8 +116,13 @@ def test_a_source_without_labels_trains_without_evaluation_loaders(tmp_path):
         ({"batch_size": 0}, "batch_size must be >= 1; got 0", "batch_size"),
         ({"eval_batch_size": 0}, "eval_batch_size must be >= 1; got 0", "eval_batch_size"),
         ({"num_workers": -1}, "num_workers must be >= 0; got -1", "num_workers"),
+        (
+            {"drawer": BatchedDrawer},
+            r"drawer is the class BatchedDrawer; give an instance: BatchedDrawer\(...\)",
+            "drawer",
+        ),
     ],
-    ids=["batch format", "evaluation loaders", "batch size", "eval batch size", "workers"],
+    ids=["batch format", "evaluation loaders", "batch size", "eval batch size", "workers", "drawer class"],
 )
 def test_datamodule_rejects_bad_arguments(options, message, parameter):
     with pytest.raises(ConfigurationError, match=message) as error:

@@ -70,6 +70,10 @@ def test_greyscale_is_repeated_over_the_three_channels_and_bad_forms_are_one_lin
         (torch.zeros(4, 4, 4), r"shape \(4, 4, 4\)"),
         (torch.zeros(3, 4, 4, dtype=torch.int64), "torch.int64"),
         ("image.png", "a str"),
+        # normalised images, or floats in [0, 255]: clamped to [0, 1] before, mostly black or white without a word
+        ((torch.rand(3, 4, 4) - 0.5) / 0.25, "holds values from -.* to .*; give floats in \\[0, 1\\], not normalised"),
+        (torch.rand(3, 4, 4) * 255, "divide by 255"),
+        (torch.full((3, 4, 4), float("nan")), "holds values from nan"),
     ):
         with pytest.raises(ConfigurationError, match=message):
             as_uint8_image(bad)
@@ -84,6 +88,33 @@ def test_a_source_without_a_test_split_has_no_evaluation_and_wrong_inputs_are_on
         DatasetSource(3)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="num_classes 2 does not hold the training targets"):
         DatasetSource(PairsOfPIL(6), num_classes=2)
+
+
+class Labelled(Dataset):
+    """Images of 8 px with the given targets."""
+
+    def __init__(self, targets: list[int]) -> None:
+        self.targets = targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.zeros(3, 8, 8, dtype=torch.uint8), self.targets[index]
+
+
+def test_targets_that_evaluation_cannot_use_are_one_line_before_training() -> None:
+    """Before: test targets outside the training classes scored kNN 0 (or a torchmetrics traceback after an epoch),
+    and unlabelled training images in the kNN bank an index error after an epoch."""
+    with pytest.raises(ConfigurationError, match="a training target is -2; targets are class indices >= 0, or -1"):
+        DatasetSource(Labelled([0, 1, -2]), image_size=8)
+    with pytest.raises(ConfigurationError, match="1 training images have no class .* label them, or leave out test"):
+        DatasetSource(Labelled([0, 1, -1]), Labelled([0, 1]), image_size=8)
+    source = DatasetSource(Labelled([0, 1, 2]), Labelled([0, 11, 12]), image_size=8)
+    with pytest.raises(ConfigurationError, match="2 test targets are outside the 3 classes .* \\(e.g. 11\\)"):
+        source.evaluation_splits()
+    unlabelled = DatasetSource(Labelled([-1, -1]), image_size=8)  # no classes, no evaluation: training only
+    assert unlabelled.num_classes == 0 and unlabelled.evaluation_splits() is None
 
 
 def test_torchvision_data_sets_come_from_yaml_as_class_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

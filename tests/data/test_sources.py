@@ -415,8 +415,32 @@ SETTINGS_OUT_OF_RANGE = {
     ),
     "std of zero": (
         lambda root: ImageFolderSource(str(root), std=(0.0, 0.0, 0.0)),
-        "std needs one finite value > 0 per RGB channel",
+        "std needs one value in (0, 1] per RGB channel",
     ),
+    # 0-255 statistics (mmcv's): accepted before, views nearly constant
+    "mean of 0-255 images": (
+        lambda root: ImageFolderSource(str(root), mean=(123.7, 116.3, 103.5)),
+        "mean needs one value in [0, 1] per RGB channel, a statistic of images in [0, 1] (0-255 statistics: divide",
+    ),
+    "std of 0-255 images": (
+        lambda root: DatasetSource(SyntheticShapes(train_per_class=1).split(True), std=(58.4, 57.1, 57.4)),
+        "std needs one value in (0, 1]",
+    ),
+    "negative SyntheticShapes seed": (lambda root: SyntheticShapes(seed=-1), "SyntheticShapes: seed must be >= 0"),
+    "test split is the training split": (
+        lambda root: ImageFolderSource(str(root), train_dir="train", test_dir="./train"),
+        "ImageFolderSource: test_dir is the training split (train): kNN and probes would score the training",
+    ),
+    # before: the evaluation source's own settings were silently replaced by the training source's
+    "evaluation source of another size": (
+        lambda root: UnlabelledFolderSource(str(root), image_size=32, evaluation=ImageFolderSource(str(root))),
+        "UnlabelledFolderSource: evaluation has image_size 224, this source 32; evaluation images are read as",
+    ),
+    "evaluation source of other statistics": (
+        lambda root: UnlabelledFolderSource(str(root), evaluation=ImageFolderSource(str(root), std=(0.5, 0.5, 0.5))),
+        "UnlabelledFolderSource: evaluation has std (0.5, 0.5, 0.5), this source (0.229, 0.224, 0.225)",
+    ),
+    "NaN mean": (lambda root: ImageFolderSource(str(root), mean=(float("nan"), 0.5, 0.5)), "mean needs one value"),
     "STL-10 image_size 4": (lambda root: STL10(str(root), image_size=4), "STL10 needs image_size >= 8; got 4"),
 }
 
@@ -448,3 +472,18 @@ def test_cifar_labels_outside_the_classes_are_one_clear_error(cifar10_on_disk, l
         ConfigurationError, match=f"the labels of cifar10 are 0 to 9, but its files hold {min(label, 0)}"
     ):
         CIFAR(root=str(cifar10_on_disk), verify=False).split(train=True)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".tif"])
+def test_16_bit_images_are_read_scaled_to_8_bits(tmp_path, suffix):
+    """A 16-bit PNG came back as uint16 (the batched drawers then failed deep inside their collate) and a 16-bit TIFF
+    clipped at 255 by PIL's RGB conversion: both now read as the 8-bit image they hold."""
+    from hfmca_lightning.data.folder_sources import read_image
+
+    grey = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1024 + 100).astype(np.uint16)
+    path = tmp_path / f"deep{suffix}"
+    Image.fromarray(grey).save(path)
+    image = read_image(str(path))
+    assert image.dtype == torch.uint8 and image.shape == (3, 8, 8)
+    expected = torch.from_numpy((grey.astype(np.int32) >> 8).astype(np.uint8))
+    assert torch.equal(image, expected.expand(3, -1, -1)), image[0, :2]

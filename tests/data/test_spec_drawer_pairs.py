@@ -126,6 +126,27 @@ def test_each_pair_draws_its_batch_or_is_refused_in_one_line(spec: str, drawer: 
     assert all(torch.equal(got, want) for got, want in zip(views, stacked))
 
 
+@pytest.mark.parametrize("batch_format", BATCH_FORMATS)
+def test_crop_grids_reach_every_format_that_has_a_place_for_them(batch_format: str) -> None:
+    """The same grids as the stacked batch's, or the pair refused: solo's batches dropped them without a word."""
+    views = SimCLRViews(count=2, grids=2)
+    if batch_format == "solo":
+        with pytest.raises(ConfigurationError, match="batch_format solo, .* has no place for crop grids") as refused:
+            _data(views, TorchvisionDrawer(), batch_format)
+        assert refused.value.parameter == "batch_format"
+        return
+    batch = _first_batch(_data(views, TorchvisionDrawer(), batch_format))
+    expected = _first_batch(_data(views, TorchvisionDrawer(), "stacked"))[2]  # (B, L, g, g, 2)
+    if batch_format == "lightly":
+        grids = torch.stack(batch[0][2:], dim=1)  # after the views
+    elif batch_format in ("dict", "dict_named"):
+        per_view = batch["views"].values() if batch_format == "dict_named" else batch["views"]
+        grids = torch.stack([view["grid"] for view in per_view], dim=1)
+    else:
+        grids = batch[2]
+    assert expected.shape == (BATCH, 2, 2, 2, 2) and torch.equal(grids, expected)
+
+
 # A value for every setting of every spec, other than its default. Each must change the views of every drawer that
 # draws the spec (same seed, same samples).
 APPEARANCE = {  # the settings every SimCLR-style spec shares

@@ -50,6 +50,11 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
             "color_jitter",
         ),
         (lambda: SingleView(blur=1.5), "blur is a probability in", "blur"),
+        # before: torchvision's traceback at the first view (hue 0.9), or NaN views / no jitter on the batched drawer
+        (lambda: SimCLRViews(color_jitter=[0, 0, 0, 0.9]), r"hue at most 0.5; got \[0, 0, 0, 0.9\]", "color_jitter"),
+        (lambda: SimCLRViews(color_jitter=[float("inf"), 0, 0, 0]), "finite and >= 0", "color_jitter"),
+        (lambda: SimCLRViews(color_jitter=[float("nan"), 0, 0, 0]), "finite and >= 0", "color_jitter"),
+        (lambda: MultiCrop(global_scale=(0.1, 0.5, 1.0)), r"got \(0.1, 0.5, 1.0\)", "global_scale"),
     ],
     ids=[
         "count",
@@ -63,6 +68,7 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
         "color_jitter with color_strength",
         "multi-crop color_jitter with color_strength",
         "blur probability",
+        *("hue above 0.5", "infinite jitter", "NaN jitter", "three scale values"),
     ],
 )
 def test_a_setting_out_of_range_is_one_line_when_the_spec_is_made(make, message, parameter):
@@ -120,6 +126,14 @@ def test_multi_crop_groups_default_to_the_sources_size_and_half_of_it():
     assert crops.groups(32) == [(2, 32, (0.14, 1.0)), (6, 16, (0.05, 0.14))]
     assert MultiCrop(0, 3, local_size=8).groups(32) == [(3, 8, (0.05, 0.14))]  # empty groups left out
     assert MultiCrop(2, 0, global_size=24).groups(32) == [(2, 24, (0.14, 1.0))]
+
+
+def test_global_and_local_crops_of_one_size_stay_two_groups():
+    """Groups were the runs of views of equal shape: with equal sizes the stacked batch held one (B, 4, ...) tensor,
+    and ``(global_views, local_views), targets = batch`` split the samples instead."""
+    module = data(MultiCrop(2, 2, global_size=16, local_size=16), source=SyntheticShapes(3, 8, 2, image_size=16))
+    (global_views, local_views), targets = next(iter(module.train_dataloader()))
+    assert global_views.shape == local_views.shape == (4, 2, 3, 16, 16) and targets.shape == (4,)
 
 
 def test_multi_crop_groups_have_their_sizes_and_crop_scales():

@@ -28,6 +28,7 @@ from torch import Tensor
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.callbacks.eigenspectrum import HOOKED_REG
 from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
@@ -135,18 +136,35 @@ def _enough_batches(
     return statistics
 
 
-def spectrum_summary(statistics: dict[str, CorrelationStatistics], regs: dict[str, float]) -> dict[str, dict]:
-    """Per pair (paper order): its ``groups``, the constant function's eigenvalue (``trivial``, the largest) and the
-    other ``eigenvalues``, largest first."""
+def spectrum_summary(
+    statistics: dict[str, CorrelationStatistics], regs: dict[str, float], groups_per_feature: int
+) -> dict[str, dict]:
+    """Per pair (paper order): its ``groups``, the ``groups_needed`` for ``groups_per_feature`` per feature, its
+    ``reg``, the constant function's eigenvalue (``trivial``, the largest) and the other ``eigenvalues``, largest
+    first."""
     summary = {}
     for name in paper_order(statistics):
-        values = decompose(statistics[name], reg=regs[name]).eigenvalues.tolist()
+        stats = statistics[name]
+        values = decompose(stats, reg=regs[name]).eigenvalues.tolist()
         summary[name] = {
-            "groups": int(float(statistics[name].group_count)),
+            "groups": int(float(stats.group_count)),
+            "groups_needed": groups_per_feature * max(stats.low_dim, stats.high_dim),
+            "reg": regs[name],
             "trivial": values[0],
             "eigenvalues": values[1:],
         }
     return summary
+
+
+def short_window_notes(summary: dict[str, dict]) -> list[str]:
+    """A note per pair whose spectrum comes from fewer groups than it needs (the data ran out, or ``--num_batches``):
+    its eigenvalues overstate the dependence (docs/conventions.md §4)."""
+    return [
+        f"{name}: {pair['groups']:,} groups, fewer than the {pair['groups_needed']:,} its spectrum needs; its "
+        "eigenvalues overstate the dependence (more data or a larger split gives more groups)."
+        for name, pair in summary.items()
+        if pair["groups"] < pair["groups_needed"]
+    ]
 
 
 class HealthSums:
@@ -157,7 +175,11 @@ class HealthSums:
         self.sums: HealthStatistics | None = None
 
     def add(self, features: Tensor, batch: Tensor | list[Tensor]) -> None:
-        """Add the backbone ``features (B * L, D)`` of ``batch`` (:attr:`Collected.features`)."""
+        """Add the backbone ``features (B * L, D)`` of ``batch`` (:attr:`Collected.features`), until the sums hold
+        :data:`HEALTH_SAMPLES_PER_DIM` samples per dimension (the training-time metrics' count, so that the values
+        compare: docs/conventions.md §9)."""
+        if self.enough():
+            return
         samples = (batch[0] if isinstance(batch, (list, tuple)) else batch).shape[0]
         added = HealthStatistics.of(features.reshape(samples, -1, features.shape[-1]))
         self.sums = added if self.sums is None else self.sums.merge(added)
@@ -287,7 +309,11 @@ def analysis_module(module: LightningModule, internal_layers: list[str] | None =
         if isinstance(module, HFMCAModule) and module.external_head is not None
         else {}
     )
-    return HFMCAModule(backbone, internal_costs=InternalCosts(layers, precision="float64"), **external).eval()
+    if internal_layers:  # the pairs in forward order (named_modules' order), as the costs and heatmaps take them
+        order = {name: position for position, (name, _) in enumerate(backbone.named_modules())}
+        layers = sorted(layers, key=lambda name: order.get(name, len(order)))
+    costs = InternalCosts(layers, reg=HOOKED_REG, precision="float64")  # as the training-time spectra of these pairs
+    return HFMCAModule(backbone, internal_costs=costs, **external).eval()
 
 
 def analyze(
@@ -341,9 +367,10 @@ def analyze(
             "statistics of the training groups",
             also_enough=health_sums.enough,
         )
-        summary = spectrum_summary(statistics, {name: cost.reg for name, cost in module.cost_modules().items()})
+        regs = {name: cost.reg for name, cost in module.cost_modules().items()}
+        summary = spectrum_summary(statistics, regs, groups_per_feature)
         health = health_sums.summary()
-        notes += health_notes(health)
+        notes += short_window_notes(summary) + health_notes(health)
         files.write_text(
             out / "spectra.json", json.dumps({"batch_norm": norm, "pairs": summary, "health": health}, indent=1)
         )
@@ -377,9 +404,9 @@ def analyze(
                 ("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}.")
             )
             for name in chosen:
-                maps, values = (
-                    basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0]),
-                    pairs[name].decomposition.eigenvalues,
+                maps, values = (  # the constant function left out, as in every figure and count
+                    basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0])[1:],
+                    pairs[name].decomposition.eigenvalues[1:],
                 )
                 file = f"basis_{name.replace('/', '_')}.png"
                 _save_figure(
@@ -387,7 +414,12 @@ def analyze(
                     basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"),
                     out / file,
                 )
-                figures.append((file, f"Normalised eigenfunctions (Alg. 4) of layer {name} over test image 0."))
+                figures.append(
+                    (
+                        file,
+                        f"Eigenfunctions (Alg. 4, normalised) of layer {name} on test image 0, after the constant one.",
+                    )
+                )
         return _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary, health)
 
 
@@ -450,7 +482,7 @@ def compare(
     ckpt_b: str | Path,
     out: str | Path,
     num_batches: int | None = None,
-    reg: float = 1e-3,
+    reg: float = HOOKED_REG,
     layers: list[str] | None = None,
     batch_norm: BatchNormChoice = "auto",
     groups_per_feature: int = 100,
@@ -505,7 +537,8 @@ def compare(
             statistics.update(
                 _enough_batches(groups, cross, num_batches, groups_per_feature, "statistics of both heads on groups")
             )
-    summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg))
+    summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg), groups_per_feature)
+    notes = notes + short_window_notes(summary)
     out = Path(out)
     title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
     caption = (

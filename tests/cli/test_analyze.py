@@ -323,6 +323,47 @@ def test_analyze_takes_a_baseline_checkpoint(checkpoints, tmp_path):
     assert (out / "density_ratio.png").exists() and (out / "basis_L2.png").exists()
 
 
+def test_analyze_of_a_baseline_is_at_the_analysis_reg_in_forward_order_and_says_when_groups_are_short(
+    checkpoints, tmp_path, monkeypatch
+):
+    """The pairs added to a baseline are at reg 1e-3, as the training-time spectra of its hooked layers (they were at
+    the training default 0.1: top-10 means about half the logged ones); layers given out of forward order are taken
+    in it (a traceback from the heatmaps before); a pair short of its groups says so on the page; the basis-function
+    figure leaves out the constant function, as every other figure does."""
+    from hfmca_lightning.cli import analyze
+
+    drawn: list[list[float]] = []
+
+    def basis_functions_figure(maps: Any, eigenvalues: Any, **options: Any) -> Any:
+        assert maps.shape[0] == len(eigenvalues)
+        drawn.append(eigenvalues.tolist())
+        return real_figure(maps, eigenvalues, **options)
+
+    real_figure = analyze.basis_functions_figure
+    monkeypatch.setattr(analyze, "basis_functions_figure", basis_functions_figure)
+    out = tmp_path / "analysis"
+    layers = ["--internal_layers", "blocks.L6", "blocks.L2", "blocks.L4", "--layers", "L2"]
+    main(["analyze", "--ckpt_path", str(checkpoints["simclr"]), "--out", str(out), "--num_batches", "1", *layers])
+    spectra = json.loads((out / "spectra.json").read_text())["pairs"]
+    assert list(spectra) == ["internal/L2", "internal/L4", "internal/L6"]
+    assert {pair["reg"] for pair in spectra.values()} == {1e-3}
+    short = spectra["internal/L6"]
+    assert short["groups"] < short["groups_needed"] == 100 * 6  # 6 channels
+    page = (out / "index.html").read_text()
+    assert f"internal/L6: {short['groups']:,} groups, fewer than the 600 its spectrum needs" in page
+    assert drawn == [spectra["internal/L2"]["eigenvalues"][: len(drawn[0])]] and len(drawn[0]) > 1
+
+
+def test_analyze_health_is_over_as_many_samples_as_the_training_time_metrics():
+    """2 D samples (docs/conventions.md §9): the batches drawn for the spectra beyond them are not added."""
+    from hfmca_lightning.cli.analyze import HEALTH_SAMPLES_PER_DIM, HealthSums
+
+    sums = HealthSums()
+    for _ in range(5):
+        sums.add(torch.randn(8 * 2, 4), torch.zeros(8, 2, 3, 4, 4))  # 8 samples of 2 views, 4-d features
+    assert HEALTH_SAMPLES_PER_DIM * 4 == 8 and sums.summary()["samples"] == 8
+
+
 def test_residual_blocks_are_found_by_default():
     from hfmca_lightning.methods.inspection import residual_blocks
     from hfmca_lightning.models import CIFARResNet18

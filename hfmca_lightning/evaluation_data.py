@@ -10,12 +10,12 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
-from torchvision.transforms import v2
 
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.data.transforms import finetune_transform
 from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["denormalise", "figure_batches", "figure_images", "finetune_loader", "labelled_splits", "view_batches"]
@@ -32,17 +32,6 @@ def labelled_splits(data: MultiViewDataModule) -> tuple[LabelledImages, Labelled
             f"{type(data.source).__name__} has no labelled evaluation splits; kNN and linear evaluation need them"
         )
     return data.evaluation_splits
-
-
-def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
-    """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
-    (scale 0.08..1), horizontal flip, normalise."""
-    steps = [
-        v2.ToImage(),
-        v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-    ]
-    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def finetune_loader(data: MultiViewDataModule, indices: Sequence[int] | None = None, seed: int = 0) -> DataLoader:

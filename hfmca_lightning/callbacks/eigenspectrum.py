@@ -119,7 +119,7 @@ class EigenspectrumCallback(FigureCallback):
             if not valid:
                 raise ConfigurationError(
                     "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1, min_groups >= 1 "
-                    f"(or null), groups_per_feature >= 1 and hooked_reg > 0; got {name}={value}",
+                    f"(or null), groups_per_feature >= 1 (or null) and hooked_reg > 0; got {name}={value}",
                     parameter=name,
                 )
         if min_groups is not None and groups_per_feature is not None:

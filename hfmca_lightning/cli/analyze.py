@@ -408,6 +408,8 @@ def analyze(
                     basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0])[1:],
                     pairs[name].decomposition.eigenvalues[1:],
                 )
+                if not len(values):  # a one-feature pair: nothing beside the constant function
+                    continue
                 file = f"basis_{name.replace('/', '_')}.png"
                 _save_figure(
                     files,

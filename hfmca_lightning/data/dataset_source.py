@@ -23,7 +23,7 @@ from hfmca_lightning.data.sources import (
     check_image_sizes,
     pil_rgb,
 )
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["DatasetSource", "as_uint8_image"]
 
@@ -76,8 +76,10 @@ class DatasetSource(ImageSource):
                 parameter="train",
             )
         largest = max(labelled, default=-1)
+        if num_classes is not None:
+            check_at_least(num_classes, 1, "num_classes", "DatasetSource")  # null: from the targets (0: none)
         self.num_classes = largest + 1 if num_classes is None else num_classes
-        if (num_classes is not None and num_classes < 1) or self.num_classes <= largest:
+        if self.num_classes <= largest:
             raise ConfigurationError(
                 f"DatasetSource: num_classes {self.num_classes} does not hold the training targets (largest {largest})",
                 parameter="num_classes",
@@ -158,7 +160,7 @@ def as_uint8_image(image: Any) -> Tensor:
         )
     if image.is_floating_point():
         low, high = (float(value) for value in image.aminmax()) if image.numel() else (0.0, 0.0)
-        if not -1 / 255 <= low <= high <= 1 + 1 / 255:  # NaN too; a grey level over: a resize's overshoot
+        if not -0.1 <= low <= high <= 1.1:  # NaN too; a bicubic resize overshoots [0, 1] by a few percent
             raise ConfigurationError(
                 f"DatasetSource: an image holds values from {low:g} to {high:g}; give floats in [0, 1], not normalised "
                 "(the source normalises with its mean and std; floats in [0, 255]: divide by 255), or uint8"

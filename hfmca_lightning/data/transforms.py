@@ -276,6 +276,17 @@ def eval_transform(
     return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
+def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
+    """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
+    (scale 0.08..1), horizontal flip, normalise."""
+    steps = [
+        v2.ToImage(),
+        v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+    ]
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+
 def resize_transform(image_size: int) -> v2.Compose:
     """uint8 image resized (shorter side) and centre-cropped to ``image_size``: the CPU half of on-device
     augmentation."""

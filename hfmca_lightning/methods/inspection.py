@@ -157,11 +157,10 @@ def density_ratio_heatmaps(
 def layer_basis_maps(
     module: HFMCAModule, image: Tensor, layer: str, statistics: dict[str, CorrelationStatistics] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Normalised eigenfunctions of ``layer`` (log name) over one image ``(C, H, W)``: ``(r, H_s, W_s)`` maps
-    and their eigenvalues."""
+    """Normalised eigenfunctions of ``layer`` (log name) over one image ``(C, H, W)`` after the constant function:
+    ``(r - 1, H_s, W_s)`` maps and their eigenvalues (docs/conventions.md §4)."""
     pairs = {pair.name: pair for pair in layer_pairs(module, image[None], statistics)}
     if layer not in pairs:
         raise ConfigurationError(f"no internal cost layer named {layer!r}; have {list(pairs)}")
-    return basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0]), pairs[
-        layer
-    ].decomposition.eigenvalues
+    maps = basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0])
+    return maps[1:], pairs[layer].decomposition.eigenvalues[1:]

@@ -469,3 +469,19 @@ def test_a_resumed_run_has_the_spectrum_state_of_an_uninterrupted_one(tmp_path):
     assert resumed.history == straight.history and len(straight.history["external"]) == 3  # steps 3, 5, 7
     assert straight.latest and straight.window_groups
     assert_same_window(resumed, straight)
+
+
+def test_basis_maps_leave_out_the_constant_function():
+    """As every count, mean and figure (docs/conventions.md §4): the maps and eigenvalues after the trivial one."""
+    from hfmca_lightning.analysis.density_ratio import basis_function_maps
+    from hfmca_lightning.methods.inspection import collect_statistics, layer_basis_maps, layer_pairs
+
+    torch.manual_seed(0)
+    module = tiny_spectrum_module(noise_channels=0).eval()
+    images = torch.rand(6, 3, 32, 32)
+    statistics = collect_statistics(module, [images])
+    maps, eigenvalues = layer_basis_maps(module, images[0], "L2", statistics)
+    (pair,) = [pair for pair in layer_pairs(module, images[:1], statistics) if pair.name == "L2"]
+    every = basis_function_maps(pair.decomposition, pair.low_map[0])
+    assert torch.equal(eigenvalues, pair.decomposition.eigenvalues[1:]) and torch.equal(maps, every[1:])
+    assert maps.shape[0] == every.shape[0] - 1 > 0

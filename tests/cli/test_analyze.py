@@ -227,6 +227,10 @@ def test_compare_writes_cross_model_spectra(checkpoints, tmp_path):
     assert list(spectra) == [f"internal/L{i}" for i in range(1, 10)]
     assert all(0 <= value < 1 for pair in spectra.values() for value in pair["eigenvalues"])
     assert (out / "cross_spectra.png").stat().st_size > 10_000
+    # the tiny test split gives L1 fewer groups than 100 per feature: the page says so, at the analysis reg
+    short = [name for name, pair in spectra.items() if pair["groups"] < pair["groups_needed"]]
+    assert short and all(f"{name}: {spectra[name]['groups']:,} groups, fewer than the" in page for name in short)
+    assert {pair["reg"] for pair in spectra.values()} == {1e-3}
 
 
 def test_a_model_compared_with_itself_is_fully_aligned(checkpoints, tmp_path, monkeypatch):

@@ -215,7 +215,14 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
     ),
     (
         "LearningRateMonitor without a logger",
-        lambda tmp, ckpt: ["--trainer.logger", "false", "--trainer.callbacks+=LearningRateMonitor"],
+        # without a logger the run's config.yaml goes to default_root_dir (else the working folder)
+        lambda tmp, ckpt: [
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks+=LearningRateMonitor",
+            "--trainer.default_root_dir",
+            str(tmp),
+        ],  # fmt: skip
         lambda tmp: {},
         "trainer: Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger",
     ),

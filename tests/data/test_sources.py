@@ -426,6 +426,7 @@ SETTINGS_OUT_OF_RANGE = {
         lambda root: DatasetSource(SyntheticShapes(train_per_class=1).split(True), std=(58.4, 57.1, 57.4)),
         "std needs one value in (0, 1]",
     ),
+    "CIFAR name": (lambda root: CIFAR("cifar1000", root=str(root)), "CIFAR: name must be one of cifar10, cifar100"),
     "negative SyntheticShapes seed": (lambda root: SyntheticShapes(seed=-1), "SyntheticShapes: seed must be >= 0"),
     "test split is the training split": (
         lambda root: ImageFolderSource(str(root), train_dir="train", test_dir="./train"),

@@ -103,7 +103,7 @@ def test_ddp_fit_equals_one_process_with_the_doubled_batch(internal, data, tmp_p
         torch.testing.assert_close(distributed.state_dict()[key], value, rtol=1e-5, atol=1e-5 * scale, msg=key)
 
 
-@pytest.mark.parametrize("loaders", ["bank_and_queries", pytest.param("queries", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("loaders", [pytest.param("bank_and_queries", marks=pytest.mark.extended), "queries"])
 def test_knn_under_ddp_equals_single_process_on_the_same_bank(loaders):
     """Two evaluation loaders, or the queries' alone with the bank drawn by the callback itself (sharded as Lightning
     shards the loop's): the accuracy of one process with both loaders."""

@@ -68,8 +68,8 @@ class StablePretrainingNames(HFMCAModule):
         return {"embedding": outputs["features"], "label": outputs["targets"]}
 
 
-def logged(module_class: type[HFMCAModule], folder: Path) -> dict[str, dict[int, float]]:
-    """Every metric the four callbacks logged in 6 steps of a tiny HFMCA run, ``{name: {step: value}}``."""
+def tiny_run(module_class: type[HFMCAModule] = HFMCAModule) -> tuple[HFMCAModule, MultiViewDataModule]:
+    """A tiny HFMCA module and its data: 4 views of 16-px shapes, 8 a batch."""
     torch.manual_seed(0)
     module = module_class(
         SmallConvNet(width=8, num_stages=2),
@@ -78,7 +78,14 @@ def logged(module_class: type[HFMCAModule], folder: Path) -> dict[str, dict[int,
         external_cost=HFMCACost(reg=0.1, name="external"),
     )
     source = SyntheticShapes(num_classes=4, train_per_class=6, test_per_class=3, image_size=16)
-    data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=8, num_workers=0, eval_batch_size=10)
+    return module, MultiViewDataModule(
+        source, views=SimCLRViews(count=4), batch_size=8, num_workers=0, eval_batch_size=10
+    )
+
+
+def logged(module_class: type[HFMCAModule], folder: Path) -> dict[str, dict[int, float]]:
+    """Every metric the four callbacks logged in 6 steps of a tiny HFMCA run, ``{name: {step: value}}``."""
+    module, data = tiny_run(module_class)
     callbacks = [
         KNNEvaluation(k=5),
         LinearProbe(),
@@ -123,14 +130,7 @@ def test_the_callbacks_log_the_same_numbers_for_either_convention(tmp_path):
 def test_an_embedding_key_the_training_steps_do_not_return_stops_the_first_step(callback):
     """A mistyped key is refused at the first training step, not read as "no key": the probe ran a forward pass of
     its own every step and the spectrum callback never logged RankMe, without a word."""
-    module = HFMCAModule(
-        SmallConvNet(width=8, num_stages=2),
-        projector=ViewProjector(16, 8, 8),
-        external_head=GridExternalHead(8, 2, 2, 8, noise_channels=0),
-        external_cost=HFMCACost(reg=0.1, name="external"),
-    )
-    source = SyntheticShapes(num_classes=4, train_per_class=6, test_per_class=3, image_size=16)
-    data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=8, num_workers=0, eval_batch_size=10)
+    module, data = tiny_run()
     trainer = quiet_trainer(max_steps=3, callbacks=[callback], limit_val_batches=0, accelerator="cpu")
     name = type(callback).__name__
     with pytest.raises(ConfigurationError, match=rf"^{name}: embedding_key 'featurs' names no \(B \* L, D\) embed"):

@@ -65,8 +65,9 @@ def learning_dynamics_figure(
     for ax, name in zip(axes.flat, names):
         steps, values = history[name]
         values = _array(values)
-        steps = np.asarray(steps)
-        extent = (steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, values.shape[1] + 0.5, 0.5)
+        steps = np.asarray(steps, dtype=np.float64)
+        half = (steps[-1] - steps[0]) / (len(steps) - 1) / 2 if len(steps) > 1 else 0.5  # columns centred on steps
+        extent = (steps[0] - half, steps[-1] + half, values.shape[1] + 0.5, 0.5)
         image = ax.imshow(
             values.T,
             aspect="auto",

@@ -114,3 +114,13 @@ def test_a_long_title_of_a_narrow_spectrum_figure_stays_inside_it():
     figure.canvas.draw()
     title = figure.axes[0].title.get_window_extent(figure.canvas.get_renderer())
     assert 0 <= title.x0 and title.x1 <= figure.bbox.x1 and title.y1 <= figure.bbox.y1
+
+
+def test_learning_dynamics_columns_are_centred_on_their_steps():
+    """Each spectrum's column spans half an interval either side of its step (the first and last ones were drawn
+    from their step's edge)."""
+    figure = learning_dynamics_figure({"external": ([100, 110, 120], np.linspace(0, 1, 12).reshape(3, 4))})
+    (image,) = figure.axes[0].get_images()
+    assert tuple(image.get_extent()) == (95.0, 125.0, 4.5, 0.5)
+    (single,) = learning_dynamics_figure({"external": ([7], np.ones((1, 2)))}).axes[0].get_images()
+    assert tuple(single.get_extent())[:2] == (6.5, 7.5)

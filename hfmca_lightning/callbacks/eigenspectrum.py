@@ -273,8 +273,8 @@ class EigenspectrumCallback(FigureCallback):
             return
         epoch = trainer.current_epoch
         ranks = max(len(values) for entries in self.history.values() for _, values in entries)
-        history = {
-            name: ([step for step, _ in entries], np.array([_pad(values, ranks) for _, values in entries]))
+        history = {  # at the steps the metrics are logged under (the batch's: optimiser steps taken - 1)
+            name: ([step - 1 for step, _ in entries], np.array([_pad(values, ranks) for _, values in entries]))
             for name, entries in ((name, self.history[name]) for name in paper_order(self.history))
         }
         self.publish(

@@ -485,3 +485,32 @@ def test_basis_maps_leave_out_the_constant_function():
     every = basis_function_maps(pair.decomposition, pair.low_map[0])
     assert torch.equal(eigenvalues, pair.decomposition.eigenvalues[1:]) and torch.equal(maps, every[1:])
     assert maps.shape[0] == every.shape[0] - 1 > 0
+
+
+def test_the_learning_dynamics_figure_puts_each_spectrum_at_the_step_it_is_logged_under(tmp_path, monkeypatch):
+    """The figure took the optimiser steps taken (the logged step + 1): every column sat one step to the right of
+    the metrics it draws."""
+    import csv
+
+    from hfmca_lightning.callbacks import eigenspectrum as eigenspectrum_module
+
+    drawn: dict[str, list[int]] = {}
+    real_figure = eigenspectrum_module.learning_dynamics_figure
+
+    def learning_dynamics_figure(history, **options):
+        drawn.update({name: list(steps) for name, (steps, _) in history.items()})
+        return real_figure(history, **options)
+
+    monkeypatch.setattr(eigenspectrum_module, "learning_dynamics_figure", learning_dynamics_figure)
+    spectrum = EigenspectrumCallback(every_n_steps=2, top_k=3, min_groups=1, output_dir=str(tmp_path / "figures"))
+    trainer = quiet_trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[spectrum],
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
+    trainer.fit(tiny_spectrum_module(), tiny_data())
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    logged = [int(row["step"]) for row in csv.DictReader(open(metrics)) if row.get("spectrum/external/top1")]
+    assert len(logged) > 1 and drawn["external"] == logged

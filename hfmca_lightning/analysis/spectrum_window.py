@@ -22,7 +22,14 @@ from torch import Tensor
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 
-__all__ = ["SpectrumWindow"]
+__all__ = ["GROUPS_PER_FEATURE", "SpectrumWindow", "groups_needed"]
+
+GROUPS_PER_FEATURE = 100  # groups per feature of the larger side that a spectrum needs, by default
+
+
+def groups_needed(stats: CorrelationStatistics, groups_per_feature: int = GROUPS_PER_FEATURE) -> int:
+    """The fewest groups a pair's spectrum needs: ``groups_per_feature * max(K1, K2)``."""
+    return groups_per_feature * max(stats.low_dim, stats.high_dim)
 
 
 class SpectrumWindow:
@@ -47,7 +54,7 @@ class SpectrumWindow:
                 eigenvalues = window.spectrum("external", reg=0.1)  # None until the window holds 3,200 groups
     """
 
-    def __init__(self, min_groups: int | None = None, groups_per_feature: int = 100) -> None:
+    def __init__(self, min_groups: int | None = None, groups_per_feature: int = GROUPS_PER_FEATURE) -> None:
         if min_groups is not None and min_groups < 1:
             raise ValueError(f"min_groups must be >= 1 or None; got {min_groups}")
         if groups_per_feature < 1:
@@ -67,7 +74,7 @@ class SpectrumWindow:
         Returns:
             ``min_groups``, or ``groups_per_feature * max(K1, K2)``.
         """
-        return self.min_groups or self.groups_per_feature * max(stats.low_dim, stats.high_dim)
+        return self.min_groups or groups_needed(stats, self.groups_per_feature)
 
     def add(self, statistics: Mapping[str, CorrelationStatistics]) -> None:
         """Add one batch's (or micro-batch's) statistics of every pair to the open interval (detached).

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from hfmca_lightning.analysis.rankme import rankme
-from hfmca_lightning.analysis.spectrum_window import SpectrumWindow
+from hfmca_lightning.analysis.spectrum_window import GROUPS_PER_FEATURE, SpectrumWindow
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
 from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor, unknown_embedding_key
@@ -25,7 +25,6 @@ __all__ = ["EigenspectrumCallback", "HISTOGRAM_BINS"]
 
 HISTOGRAM_BINS = 20  # over [0, 1]: the same bins at every step, so W&B can draw the distribution over time
 HOOKED_REG = 1e-3  # the regulariser of the pairs hooked on modules without cost pairs
-DEFAULT_GROUPS_PER_FEATURE = 100  # groups per feature of a window without min_groups
 
 
 class EigenspectrumCallback(FigureCallback):
@@ -128,7 +127,7 @@ class EigenspectrumCallback(FigureCallback):
                 f"groups_per_feature ({groups_per_feature}: a window scaled by each pair's dimension), not both",
                 parameter="groups_per_feature",
             )
-        groups_per_feature = DEFAULT_GROUPS_PER_FEATURE if groups_per_feature is None else groups_per_feature
+        groups_per_feature = GROUPS_PER_FEATURE if groups_per_feature is None else groups_per_feature
         self.every_n_steps = every_n_steps
         self.min_groups = min_groups
         self.groups_per_feature = groups_per_feature

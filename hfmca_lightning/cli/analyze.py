@@ -28,6 +28,7 @@ from torch import Tensor
 from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.analysis.spectral import decompose
+from hfmca_lightning.analysis.spectrum_window import GROUPS_PER_FEATURE, groups_needed
 from hfmca_lightning.callbacks.eigenspectrum import HOOKED_REG
 from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_out, read_config_file
@@ -121,7 +122,7 @@ def _enough_batches(
             if (
                 num_batches is None
                 and all(
-                    float(stats.group_count) >= groups_per_feature * max(stats.low_dim, stats.high_dim)
+                    float(stats.group_count) >= groups_needed(stats, groups_per_feature)
                     for stats in statistics.values()
                 )
                 and also_enough()
@@ -148,7 +149,7 @@ def spectrum_summary(
         values = decompose(stats, reg=regs[name]).eigenvalues.tolist()
         summary[name] = {
             "groups": int(float(stats.group_count)),
-            "groups_needed": groups_per_feature * max(stats.low_dim, stats.high_dim),
+            "groups_needed": groups_needed(stats, groups_per_feature),
             "reg": regs[name],
             "trivial": values[0],
             "eigenvalues": values[1:],
@@ -327,7 +328,7 @@ def analyze(
     image_class: int | None = None,
     first_image: int = 0,
     batch_norm: BatchNormChoice = "auto",
-    groups_per_feature: int = 100,
+    groups_per_feature: int = GROUPS_PER_FEATURE,
 ) -> Path:
     """Spectra (PNG + JSON) from training batches (``num_batches``, or as many as give every pair
     ``groups_per_feature`` groups per feature and the health metrics :data:`HEALTH_SAMPLES_PER_DIM` samples per
@@ -487,7 +488,7 @@ def compare(
     reg: float = HOOKED_REG,
     layers: list[str] | None = None,
     batch_norm: BatchNormChoice = "auto",
-    groups_per_feature: int = 100,
+    groups_per_feature: int = GROUPS_PER_FEATURE,
 ) -> Path:
     """Eigenvalues between the features of two models at each common backbone layer (by module name; pairs named as
     in training, ``internal/<layer>``), at their outputs (``backbone``, left out where it is the last layer's output)
@@ -625,7 +626,9 @@ def run_analysis_command(argv: list[str]) -> None:
             "--groups_per_feature",
             type=options.positive_int,
             default=None,
-            help="groups per feature the statistics need at least, without --num_batches (default 100)",
+            help=(
+                f"groups per feature the statistics need at least, without --num_batches (default {GROUPS_PER_FEATURE})"
+            ),
         )
         command.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
@@ -633,7 +636,7 @@ def run_analysis_command(argv: list[str]) -> None:
         raise ConfigurationError(
             "--num_batches and --groups_per_feature both say how many batches the statistics take: give one"
         )
-    args.groups_per_feature = 100 if args.groups_per_feature is None else args.groups_per_feature
+    args.groups_per_feature = GROUPS_PER_FEATURE if args.groups_per_feature is None else args.groups_per_feature
     if args.command == "analyze":
         if args.config is not None:
             read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from hfmca_lightning.analysis.density_ratio import basis_function_maps, telescoping_response
+from hfmca_lightning.analysis.density_ratio import telescoping_response
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.analysis.spectrum_window import GROUPS_PER_FEATURE, groups_needed
@@ -48,6 +48,7 @@ from hfmca_lightning.methods.inspection import (
     default_figure_layers,
     heatmap_placements,
     layer_pairs,
+    nontrivial_basis_maps,
     paper_order,
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
@@ -405,10 +406,7 @@ def analyze(
                 ("density_ratio.png", f"Global-to-local density-ratio response (Alg. 5) at {', '.join(chosen)}.")
             )
             for name in chosen:
-                maps, values = (  # the constant function left out, as in every figure and count
-                    basis_function_maps(pairs[name].decomposition, pairs[name].low_map[0])[1:],
-                    pairs[name].decomposition.eigenvalues[1:],
-                )
+                maps, values = nontrivial_basis_maps(pairs[name])
                 if not len(values):  # a one-feature pair: nothing beside the constant function
                     continue
                 file = f"basis_{name.replace('/', '_')}.png"

@@ -29,6 +29,7 @@ __all__ = [
     "default_figure_layers",
     "density_ratio_heatmaps",
     "layer_basis_maps",
+    "nontrivial_basis_maps",
     "layer_pairs",
     "residual_blocks",
     "analysis_layers",
@@ -162,5 +163,11 @@ def layer_basis_maps(
     pairs = {pair.name: pair for pair in layer_pairs(module, image[None], statistics)}
     if layer not in pairs:
         raise ConfigurationError(f"no internal cost layer named {layer!r}; have {list(pairs)}")
-    maps = basis_function_maps(pairs[layer].decomposition, pairs[layer].low_map[0])
-    return maps[1:], pairs[layer].decomposition.eigenvalues[1:]
+    return nontrivial_basis_maps(pairs[layer])
+
+
+def nontrivial_basis_maps(pair: LayerPair) -> tuple[Tensor, Tensor]:
+    """The normalised eigenfunctions of ``pair`` over its first image after the constant function, left out of
+    every count and figure (docs/conventions.md §4): ``(r - 1, H_s, W_s)`` maps and their eigenvalues."""
+    maps = basis_function_maps(pair.decomposition, pair.low_map[0])
+    return maps[1:], pair.decomposition.eigenvalues[1:]

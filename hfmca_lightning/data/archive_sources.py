@@ -1,6 +1,5 @@
 """CIFAR10/100 and STL-10 from the files of their official releases in torchvision's on-disk layout: ``prepare``
-downloads the archive if asked, names the first missing file and, with ``verify``, checks every file's md5.
-"""
+downloads the archive if asked, names the first missing file and, with ``verify``, checks every file's md5."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from torchvision.datasets import CIFAR100 as _TorchvisionCIFAR100
 from torchvision.datasets import STL10 as _TorchvisionSTL10
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
-from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages, check_image_sizes
+from hfmca_lightning.data.sources import UNLABELLED, ArrayImages, ImageSource, LabelledImages
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, check_choice
 
 __all__ = ["CIFAR", "STL10"]
@@ -81,14 +80,13 @@ class _ReleaseSource(ImageSource):
 class CIFAR(_ReleaseSource):
     """CIFAR10 / CIFAR100 (fine labels) from torchvision's on-disk layout (``cifar-10-batches-py`` /
     ``cifar-100-python``) under ``root``, downloaded there if asked. The pickles are read by an unpickler that builds
-    dicts, lists and numpy arrays and refuses anything else (a pickle can run code). ``verify: false`` (no md5 check)
-    only for data you wrote in this layout yourself.
+    dicts, lists and numpy arrays and refuses anything else (a pickle can run code).
 
     Args:
         name: ``cifar10`` or ``cifar100``.
         root: folder that holds (or will hold) the extracted data set.
         download: fetch and extract the archive into ``root`` if it is missing.
-        verify: check md5 sums.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
 
     Raises:
         ConfigurationError: when ``name`` is neither of the above.
@@ -205,14 +203,13 @@ class _ConcatImages(ConcatDataset, LabelledImages):
 class STL10(_ReleaseSource):
     """STL-10 from torchvision's on-disk layout (``stl10_binary`` under ``root``; a 2.6 GB download if asked): 100k
     unlabelled and 5k labelled training images, 8k test images, 96 x 96, memory-mapped. Training uses the unlabelled
-    images and, with ``train_on_labelled``, the labelled ones (the usual protocol); kNN uses the labelled training
-    images as bank and the test images as queries.
+    images (and the labelled ones: ``train_on_labelled``); kNN, the labelled ones as bank and the test ones as queries.
 
     Args:
         root: folder that holds (or will hold) ``stl10_binary``.
         download: fetch and extract the archive if it is missing.
         verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
-        train_on_labelled: add the 5k labelled training images to the training split.
+        train_on_labelled: add the 5k labelled training images to the training split (the usual protocol).
         image_size: side fed to the network (96: no resize).
     """
 
@@ -229,9 +226,9 @@ class STL10(_ReleaseSource):
         train_on_labelled: bool = True,
         image_size: int = 96,
     ) -> None:
-        check_image_sizes("STL10", image_size, None)
+        self._image_settings(image_size, None, self.mean, self.std)
         self.root, self.download, self.verify = Path(root).expanduser(), download, verify
-        self.train_on_labelled, self.image_size = train_on_labelled, image_size
+        self.train_on_labelled = train_on_labelled
 
     def _read(self, name: str) -> _BinaryImages:
         self.prepare()
@@ -244,14 +241,12 @@ class STL10(_ReleaseSource):
             )
         images = np.memmap(images_file, dtype=np.uint8, mode="r").reshape(-1, 3, 96, 96)
         labels_file = self.folder / f"{name}_y.bin"
-        targets = (
-            np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1
-            if labels_file.is_file()
-            else np.full(len(images), UNLABELLED)
-        )
+        if not labels_file.is_file():
+            return _BinaryImages(images, [UNLABELLED] * len(images))
+        targets = np.fromfile(labels_file, dtype=np.uint8).astype(np.int64) - 1
         if len(targets) != len(images):
             raise ConfigurationError(f"{labels_file} has {len(targets)} labels for {len(images)} images")
-        if labels_file.is_file() and len(targets) and not 0 <= targets.min() <= targets.max() < self.num_classes:
+        if not 0 <= targets.min() <= targets.max() < self.num_classes:  # len(targets) > 0: the file holds images
             raise ConfigurationError(
                 f"{labels_file} holds labels {targets.min() + 1} to {targets.max() + 1}; STL-10's are 1 to 10. Replace "
                 "it with the file of the official release"

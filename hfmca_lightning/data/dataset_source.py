@@ -1,7 +1,6 @@
 """Any torch ``Dataset`` of ``(image, target)`` pairs as an image source. Its images (PIL, ``(H, W, 3)`` uint8
 arrays, or ``(C, H, W)`` / ``(H, W)`` uint8 or ``[0, 1]`` float tensors) reach every drawer as ``(3, H, W)`` uint8
-tensors, greyscale repeated over the three channels (from YAML: docs/training.md).
-"""
+tensors, greyscale repeated over the three channels (from YAML: docs/training.md)."""
 
 from __future__ import annotations
 
@@ -15,14 +14,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from hfmca_lightning.data.sources import (
-    UNLABELLED,
-    ImageSource,
-    LabelledImages,
-    channel_values,
-    check_image_sizes,
-    pil_rgb,
-)
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, pil_rgb
 from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["DatasetSource", "as_uint8_image"]
@@ -34,8 +26,7 @@ class DatasetSource(ImageSource):
     Args:
         train: the training split; its targets are its ``targets`` attribute where it has one (torchvision's data
             sets do), else read once from its samples.
-        test: the test split, for the evaluation protocols (kNN, probes) with ``train`` as the bank; ``None``: no
-            evaluation.
+        test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
         mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``).
@@ -62,10 +53,8 @@ class DatasetSource(ImageSource):
                     f"DatasetSource: {name} must be a data set with a length and indexing; got {type(split).__name__}",
                     parameter=name,
                 )
-        check_image_sizes("DatasetSource", image_size, eval_resize)
+        self._image_settings(image_size, eval_resize, mean, std)
         self.train, self.test = train, test
-        self.image_size, self.eval_resize = image_size, eval_resize
-        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
         self._train_images = DatasetImages(train)
         targets = self._train_images.targets
         labelled = [target for target in targets if target != UNLABELLED]

@@ -1,6 +1,5 @@
-"""Image files on disk: ``root/<split>/<class>/<image>`` trees (:class:`ImageFolderSource`) and trees of images
-without classes (:class:`UnlabelledFolderSource`), listed at start-up and decoded when read (:class:`FolderImages`).
-"""
+"""Image files on disk, listed at start-up and decoded when read (:class:`FolderImages`): class trees
+(:class:`ImageFolderSource`) and trees of images without classes (:class:`UnlabelledFolderSource`)."""
 
 from __future__ import annotations
 
@@ -15,14 +14,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2.functional import to_dtype
 
-from hfmca_lightning.data.sources import (
-    UNLABELLED,
-    ImageSource,
-    LabelledImages,
-    channel_values,
-    check_image_sizes,
-    pil_rgb,
-)
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, pil_rgb
 from hfmca_lightning.errors import ConfigurationError, DataNotFoundError, HFMCAWarning, check_choice
 
 __all__ = ["FolderImages", "ImageFolderSource", "UnlabelledFolderSource"]
@@ -33,15 +25,13 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 class FolderImages(LabelledImages):
     """Image files ``samples [(path, target)]`` decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
-    A file that cannot be decoded is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming it; with
-    ``'skip'``, a warning naming it (and how many were skipped so far in this process) and the next readable image of
-    the list in its place, so an epoch keeps its length."""
+    An unreadable file is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming it; with ``'skip'``, a
+    warning naming it (and the count skipped so far in this process) and the next readable image of the list in its
+    place, so an epoch keeps its length."""
 
     def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
-        self.samples = samples
+        self.samples, self.on_bad_image, self.skipped = samples, on_bad_image, 0
         self.targets = [target for _, target in samples]
-        self.on_bad_image = on_bad_image
-        self.skipped = 0
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         for attempt in range(min(len(self.samples), 100)):
@@ -100,13 +90,10 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
 
 def _image_files(folder: Path) -> list[str]:
     """Every image file under ``folder`` (recursively, links followed) in walk order (a folder's files by name, then
-    its sub-folders by name); no file is opened.
-
-    Each directory is entered once (by its ``(st_dev, st_ino)``) and a link to a directory that holds ``folder`` (``up
-    -> ..``: its siblings) is not followed. A file reached under several names (hard links, links) is listed under its
-    first: plain files are told apart by the inode of the directory listing (no call per file), links by their
-    target's ``(st_dev, st_ino)``.
-    """
+    its sub-folders by name); no file is opened. Each directory is entered once (by its ``(st_dev, st_ino)``); a link
+    to a directory holding ``folder`` (``up -> ..``: its siblings) is not followed. A file under several names (hard
+    links, links) is listed under its first: plain files told apart by the listing's inode (no call per file), links
+    by their target's ``(st_dev, st_ino)``."""
     try:
         top = os.stat(folder)
     except OSError:
@@ -147,28 +134,15 @@ def _image_files(folder: Path) -> list[str]:
 
 
 class _FolderSource(ImageSource):
-    """The settings both folder sources share (their meaning: :class:`ImageFolderSource`)."""
+    """What both folder sources share (the settings' meaning: :class:`ImageFolderSource`)."""
 
-    def __init__(
-        self,
-        root: str,
-        image_size: int,
-        eval_resize: int | None,
-        mean: tuple[float, float, float],
-        std: tuple[float, float, float],
-        on_bad_image: Literal["error", "skip"],
-    ) -> None:
+    def _folder_settings(self, root: str, on_bad_image: Literal["error", "skip"]) -> None:
         check_choice(on_bad_image, ("error", "skip"), "on_bad_image", type(self).__name__)
-        check_image_sizes(type(self).__name__, image_size, eval_resize)
-        self.root, self.image_size, self.eval_resize = Path(root).expanduser(), image_size, eval_resize
-        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")
-        self.on_bad_image = on_bad_image
+        self.root, self.on_bad_image = Path(root).expanduser(), on_bad_image
 
 
 class ImageFolderSource(_FolderSource):
-    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included.
-
-    Start-up only lists the files (100k files take well under a second); images are decoded when read. Classes are
+    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included. Classes are
     the folder names, sorted; both splits must have the same classes, none of them empty. Links are followed, each
     folder and each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
@@ -197,7 +171,8 @@ class ImageFolderSource(_FolderSource):
         std: tuple[float, float, float] = IMAGENET_STD,
         on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
-        super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
+        self._folder_settings(root, on_bad_image)
+        self._image_settings(image_size, eval_resize, mean, std)
         if test_dir is not None and os.path.normpath(test_dir) == os.path.normpath(train_dir):
             raise ConfigurationError(
                 f"ImageFolderSource: test_dir is the training split ({train_dir}): kNN and probes would score the "
@@ -229,8 +204,7 @@ class ImageFolderSource(_FolderSource):
                     f"class_list {self.class_list} must list distinct class folder names, one per line",
                     parameter="class_list",
                 )
-            self.classes = sorted(classes)
-            self.num_classes = len(classes)
+            self.classes, self.num_classes = sorted(classes), len(classes)
         splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
         for split in splits:
             if not (self.root / split).is_dir():
@@ -260,8 +234,7 @@ class ImageFolderSource(_FolderSource):
                 f"{folder}/<class name>/<image file> (for images without classes, use UnlabelledFolderSource)"
             )
         if self.classes is None:
-            self.classes = present
-            self.num_classes = len(present)
+            self.classes, self.num_classes = present, len(present)
         missing = sorted(set(self.classes) - set(present))
         if self.class_list is not None and missing:
             raise ConfigurationError(
@@ -297,9 +270,8 @@ class UnlabelledFolderSource(_FolderSource):
         mean: as :class:`ImageFolderSource`.
         std: as :class:`ImageFolderSource`.
         on_bad_image: as :class:`ImageFolderSource`.
-        evaluation: a labelled source (e.g. an ``ImageFolderSource`` of a labelled subset) whose evaluation splits
-            kNN and probes use, with the same ``image_size``, ``eval_resize``, ``mean`` and ``std``; without it,
-            training runs and kNN is skipped with a warning.
+        evaluation: a labelled source (e.g. an ``ImageFolderSource``) whose evaluation splits kNN and probes use,
+            with the same ``image_size``, ``eval_resize``, ``mean`` and ``std``; ``null``: kNN skipped, with a warning.
     """
 
     def __init__(
@@ -312,7 +284,8 @@ class UnlabelledFolderSource(_FolderSource):
         on_bad_image: Literal["error", "skip"] = "error",
         evaluation: ImageSource | None = None,
     ) -> None:
-        super().__init__(root, image_size, eval_resize, mean, std, on_bad_image)
+        self._folder_settings(root, on_bad_image)
+        self._image_settings(image_size, eval_resize, mean, std)
         for name in ("image_size", "eval_resize", "mean", "std"):
             if evaluation is not None and getattr(evaluation, name) != getattr(self, name):
                 raise ConfigurationError(

@@ -1,8 +1,6 @@
-"""Image sources: where the images come from (docs/conventions.md §5). A source hands out its splits as
-:class:`LabelledImages`: the training split (labels may be ``UNLABELLED``) and, when it has labels, the evaluation
-splits (kNN bank and queries). Missing or malformed data is raised by :meth:`ImageSource.prepare` or the split methods,
-before training starts; an image that cannot be decoded, when it is first read.
-"""
+"""Image sources: where the images come from (docs/conventions.md §5), handed out as :class:`LabelledImages` splits.
+Missing or malformed data is raised by :meth:`ImageSource.prepare` or the split methods, before training starts; an
+image that cannot be decoded, when it is first read."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ UNLABELLED = -1  # the target of an image without a class
 def channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
     """Per-channel normalisation statistics of images in [0, 1] (RGB) as a triple: a ``mean`` in [0, 1], a ``std`` in
     (0, 1]; one clear error for anything else (0-255 statistics included)."""
-    within = (lambda value: 0 <= value <= 1) if name == "mean" else (lambda value: 0 < value <= 1)
-    if len(values) != 3 or not all(within(value) for value in values):  # NaN too
+    if len(values) != 3 or not all(0 < value <= 1 or (name == "mean" and value == 0) for value in values):  # NaN too
         interval = "[0, 1]" if name == "mean" else "(0, 1]"
         raise ConfigurationError(
             f"{name} needs one value in {interval} per RGB channel, a statistic of images in [0, 1] (0-255 "
@@ -43,18 +40,6 @@ def pil_rgb(image: Image.Image) -> Tensor:
         grey = torch.from_numpy((np.asarray(image).astype(np.int32) >> 8).astype(np.uint8))
         return grey.expand(3, -1, -1).contiguous()
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
-
-
-def check_image_sizes(owner: str, image_size: int, eval_resize: int | None) -> None:
-    """A side of at least 8 pixels, and evaluation images resized to at least that before the centre crop."""
-    if image_size < 8:
-        raise ConfigurationError(f"{owner} needs image_size >= 8; got {image_size}", parameter="image_size")
-    if eval_resize is not None and eval_resize < image_size:
-        raise ConfigurationError(
-            f"{owner}: eval_resize ({eval_resize}) is the shorter side before the centre crop of image_size "
-            f"({image_size}), so it must be >= image_size (or null: image_size)",
-            parameter="eval_resize",
-        )
 
 
 class LabelledImages(Dataset):
@@ -109,3 +94,20 @@ class ImageSource(ABC):
     def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
         """The labelled ``(bank, queries)`` of kNN and probes, or ``None`` when the source has no labels."""
         return self.split(train=True), self.split(train=False)
+
+    def _image_settings(
+        self, image_size: int, eval_resize: int | None, mean: Sequence[float], std: Sequence[float]
+    ) -> None:
+        """Check and keep the settings the views are read with: a side of at least 8 pixels, evaluation images
+        resized to at least that before the centre crop, and the normalisation statistics (:func:`channel_values`)."""
+        owner = type(self).__name__
+        if image_size < 8:
+            raise ConfigurationError(f"{owner} needs image_size >= 8; got {image_size}", parameter="image_size")
+        if eval_resize is not None and eval_resize < image_size:
+            raise ConfigurationError(
+                f"{owner}: eval_resize ({eval_resize}) is the shorter side before the centre crop of image_size "
+                f"({image_size}), so it must be >= image_size (or null: image_size)",
+                parameter="eval_resize",
+            )
+        self.image_size, self.eval_resize = image_size, eval_resize
+        self.mean, self.std = channel_values(mean, "mean"), channel_values(std, "std")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hfmca_lightning.data.sources import ArrayImages, ImageSource, check_image_sizes
+from hfmca_lightning.data.sources import ArrayImages, ImageSource
 from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["SHAPES", "SyntheticShapes", "generate_shapes"]
@@ -37,10 +37,8 @@ def _mask(shape: str, y: np.ndarray, x: np.ndarray, radius: float) -> np.ndarray
     if shape == "diamond":
         return ay + ax <= radius
     if shape == "two_disks":
-        small = radius * 0.45
-        return ((y + radius * 0.5) ** 2 + (x + radius * 0.5) ** 2 <= small**2) | (
-            (y - radius * 0.5) ** 2 + (x - radius * 0.5) ** 2 <= small**2
-        )
+        offset, small = radius * 0.5, radius * 0.45
+        return ((y + offset) ** 2 + (x + offset) ** 2 <= small**2) | ((y - offset) ** 2 + (x - offset) ** 2 <= small**2)
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -85,9 +83,6 @@ class SyntheticShapes(ImageSource):
         image_size: int = 32,
         seed: int = 0,
     ) -> None:
-        self.num_classes, self.train_per_class, self.test_per_class = num_classes, train_per_class, test_per_class
-        self.image_size, self.seed = image_size, seed
-        self.mean, self.std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
         if not 2 <= num_classes <= len(SHAPES):
             raise ConfigurationError(
                 f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got "
@@ -97,7 +92,9 @@ class SyntheticShapes(ImageSource):
         check_at_least(train_per_class, 1, "train_per_class", "SyntheticShapes")
         check_at_least(test_per_class, 1, "test_per_class", "SyntheticShapes")
         check_at_least(seed, 0, "seed", "SyntheticShapes")
-        check_image_sizes("SyntheticShapes", image_size, None)
+        self._image_settings(image_size, None, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+        self.num_classes, self.train_per_class, self.test_per_class = num_classes, train_per_class, test_per_class
+        self.seed = seed
 
     def split(self, train: bool) -> ArrayImages:
         per_class = self.train_per_class if train else self.test_per_class

@@ -118,18 +118,11 @@ class MultiViewDataModule(LightningDataModule):
         check_at_least(num_workers, 0, "num_workers")
         check_choice(batch_format, BATCH_FORMATS, "batch_format")
         check_choice(evaluation_loaders, EVALUATION_LOADERS, "evaluation_loaders")
-        if isinstance(views, type) and issubclass(views, ViewSpec):
-            raise ConfigurationError(
-                f"views is the class {views.__name__}; give an instance: {views.__name__}(...)", parameter="views"
-            )
-        if views is None:
-            views = SimCLRViews()
-        elif not isinstance(views, ViewSpec):
-            views = TransformViews(views)
-        if isinstance(drawer, type):
-            raise ConfigurationError(
-                f"drawer is the class {drawer.__name__}; give an instance: {drawer.__name__}(...)", parameter="drawer"
-            )
+        for name, given in (("views", views), ("drawer", drawer)):
+            if isinstance(given, type):
+                what = given.__name__
+                raise ConfigurationError(f"{name} is the class {what}; give an instance: {what}(...)", parameter=name)
+        views = SimCLRViews() if views is None else views if isinstance(views, ViewSpec) else TransformViews(views)
         if batch_format == "solo" and getattr(views, "grids", 0):
             raise ConfigurationError(
                 "batch_format solo, (indexes, views, targets), has no place for crop grids: use stacked, lightly or "
@@ -170,15 +163,12 @@ class MultiViewDataModule(LightningDataModule):
         """The source's training split (read by :meth:`setup`, called here if it has not run)."""
         if self._train_split is None:
             self.setup()
-        assert self._train_split is not None
-        return self._train_split
+        return self._train_split  # type: ignore[return-value]  # set by setup
 
     @property
     def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
         """``(train, test)`` labelled splits (kNN bank and queries), or None for a source without labels."""
-        if self._train_split is None:
-            self.setup()
-        return self._evaluation
+        return self._evaluation if self.training_split is not None else None
 
     def prepare_data(self) -> None:
         self.source.prepare()
@@ -219,10 +209,9 @@ class MultiViewDataModule(LightningDataModule):
         names = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}
         if trainer is None or self.evaluation_loaders != "bank_and_queries" or stage not in names:
             return
-        if self._evaluation is None or (stage == "fit" and not trainer.limit_val_batches):
-            return
         module = trainer.lightning_module
-        if not is_overridden(names[stage], module, LightningModule):
+        skipped = self._evaluation is None or (stage == "fit" and not trainer.limit_val_batches)
+        if skipped or not is_overridden(names[stage], module, LightningModule):
             return
         parameters = inspect.signature(getattr(module, names[stage])).parameters.values()
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -2,8 +2,7 @@
 :class:`TorchvisionDrawer` (every spec, in CPU workers), :class:`BatchedDrawer` (whole batches, in CPU workers or on the
 device) and :class:`~hfmca_lightning.data.ResidentDrawer` (the training set kept on the device). Each sample's views
 come from its seed alone, so runs do not depend on the number of workers or processes and resume exactly with every
-drawer. :func:`check_drawer` decides which drawer can draw which spec.
-"""
+drawer. :func:`check_drawer` decides which drawer can draw which spec."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from hfmca_lightning.errors import ConfigurationError, check_choice
 __all__ = ["BatchedDrawer", "ImageBatch", "TorchvisionDrawer", "ViewDrawer", "check_drawer"]
 
 OutputDtype = Literal["float32", "bfloat16"]
-_PARAMETER = "drawer"
 
 
 @dataclass(frozen=True)
@@ -72,8 +70,7 @@ class ViewDrawer:
         """Ready for the training split before training starts (so a split too large for the device fails first)."""
 
     def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
-        """The training loader's ``sampler``, ``batch_size`` and ``drop_last``: ``batch_size`` keys per batch, the
-        short last batch dropped."""
+        """The training loader's ``sampler``, ``batch_size`` and ``drop_last`` (default: short last batch dropped)."""
         return {"sampler": sampler, "batch_size": batch_size, "drop_last": True}
 
     def dataset(self, split: LabelledImages) -> Dataset:
@@ -91,17 +88,15 @@ class ViewDrawer:
 
 
 class TorchvisionDrawer(ViewDrawer):
-    """Each sample's views by the spec's own per-image transforms (torchvision's, or a user's), in the CPU workers:
-    every spec."""
+    """Each sample's views by the spec's per-image transforms (torchvision's or a user's) in CPU workers: every spec."""
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        setup = self.setup
-        return setup.views.dataset(split, setup.image_size, setup.normalisation)
+        return self.setup.views.dataset(split, self.setup.image_size, self.setup.normalisation)
 
     def collate(self, samples: list[Sample]) -> ViewBatch:
         groups, targets, indices, grids = zip(*samples)
         return ViewBatch(
-            [torch.stack([sample[group] for sample in groups]) for group in range(len(groups[0]))],
+            [torch.stack(group) for group in zip(*groups)],
             torch.tensor(targets, dtype=torch.int64),
             torch.tensor(indices, dtype=torch.int64),
             [str(index) for index in indices],
@@ -121,9 +116,8 @@ class ImageBatch:
     names: list[str] = field(default_factory=list)
 
     def pin_memory(self) -> ImageBatch:
-        return replace(
-            self, **{name: getattr(self, name).pin_memory() for name in ("images", "targets", "indices", "seeds")}
-        )
+        pinned = {name: getattr(self, name).pin_memory() for name in ("images", "targets", "indices", "seeds")}
+        return replace(self, **pinned)
 
 
 class _ImagesToDraw(Dataset):
@@ -169,9 +163,8 @@ class SeededDrawer(ViewDrawer):
         count: int = self.setup.views.num_views  # type: ignore[assignment]  # SimCLRViews: known
         views = self.augmentation.to(images.device).views_from_seeds(images, seeds, count)
         views = views.to(torch.bfloat16) if self.output_dtype == "bfloat16" else views
-        if self.channels_last:
-            flat = views.flatten(0, 1).contiguous(memory_format=torch.channels_last)
-            views = flat.view(views.shape)
+        if self.channels_last:  # each view channels-last, in the (B, L, C, S, S) shape
+            views = views.flatten(0, 1).contiguous(memory_format=torch.channels_last).view(views.shape)
         return views
 
 
@@ -180,9 +173,8 @@ class BatchedDrawer(SeededDrawer):
     (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
     seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
     :class:`TorchvisionDrawer` on CIFAR-sized images) or on the device after the transfer of uint8 images (``on:
-    device``, no host-device waits), where ``output_dtype`` (``float32`` or ``bfloat16``) and ``channels_last`` lay
-    them out for the backbone. Both give the same views, from the image resized and centre-cropped to the view size.
-    Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
+    device``, no host-device waits). Both give the same views, from the image resized and centre-cropped to the view
+    size. Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
 
     Args:
         on: ``workers`` or ``device``.
@@ -218,14 +210,9 @@ class BatchedDrawer(SeededDrawer):
         return _ImagesToDraw(split, self.setup.image_size)
 
     def collate(self, samples: list[tuple[Tensor, int, int, int]]) -> ImageBatch | ViewBatch:
-        images, targets, indices, seeds = zip(*samples)
-        batch = ImageBatch(
-            torch.stack(images),
-            torch.tensor(targets, dtype=torch.int64),
-            torch.tensor(indices, dtype=torch.int64),
-            torch.tensor(seeds, dtype=torch.int64),
-            [str(index) for index in indices],
-        )
+        images, *keys = zip(*samples)
+        targets, indices, seeds = (torch.tensor(values, dtype=torch.int64) for values in keys)
+        batch = ImageBatch(torch.stack(images), targets, indices, seeds, [str(index) for index in indices.tolist()])
         return batch if self.on == "device" else self.draw(batch)
 
     def draw(self, batch: ImageBatch) -> ViewBatch:
@@ -241,10 +228,8 @@ def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:
         raise ConfigurationError(
             f"{name} draws {what} only; {type(views).__name__} is drawn by TorchvisionDrawer (set drawer: "
             f"TorchvisionDrawer, or views: {what})",
-            parameter=_PARAMETER,
+            parameter="drawer",
         )
     if isinstance(views, SimCLRViews) and views.grids and not drawer.records_grids:
-        raise ConfigurationError(
-            f"{name} does not record crop grids; SimCLRViews(grids={views.grids}) is drawn by TorchvisionDrawer",
-            parameter=_PARAMETER,
-        )
+        message = f"{name} does not record crop grids; SimCLRViews(grids={views.grids}) is drawn by TorchvisionDrawer"
+        raise ConfigurationError(message, parameter="drawer")

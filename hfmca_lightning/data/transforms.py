@@ -12,8 +12,7 @@ gray      RandomGrayscale p = t                            t = 0.2              
 
 At crop strength 0 the view is the whole image (scale and aspect ratio 1). ImageNet-scale sets add Gaussian blur and
 solarisation with per-view-kind probabilities, as lightly's transforms (BYOL: ``color_jitter=(0.4, 0.4, 0.2, 0.1),
-blur=(1.0, 0.1), solarize=(0.0, 0.2)``).
-"""
+blur=(1.0, 0.1), solarize=(0.0, 0.2)``)."""
 
 from __future__ import annotations
 
@@ -45,21 +44,15 @@ BLUR_SIGMA = (0.1, 2.0)
 SOLARIZE_THRESHOLD = 128  # of 255, as lightly's RandomSolarization (PIL's solarize)
 DEFAULT_COLOR_STRENGTH = 0.5
 DEFAULT_GRAY_STRENGTH = 0.2
-
-
-def _check_strength(name: str, value: float | None) -> None:
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise ConfigurationError(
-            f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}", parameter=name
-        )
+PerChannel = tuple[float, ...]  # a mean or a standard deviation, one value per channel
 
 
 @dataclass(frozen=True)
 class ViewAugmentation:
     """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
     knobs of the module docstring). View ``l`` of a group has kind ``l % view_kinds``: its blur and solarisation
-    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
-    CPU (as lightly), a separable kernel of about 10 % of the image side in whole batches (SimCLR's).
+    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2] (on the CPU
+    :class:`RandomGaussianBlur`, in whole batches a kernel of :attr:`blur_kernel` pixels).
 
     Args:
         image_size: side of the square views.
@@ -119,7 +112,9 @@ class ViewAugmentation:
         """
         strengths = {"crop_strength": crop_strength, "color_strength": color_strength, "gray_strength": gray_strength}
         for name, value in strengths.items():
-            _check_strength(name, value)
+            if value is not None and not 0.0 <= value <= 1.0:
+                message = f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}"
+                raise ConfigurationError(message, parameter=name)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if crop_strength is None:
             scale, ratio = DEFAULT_CROP_SCALE, (3 / 4, 4 / 3)
@@ -153,33 +148,23 @@ class ViewAugmentation:
 def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ...]:
     values = (float(value),) if isinstance(value, (int, float)) else tuple(float(v) for v in value)
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise ConfigurationError(
-            f"{name} is a probability in [0, 1], or a list of them (one per view kind); got {value!r}", parameter=name
-        )
+        message = f"{name} is a probability in [0, 1], or a list of them (one per view kind); got {value!r}"
+        raise ConfigurationError(message, parameter=name)
     return values
 
 
-def view_transform(
-    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
-) -> v2.Compose:
+def view_transform(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> v2.Compose:
     """uint8 / PIL image -> a normalised float view ``(3, S, S)`` of ``spec``'s distribution with the blur and
     solarisation of view number ``view``'s kind: crop, flip, colour jitter, greyscale, blur, solarisation,
     normalisation (lightly's SimCLR / BYOL order; :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`
     draws the same for whole batches)."""
-    steps: list[v2.Transform] = [
-        v2.ToImage(),
-        v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True),
-    ]
-    if spec.horizontal_flip:
-        steps.append(v2.RandomHorizontalFlip())
-    return v2.Compose(steps + appearance_steps(spec, mean, std, view))
+    crop = v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)
+    flip = [v2.RandomHorizontalFlip()] if spec.horizontal_flip else []
+    return v2.Compose([v2.ToImage(), crop, *flip, *appearance_steps(spec, mean, std, view)])
 
 
-def appearance_steps(
-    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int = 0
-) -> list[nn.Module]:
-    """The steps of :func:`view_transform` after the crop and flip: colour jitter, greyscale, blur,
-    solarisation (with the probabilities of view kind ``view``), conversion to float and normalisation."""
+def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> list[nn.Module]:
+    """The steps of :func:`view_transform` after the crop and flip, with view kind ``view``'s blur and solarisation."""
     steps: list[nn.Module] = []
     if spec.jitter_p > 0:
         steps.append(v2.RandomApply([v2.ColorJitter(*spec.jitter)], p=spec.jitter_p))
@@ -196,30 +181,24 @@ def appearance_steps(
 class ViewWithGrid(nn.Module):
     """A view and where it came from: image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)``
     pixel position in the source image of the centre of cell ``(i, j)`` (row, column) of a ``g x g`` grid over
-    the view, after its flip. Crop and flip are lightly's location-recording ``RandomResizedCropWithLocation`` /
-    ``RandomHorizontalFlipWithLocation`` (VICRegL's), with the crop scale, aspect ratio and flip of ``spec``;
-    then the appearance steps of :func:`view_transform`.
+    the view, after its flip. Crop and flip are lightly's location-recording ones (VICRegL's) with ``spec``'s
+    settings, then :func:`appearance_steps`.
 
     The cell centres are ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's
     ``RandomResizedCropAndFlip`` spaces them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell),
     which puts the last centre outside the crop, so its grid is not used.
     """
 
-    def __init__(
-        self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], view: int, grid_size: int
-    ) -> None:
+    def __init__(self, spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int, grid_size: int) -> None:
         super().__init__()
-        from lightly.transforms.random_crop_and_flip_with_grid import (
-            RandomHorizontalFlipWithLocation,
-            RandomResizedCropWithLocation,
-        )
+        from lightly.transforms import random_crop_and_flip_with_grid as located
 
         self.grid_size = grid_size
         self.to_image = v2.ToImage()
-        self.crop = RandomResizedCropWithLocation(
+        self.crop = located.RandomResizedCropWithLocation(
             size=spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True
         )
-        self.flip = RandomHorizontalFlipWithLocation(p=0.5 if spec.horizontal_flip else 0.0)
+        self.flip = located.RandomHorizontalFlipWithLocation(p=0.5 if spec.horizontal_flip else 0.0)
         self.appearance = v2.Compose(appearance_steps(spec, mean, std, view))
 
     def forward(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,9 +236,7 @@ class RandomGaussianBlur(nn.Module):
         return f"p={self.p}, sigma={self.sigma}"
 
 
-def view_transforms(
-    spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], grid_size: int = 0
-) -> list[nn.Module]:
+def view_transforms(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, grid_size: int = 0) -> list[nn.Module]:
     """One :func:`view_transform` per view kind of ``spec`` (view ``l`` uses entry ``l % len``), or with
     ``grid_size > 0`` one :class:`ViewWithGrid` of a ``g x g`` grid (VICRegL)."""
     if grid_size > 0:
@@ -267,27 +244,21 @@ def view_transforms(
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
 
 
-def eval_transform(
-    image_size: int, mean: tuple[float, ...], std: tuple[float, ...], resize: int | None = None
-) -> v2.Compose:
+def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: int | None = None) -> v2.Compose:
     """uint8 / PIL image -> normalised float ``(3, image_size, image_size)``, without augmentation: the shorter side
     resized to ``resize`` (default ``image_size``; ImageNet: 256 for 224), centre-cropped, normalised."""
     steps = [v2.ToImage(), v2.Resize(resize or image_size, antialias=True), v2.CenterCrop(image_size)]
     return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
-def finetune_transform(image_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> v2.Compose:
+def finetune_transform(image_size: int, mean: PerChannel, std: PerChannel) -> v2.Compose:
     """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
     (scale 0.08..1), horizontal flip, normalise."""
-    steps = [
-        v2.ToImage(),
-        v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-    ]
+    crop = v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True)
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip()]
     return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def resize_transform(image_size: int) -> v2.Compose:
-    """uint8 image resized (shorter side) and centre-cropped to ``image_size``: the CPU half of on-device
-    augmentation."""
+    """uint8 image resized (shorter side) and centre-cropped to ``image_size``: on-device augmentation's CPU half."""
     return v2.Compose([v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])

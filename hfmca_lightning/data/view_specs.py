@@ -1,6 +1,5 @@
 """View specs: what the views of a training sample are, with every setting of them and their number
-(docs/conventions.md §5); a drawer (:mod:`hfmca_lightning.data.drawers`) says where they are drawn.
-"""
+(docs/conventions.md §5); a drawer (:mod:`hfmca_lightning.data.drawers`) says where they are drawn."""
 
 from __future__ import annotations
 
@@ -16,12 +15,12 @@ from torchvision.transforms.functional import to_pil_image
 
 from hfmca_lightning.data.datasets import DrawnViews, SeededViews, cycled_views, same_class_views, seeded_generators
 from hfmca_lightning.data.sources import LabelledImages
-from hfmca_lightning.data.transforms import ViewAugmentation, view_transform, view_transforms
+from hfmca_lightning.data.transforms import PerChannel, ViewAugmentation, view_transform, view_transforms
 from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["MultiCrop", "SameClassViews", "SimCLRViews", "SingleView", "TransformViews", "ViewSpec"]
 
-Normalisation = tuple[tuple[float, ...], tuple[float, ...]]  # (mean, std) per channel
+Normalisation = tuple[PerChannel, PerChannel]  # (mean, std)
 
 
 class ViewSpec:
@@ -36,8 +35,7 @@ class ViewSpec:
 
     @property
     def global_views(self) -> int | None:
-        """How many views, first in order, are global crops: all but :class:`MultiCrop`'s local ones; None: the
-        views of the first size."""
+        """All views but :class:`MultiCrop`'s local ones; None: the views of the first size."""
         return self.num_views
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
@@ -48,6 +46,9 @@ class ViewSpec:
 
 class _Augmented(ViewSpec):
     """Views of the SimCLR view distribution, from the appearance settings of :class:`SimCLRViews`."""
+
+    count: int  # views per sample (MultiCrop counts its crops instead)
+    grids = 0  # g > 0: each view with the source positions of a g x g grid over it (SimCLRViews only)
 
     def __init__(
         self,
@@ -64,20 +65,24 @@ class _Augmented(ViewSpec):
         self.blur, self.solarize = blur, solarize
         self.augmentation(32)  # every value checked now, in one line
         for name, value in (("blur", blur), ("solarize", solarize)):
-            if isinstance(value, (list, tuple)) and len(value) > (self.num_views or 1):
+            if isinstance(value, (list, tuple)) and len(value) > self.num_views:
                 raise ConfigurationError(
                     f"{type(self).__name__}: {name} gives {len(value)} view kinds for {self.num_views} view(s) per "
-                    f"image; the last {len(value) - (self.num_views or 1)} would never be drawn",
+                    f"image; the last {len(value) - self.num_views} would never be drawn",
                     parameter=name,
                 )
+
+    @property
+    def num_views(self) -> int:
+        return self.count
 
     def augmentation(self, image_size: int) -> ViewAugmentation:
         """The view distribution at ``image_size`` pixels (:meth:`ViewAugmentation.from_strengths`)."""
         knobs = self.crop_strength, self.color_strength, self.gray_strength, self.horizontal_flip
         return ViewAugmentation.from_strengths(image_size, *knobs, self.color_jitter, self.blur, self.solarize)
 
-    def _cycled(self, split: LabelledImages, image_size: int, normalisation: Normalisation, grids: int = 0) -> Dataset:
-        transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=grids)
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+        transforms = view_transforms(self.augmentation(image_size), *normalisation, grid_size=self.grids)
         return SeededViews(split, partial(cycled_views, transforms, self.num_views))
 
 
@@ -92,8 +97,7 @@ class SimCLRViews(_Augmented):
         gray_strength: Table 2 greyscale knob in [0, 1].
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
         horizontal_flip: random horizontal flips.
-        blur: probability of a Gaussian blur; a list gives one per view kind, cycled over the views (BYOL:
-            ``[1.0, 0.1]``).
+        blur: probability of a Gaussian blur; a list: one per view kind, cycled over the views (BYOL: ``[1.0, 0.1]``).
         solarize: probability of a solarisation, as ``blur`` (BYOL: ``[0.0, 0.2]``).
         grids: ``g > 0``: each view comes with the source positions of a ``g x g`` grid over it (VICRegL); batches
             get a grids tensor ``(B, L, g, g, 2)``.
@@ -119,13 +123,6 @@ class SimCLRViews(_Augmented):
         self.count, self.grids = count, grids
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
-    @property
-    def num_views(self) -> int:
-        return self.count
-
-    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        return self._cycled(split, image_size, normalisation, self.grids)
-
 
 class SingleView(_Augmented):
     """One SimCLR view of each image, batched as ``(images (B, C, H, W), targets)`` (internal costs alone, supervised
@@ -142,13 +139,7 @@ class SingleView(_Augmented):
     """
 
     single_view = True
-
-    @property
-    def num_views(self) -> int:
-        return 1
-
-    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
-        return self._cycled(split, image_size, normalisation)
+    count = 1
 
 
 class SameClassViews(_Augmented):
@@ -180,10 +171,6 @@ class SameClassViews(_Augmented):
         check_at_least(count, 1, "count", "SameClassViews")
         self.count = count
         super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
-
-    @property
-    def num_views(self) -> int:
-        return self.count
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         targets = torch.as_tensor(split.targets)
@@ -252,11 +239,8 @@ class MultiCrop(_Augmented):
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
         for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
-                raise ConfigurationError(
-                    f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
-                    f"got {scale!r}",
-                    parameter=name,
-                )
+                what = f"{name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1"
+                raise ConfigurationError(f"MultiCrop: {what}; got {scale!r}", parameter=name)
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 check_at_least(size, 1, name, "MultiCrop")
@@ -293,10 +277,9 @@ class MultiCrop(_Augmented):
 
 class TransformViews(ViewSpec):
     """Any callable PIL image -> list of ``(C, H, W)`` views: lightly's ``SimCLRTransform``, ``DINOTransform``, or a
-    user's own (a callable given as the data module's ``views`` is wrapped in this). Torch's, Python's and numpy's
-    generators are seeded from the sample's seed before each call, so views do not depend on the number of workers
-    and resume exactly. Consecutive views of equal shape form a group (DINO's global crops, then its local crops);
-    the number of views is counted on the first sample.
+    user's own (a callable given as the data module's ``views`` is wrapped in this), called with torch's, Python's and
+    numpy's generators seeded from the sample's seed (views independent of the workers, exact on resume). Consecutive
+    views of equal shape form a group (DINO's global, then local crops); their number is counted on the first sample.
 
     Args:
         transform: image -> list of ``(C, H, W)`` tensors.
@@ -313,10 +296,8 @@ class TransformViews(ViewSpec):
 
     def __init__(self, transform: Callable[[Any], Sequence[Tensor]]) -> None:
         if not callable(transform):
-            raise ConfigurationError(
-                f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}",
-                parameter="transform",
-            )
+            message = f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}"
+            raise ConfigurationError(message, parameter="transform")
         self.transform = transform
 
     @property
@@ -336,10 +317,10 @@ def _transformed_views(transform: Callable[[Any], Any], split: LabelledImages, i
     image, target = split[index]
     with seeded_generators(seed):
         views = transform(to_pil_image(image) if isinstance(image, Tensor) else image)
-    if not isinstance(views, Sequence) or not views or not all(isinstance(view, Tensor) for view in views):
+    no_list = not isinstance(views, Sequence) or not views
+    if no_list or not all(isinstance(view, Tensor) for view in views):
         name = getattr(transform, "__name__", type(transform).__name__)
-        what = type(views).__name__ if not isinstance(views, Sequence) or not views else "a list with non-tensors"
-        raise ConfigurationError(
-            f"TransformViews: {name} must return a list of (C, H, W) view tensors; got {what}", parameter="views"
-        )
+        what = type(views).__name__ if no_list else "a list with non-tensors"
+        message = f"TransformViews: {name} must return a list of (C, H, W) view tensors; got {what}"
+        raise ConfigurationError(message, parameter="views")
     return list(views), target

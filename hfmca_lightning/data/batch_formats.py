@@ -57,9 +57,8 @@ class ViewBatch:
 def format_batch(
     batch: ViewBatch, batch_format: BatchFormat, single: bool = False, global_views: int | None = None
 ) -> Any:
-    """``batch`` laid out in ``batch_format`` (module docstring); ``single``: one view per sample, without a view
-    axis; ``global_views``: how many views, first in order, are global crops (``dict_named``; default: the first
-    group's).
+    """``batch`` laid out in ``batch_format`` (module docstring); ``single``: one view per sample, without a view axis;
+    ``global_views``: how many views, first in order, are global crops (``dict_named``; default: the first group's).
 
     Raises:
         ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.
@@ -85,27 +84,22 @@ def format_batch(
         return views_list, batch.targets, list(batch.names)
     if batch_format == "solo":
         return batch.indices, views_list, batch.targets
-    if batch_format in DICT_FORMATS:
-        return _dict_batch(batch, views_list, batch_format == "dict_named", global_views)
-    raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
+    if batch_format not in DICT_FORMATS:
+        raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
+    per_view = [sample_dict(view, batch.targets, batch.indices) for view in views_list]
+    if batch.grids is not None:
+        for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
+            view["grid"] = grid
+    if batch_format == "dict_named":
+        count = batch.groups[0].shape[1] if global_views is None else global_views
+        names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views_list) - count)]
+        return {"views": dict(zip(names, per_view)), "label": batch.targets, "sample_idx": batch.indices}
+    return {"views": per_view, "label": batch.targets, "sample_idx": batch.indices}
 
 
 def sample_dict(images: Tensor, labels: Tensor, indices: Tensor) -> dict[str, Tensor]:
     """One view of ``B`` samples as a dict: ``{"image": (B, C, H, W), "label": (B,), "sample_idx": (B,)}``."""
     return {"image": images, "label": labels, "sample_idx": indices}
-
-
-def _dict_batch(batch: ViewBatch, views: list[Tensor], named: bool, global_views: int | None) -> dict[str, Any]:
-    """``{"views": [...] or {"global_0": ..., "local_0": ...}, "label", "sample_idx"}`` (module docstring)."""
-    per_view = [sample_dict(view, batch.targets, batch.indices) for view in views]
-    if batch.grids is not None:
-        for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
-            view["grid"] = grid
-    if named:
-        count = batch.groups[0].shape[1] if global_views is None else global_views
-        names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views) - count)]
-        return {"views": dict(zip(names, per_view)), "label": batch.targets, "sample_idx": batch.indices}
-    return {"views": per_view, "label": batch.targets, "sample_idx": batch.indices}
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
@@ -117,10 +111,7 @@ def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tens
             return batch["image"], batch["label"]
         first = next(iter(views.values())) if isinstance(views, dict) else views[0]
         return first["image"], batch["label"]
-    if batch_format == "solo":
-        _, views, targets = batch
-    else:
-        views, targets = batch[0], batch[1]
+    views, targets = (batch[1], batch[2]) if batch_format == "solo" else (batch[0], batch[1])
     if isinstance(views, (list, tuple)):
         views = views[0]
     return (views[:, 0] if views.dim() == 5 else views), targets

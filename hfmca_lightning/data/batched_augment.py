@@ -30,11 +30,9 @@ def sample_crop_boxes(
     ratio: tuple[float, float],
     uniforms: CounterUniforms,
 ) -> Tensor:
-    """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn as torchvision's
-    ``RandomResizedCrop.get_params``: the first of ten tries whose box fits, else its centre-crop fallback.
-    Random numbers from ``uniforms``."""
-    area = height * width
-    target = area * uniforms.uniform((count, CROP_TRIES), *scale, dtype=torch.float64)
+    """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn from ``uniforms`` as
+    torchvision's ``RandomResizedCrop.get_params``: the first of ten tries that fits, else its centre-crop fallback."""
+    target = height * width * uniforms.uniform((count, CROP_TRIES), *scale, dtype=torch.float64)
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     aspect = torch.exp(uniforms.uniform((count, CROP_TRIES), *log_ratio, dtype=torch.float64))
     widths, heights = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
@@ -42,13 +40,8 @@ def sample_crop_boxes(
     first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits (0 if none does)
     w, h = widths.gather(1, first)[:, 0], heights.gather(1, first)[:, 0]
     # torchvision's fallback: the whole image, cut to the nearest allowed aspect ratio, centred
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        fallback_w, fallback_h = width, round(width / min(ratio))
-    elif in_ratio > max(ratio):
-        fallback_w, fallback_h = round(height * max(ratio)), height
-    else:
-        fallback_w, fallback_h = width, height
+    allowed = min(max(width / height, min(ratio)), max(ratio))
+    fallback_w, fallback_h = min(width, round(height * allowed)), min(height, round(width / allowed))
     found = fits.any(dim=1)
     w, h = w.where(found, torch.full_like(w, fallback_w)), h.where(found, torch.full_like(h, fallback_h))
     uniform = uniforms.rand((count, 2), dtype=torch.float64)
@@ -113,10 +106,9 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
 
 
 class BatchedViewAugmentation(nn.Module):
-    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image.
-
-    The distributions of :func:`hfmca_lightning.data.transforms.view_transform` (tested against torchvision's samplers
-    and pixel statistics); view ``l`` of each group has kind ``l % spec.view_kinds`` (blur, solarisation).
+    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image
+    (tested against torchvision's samplers and pixel statistics); view ``l`` of each image has kind
+    ``l % spec.view_kinds`` (blur, solarisation).
 
     ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
     arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:
@@ -132,8 +124,7 @@ class BatchedViewAugmentation(nn.Module):
         self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], select_rows: bool | None = None
     ) -> None:
         super().__init__()
-        self.spec = spec
-        self.select_rows = select_rows
+        self.spec, self.select_rows = spec, select_rows
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
         blur_p, solarize_p = zip(*(spec.kind(kind) for kind in range(spec.view_kinds)))
@@ -154,11 +145,10 @@ class BatchedViewAugmentation(nn.Module):
         # the parameters of every view, from its sample's numbers in a fixed order of requests
         uniforms, count, device = CounterUniforms(seeds, num_views), batch * num_views, seeds.device
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
-        flip = (
-            uniforms.rand((count,)) < 0.5
-            if spec.horizontal_flip
-            else torch.zeros(count, dtype=torch.bool, device=device)
-        )
+        if spec.horizontal_flip:
+            flip = uniforms.rand((count,)) < 0.5
+        else:
+            flip = torch.zeros(count, dtype=torch.bool, device=device)
         brightness, contrast, saturation, hue = spec.jitter
         applied = uniforms.rand((count,)) < spec.jitter_p
 

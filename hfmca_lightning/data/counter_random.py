@@ -17,7 +17,7 @@ from torch import Tensor
 __all__ = ["CounterUniforms", "counter_uniforms", "hash32"]
 
 _MASK32 = 0xFFFFFFFF
-_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+_ROUNDS = ((16, 0x7FEB352D), (15, 0x846CA68B))  # lowbias32's shift and multiplier of each round
 _STREAM = 0x9E3779B9  # the golden ratio's bits: keeps stream 0 from leaving the seed's hash unchanged
 
 
@@ -29,21 +29,15 @@ def _multiply32(x: Tensor, multiplier: int) -> Tensor:
 
 def hash32(x: Tensor) -> Tensor:
     """``lowbias32`` of int64 ``x`` in ``[0, 2**32)``: a bijection of 32-bit words with good avalanche."""
-    x = x ^ (x >> 16)
-    x = _multiply32(x, _MULTIPLIERS[0])
-    x = x ^ (x >> 15)
-    x = _multiply32(x, _MULTIPLIERS[1])
+    for shift, multiplier in _ROUNDS:
+        x = _multiply32(x ^ (x >> shift), multiplier)
     return x ^ (x >> 16)
 
 
 def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
-    """``(B, count)`` float64 uniforms in ``[0, 1)``, row ``b`` a function of ``(seeds[b], stream)`` only.
-
-    Args:
-        seeds: ``(B,)`` int64 seeds in ``[0, 2**63)`` (as the sampler gives them), on any device.
-        count: numbers per seed.
-        stream: separates uses of the same seeds.
-    """
+    """``(B, count)`` float64 uniforms in ``[0, 1)``, row ``b`` a function of ``(seeds[b], stream)`` only: ``seeds``
+    ``(B,)`` int64 in ``[0, 2**63)`` (as the sampler gives them) on any device, ``count`` numbers per seed, ``stream``
+    separating uses of the same seeds."""
     if seeds.dim() != 1 or seeds.dtype != torch.int64:
         raise ValueError(f"seeds must be a (B,) int64 tensor; got {seeds.dtype} {tuple(seeds.shape)}")
     state = hash32(seeds & _MASK32)

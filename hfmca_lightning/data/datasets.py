@@ -23,17 +23,16 @@ SampleKey = tuple[int, int]
 Sample = tuple[list[Tensor], int, int, Tensor | None]  # (groups [(n_g, C, H_g, W_g)], target, index, grids)
 Transform = Callable[[Any], Any]  # image -> view, or (view, grid) with crop grids
 DrawnViews = tuple[list[Any], int]  # ([view (C, H, W) or (view, grid (g, g, 2)), ...], target)
+DrawFunction = Callable[[LabelledImages, int, int], DrawnViews]  # (split, index, seed) -> drawn views
 
 
 class SeededRandomSampler(DistributedSampler):
-    """Shuffles the data per epoch from ``(seed, epoch)`` and yields ``(index, sample_seed)`` keys.
-
-    One global order is drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th key
-    starting at ``r`` (the tail that does not divide evenly is dropped), so consecutive per-rank batches of ``b``
-    together hold exactly the samples, with exactly the augmentation seeds, of one single-process batch of
-    ``num_replicas * b``. As a ``DistributedSampler`` it stays in place under DDP. After :meth:`resume` the next
-    iteration starts inside an epoch; ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a
-    resumed epoch from where it stopped.
+    """Shuffles the data per epoch from ``(seed, epoch)`` and yields ``(index, sample_seed)`` keys: one global order is
+    drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th key starting at ``r`` (the tail
+    that does not divide evenly is dropped), so consecutive per-rank batches of ``b`` together hold exactly the samples,
+    with exactly the augmentation seeds, of one single-process batch of ``num_replicas * b``. As a
+    ``DistributedSampler`` it stays in place under DDP. After :meth:`resume` the next iteration starts inside an epoch;
+    ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a resumed epoch from where it stopped.
 
     Raises:
         ValueError: when ``num_samples`` is below ``num_replicas``.
@@ -48,9 +47,6 @@ class SeededRandomSampler(DistributedSampler):
         self.num_samples = num_samples // num_replicas
         self.total_size = self.num_samples * num_replicas
         self._resume_at: tuple[int, int] | None = None
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def resume(self, epoch: int, samples_seen: int) -> None:
         """Start the next iteration at ``epoch``, after the first ``samples_seen`` keys of its global order (what all
@@ -95,16 +91,10 @@ def seeded_generators(seed: int) -> Iterator[None]:
 
 class SeededViews(Dataset):
     """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views that
-    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, stacked into groups of
-    ``group_sizes`` views (None: consecutive views of equal shape); ``(view, grid)`` pairs (VICRegL) also give the
-    grids."""
+    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, stacked into groups of ``group_sizes``
+    views (None: consecutive views of equal shape); ``(view, grid)`` pairs (VICRegL) also give the grids."""
 
-    def __init__(
-        self,
-        split: LabelledImages,
-        draw: Callable[[LabelledImages, int, int], DrawnViews],
-        group_sizes: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, split: LabelledImages, draw: DrawFunction, group_sizes: Sequence[int] | None = None) -> None:
         self.split, self.draw, self.group_sizes = split, draw, group_sizes
 
     def __len__(self) -> int:

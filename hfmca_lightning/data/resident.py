@@ -1,6 +1,5 @@
-"""The training split kept on the device: :class:`ResidentDrawer` (docs/conventions.md §5). For data sets that fit
-(CIFAR's 50,000 images are 150 MB as uint8) the images travel to the device once, and a training batch is only its
-samples' indices and seeds."""
+"""The training split kept on the device (docs/conventions.md §5): :class:`ResidentDrawer`, for data sets that fit
+(CIFAR's 50,000 images are 150 MB as uint8), whose images then travel to the device once."""
 
 from __future__ import annotations
 
@@ -24,13 +23,12 @@ __all__ = ["ResidentBatch", "ResidentDrawer", "stored_split"]
 
 DEVICE_MEMORY_SHARE = 0.5  # the most of the device's free memory the stored images may take (the rest is the model's)
 _CHUNKS_PER_PASS = 1 << 32
-_PASSES = itertools.count()  # every pass over any _Chunks in this process: chunk numbers never repeat
+_PASSES = itertools.count()  # every pass over any _Chunks in this process
 
 
 def stored_split(split: LabelledImages, image_size: int) -> tuple[Tensor, Tensor]:
-    """``(images (N, C, S, S) uint8, targets (N,) int64)`` of ``split``, each image resized (shorter side) and
-    centre-cropped to ``image_size`` as the CPU workers' ``resize_transform`` does; arrays of that size already
-    (CIFAR, SyntheticShapes) are taken as they are."""
+    """``(images (N, C, S, S) uint8, targets (N,) int64)`` of ``split``, each image resized and centre-cropped to
+    ``image_size`` by the CPU workers' ``resize_transform`` (arrays of that size already, as CIFAR's, as they are)."""
     targets = torch.tensor(split.targets, dtype=torch.int64)
     if isinstance(split, ArrayImages) and tuple(split.images.shape[-2:]) == (image_size, image_size):
         return split.images.contiguous(), targets
@@ -79,9 +77,8 @@ def _key_tensors(keys: list[SampleKey]) -> tuple[Tensor, Tensor]:
 
 class _Chunks(DistributedSampler):
     """The :class:`ResidentBatch` of each batch of a :class:`SeededRandomSampler` (a ``DistributedSampler``, so
-    Lightning leaves it in place), in chunks of ``batches_per_call``. Chunk numbers increase over the whole process: a
-    pass that repeats an epoch (a resumed one, or a second run of the same data module) never finds the chunks an
-    earlier pass drew under its numbers."""
+    Lightning leaves it in place), in chunks of ``batches_per_call``. Chunk numbers never repeat in a process: a pass
+    that repeats an epoch (resumed, or a second run of the data module) never finds an earlier pass's chunks."""
 
     def __init__(self, sampler: SeededRandomSampler, batch_size: int, batches_per_call: int) -> None:
         self.sampler, self.batch_size, self.batches_per_call = sampler, batch_size, batches_per_call
@@ -96,15 +93,13 @@ class _Chunks(DistributedSampler):
         keys = list(self.sampler)
         whole, size = len(keys) // self.batch_size * self.batch_size, self.batch_size * self.batches_per_call
         chunks = [keys[start : min(start + size, whole)] for start in range(0, whole, size)]
+        pairs = [_key_tensors(chunk) for chunk in [*chunks, []]]  # (indices, seeds) per chunk; none after the last
         first = next(_PASSES) * _CHUNKS_PER_PASS
         for number, chunk in enumerate(chunks):
-            indices, seeds = _key_tensors(chunk)
-            next_indices, next_seeds = _key_tensors(chunks[number + 1] if number + 1 < len(chunks) else [])
-            for position in range(len(chunk) // self.batch_size):
-                own = chunk[position * self.batch_size : (position + 1) * self.batch_size]
-                names = [str(index) for index, _ in own]
+            for position, start in enumerate(range(0, len(chunk), self.batch_size)):
+                names = [str(index) for index, _ in chunk[start : start + self.batch_size]]
                 yield ResidentBatch(
-                    first + number, position, self.batch_size, indices, seeds, next_indices, next_seeds, names
+                    first + number, position, self.batch_size, *pairs[number], *pairs[number + 1], names
                 )
 
 
@@ -122,11 +117,10 @@ class _Batches(Dataset):
 
 
 class ResidentDrawer(SeededDrawer):
-    """The training split kept on the device as one uint8 tensor (one clear error if it would take more than half of
-    the free device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device
-    from the seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers
-    (``num_workers`` then serves the evaluation loaders), in ``output_dtype`` and ``channels_last`` as that drawer's on
-    the device. Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
+    """The training split kept on the device as one uint8 tensor (an error if it would take more than half of the free
+    device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device from the
+    seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers (``num_workers`` then
+    serves the evaluation loaders). Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
 
     Args:
         batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
@@ -182,8 +176,7 @@ class ResidentDrawer(SeededDrawer):
         if self._split is None:
             raise RuntimeError("ResidentDrawer has no training split: the data module stores it in setup()")
         self.prepare(self._split, device)
-        for done in [chunk for chunk in self._drawn if chunk < batch.chunk]:
-            del self._drawn[done]
+        self._drawn = {chunk: drawn for chunk, drawn in self._drawn.items() if chunk >= batch.chunk}
         if batch.chunk not in self._drawn:
             self._drawn[batch.chunk] = self._draw_chunk(batch.indices, batch.seeds, side=False)
         views, targets, event = self._drawn[batch.chunk]
@@ -213,7 +206,4 @@ class ResidentDrawer(SeededDrawer):
         indices.record_stream(stream)
         seeds.record_stream(stream)
         with torch.cuda.stream(stream):
-            views, chunk_targets = self._views(images[indices], seeds), targets[indices]
-            event = torch.cuda.Event()
-            event.record(stream)
-        return views, chunk_targets, event
+            return self._views(images[indices], seeds), targets[indices], stream.record_event()

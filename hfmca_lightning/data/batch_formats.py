@@ -16,14 +16,14 @@ Every dict batch is a new plain ``dict`` (code that writes into it changes nothi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from torch import Tensor
 
 __all__ = ["BATCH_FORMATS", "DICT_FORMATS", "BatchFormat", "ViewBatch", "first_views", "format_batch", "sample_dict"]
 
 BatchFormat = Literal["stacked", "lightly", "solo", "dict", "dict_named"]
-BATCH_FORMATS = ("stacked", "lightly", "solo", "dict", "dict_named")
+BATCH_FORMATS: tuple[BatchFormat, ...] = get_args(BatchFormat)
 DICT_FORMATS = ("dict", "dict_named")
 
 

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset
 
-from hfmca_lightning.data.batch_formats import BATCH_FORMATS, DICT_FORMATS, BatchFormat, format_batch, sample_dict
+from hfmca_lightning.data.batch_formats import BATCH_FORMATS, DICT_FORMATS, BatchFormat, format_batch
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.drawers import DrawSetup, TorchvisionDrawer, ViewDrawer, check_drawer
 from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
@@ -30,7 +30,7 @@ __all__ = ["BANK", "EVALUATION_LOADERS", "QUERIES", "MultiViewDataModule", "Trai
 # without augmentation) and the queries (the test split).
 BANK, QUERIES = 0, 1
 EvaluationLoaders = Literal["bank_and_queries", "queries"]
-EVALUATION_LOADERS = ("bank_and_queries", "queries")
+EVALUATION_LOADERS: tuple[EvaluationLoaders, ...] = get_args(EvaluationLoaders)
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,6 @@ def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSp
     """The training loader's collate: the drawer's batch in ``batch_format`` (None: as the drawer gives it)."""
     batch = drawer.collate(samples)
     return batch if batch_format is None else format_batch(batch, batch_format, views.single_view, views.global_views)
-
-
-def _sample_dicts(samples: list[tuple[Any, int, int]]) -> dict[str, torch.Tensor]:
-    """A dict format's evaluation batch: ``{"image", "label", "sample_idx"}`` (the samples' indices in their split)."""
-    images, targets, indices = zip(*samples)
-    return sample_dict(torch.stack(images), torch.tensor(targets), torch.tensor(indices))
 
 
 class MultiViewDataModule(LightningDataModule):
@@ -304,8 +298,8 @@ class MultiViewDataModule(LightningDataModule):
         if splits is None:
             raise ValueError(f"{type(self.source).__name__} has no labelled evaluation split")
         dicts = self.batch_format in DICT_FORMATS and not tuples
-        dataset = EvalDataset(splits[split], self.eval_transform, with_index=dicts)
-        return self.loader(dataset, self.eval_batch_size, collate_fn=_sample_dicts if dicts else None, **kwargs)
+        dataset = EvalDataset(splits[split], self.eval_transform, as_dict=dicts)
+        return self.loader(dataset, self.eval_batch_size, **kwargs)
 
     def val_dataloader(self) -> list[DataLoader] | DataLoader:
         """``[BANK, QUERIES]`` evaluation loaders (:meth:`evaluation_loader`), or with ``evaluation_loaders="queries"``

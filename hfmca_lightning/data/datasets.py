@@ -139,15 +139,17 @@ def same_class_views(
 
 
 class EvalDataset(Dataset):
-    """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``, or ``(..., target, index)``
-    ``with_index``."""
+    """One un-augmented image: ``index -> (transform(image) (C, H, W), target)``, or ``as_dict`` a dict format's
+    ``{"image", "label", "sample_idx"}`` (``sample_idx``: ``index``)."""
 
-    def __init__(self, images: LabelledImages, transform: Callable[[Any], Tensor], with_index: bool = False) -> None:
-        self.images, self.transform, self.with_index = images, transform, with_index
+    def __init__(self, images: LabelledImages, transform: Callable[[Any], Tensor], as_dict: bool = False) -> None:
+        self.images, self.transform, self.as_dict = images, transform, as_dict
 
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int] | tuple[Tensor, int, int]:
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | dict[str, Any]:
         image, target = self.images[index]
-        return (self.transform(image), target, index) if self.with_index else (self.transform(image), target)
+        if self.as_dict:
+            return {"image": self.transform(image), "label": target, "sample_idx": index}
+        return self.transform(image), target

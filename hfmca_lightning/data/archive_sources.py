@@ -186,7 +186,7 @@ def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, list[int]
 class _BinaryImages(LabelledImages):
     """STL-10's ``*_X.bin`` (uint8, column-major 3 x 96 x 96 per image), memory-mapped, with its labels."""
 
-    def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
+    def __init__(self, images: np.ndarray, targets: Sequence[int] | np.ndarray) -> None:
         self.images = images
         self.targets = [int(t) for t in targets]
 

@@ -45,9 +45,9 @@ def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     """The data position after the last finished training batch (what a checkpoint written now resumes at), from
     Lightning's loop progress, which counts the batches the loop consumed (the loader runs ahead by its prefetched
     batches). A finished epoch is the start of the next one."""
-    loop = trainer.fit_loop
-    epoch = max(loop.epoch_progress.current.started - 1, 0)  # the epoch the batch counter belongs to
-    batches = loop.epoch_loop.batch_progress.current.processed
+    loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
+    epoch = max(loop.epoch_progress.current.started - 1, 0)  # type: ignore[attr-defined]  # the batches' epoch
+    batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
     if batches >= trainer.num_training_batches:
         return TrainingPosition(epoch + 1, 0)
     return TrainingPosition(epoch, batches * batch_size * trainer.world_size)
@@ -117,7 +117,7 @@ class MultiViewDataModule(LightningDataModule):
                 what = given.__name__
                 raise ConfigurationError(f"{name} is the class {what}; give an instance: {what}(...)", parameter=name)
         views = SimCLRViews() if views is None else views if isinstance(views, ViewSpec) else TransformViews(views)
-        if batch_format == "solo" and getattr(views, "grids", 0):
+        if batch_format == "solo" and isinstance(views, SimCLRViews) and views.grids:
             raise ConfigurationError(
                 "batch_format solo, (indexes, views, targets), has no place for crop grids: use stacked, lightly or "
                 "dict with SimCLRViews(grids=...)",

@@ -60,7 +60,7 @@ class SeededRandomSampler(DistributedSampler):
         self._resume_at = (epoch, samples_seen)
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[SampleKey]:  # type: ignore[override]  # (index, seed) keys, not indices
+    def __iter__(self) -> Iterator[SampleKey]:  # (index, seed) keys, not indices
         skip = 0
         if self._resume_at is not None:
             self.epoch, skip = self._resume_at

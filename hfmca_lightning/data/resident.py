@@ -89,7 +89,7 @@ class _Chunks(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[ResidentBatch]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[ResidentBatch]:
         keys = list(self.sampler)
         whole, size = len(keys) // self.batch_size * self.batch_size, self.batch_size * self.batches_per_call
         chunks = [keys[start : min(start + size, whole)] for start in range(0, whole, size)]

@@ -59,7 +59,7 @@ class ArrayImages(LabelledImages):
         ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.
     """
 
-    def __init__(self, images: np.ndarray, targets: Sequence[int]) -> None:
+    def __init__(self, images: np.ndarray, targets: Sequence[int] | np.ndarray) -> None:
         if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
             raise ValueError(f"expected (N, H, W, 3) uint8 images; got {images.shape} {images.dtype}")
         if len(images) != len(targets):

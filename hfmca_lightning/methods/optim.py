@@ -53,13 +53,19 @@ def cosine_schedule(
             "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs),
             "interval": "epoch",
         }
+    if math.isinf(trainer.estimated_stepping_batches):
+        raise ConfigurationError(
+            "the cosine schedule anneals over the whole run, and this run has no end (trainer.max_epochs -1 and no "
+            "trainer.max_steps): set one of them, or give the module an lr_scheduler",
+            parameter="max_epochs",
+        )
     total = max(1, int(trainer.estimated_stepping_batches))
     if warmup_epochs <= 0:
         return {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total), "interval": "step"}
     steps_per_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
     warmup = round(warmup_epochs * steps_per_epoch)
-    if trainer.fast_dev_run:  # a debugging run of a few batches: warm up over them
-        warmup = min(warmup, total)
+    if trainer.fast_dev_run:  # type: ignore[attr-defined]  # set by Lightning's trainer setup, not declared on Trainer
+        warmup = min(warmup, total)  # a debugging run of a few batches: warm up over them
     if warmup > total:
         raise ConfigurationError(
             f"warmup_epochs={warmup_epochs} is {warmup} steps, longer than the whole run ({total} steps)",

@@ -129,6 +129,25 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
         trainer.fit(module, data)
 
 
+@pytest.mark.parametrize("warmup_epochs", [0.0, 1.0])
+def test_the_default_schedule_refuses_a_run_without_an_end_before_training(warmup_epochs):
+    """max_epochs -1 and no max_steps: one line, not torch's "cannot convert float infinity to integer"."""
+    from hfmca_lightning.errors import ConfigurationError
+
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
+        views=SimCLRViews(count=4),
+        batch_size=4,
+        num_workers=0,
+    )
+    trainer = quiet_trainer(max_epochs=-1, limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError, match=r"this run has no end \(trainer.max_epochs -1 and no trainer.max_steps"
+    ):
+        trainer.fit(small_module(warmup_epochs=warmup_epochs), data)
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize("warmup_epochs", [-1.0, float("nan"), float("inf")])
 def test_a_warmup_out_of_range_is_refused_when_the_module_is_made(warmup_epochs):
     """Before (NaN): fit started, then torch's "cannot convert float NaN to integer" from the scheduler."""

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
+from hfmca_lightning.data.datamodule import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.evaluation_data import denormalise, figure_batches, figure_images
+from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
     collect_statistics,
     default_figure_layers,
@@ -108,16 +111,23 @@ class DensityRatioHeatmapCallback(FigureCallback):
                 f"{' '.join(names)}",
                 parameter="layers",
             )
-        if trainer.datamodule is not None:  # the figure's images exist (now, not later; on every process alike)
-            figure_images(trainer.datamodule, 1, target=self.image_class, start=self.first_image)
+        datamodule = getattr(trainer, "datamodule", None)  # set by Lightning at run time (not in Trainer's type)
+        if not isinstance(datamodule, MultiViewDataModule):
+            raise ConfigurationError(
+                "DensityRatioHeatmapCallback draws its figures from the images of a MultiViewDataModule, and this run "
+                f"has {'no data module' if datamodule is None else type(datamodule).__name__}: fit with one, or draw "
+                "the heatmaps of a checkpoint with `hfmca analyze`"
+            )
+        figure_images(datamodule, 1, target=self.image_class, start=self.first_image)  # they exist: now, not later
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or (trainer.current_epoch + 1) % self.every_n_epochs != 0:
             return
-        datamodule = trainer.datamodule
+        datamodule = cast(MultiViewDataModule, getattr(trainer, "datamodule", None))  # checked by on_fit_start
+        module = cast(HFMCAModule, pl_module)  # the module with internal costs (on_fit_start)
         images, _ = figure_images(datamodule, self.num_images, target=self.image_class, start=self.first_image)
         counted = _Counted(figure_batches(datamodule, self.statistics_images))
-        statistics = collect_statistics(pl_module, counted)
+        statistics = collect_statistics(module, counted)
         if counted.images < self.statistics_images and not self._warned:
             rank_zero_warn(
                 f"DensityRatioHeatmapCallback: the evaluation split has {counted.images} images, fewer than "
@@ -126,11 +136,11 @@ class DensityRatioHeatmapCallback(FigureCallback):
             )
             self._warned = True
         self.last_statistics_images = counted.images
-        heatmaps = density_ratio_heatmaps(pl_module, images, statistics)
+        heatmaps = density_ratio_heatmaps(module, images, statistics)
         chosen = self.layers or default_figure_layers(list(heatmaps))
         figure = heatmap_overlay_figure(
-            denormalise(trainer.datamodule, images),
+            denormalise(datamodule, images),
             {name: heatmaps[name] for name in chosen},
-            placements=heatmap_placements(pl_module),
+            placements=heatmap_placements(module),
         )
         self.publish(trainer, figure, "density_ratio", f"density_ratio_epoch{trainer.current_epoch:03d}.png")

@@ -154,6 +154,19 @@ def test_heatmap_callback_rejects_unknown_layers():
         trainer.fit(module, tiny_data())
 
 
+def test_heatmap_callback_refuses_a_run_without_a_data_module_before_training():
+    """Its figures come from a MultiViewDataModule's images: plain loaders are one line at fit start, not a crash at
+    the first figure epoch."""
+    module = tiny_spectrum_module()
+    loader = tiny_data().train_dataloader()
+    trainer = quiet_trainer(max_epochs=1, callbacks=[DensityRatioHeatmapCallback(layers=["L1"])], limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError, match=r"from the images of a MultiViewDataModule, and this run has no data "
+    ):
+        trainer.fit(module, train_dataloaders=loader)
+    assert trainer.global_step == 0
+
+
 def test_heatmaps_decompose_statistics_accumulated_over_many_images_not_the_drawn_ones(tmp_path, monkeypatch):
     """The decomposition the figure is drawn with comes from the first ``statistics_images`` evaluation images
     (float64, eval mode), not from the 3 drawn images."""

@@ -4,7 +4,7 @@ model's data (``hfmca analyze``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -82,7 +82,7 @@ def figure_images(
         raise ConfigurationError(
             f"the evaluation split has no images{which} from index {start} on ({len(split)} images)"
         )
-    items = [dataset[index] for index in _classes_in_turn(indices, split.targets)[:count]]
+    items = [dataset.labelled_image(index) for index in _classes_in_turn(indices, split.targets)[:count]]
     return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])
 
 
@@ -102,7 +102,7 @@ def figure_batches(data: MultiViewDataModule, count: int) -> Iterator[Tensor]:
     dataset = EvalDataset(_figure_split(data), data.eval_transform)
     for start in range(0, min(count, len(dataset)), data.eval_batch_size):
         stop = min(start + data.eval_batch_size, count, len(dataset))
-        yield torch.stack([dataset[index][0] for index in range(start, stop)])
+        yield torch.stack([dataset.labelled_image(index)[0] for index in range(start, stop)])
 
 
 def denormalise(data: MultiViewDataModule, images: Tensor) -> Tensor:
@@ -112,7 +112,9 @@ def denormalise(data: MultiViewDataModule, images: Tensor) -> Tensor:
     return (images * std + mean).clamp(0, 1)
 
 
-def view_batches(data: MultiViewDataModule, device: torch.device, limit: int | None = None) -> Iterator[ViewBatch]:
+def view_batches(
+    data: MultiViewDataModule, device: torch.device, limit: int | None = None
+) -> Generator[ViewBatch, None, None]:
     """Training batches drawn by the data's spec and drawer, whatever they are, on ``device`` (one epoch, or
     ``limit`` batches). The loader's workers stop when the iteration ends or is closed.
 

@@ -58,7 +58,7 @@ class OfflineSafeWandbLogger(WandbLogger):
                     f"{kwargs.get('save_dir', '.')}/wandb. Upload later with `wandb sync <run folder>`."
                 )
         kwargs.setdefault("settings", _settings(init_timeout))
-        super().__init__(*args, offline=offline, **kwargs)
+        super().__init__(*args, offline=offline, **kwargs)  # type: ignore[misc]  # mypy: *args might hold offline
 
     def resume_run(self, run_id: str) -> None:
         """Log into the existing run ``run_id`` (must be called before the run starts)."""
@@ -108,10 +108,11 @@ class _ContinuedMetrics(ExperimentWriter):
                 reader = csv.DictReader(file)
                 rows = list(reader)
                 keys = sorted(reader.fieldnames or [])  # Lightning appends under its sorted keys
-            kept, dropped = [], []
+            kept: list[dict[str, str]] = []
+            dropped: list[dict[str, str]] = []
             for row in rows:
                 (kept if _step_of(row) < self._from_step else dropped).append(row)
-            texts = [_csv_text(keys, kept), _csv_text(keys, dropped) if dropped else None]
+            kept_text, dropped_text = _csv_text(keys, kept), _csv_text(keys, dropped) if dropped else None
         except (csv.Error, ValueError, UnicodeDecodeError) as error:
             aside = path.with_name(f"metrics-unreadable-{os.getpid()}.csv")
             os.replace(path, aside)
@@ -120,14 +121,14 @@ class _ContinuedMetrics(ExperimentWriter):
                 category=HFMCAWarning,
             )
             return
-        if texts[1] is not None:  # a new name each time: a second resume from the same step keeps the first's rows
+        if dropped_text is not None:  # a new name each time: a second resume from the same step keeps the first's rows
             side = path.with_name(f"metrics-after-step-{self._from_step}.csv")
             version = 0
             while side.exists():
                 version += 1
                 side = path.with_name(f"metrics-after-step-{self._from_step}-v{version}.csv")
-            write_text_atomically(side, texts[1])
-        write_text_atomically(path, texts[0])
+            write_text_atomically(side, dropped_text)
+        write_text_atomically(path, kept_text)
         self.metrics_keys = keys
 
 

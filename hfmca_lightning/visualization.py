@@ -63,9 +63,9 @@ def learning_dynamics_figure(
     axes = figure.subplots(rows, columns, squeeze=False)
     image = None
     for ax, name in zip(axes.flat, names):
-        steps, values = history[name]
-        values = _array(values)
-        steps = np.asarray(steps, dtype=np.float64)
+        recorded_steps, recorded_values = history[name]
+        values = _array(recorded_values)
+        steps = np.asarray(recorded_steps, dtype=np.float64)
         half = (steps[-1] - steps[0]) / (len(steps) - 1) / 2 if len(steps) > 1 else 0.5  # columns centred on steps
         extent = (steps[0] - half, steps[-1] + half, values.shape[1] + 0.5, 0.5)
         image = ax.imshow(

@@ -34,7 +34,8 @@ class PreemptionCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, save_on_exception=save_on_exception, **kwargs)
+        kwargs["save_on_exception"] = save_on_exception  # by keyword: *args could reach its position
+        super().__init__(*args, **kwargs)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)

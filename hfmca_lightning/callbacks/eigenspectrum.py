@@ -201,6 +201,7 @@ class EigenspectrumCallback(FigureCallback):
                 "EigenspectrumCallback", self.embedding_key, outputs, "read `features` or `embedding`"
             )
         features = returned[1].detach() if returned is not None else None
+        statistics: dict[str, CorrelationStatistics] | None
         if self._hooked is not None:
             statistics, hooked_features = self._hooked.collect()
             self._count_internal_steps(statistics)

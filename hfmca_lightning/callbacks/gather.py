@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
+from typing import cast
+
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
@@ -20,7 +23,7 @@ def gather_in_dataset_order(
     world = pl_module.trainer.world_size
     if world == 1:
         return local
-    gathered = pl_module.all_gather(local)  # (W, n_per_rank, ...)
+    gathered = cast(torch.Tensor, pl_module.all_gather(local))  # (W, n_per_rank, ...): a tensor gathers to one
     ordered = gathered.transpose(0, 1).reshape(-1, *local.shape[1:])
     return ordered[:dataset_length]
 
@@ -39,5 +42,6 @@ def split_length(trainer: Trainer, split: int) -> int:
     """Images in the running evaluation loop's loader of ``split`` (``BANK`` or ``QUERIES``; the one loader there
     is with ``evaluation_loaders="queries"``)."""
     loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+    assert loaders is not None  # called inside an evaluation loop
     loader = loaders if isinstance(loaders, DataLoader) else loaders[split]
-    return len(loader.dataset)
+    return len(cast(Sized, loader.dataset))  # the evaluation datasets have a length (torch's Dataset declares none)

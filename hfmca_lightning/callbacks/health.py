@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from hfmca_lightning.analysis.health import HealthStatistics
 from hfmca_lightning.callbacks.step_outputs import step_embeddings, unknown_embedding_key
-from hfmca_lightning.data.batch_formats import first_views
+from hfmca_lightning.data.batch_formats import BatchFormat, first_views
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
 
@@ -128,7 +128,7 @@ class HealthMetrics(Callback):
 
     def _embeddings(self, outputs: Any, batch: Any, trainer: Trainer) -> Tensor | None:
         """``(B, L, D)`` embeddings of the step, or None where it has none."""
-        batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
+        batch_format: BatchFormat = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
         samples = first_views(batch, batch_format)[1].shape[0]
         given = step_embeddings(outputs, self.embedding_key, samples, self.views_first)
         self._from_outputs = given is not None

@@ -20,10 +20,14 @@ from hfmca_lightning.evaluation.knn import knn_predict
 __all__ = ["KNNEvaluation"]
 
 
+def _dropped(*args: Any, **kwargs: Any) -> None:
+    """Logs nothing."""
+
+
 @contextmanager
 def _without_logging(module: LightningModule) -> Iterator[None]:
     """``module.log`` and ``module.log_dict`` do nothing inside."""
-    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log = module.log_dict = _dropped  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -115,7 +119,7 @@ class KNNEvaluation(Callback):
             gather_in_dataset_order(pl_module, store[QUERIES], split_length(trainer, QUERIES))
             for store in (self._features, self._targets)
         )
-        num_classes = getattr(trainer.datamodule, "num_classes", None)
+        num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
         if num_classes is None:
             num_classes = int(bank_targets.max()) + 1
         predicted = knn_predict(queries, bank, bank_targets, num_classes, k=self.k, temperature=self.temperature)
@@ -137,11 +141,17 @@ class KNNEvaluation(Callback):
         transfer hooks, the strategy's step with its precision context and DDP's forward), this process's share, up
         to the loop's batch limit; what the step logs is dropped (it would land in the loop's epoch metrics).
         Returns the bank's length."""
-        data = trainer.datamodule
+        data = getattr(trainer, "datamodule", None)  # set by Lightning at run time (not in Trainer's type)
+        assert data is not None  # queries_only(trainer) read its evaluation_loaders
         length = len(data.evaluation_splits[BANK])
         world = trainer.world_size
-        sampler = (
-            DistributedSampler(range(length), num_replicas=world, rank=trainer.global_rank, shuffle=False)
+        sampler: DistributedSampler[int] | None = (
+            DistributedSampler(
+                range(length),  # type: ignore[arg-type]  # it reads only the length of its dataset
+                num_replicas=world,
+                rank=trainer.global_rank,
+                shuffle=False,
+            )
             if world > 1
             else None
         )

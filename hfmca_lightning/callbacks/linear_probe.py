@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, split_length
 from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddings, unknown_embedding_key
-from hfmca_lightning.data.batch_formats import first_views
+from hfmca_lightning.data.batch_formats import BatchFormat, first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
@@ -99,9 +99,9 @@ class LinearProbe(Callback):
                 raise ConfigurationError(f"LinearProbe needs {name} >= 1; got {value}", parameter=name)
         if not 0 < lr < math.inf:  # NaN too
             raise ConfigurationError(f"LinearProbe needs a finite lr > 0; got {lr}", parameter="lr")
-        for name, value in (("momentum", momentum), ("weight_decay", weight_decay)):
-            if not 0 <= value < math.inf:
-                raise ConfigurationError(f"LinearProbe needs a finite {name} >= 0; got {value}", parameter=name)
+        for name, rate in (("momentum", momentum), ("weight_decay", weight_decay)):
+            if not 0 <= rate < math.inf:
+                raise ConfigurationError(f"LinearProbe needs a finite {name} >= 0; got {rate}", parameter=name)
         if not topk or any(k < 1 for k in topk):
             raise ConfigurationError(f"LinearProbe needs topk of values >= 1; got {list(topk)}", parameter="topk")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
@@ -118,8 +118,14 @@ class LinearProbe(Callback):
     def _parameters(self) -> list[nn.Parameter]:
         return list(self.classifier.classification_head.parameters())
 
+    def _built(self) -> tuple[nn.BatchNorm1d, torch.optim.Optimizer]:
+        """``standardise`` and ``optimizer``, which setup builds with the classifier."""
+        if self.standardise is None or self.optimizer is None:
+            raise RuntimeError("LinearProbe is not set up: its setup builds the probe")
+        return self.standardise, self.optimizer
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        data_classes = getattr(trainer.datamodule, "num_classes", None)
+        data_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
         if self.num_classes is not None and data_classes is not None and data_classes != self.num_classes:
             raise ConfigurationError(
                 f"LinearProbe has num_classes={self.num_classes} but the data has {data_classes} classes; "
@@ -155,7 +161,7 @@ class LinearProbe(Callback):
             self.optimizer = torch.optim.SGD(
                 self._parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
             )
-        self.standardise.to(pl_module.device)
+        self._built()[0].to(pl_module.device)
         self.classifier.to(pl_module.device)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
@@ -165,12 +171,13 @@ class LinearProbe(Callback):
     ) -> None:
         if self.classifier is None:  # no labels (setup)
             return
-        batch_format = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
+        standardise, optimizer = self._built()
+        batch_format: BatchFormat = getattr(getattr(trainer, "datamodule", None), "batch_format", "stacked")
         images, targets = first_views(batch, batch_format)
         distributed = trainer.world_size > 1
         if images.shape[0] < 2 and not distributed:
             return  # BN needs two rows
-        self.optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)
         loss = None
         if images.shape[0] >= 2:
             embeddings = step_embeddings(outputs, self.embedding_key, images.shape[0], self.views_first)
@@ -189,18 +196,19 @@ class LinearProbe(Callback):
                     f"{features.shape[-1]}",
                     parameter="feature_dim",
                 )
-            self.standardise.train()
+            standardise.train()
             self.classifier.train()
             with torch.enable_grad():
-                loss = _labelled_cross_entropy(self.classifier(self.standardise(features.float())), targets)
+                loss = _labelled_cross_entropy(self.classifier(standardise(features.float())), targets)
                 loss.backward()
         if distributed:  # every process takes part, also one without labelled rows (zero gradients)
             for parameter in self._parameters():
                 grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
                 parameter.grad = trainer.strategy.reduce(grad, reduce_op="mean")
-            for buffer in (self.standardise.running_mean, self.standardise.running_var):
+            for buffer in (standardise.running_mean, standardise.running_var):
+                assert buffer is not None  # BatchNorm1d tracks running statistics by default
                 buffer.copy_(trainer.strategy.reduce(buffer.clone(), reduce_op="mean"))
-        self.optimizer.step()
+        optimizer.step()
         if loss is not None:
             pl_module.log("linear/train_loss", loss.detach())
 
@@ -233,9 +241,10 @@ class LinearProbe(Callback):
         if self.classifier is None or evaluation_split(trainer, dataloader_idx) != QUERIES:
             return
         embeddings, labels = evaluation_rows(outputs, self.embedding_key, self.label_key, "LinearProbe", pl_module)
-        self.standardise.eval()
+        standardise, _ = self._built()
+        standardise.eval()
         with torch.no_grad():
-            self._logits.append(self.classifier(self.standardise(embeddings.float())))
+            self._logits.append(self.classifier(standardise(embeddings.float())))
         self._targets.append(labels)
 
     on_test_batch_end = on_validation_batch_end
@@ -243,6 +252,7 @@ class LinearProbe(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._logits:
             return
+        assert self.num_classes is not None  # set in setup before the classifier that gave the logits
         length = split_length(trainer, QUERIES)
         logits = gather_in_dataset_order(pl_module, self._logits, length)
         targets = gather_in_dataset_order(pl_module, self._targets, length)
@@ -255,10 +265,11 @@ class LinearProbe(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.classifier is None:
             return dict(self._pending_state or {})
+        standardise, optimizer = self._built()
         return {
-            "standardise": self.standardise.state_dict(),
+            "standardise": standardise.state_dict(),
             "classifier": self.classifier.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -268,6 +279,7 @@ class LinearProbe(Callback):
             self._pending_state = state_dict
             return
         self._pending_state = None
-        self.standardise.load_state_dict(state_dict["standardise"])
+        standardise, optimizer = self._built()
+        standardise.load_state_dict(state_dict["standardise"])
         self.classifier.load_state_dict(state_dict["classifier"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        optimizer.load_state_dict(state_dict["optimizer"])

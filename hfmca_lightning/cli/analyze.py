@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import Tensor
+from torch import Tensor, nn
 
 from hfmca_lightning.analysis.density_ratio import telescoping_response
 from hfmca_lightning.analysis.health import HealthStatistics
@@ -38,6 +38,7 @@ from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.features import batch_norm_age
 from hfmca_lightning.evaluation_data import denormalise, figure_images, view_batches
+from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
@@ -52,6 +53,7 @@ from hfmca_lightning.methods.inspection import (
     paper_order,
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
+from hfmca_lightning.models.heads import GridExternalHead
 from hfmca_lightning.runtime.files import StagedFiles
 from hfmca_lightning.visualization import (
     basis_functions_figure,
@@ -306,16 +308,22 @@ def analysis_module(module: LightningModule, internal_layers: list[str] | None =
             f"{type(backbone).__name__} names no stages (internal_layers) and has no residual blocks to analyse; name "
             "its blocks with --internal_layers (module names of the backbone, e.g. net.layer1.0)"
         )
-    external = (
-        {"projector": module.projector, "external_head": module.external_head, "external_cost": module.external_cost}
-        if isinstance(module, HFMCAModule) and module.external_head is not None
-        else {}
-    )
+    projector: nn.Module | None = None
+    external_head: GridExternalHead | None = None
+    external_cost: HFMCACost | None = None
+    if isinstance(module, HFMCAModule) and module.external_head is not None:
+        projector, external_head, external_cost = module.projector, module.external_head, module.external_cost
     if internal_layers:  # the pairs in forward order (named_modules' order), as the costs and heatmaps take them
         order = {name: position for position, (name, _) in enumerate(backbone.named_modules())}
         layers = sorted(layers, key=lambda name: order.get(name, len(order)))
     costs = InternalCosts(layers, reg=HOOKED_REG, precision="float64")  # as the training-time spectra of these pairs
-    return HFMCAModule(backbone, internal_costs=costs, **external).eval()
+    return HFMCAModule(
+        backbone,
+        projector=projector,
+        external_head=external_head,
+        external_cost=external_cost,
+        internal_costs=costs,
+    ).eval()
 
 
 def analyze(

@@ -25,7 +25,7 @@ import hashlib
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -86,7 +86,8 @@ def backbone_description(
     if architecture is not None and hasattr(backbone, "cifar_stem"):  # TorchvisionBackbone / CIFARResNet18
         state = {key.removeprefix("net."): value for key, value in state.items()}
         stem = "cifar" if backbone.cifar_stem else "standard"
-        classifier = _python_path(backbone.classifier_path)
+        classifier_path = cast(str, backbone.classifier_path)  # a plain attribute; nn.Module's stubs: Tensor | Module
+        classifier = _python_path(classifier_path)
         load = TORCHVISION_LOAD.format(
             architecture=architecture,
             stem=CIFAR_STEM if backbone.cifar_stem else "",
@@ -97,18 +98,19 @@ def backbone_description(
             "library": "torchvision",
             "architecture": architecture,
             "stem": stem,
-            "classifier": f"{backbone.classifier_path} replaced by nn.Identity()",
+            "classifier": f"{classifier_path} replaced by nn.Identity()",
             "feature_dim": feature_dim,
             "load": load,
         }, state
     if architecture is not None and hasattr(backbone, "model_kwargs"):  # TimmBackbone
         state = {key.removeprefix("net."): value for key, value in state.items()}
-        kwargs = "".join(f", {key}={value!r}" for key, value in backbone.model_kwargs.items())
+        model_kwargs = cast(dict[str, Any], backbone.model_kwargs)  # a plain attribute, as classifier_path
+        kwargs = "".join(f", {key}={value!r}" for key, value in model_kwargs.items())
         load = TIMM_LOAD.format(architecture=architecture, kwargs=kwargs, feature_dim=feature_dim)
         return {
             "library": "timm",
             "architecture": architecture,
-            "model_kwargs": backbone.model_kwargs,
+            "model_kwargs": model_kwargs,
             "stem": "standard",
             "feature_dim": feature_dim,
             "load": load,

@@ -81,7 +81,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen and key != "<<":
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark

@@ -281,7 +281,7 @@ class HFMCACLI(LightningCLI):
         checkpoints (for ``hfmca analyze``), and point W&B and the CSV loggers at the checkpoint's run before Lightning
         starts new ones."""
         config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
-        for callback in self.trainer.callbacks:
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
             if isinstance(callback, StoredConfig):
                 callback.config = config
         self._lock_checkpoint_folders()

@@ -148,8 +148,11 @@ class EvalDataset(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int] | dict[str, Any]:
+    def labelled_image(self, index: int) -> tuple[Tensor, int]:
+        """``(transform(image) (C, H, W), target)`` of image ``index``."""
         image, target = self.images[index]
-        if self.as_dict:
-            return {"image": self.transform(image), "label": target, "sample_idx": index}
         return self.transform(image), target
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | dict[str, Any]:
+        image, target = self.labelled_image(index)
+        return {"image": image, "label": target, "sample_idx": index} if self.as_dict else (image, target)

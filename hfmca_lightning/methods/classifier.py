@@ -67,6 +67,6 @@ class FineTunedClassifier(LightningModule):
             weight_decay=self.weight_decay,
         )
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=max(1, self.trainer.estimated_stepping_batches)
+            optimizer, T_max=max(1, int(self.trainer.estimated_stepping_batches))
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -29,7 +29,9 @@ def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
     given = getattr(source, "image_size", None)
     smallest, views = getattr(backbone, "min_image_size", None), getattr(datamodule, "views", None)
     if isinstance(smallest, int) and isinstance(given, int):
-        sizes = [size for _, size, _ in views.groups(given)] if hasattr(views, "groups") else [given]  # MultiCrop's
+        sizes = [given]
+        if views is not None and hasattr(views, "groups"):  # MultiCrop's
+            sizes = [size for _, size, _ in views.groups(given)]
         if min(sizes) < smallest:
             raise ConfigurationError(
                 f"the backbone {type(backbone).__name__} needs views of at least {smallest} px (its stages halve the "

@@ -163,7 +163,7 @@ class SkipUpdateIfFailed:
         """After the guarded step: restore what a failed step changed; disarm."""
         optimizer, failed = self._optimizer, self._failed
         if optimizer is not None and hasattr(optimizer, "found_inf"):
-            del optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.found_inf
         if failed is not None and self._saved:
             with torch.no_grad():
                 for tensor, saved in self._saved:

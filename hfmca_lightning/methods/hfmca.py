@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -184,6 +184,8 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     (:class:`~hfmca_lightning.callbacks.CostProgressBar`).
     """
 
+    _backbone_forward: Callable[[Tensor], Tensor]  # the backbone or its compiled forward, set in __init__
+
     def __init__(
         self,
         backbone: nn.Module,
@@ -355,7 +357,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         """``(B, L, C, H, W)`` views, or a list of groups ``(B, n_g, C, H_g, W_g)`` of different sizes (multi-crop:
         each group through the backbone on its own, the features of all ``L`` views together) -> backbone features
         ``(B * L, D)`` (view-major within each image), view features ``(B, L, K)``, group features ``(B, K)``."""
-        groups = list(views) if isinstance(views, (list, tuple)) else [views]
+        groups = [views] if isinstance(views, Tensor) else list(views)
         if self.external_head is None or any(group.dim() != 5 for group in groups):
             shapes = [tuple(group.shape) for group in groups]
             raise ValueError(
@@ -396,7 +398,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             if self.internal_costs is not None
             else nullcontext() as recording
         ):
-            groups = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+            groups = [batch] if isinstance(batch, Tensor) else list(batch)
             grouped = self.external_head is not None and groups[0].dim() == 5
             if grouped:
                 features, view_features, group_features = self._encode_groups(groups)
@@ -416,6 +418,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             statistics["external"] = group_statistics(view_features, group_features)
         maps: dict[str, tuple[Tensor, Tensor]] = {}
         if self.internal_costs is not None:
+            assert recording is not None  # the internal costs recorded this pass
             names = [pair.cost_name for pair in self.internal_costs.pairs]  # configured order
             missing = [name for name in names if name not in recording.statistics]
             if missing:

@@ -85,9 +85,9 @@ def collect_for_analysis(
     float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
     running ones untouched)."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    groups = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    groups = [batch] if isinstance(batch, Tensor) else list(batch)
     moved = [group.to(module.device, dtype) for group in groups]
-    on_device: Tensor | list[Tensor] = moved if isinstance(batch, (list, tuple)) else moved[0]
+    on_device: Tensor | list[Tensor] = moved[0] if isinstance(batch, Tensor) else moved
     with analysis_mode(module, batch_norm):
         return module.collect(on_device, keep_maps=keep_maps, precision="float64")
 

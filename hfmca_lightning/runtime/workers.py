@@ -63,7 +63,7 @@ def shutdown_workers() -> None:
         iterator: Any = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
-        loader._iterator = None  # type: ignore[attr-defined]
+        loader._iterator = None
 
 
 def leave_signals_to_the_main_process(worker_id: int) -> None:

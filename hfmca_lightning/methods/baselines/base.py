@@ -78,7 +78,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     def views_loss(self, views: list[Tensor]) -> Tensor:
         raise NotImplementedError
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor]:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> dict[str, Tensor | dict[str, Tensor]]:
         """Logs ``train/loss``; returns it as ``loss`` and for :class:`~hfmca_lightning.callbacks.CostProgressBar`
         (on the bar without a host read per step)."""
         views, _ = batch

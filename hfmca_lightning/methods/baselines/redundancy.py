@@ -144,7 +144,7 @@ class VICRegL(SSLBaseline):
         self._local_map = None
         return self.projection_head(features), self.local_projection_head(local.permute(0, 2, 3, 1))
 
-    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor]:  # type: ignore[override]  # batches carry crop grids
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> dict[str, Tensor | dict[str, Tensor]]:
         if len(batch) != 3:
             raise ConfigurationError(
                 "VICRegL needs batches (views, target, grids): set data.init_args.views to SimCLRViews with grids",

@@ -48,7 +48,7 @@ class BYOL(MomentumBaseline):
 class SimSiam(SSLBaseline):
     """SimSiam (Chen & He 2021): predictor against the stop-gradient projection of the other view."""
 
-    max_views = 2
+    max_views: int | None = 2
 
     def __init__(
         self,

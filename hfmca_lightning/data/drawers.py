@@ -95,6 +95,13 @@ class TorchvisionDrawer(ViewDrawer):
 
     def collate(self, samples: list[Sample]) -> ViewBatch:
         groups, targets, indices, grids = zip(*samples)
+        shapes = sorted({tuple(tuple(group.shape) for group in sample) for sample in groups})
+        if len(shapes) > 1:  # a user transform's views: stacked, they would be cut to the fewest or fail in torch
+            raise ConfigurationError(
+                f"the images of one batch got different views (view groups {shapes[0]} and {shapes[1]}): a views "
+                "transform must give every image the same number of views, of the same sizes",
+                parameter="views",
+            )
         return ViewBatch(
             [torch.stack(group) for group in zip(*groups)],
             torch.tensor(targets, dtype=torch.int64),
@@ -203,7 +210,7 @@ class BatchedDrawer(SeededDrawer):
         self.on = on
 
     @property
-    def draws_on_device(self) -> bool:  # type: ignore[override]
+    def draws_on_device(self) -> bool:  # type: ignore[override]  # a property over ViewDrawer's class attribute
         return self.on == "device"
 
     def dataset(self, split: LabelledImages) -> Dataset:

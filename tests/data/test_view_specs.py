@@ -258,6 +258,18 @@ def test_a_transform_that_gives_no_list_of_views_is_one_line():
         module.setup()
 
 
+def test_a_transform_whose_views_differ_between_images_is_one_line_not_a_cut_batch():
+    """Two 16-px views, plus two 8-px ones for some images: stacking would keep the first group only."""
+
+    def sometimes_local(image):
+        extra = [torch.zeros(3, 8, 8)] * 2 if torch.rand(()) < 0.5 else []
+        return [torch.zeros(3, 16, 16)] * 2 + extra
+
+    loader = data(sometimes_local, batch_size=8, seed=0).train_dataloader()  # the first batch holds both kinds
+    with pytest.raises(ConfigurationError, match=r"the images of one batch got different views \(view groups "):
+        next(iter(loader))
+
+
 def test_lightlys_simclr_transform_gives_the_same_views_with_0_and_2_workers():
     from lightly.transforms import SimCLRTransform
 

@@ -49,7 +49,7 @@ class DensityRatioHeatmapCallback(FigureCallback):
     (the appendix shows samples of one class) and ``first_image`` starts at that index of the split. The figure overlays
     the response at ``layers`` (log names such as ``L2``; default: the three lowest) on the images, saved as
     ``<run dir>/figures/density_ratio_epochNNN.png`` and sent to W&B / TensorBoard. Needs a module with internal
-    costs. Rank 0 only.
+    costs and a :class:`~hfmca_lightning.data.MultiViewDataModule`. Rank 0 only.
 
     Args:
         num_images: images in the figure.
@@ -62,8 +62,9 @@ class DensityRatioHeatmapCallback(FigureCallback):
 
     Raises:
         ConfigurationError: when ``num_images``, ``every_n_epochs`` or ``statistics_images`` is below 1 or an index
-            below 0; at the start of fitting, when the module has no internal costs, ``layers`` names others, or the
-            evaluation split has no image of ``image_class`` from ``first_image`` on.
+            below 0; at the start of fitting, when the module has no internal costs, ``layers`` names others, the run
+            has no ``MultiViewDataModule``, or the evaluation split has no image of ``image_class`` from
+            ``first_image`` on.
     """
 
     def __init__(

@@ -42,9 +42,13 @@ def cosine_schedule(
 ) -> dict[str, Any]:
     """Cosine annealing to 0 over the run.
 
-    Without warm-up: per epoch over ``max_epochs`` (per step when epochs are unbounded). With
+    Without warm-up: per epoch over ``max_epochs`` (per step over ``max_steps`` when epochs are unbounded). With
     ``warmup_epochs > 0``: lightly's ``CosineWarmupScheduler`` per optimiser step, a linear warm-up over
     ``warmup_epochs`` epochs then a cosine to 0 over the rest of ``Trainer.estimated_stepping_batches``.
+
+    Raises:
+        ConfigurationError: when the run has no known length (``max_epochs`` -1 and no ``max_steps``; a
+            ``max_time`` alone does not give one), or the warm-up is longer than the run.
     """
     trainer = module.trainer
     max_epochs = trainer.max_epochs
@@ -55,8 +59,9 @@ def cosine_schedule(
         }
     if math.isinf(trainer.estimated_stepping_batches):
         raise ConfigurationError(
-            "the cosine schedule anneals over the whole run, and this run has no end (trainer.max_epochs -1 and no "
-            "trainer.max_steps): set one of them, or give the module an lr_scheduler",
+            "the cosine schedule anneals over the whole run, and this run has no known length (trainer.max_epochs -1 "
+            "and no trainer.max_steps; a max_time alone does not give one): set max_epochs or max_steps, or give the "
+            "module an lr_scheduler",
             parameter="max_epochs",
         )
     total = max(1, int(trainer.estimated_stepping_batches))

@@ -129,9 +129,13 @@ def test_a_warmup_longer_than_the_run_is_a_configuration_error():
         trainer.fit(module, data)
 
 
-@pytest.mark.parametrize("warmup_epochs", [0.0, 1.0])
-def test_the_default_schedule_refuses_a_run_without_an_end_before_training(warmup_epochs):
-    """max_epochs -1 and no max_steps: one line, not torch's "cannot convert float infinity to integer"."""
+@pytest.mark.parametrize(
+    ("warmup_epochs", "length"),
+    [(0.0, {"max_epochs": -1}), (1.0, {"max_epochs": -1}), (0.0, {"max_time": "00:00:01:00"})],
+)
+def test_the_default_schedule_refuses_a_run_without_a_known_length_before_training(warmup_epochs, length):
+    """max_epochs -1 and no max_steps (or a max_time alone, which Lightning runs as max_epochs -1): one line, not
+    torch's "cannot convert float infinity to integer"."""
     from hfmca_lightning.errors import ConfigurationError
 
     data = MultiViewDataModule(
@@ -140,9 +144,9 @@ def test_the_default_schedule_refuses_a_run_without_an_end_before_training(warmu
         batch_size=4,
         num_workers=0,
     )
-    trainer = quiet_trainer(max_epochs=-1, limit_val_batches=0)
+    trainer = quiet_trainer(limit_val_batches=0, **length)
     with pytest.raises(
-        ConfigurationError, match=r"this run has no end \(trainer.max_epochs -1 and no trainer.max_steps"
+        ConfigurationError, match=r"this run has no known length \(trainer.max_epochs -1 and no trainer.max_steps"
     ):
         trainer.fit(small_module(warmup_epochs=warmup_epochs), data)
     assert trainer.global_step == 0

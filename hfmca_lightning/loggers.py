@@ -58,7 +58,8 @@ class OfflineSafeWandbLogger(WandbLogger):
                     f"{kwargs.get('save_dir', '.')}/wandb. Upload later with `wandb sync <run folder>`."
                 )
         kwargs.setdefault("settings", _settings(init_timeout))
-        super().__init__(*args, offline=offline, **kwargs)  # type: ignore[misc]  # mypy: *args might hold offline
+        kwargs["offline"] = offline  # in kwargs: mypy cannot tell *args stops before it
+        super().__init__(*args, **kwargs)
 
     def resume_run(self, run_id: str) -> None:
         """Log into the existing run ``run_id`` (must be called before the run starts)."""

@@ -34,7 +34,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:
-        kwargs["save_on_exception"] = save_on_exception  # by keyword: *args could reach its position
+        kwargs["save_on_exception"] = save_on_exception  # in kwargs: mypy cannot tell *args stops before it
         super().__init__(*args, **kwargs)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -217,7 +217,7 @@ class EigenspectrumCallback(FigureCallback):
         regs = (
             dict.fromkeys(statistics, self.hooked_reg)
             if self._hooked is not None
-            else {name: cost.reg for name, cost in pl_module.cost_modules().items()}  # type: ignore[operator]
+            else {name: cost.reg for name, cost in pl_module.cost_modules().items()}  # type: ignore[operator]  # HFMCA's
         )
         metrics: dict[str, float] = {}
         for name in statistics:

@@ -112,9 +112,10 @@ class HealthMetrics(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._hooked.clear()
         backbone = getattr(pl_module, "backbone", None)
-        hook = not self._from_outputs and isinstance(backbone, nn.Module) and self._handle is None
-        if hook and self._collects(trainer.global_step + 1):
-            self._handle = backbone.register_forward_hook(self._record)  # type: ignore[union-attr]
+        if not isinstance(backbone, nn.Module) or self._from_outputs or self._handle is not None:
+            return
+        if self._collects(trainer.global_step + 1):
+            self._handle = backbone.register_forward_hook(self._record)
 
     def _record(self, module: nn.Module, inputs: Any, output: Any) -> None:
         # the training step's own calls only: not another callback's evaluation pass (eval mode, no grad)

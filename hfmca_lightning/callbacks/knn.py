@@ -27,7 +27,7 @@ def _dropped(*args: Any, **kwargs: Any) -> None:
 @contextmanager
 def _without_logging(module: LightningModule) -> Iterator[None]:
     """``module.log`` and ``module.log_dict`` do nothing inside."""
-    module.log = module.log_dict = _dropped  # type: ignore[method-assign]
+    module.log = module.log_dict = _dropped  # type: ignore[method-assign]  # restored below
     try:
         yield
     finally:

@@ -161,7 +161,8 @@ class LinearProbe(Callback):
             self.optimizer = torch.optim.SGD(
                 self._parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
             )
-        self._built()[0].to(pl_module.device)
+        standardise, _ = self._built()
+        standardise.to(pl_module.device)
         self.classifier.to(pl_module.device)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)

@@ -542,7 +542,7 @@ def compare(
         groups = (
             batch for batch in _training_batches(data_a, model_a.device) if isinstance(batch, list) or batch.dim() == 5
         )
-        if model_a.external_head.num_views == model_b.external_head.num_views:  # type: ignore[union-attr]
+        if model_a.external_head.num_views == model_b.external_head.num_views:  # type: ignore[union-attr]  # _has_head
             statistics.update(
                 _enough_batches(groups, cross, num_batches, groups_per_feature, "statistics of both heads on groups")
             )

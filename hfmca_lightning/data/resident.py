@@ -96,10 +96,11 @@ class _Chunks(DistributedSampler):
         pairs = [_key_tensors(chunk) for chunk in [*chunks, []]]  # (indices, seeds) per chunk; none after the last
         first = next(_PASSES) * _CHUNKS_PER_PASS
         for number, chunk in enumerate(chunks):
+            (indices, seeds), (next_indices, next_seeds) = pairs[number], pairs[number + 1]
             for position, start in enumerate(range(0, len(chunk), self.batch_size)):
                 names = [str(index) for index, _ in chunk[start : start + self.batch_size]]
                 yield ResidentBatch(
-                    first + number, position, self.batch_size, *pairs[number], *pairs[number + 1], names
+                    first + number, position, self.batch_size, indices, seeds, next_indices, next_seeds, names
                 )
 
 

@@ -51,8 +51,9 @@ PerChannel = tuple[float, ...]  # a mean or a standard deviation, one value per 
 class ViewAugmentation:
     """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
     knobs of the module docstring). View ``l`` of a group has kind ``l % view_kinds``: its blur and solarisation
-    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2] (on the CPU
-    :class:`RandomGaussianBlur`, in whole batches a kernel of :attr:`blur_kernel` pixels).
+    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
+    CPU (:class:`RandomGaussianBlur`, as lightly), a separable kernel of about 10 % of the image side in whole batches
+    (:attr:`blur_kernel`, SimCLR's).
 
     Args:
         image_size: side of the square views.
@@ -140,7 +141,8 @@ class ViewAugmentation:
                     f"{list(color_jitter)}",
                     parameter="color_jitter",
                 )
-            jitter = tuple(float(value) for value in color_jitter)  # type: ignore[assignment]
+            brightness, contrast, saturation, hue = (float(value) for value in color_jitter)
+            jitter = (brightness, contrast, saturation, hue)
         jitter_p = 0.8 if any(jitter) else 0.0
         return cls(image_size, scale, ratio, jitter, jitter_p, gray, horizontal_flip, blur_p, solarize_p)
 
@@ -164,7 +166,8 @@ def view_transform(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, vi
 
 
 def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> list[nn.Module]:
-    """The steps of :func:`view_transform` after the crop and flip, with view kind ``view``'s blur and solarisation."""
+    """The steps of :func:`view_transform` after the crop and flip: colour jitter, greyscale, blur, solarisation (with
+    view kind ``view``'s probabilities), conversion to float and normalisation."""
     steps: list[nn.Module] = []
     if spec.jitter_p > 0:
         steps.append(v2.RandomApply([v2.ColorJitter(*spec.jitter)], p=spec.jitter_p))

@@ -35,7 +35,8 @@ class ViewSpec:
 
     @property
     def global_views(self) -> int | None:
-        """All views but :class:`MultiCrop`'s local ones; None: the views of the first size."""
+        """How many views, first in order, are global crops: all but :class:`MultiCrop`'s local ones; None: the
+        views of the first size."""
         return self.num_views
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
@@ -239,8 +240,11 @@ class MultiCrop(_Augmented):
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
         for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
-                what = f"{name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1"
-                raise ConfigurationError(f"MultiCrop: {what}; got {scale!r}", parameter=name)
+                raise ConfigurationError(
+                    f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
+                    f"got {scale!r}",
+                    parameter=name,
+                )
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 check_at_least(size, 1, name, "MultiCrop")
@@ -263,7 +267,7 @@ class MultiCrop(_Augmented):
             (self.global_crops, self.global_size or image_size, self.global_scale),
             (self.local_crops, self.local_size or max(1, image_size // 2), self.local_scale),
         ]
-        return [group for group in groups if group[0]]  # type: ignore[misc]
+        return [group for group in groups if group[0]]  # type: ignore[misc]  # the scales are pairs (checked)
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         augmentation, groups = self.augmentation(image_size), self.groups(image_size)

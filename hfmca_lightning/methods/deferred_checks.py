@@ -147,7 +147,7 @@ class SkipUpdateIfFailed:
         self.finish()
         self._optimizer, self._failed = optimizer, failed
         if in_kernel and self.skips_in_kernel(optimizer):
-            optimizer.found_inf = failed.to(torch.float32)  # type: ignore[attr-defined]
+            optimizer.found_inf = failed.to(torch.float32)  # type: ignore[attr-defined]  # read by the fused step
             return
         tensors = [
             tensor

@@ -38,7 +38,7 @@ def watch_ranks(trainer: Trainer, failed_exit_status: int) -> None:
     _exit_status = failed_exit_status
     _watched[:] = [launcher]
     if hasattr(_ChildProcessObserver, "_terminate_all"):  # Lightning's private hook; without it, Lightning's own end
-        _ChildProcessObserver._terminate_all = _end_after_a_failed_child  # type: ignore[method-assign]
+        _ChildProcessObserver._terminate_all = _end_after_a_failed_child  # type: ignore[method-assign]  # on purpose
 
 
 def processes() -> int:

@@ -5,6 +5,7 @@ The ``hfmca`` command prints them as one line (``hfmca: error: ...``, exit statu
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection
 
 __all__ = ["ConfigurationError", "DataNotFoundError", "HFMCAWarning", "check_at_least", "check_choice"]
@@ -35,9 +36,12 @@ class HFMCAWarning(UserWarning):
 
 
 def check_at_least(value: int, least: int, name: str, owner: str | None = None) -> None:
-    """One line naming ``name`` (of ``owner``, where given) when ``value < least``."""
+    """One line naming ``name`` (of ``owner``, where given) when ``value`` is not a whole number ``>= least`` (a
+    count: ``2.5``, ``"4"`` or ``True`` are refused, numpy integers taken)."""
+    where = f"{owner}: " if owner else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigurationError(f"{where}{name} must be a whole number >= {least}; got {value!r}", parameter=name)
     if value < least:
-        where = f"{owner}: " if owner else ""
         raise ConfigurationError(f"{where}{name} must be >= {least}; got {value}", parameter=name)
 
 

@@ -116,13 +116,18 @@ def test_a_source_without_labels_trains_without_evaluation_loaders(tmp_path):
         ({"batch_size": 0}, "batch_size must be >= 1; got 0", "batch_size"),
         ({"eval_batch_size": 0}, "eval_batch_size must be >= 1; got 0", "eval_batch_size"),
         ({"num_workers": -1}, "num_workers must be >= 0; got -1", "num_workers"),
+        ({"batch_size": "64"}, "batch_size must be a whole number >= 1; got '64'", "batch_size"),
+        ({"num_workers": True}, "num_workers must be a whole number >= 0; got True", "num_workers"),
         (
             {"drawer": BatchedDrawer},
             r"drawer is the class BatchedDrawer; give an instance: BatchedDrawer\(...\)",
             "drawer",
         ),
     ],
-    ids=["batch format", "evaluation loaders", "batch size", "eval batch size", "workers", "drawer class"],
+    ids=[
+        *("batch format", "evaluation loaders", "batch size", "eval batch size", "workers"),
+        *("batch size as text", "workers as bool", "drawer class"),
+    ],
 )
 def test_datamodule_rejects_bad_arguments(options, message, parameter):
     with pytest.raises(ConfigurationError, match=message) as error:

@@ -32,6 +32,8 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
     ("make", "message", "parameter"),
     [
         (lambda: SimCLRViews(count=0), "SimCLRViews: count must be >= 1; got 0", "count"),
+        # before: accepted, then range() failed deep inside a worker
+        (lambda: SimCLRViews(count=2.5), "SimCLRViews: count must be a whole number >= 1; got 2.5", "count"),
         (lambda: SameClassViews(count=0), "SameClassViews: count must be >= 1; got 0", "count"),
         (lambda: SimCLRViews(grids=-1), "grids must be >= 0", "grids"),
         (lambda: MultiCrop(2, 6, local_scale=(0.3, 0.1)), "local_scale is .smallest, largest.", "local_scale"),
@@ -58,6 +60,7 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
     ],
     ids=[
         "count",
+        "fractional count",
         "same-class count",
         "grids",
         "multi-crop scale",

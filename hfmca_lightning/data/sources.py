@@ -34,11 +34,21 @@ def channel_values(values: Sequence[float], name: str) -> tuple[float, float, fl
 
 
 def pil_rgb(image: Image.Image) -> Tensor:
-    """A PIL image as an RGB uint8 tensor ``(3, H, W)``; 16-bit greyscale scaled to 8 bits (PIL's own conversion
-    clips it at 255)."""
-    if image.mode.startswith("I;16"):
-        grey = torch.from_numpy((np.asarray(image).astype(np.int32) >> 8).astype(np.uint8))
-        return grey.expand(3, -1, -1).contiguous()
+    """A PIL image as an RGB uint8 tensor ``(3, H, W)``. PIL's own conversion clips at 255, so greyscale of more bits
+    is scaled here: 16-bit (modes ``I;16``, and ``I`` within 0..65535, as PIL reads 16-bit PGM) and floats in [0, 1]
+    (mode ``F``); other values are refused."""
+    if image.mode.startswith("I") or image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        low, high = (values.min(), values.max()) if values.size else (0.0, 0.0)
+        floats = image.mode == "F"
+        if not (-0.1 <= low <= high <= 1.1 if floats else 0 <= low <= high <= 65535):  # NaN too
+            kind = "floats in [0, 1]" if floats else "integers of at most 16 bits"
+            raise ConfigurationError(f"a mode {image.mode} image holds {low:g} to {high:g}; give {kind}")
+        if floats:
+            eight_bits = np.round(np.clip(values, 0, 1) * 255)  # as DatasetSource rounds float tensors
+        else:
+            eight_bits = np.floor(values / 256)  # the high byte
+        return torch.from_numpy(eight_bits.astype(np.uint8)).expand(3, -1, -1).contiguous()
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
 
 

@@ -488,3 +488,42 @@ def test_16_bit_images_are_read_scaled_to_8_bits(tmp_path, suffix):
     assert image.dtype == torch.uint8 and image.shape == (3, 8, 8)
     expected = torch.from_numpy((grey.astype(np.int32) >> 8).astype(np.uint8))
     assert torch.equal(image, expected.expand(3, -1, -1)), image[0, :2]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "convert"),
+    [
+        (".pgm", lambda grey: grey),  # PIL reads a 16-bit PGM as mode I (32-bit), on a 16-bit scale
+        (".tif", lambda grey: grey.astype(np.int32)),  # a 32-bit integer TIFF, mode I
+        (".tif", lambda grey: grey.astype(np.float32) / 65535),  # a float TIFF in [0, 1], mode F
+    ],
+    ids=["16-bit pgm", "32-bit tiff", "float tiff"],
+)
+def test_greyscale_of_more_than_8_bits_is_read_scaled_not_clipped(tmp_path, suffix, convert):
+    """PIL's RGB conversion clips modes I and F at 255: a 16-bit PGM came back nearly white, a float TIFF black."""
+    from hfmca_lightning.data.folder_sources import read_image
+
+    grey = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1024 + 100).astype(np.uint16)
+    path = tmp_path / f"deep{suffix}"
+    Image.fromarray(convert(grey)).save(path)
+    image = read_image(str(path))
+    expected = torch.from_numpy((grey.astype(np.int32) >> 8).astype(np.uint8)).expand(3, -1, -1)
+    assert image.dtype == torch.uint8 and image.shape == (3, 8, 8)
+    assert (image.int() - expected.int()).abs().max() <= 1, image[0, :2]  # floats round, integers keep the high byte
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (np.full((8, 8), 70_000, dtype=np.int32), r"a mode I image holds 70000 to 70000; give integers of at most 16"),
+        (np.full((8, 8), 255.0, dtype=np.float32), r"a mode F image holds 255 to 255; give floats in \[0, 1\]"),
+    ],
+    ids=["beyond 16 bits", "0-255 floats"],
+)
+def test_greyscale_beyond_its_range_names_the_file(tmp_path, values, message):
+    from hfmca_lightning.data.folder_sources import FolderImages
+
+    path = tmp_path / "deep.tif"
+    Image.fromarray(values).save(path)
+    with pytest.raises(ConfigurationError, match=f"cannot read image {re.escape(str(path))}: {message}"):
+        FolderImages([(str(path), 0)])[0]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from typing import Any
 
 import torchvision
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 
 __all__ = ["CIFARResNet18", "SmallConvNet", "TimmBackbone", "TorchvisionBackbone"]
 
@@ -28,7 +29,12 @@ class TorchvisionBackbone(nn.Module):
     Args:
         name: the torchvision model name.
         weights: torchvision weights to start from (e.g. ``IMAGENET1K_V2``; downloaded); ``None``: random.
-        cifar_stem: ResNet family only: 3x3 stride-1 ``conv1`` and no max-pool, for 32-px images.
+        cifar_stem: ResNet family only: 3x3 stride-1 ``conv1`` and no max-pool, for 32-px images (a new, random
+            ``conv1``: with ``weights``, the rest stays pretrained, with a warning).
+
+    Raises:
+        ConfigurationError: for a name or weights torchvision does not have, or ``cifar_stem`` on a model without a
+            ResNet stem.
     """
 
     def __init__(self, name: str = "resnet50", weights: str | None = None, cifar_stem: bool = False) -> None:
@@ -42,6 +48,13 @@ class TorchvisionBackbone(nn.Module):
                 "(torchvision.models.list_models() lists them)",
                 parameter="name",
             )
+        if weights is not None:
+            known = torchvision.models.get_model_weights(name)
+            if weights.removeprefix(f"{known.__name__}.") not in known.__members__:
+                raise ConfigurationError(
+                    f"{weights!r} is not a weight of {name}; it has {', '.join(known.__members__)} (or null: random)",
+                    parameter="weights",
+                )
         net = torchvision.models.get_model(name, weights=weights)
         if cifar_stem:
             if not isinstance(getattr(net, "conv1", None), nn.Conv2d) or not hasattr(net, "maxpool"):
@@ -49,10 +62,19 @@ class TorchvisionBackbone(nn.Module):
                     f"cifar_stem replaces conv1 and the max-pool of ResNet-family models; {name} has none",
                     parameter="cifar_stem",
                 )
+            if weights is not None:
+                warnings.warn(
+                    f"cifar_stem replaces the pretrained conv1 of {name} ({weights}) by a new, random 3x3 one; the "
+                    "rest of the network stays pretrained",
+                    HFMCAWarning,
+                    stacklevel=2,
+                )
             net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
         self.feature_dim, self.classifier_path = _remove_classifier(net, name)
         self.architecture, self.cifar_stem = name, cifar_stem  # what `hfmca export` writes down
+        if isinstance(getattr(net, "image_size", None), int):  # ViTs: one input size (checked against the data)
+            self.image_size: int = net.image_size
         self.net = net
 
     def forward(self, images: Tensor) -> Tensor:
@@ -135,6 +157,9 @@ class TimmBackbone(nn.Module):
         # conv_head: 1024 after 288 channels), which num_classes=0 keeps
         size = getattr(self.net, "head_hidden_size", None) or self.net.num_features
         self.feature_dim = int(size)  # type: ignore[arg-type]  # timm models set it to an int
+        patches = getattr(self.net, "patch_embed", None)  # ViTs of a fixed input size (checked against the data)
+        if getattr(patches, "strict_img_size", False) and not getattr(patches, "dynamic_img_size", False):
+            self.image_size: int = int(patches.img_size[0])  # type: ignore[union-attr]  # set where strict
         self.architecture, self.model_kwargs = name, dict(model_kwargs or {})  # what `hfmca export` writes down
 
     def forward(self, images: Tensor) -> Tensor:
@@ -152,8 +177,7 @@ class SmallConvNet(nn.Module):
     def __init__(self, width: int = 32, num_stages: int = 3) -> None:
         super().__init__()
         for name, value in (("width", width), ("num_stages", num_stages)):
-            if value < 1:
-                raise ConfigurationError(f"SmallConvNet needs {name} >= 1; got {value}", parameter=name)
+            check_at_least(value, 1, name, "SmallConvNet")
         stages: list[nn.Module] = []
         in_channels = 3
         for stage in range(num_stages):

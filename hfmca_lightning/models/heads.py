@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from hfmca_lightning.errors import ConfigurationError, check_at_least
+from hfmca_lightning.errors import check_at_least
 from hfmca_lightning.models.layers import NoiseChannels
 
 __all__ = ["ViewProjector", "GridExternalHead"]
@@ -56,8 +56,7 @@ class GridExternalHead(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
-            if value < 1:
-                raise ConfigurationError(f"the head grid must be at least 1x1; got {name}={value}", parameter=name)
+            check_at_least(value, 1, name, "GridExternalHead")  # the head grid: at least 1x1
         check_at_least(feature_dim, 1, "feature_dim", "GridExternalHead")
         check_at_least(hidden_dim, 1, "hidden_dim", "GridExternalHead")
         check_at_least(

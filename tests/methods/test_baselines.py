@@ -164,6 +164,7 @@ def test_vicregl_without_view_grids_fails_before_training():
         (SimCLR, {"hidden_dim": 0}, "SimCLR: hidden_dim must be a size >= 1; got 0"),
         (SimSiam, {"prediction_dim": 0}, "SimSiam: prediction_dim must be a size >= 1"),
         (BarlowTwins, {"output_dim": 0}, "BarlowTwins: output_dim must be a size >= 1"),
+        (SimCLR, {"hidden_dim": 64.0}, "SimCLR: hidden_dim must be a whole number >= 1; got 64.0"),  # before: torch's
         # before: the local loss maximised (alpha 2: weight -1), a NaN loss (no matches), or a value dropped
         (VICRegL, {"alpha": 2.0}, r"VICRegL: alpha must be in \[0, 1\] \(the global loss's weight"),
         (VICRegL, {"alpha": -0.5}, r"VICRegL: alpha must be in \[0, 1\]"),

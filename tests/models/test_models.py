@@ -50,6 +50,9 @@ def test_projector_outputs_in_unit_interval():
         (lambda: GridExternalHead(hidden_dim=0), "GridExternalHead: hidden_dim must be >= 1; got 0"),
         (lambda: GridExternalHead(output_dim=0), "GridExternalHead: output_dim must be >= 1; got 0"),
         (lambda: GridExternalHead(noise_channels=-1), "GridExternalHead: noise_channels must be >= 0; got -1"),
+        (lambda: GridExternalHead(grid_height=0), "GridExternalHead: grid_height must be >= 1; got 0"),
+        (lambda: GridExternalHead(8, 2.0, 2), "GridExternalHead: grid_height must be a whole number >= 1; got 2.0"),
+        (lambda: SmallConvNet(width=8.0), "SmallConvNet: width must be a whole number >= 1; got 8.0"),
     ],
 )
 def test_head_and_projector_sizes_out_of_range_are_one_clear_error(build, message):
@@ -173,3 +176,47 @@ def test_internal_costs_on_resnet50_bottlenecks():
     costs = [pair.cost.forward_statistics(recording.statistics[pair.cost_name]) for pair in internal.pairs]
     assert all(torch.isfinite(cost) and cost <= 0 for cost in costs)
     assert recording.statistics["internal/layer2.0"].high_dim == 512
+
+
+def test_weights_a_model_does_not_have_are_one_line_before_any_download():
+    """A typo used to be enum's KeyError, which the command turned into a 111-line "Union subtypes" traceback."""
+    with pytest.raises(
+        ConfigurationError, match=r"'IMAGENET1K_V2' is not a weight of resnet18; it has IMAGENET1K_V1, DEFAULT"
+    ) as error:
+        TorchvisionBackbone("resnet18", weights="IMAGENET1K_V2")
+    assert error.value.parameter == "weights"
+
+
+def test_the_cifar_stem_on_pretrained_weights_says_its_conv1_is_new(monkeypatch):
+    """The pretrained conv1 is replaced by a random one: said, not silent (the download is faked: no network)."""
+    import torchvision
+
+    from hfmca_lightning.errors import HFMCAWarning
+
+    built = {}
+
+    def offline(name, weights=None):
+        built["weights"] = weights
+        return torchvision.models.resnet18()
+
+    monkeypatch.setattr(torchvision.models, "get_model", offline)
+    with pytest.warns(HFMCAWarning, match=r"cifar_stem replaces the pretrained conv1 of resnet18 \(ResNet18_Weights"):
+        backbone = TorchvisionBackbone("resnet18", weights="ResNet18_Weights.IMAGENET1K_V1", cifar_stem=True)
+    assert built["weights"] == "ResNet18_Weights.IMAGENET1K_V1" and backbone.net.conv1.kernel_size == (3, 3)
+
+
+def test_vision_transformers_of_one_input_size_are_checked_against_the_data():
+    """A 224-px ViT on 32-px images failed with torch's assertion inside the first step; now the data check names both
+    sizes before training. A timm ViT built for the data's size passes."""
+    from hfmca_lightning.data import MultiViewDataModule, SyntheticShapes
+    from hfmca_lightning.methods.compatibility import check_image_size
+
+    data = MultiViewDataModule(SyntheticShapes(num_classes=2, train_per_class=4))
+    message = r"gives 32-px images, but the backbone {} is built for image_size=224"
+    with pytest.raises(ConfigurationError, match=message.format("TorchvisionBackbone")):
+        check_image_size(TorchvisionBackbone("vit_b_32"), data)
+    assert not hasattr(TorchvisionBackbone("resnet18"), "image_size")  # convolutional: any size
+    pytest.importorskip("timm")
+    with pytest.raises(ConfigurationError, match=message.format("TimmBackbone")):
+        check_image_size(TimmBackbone("vit_tiny_patch16_224"), data)
+    check_image_size(TimmBackbone("vit_tiny_patch16_224", model_kwargs={"img_size": 32, "patch_size": 8}), data)

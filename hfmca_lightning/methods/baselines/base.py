@@ -138,7 +138,9 @@ def _check_settings(method: str, settings: dict[str, Any]) -> None:
     ``num_matches`` two counts >= 1, each refused in one line before anything is built (else an IndexError deep in a
     head, a NaN loss, or a loss that trains nothing or the wrong way)."""
     for name, value in settings.items():
-        if name.endswith("_dim") and isinstance(value, int) and value < 1:
+        if name.endswith("_dim") and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            problem = "a whole number >= 1"
+        elif name.endswith("_dim") and isinstance(value, int) and value < 1:
             problem = "a size >= 1"
         elif name == "temperature" and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
             problem = "finite and > 0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -9,6 +10,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
+
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["FineTunedClassifier"]
 
@@ -23,6 +26,10 @@ class FineTunedClassifier(LightningModule):
         backbone: ``(N, C, H, W) -> (N, feature_dim)``. feature_dim, num_classes: of the linear layer.
         lr: base learning rate at batch 256; batch_size: the training batch (scales ``lr``).
         weight_decay: of every parameter.
+
+    Raises:
+        ConfigurationError: for fewer than 2 classes, a ``feature_dim`` other than the backbone's, a batch below 1,
+            or an ``lr`` / ``weight_decay`` that is not finite (``lr`` > 0, ``weight_decay`` >= 0).
     """
 
     def __init__(
@@ -35,6 +42,20 @@ class FineTunedClassifier(LightningModule):
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
+        check_at_least(feature_dim, 1, "feature_dim", "FineTunedClassifier")
+        check_at_least(num_classes, 2, "num_classes", "FineTunedClassifier")
+        check_at_least(batch_size, 1, "batch_size", "FineTunedClassifier")
+        given = getattr(backbone, "feature_dim", feature_dim)
+        if given != feature_dim:
+            raise ConfigurationError(
+                f"FineTunedClassifier: feature_dim is {feature_dim}, but the backbone gives {given} features",
+                parameter="feature_dim",
+            )
+        if not (0 < lr < math.inf and 0 <= weight_decay < math.inf):  # NaN too
+            raise ConfigurationError(
+                f"FineTunedClassifier needs a finite lr > 0 and weight_decay >= 0; got {lr} and {weight_decay}",
+                parameter="lr" if not 0 < lr < math.inf else "weight_decay",
+            )
         self.backbone = backbone
         self.classifier = nn.Linear(feature_dim, num_classes)
         self.lr, self.batch_size, self.weight_decay = lr, batch_size, weight_decay

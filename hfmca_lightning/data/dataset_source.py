@@ -14,7 +14,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, pil_rgb
+from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages, pil_rgb, unit_floats_to_uint8
 from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["DatasetSource", "as_uint8_image"]
@@ -148,13 +148,7 @@ def as_uint8_image(image: Any) -> Tensor:
             f"DatasetSource: an image has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)"
         )
     if image.is_floating_point():
-        low, high = (float(value) for value in image.aminmax()) if image.numel() else (0.0, 0.0)
-        if not -0.1 <= low <= high <= 1.1:  # NaN too; a bicubic resize overshoots [0, 1] by a few percent
-            raise ConfigurationError(
-                f"DatasetSource: an image holds values from {low:g} to {high:g}; give floats in [0, 1], not normalised "
-                "(the source normalises with its mean and std; floats in [0, 255]: divide by 255), or uint8"
-            )
-        image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+        image = unit_floats_to_uint8(image, "DatasetSource: an image")
     elif image.dtype != torch.uint8:
         raise ConfigurationError(f"DatasetSource: an image is {image.dtype}; give uint8 or floats in [0, 1]")
     return image.expand(3, -1, -1).contiguous() if image.shape[0] == 1 else image

@@ -36,20 +36,32 @@ def channel_values(values: Sequence[float], name: str) -> tuple[float, float, fl
 def pil_rgb(image: Image.Image) -> Tensor:
     """A PIL image as an RGB uint8 tensor ``(3, H, W)``. PIL's own conversion clips at 255, so greyscale of more bits
     is scaled here: 16-bit (modes ``I;16``, and ``I`` within 0..65535, as PIL reads 16-bit PGM) and floats in [0, 1]
-    (mode ``F``); other values are refused."""
-    if image.mode.startswith("I") or image.mode == "F":
-        values = np.asarray(image, dtype=np.float64)
-        low, high = (values.min(), values.max()) if values.size else (0.0, 0.0)
-        floats = image.mode == "F"
-        if not (-0.1 <= low <= high <= 1.1 if floats else 0 <= low <= high <= 65535):  # NaN too
-            kind = "floats in [0, 1]" if floats else "integers of at most 16 bits"
-            raise ConfigurationError(f"a mode {image.mode} image holds {low:g} to {high:g}; give {kind}")
-        if floats:
-            eight_bits = np.round(np.clip(values, 0, 1) * 255)  # as DatasetSource rounds float tensors
-        else:
-            eight_bits = np.floor(values / 256)  # the high byte
-        return torch.from_numpy(eight_bits.astype(np.uint8)).expand(3, -1, -1).contiguous()
-    return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+    (mode ``F``, :func:`unit_floats_to_uint8`); other values are refused."""
+    if image.mode == "F":
+        grey = unit_floats_to_uint8(torch.from_numpy(np.asarray(image, dtype=np.float64)), "a mode F image")
+    elif image.mode.startswith("I"):
+        values = np.asarray(image, dtype=np.int64)
+        low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+        if not 0 <= low <= high <= 65535:
+            raise ConfigurationError(
+                f"a mode {image.mode} image holds {low} to {high}; give integers of at most 16 bits"
+            )
+        grey = torch.from_numpy((values >> 8).astype(np.uint8))  # the high byte
+    else:
+        return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+    return grey.expand(3, -1, -1).contiguous()
+
+
+def unit_floats_to_uint8(values: Tensor, what: str) -> Tensor:
+    """Float image values in [0, 1] as uint8, rounded; values within 0.1 of [0, 1] (a bicubic resize overshoots by a
+    few percent) are clamped, anything else (NaN, normalised or 0-255 floats) is one error naming ``what``."""
+    low, high = (float(value) for value in values.aminmax()) if values.numel() else (0.0, 0.0)
+    if not -0.1 <= low <= high <= 1.1:  # NaN too
+        raise ConfigurationError(
+            f"{what} holds values from {low:g} to {high:g}; give floats in [0, 1], not normalised (the source "
+            "normalises with its mean and std; floats in [0, 255]: divide by 255), or uint8"
+        )
+    return (values.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 class LabelledImages(Dataset):

@@ -516,7 +516,10 @@ def test_greyscale_of_more_than_8_bits_is_read_scaled_not_clipped(tmp_path, suff
     ("values", "message"),
     [
         (np.full((8, 8), 70_000, dtype=np.int32), r"a mode I image holds 70000 to 70000; give integers of at most 16"),
-        (np.full((8, 8), 255.0, dtype=np.float32), r"a mode F image holds 255 to 255; give floats in \[0, 1\]"),
+        (
+            np.full((8, 8), 255.0, dtype=np.float32),
+            r"a mode F image holds values from 255 to 255; give floats in \[0, 1\]",
+        ),
     ],
     ids=["beyond 16 bits", "0-255 floats"],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -27,15 +28,21 @@ class PreemptionCheckpoint(ModelCheckpoint):
     there): a resume point every ``every_n_train_steps`` steps and at every epoch's end.
 
     Args:
-        *args: the arguments of ``ModelCheckpoint``.
+        *args: the arguments of ``ModelCheckpoint``, in its order (the seventh is ``save_on_exception``).
         save_on_exception: save when SIGTERM stops the run (``False``: do not).
         **kwargs: the keyword arguments of ``ModelCheckpoint`` (``dirpath``, ``every_n_train_steps``,
             ``save_last``, ...).
     """
 
     def __init__(self, *args: Any, save_on_exception: bool = True, **kwargs: Any) -> None:
-        kwargs["save_on_exception"] = save_on_exception  # in kwargs: mypy cannot tell *args stops before it
-        super().__init__(*args, **kwargs)
+        names = list(inspect.signature(ModelCheckpoint.__init__).parameters)[1:]
+        if len(args) > len(names):
+            raise TypeError(f"PreemptionCheckpoint takes at most {len(names)} positional arguments; got {len(args)}")
+        positional = dict(zip(names, args))  # by name: a seventh one is save_on_exception, not a second value of it
+        for name in sorted(positional.keys() & kwargs.keys()):
+            raise TypeError(f"PreemptionCheckpoint got {name} twice, by position and by keyword")
+        kwargs.update(positional, save_on_exception=positional.get("save_on_exception", save_on_exception))
+        super().__init__(**kwargs)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)

@@ -103,3 +103,14 @@ def test_sigterm_leaves_the_state_where_last_finds_it_and_says_where(tmp_path, s
     assert (tmp_path / "last.ckpt").is_symlink() == (save_last == "link")
     assert len(said) == 1 and said[0].startswith("SIGTERM:"), said
     assert f"after step {step}" in said[0] and str(tmp_path) in said[0], said
+
+
+def test_positional_arguments_reach_model_checkpoint_by_name(tmp_path: Path) -> None:
+    """Positional arguments keep ``ModelCheckpoint``'s order: a seventh one is ``save_on_exception`` (once, not a
+    second value of it); left out, it is on; a name given twice is refused."""
+    six = PreemptionCheckpoint(str(tmp_path), "{step}", "loss", False, True, 2)
+    assert (six.dirpath, six.save_last, six.save_top_k, six.save_on_exception) == (str(tmp_path), True, 2, True)
+    seven = PreemptionCheckpoint(str(tmp_path), "{step}", "loss", False, True, 2, False, True)
+    assert (seven.save_on_exception, seven.save_weights_only) == (False, True)
+    with pytest.raises(TypeError, match="save_last twice"):
+        PreemptionCheckpoint(str(tmp_path), "{step}", None, False, True, save_last=False)

@@ -39,8 +39,9 @@ class PreemptionCheckpoint(ModelCheckpoint):
         if len(args) > len(names):
             raise TypeError(f"PreemptionCheckpoint takes at most {len(names)} positional arguments; got {len(args)}")
         positional = dict(zip(names, args))  # by name: a seventh one is save_on_exception, not a second value of it
-        for name in sorted(positional.keys() & kwargs.keys()):
-            raise TypeError(f"PreemptionCheckpoint got {name} twice, by position and by keyword")
+        twice = sorted(positional.keys() & kwargs.keys())
+        if twice:
+            raise TypeError(f"PreemptionCheckpoint got {', '.join(twice)} twice, by position and by keyword")
         kwargs.update(positional, save_on_exception=positional.get("save_on_exception", save_on_exception))
         super().__init__(**kwargs)
 

@@ -13,7 +13,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 
 __all__ = ["ArrayImages", "ImageSource", "LabelledImages", "UNLABELLED"]
 
@@ -123,8 +123,9 @@ class ImageSource(ABC):
         """Check and keep the settings the views are read with: a side of at least 8 pixels, evaluation images
         resized to at least that before the centre crop, and the normalisation statistics (:func:`channel_values`)."""
         owner = type(self).__name__
-        if image_size < 8:
-            raise ConfigurationError(f"{owner} needs image_size >= 8; got {image_size}", parameter="image_size")
+        check_at_least(image_size, 8, "image_size", owner)
+        if eval_resize is not None:
+            check_at_least(eval_resize, 1, "eval_resize", owner)
         if eval_resize is not None and eval_resize < image_size:
             raise ConfigurationError(
                 f"{owner}: eval_resize ({eval_resize}) is the shorter side before the centre crop of image_size "

@@ -399,11 +399,11 @@ def test_a_cifar_batch_without_images_and_labels_is_one_clear_error(cifar10_on_d
 SETTINGS_OUT_OF_RANGE = {
     "image_size 0": (
         lambda root: ImageFolderSource(str(root), image_size=0),
-        "ImageFolderSource needs image_size >= 8",
+        "ImageFolderSource: image_size must be >= 8; got 0",
     ),
     "negative image_size": (
         lambda root: UnlabelledFolderSource(str(root), image_size=-32),
-        "UnlabelledFolderSource needs image_size >= 8; got -32",
+        "UnlabelledFolderSource: image_size must be >= 8; got -32",
     ),
     "eval_resize below image_size": (
         lambda root: ImageFolderSource(str(root), image_size=32, eval_resize=8),
@@ -442,7 +442,15 @@ SETTINGS_OUT_OF_RANGE = {
         "UnlabelledFolderSource: evaluation has std (0.5, 0.5, 0.5), this source (0.229, 0.224, 0.225)",
     ),
     "NaN mean": (lambda root: ImageFolderSource(str(root), mean=(float("nan"), 0.5, 0.5)), "mean needs one value"),
-    "STL-10 image_size 4": (lambda root: STL10(str(root), image_size=4), "STL10 needs image_size >= 8; got 4"),
+    "STL-10 image_size 4": (lambda root: STL10(str(root), image_size=4), "STL10: image_size must be >= 8; got 4"),
+    "image_size not a whole number": (
+        lambda root: ImageFolderSource(str(root), image_size=32.0),
+        "ImageFolderSource: image_size must be a whole number >= 8; got 32.0",
+    ),
+    "eval_resize not a whole number": (
+        lambda root: DatasetSource(SyntheticShapes(train_per_class=1).split(True), eval_resize="36"),
+        "DatasetSource: eval_resize must be a whole number >= 1; got '36'",
+    ),
 }
 
 

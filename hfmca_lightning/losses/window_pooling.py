@@ -109,6 +109,15 @@ def window_reciprocal_sizes(
 def window_band(size: int, geometry: WindowGeometry, like: Tensor) -> Tensor:
     """``(out, size)`` matrix with ``1 / n_o`` where output position ``o`` 's window covers input position ``i``,
     ``n_o`` the number of input positions it covers (``kernel`` inside, fewer at a padded border), zero elsewhere: the
-    window means' row (or column) factor, since ``|W_q| = n_row * n_column``."""
+    window means' row (or column) factor, since ``|W_q| = n_row * n_column``.
+
+    Rounded, the ``n_o`` weights would not sum to 1 (float32: ``3 fl(1/3) = 1 + 3e-8``) and scale every window
+    mean alike, a bias that the trivial eigenvalue near 1 amplifies; so each window's last member takes what its
+    others leave of 1, and every row sums to exactly 1."""
     members = _real_members(size, geometry, like.device)
-    return (members / members.sum(dim=1, keepdim=True)).to(like.dtype)
+    band = (members / members.sum(dim=1, keepdim=True)).to(like.dtype)
+    last = members.shape[1] - 1 - members.flip(1).argmax(dim=1)  # each window's last member
+    windows = torch.arange(band.shape[0], device=band.device)
+    band[windows, last] = 0
+    band[windows, last] = (1 - band.to(torch.float64).sum(dim=1)).to(like.dtype)  # exact: near 1 / n
+    return band

@@ -7,8 +7,10 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["PreemptionCheckpoint"]
 
@@ -43,7 +45,10 @@ class PreemptionCheckpoint(ModelCheckpoint):
         if twice:
             raise TypeError(f"PreemptionCheckpoint got {', '.join(twice)} twice, by position and by keyword")
         kwargs.update(positional, save_on_exception=positional.get("save_on_exception", save_on_exception))
-        super().__init__(**kwargs)
+        try:
+            super().__init__(**kwargs)
+        except MisconfigurationException as error:  # ModelCheckpoint's own checks: one line, as every setting's
+            raise ConfigurationError(f"PreemptionCheckpoint: {error}") from None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)

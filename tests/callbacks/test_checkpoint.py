@@ -114,3 +114,12 @@ def test_positional_arguments_reach_model_checkpoint_by_name(tmp_path: Path) -> 
     assert (seven.save_on_exception, seven.save_weights_only) == (False, True)
     with pytest.raises(TypeError, match="save_last twice"):
         PreemptionCheckpoint(str(tmp_path), "{step}", None, False, True, save_last=False)
+
+
+def test_a_setting_model_checkpoint_refuses_is_one_configuration_error(tmp_path: Path) -> None:
+    """``ModelCheckpoint``'s own checks come as one ``ConfigurationError`` (one ``hfmca: error:`` line), not as
+    Lightning's ``MisconfigurationException`` (a traceback in the CLI)."""
+    from hfmca_lightning.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="PreemptionCheckpoint: Invalid value for every_n_train_steps=-1"):
+        PreemptionCheckpoint(dirpath=tmp_path, every_n_train_steps=-1)

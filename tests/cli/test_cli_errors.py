@@ -82,6 +82,20 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         "features, but model.init_args.external_head takes feature_dim=7",
     ),
     (
+        # before: Lightning's MisconfigurationException, a traceback and a Namespace dump
+        "a setting ModelCheckpoint refuses",
+        lambda tmp, ckpt: [],
+        lambda tmp: {
+            "trainer.callbacks": [
+                {
+                    "class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint",
+                    "init_args": {"dirpath": str(tmp / "checkpoints"), "every_n_train_steps": -1},
+                }
+            ]
+        },
+        "PreemptionCheckpoint: Invalid value for every_n_train_steps=-1. Must be >= 0",
+    ),
+    (
         "projector output_dim 0",
         lambda tmp, ckpt: ["--model.init_args.projector.init_args.output_dim", "0"],
         lambda tmp: {},

@@ -34,7 +34,8 @@ class HealthMetrics(Callback):
     D)`` with each sample's ``L`` views together, as :class:`~hfmca_lightning.methods.HFMCAModule` returns them, or
     ``(B, L, D)``) or ``outputs["embedding"]`` (stable-pretraining's views concatenated, ``(L * B, D)``;
     :mod:`~hfmca_lightning.callbacks.step_outputs`), else the outputs of ``pl_module.backbone`` during the step (the
-    baselines call it once per view: ``L`` outputs ``(B, D)``). They are summed
+    baselines call it once per view: ``L`` outputs ``(B, D)``; one call over all views: ``(B * L, D)`` as
+    ``views_first`` says). They are summed
     (:class:`~hfmca_lightning.analysis.health.HealthStatistics`, float64) over the steps just before each logged
     one, until at least ``samples_per_dim * D`` samples (all processes together: the sums are all-reduced) — an
     estimate of ``N`` samples can show a rank of at most ``N``.
@@ -48,8 +49,8 @@ class HealthMetrics(Callback):
         samples_per_dim: samples per embedding dimension an estimate waits for.
         embedding_key: the key of a training step's output that holds its embeddings (default: ``features``, else
             ``embedding``).
-        views_first: whether 2-D embeddings are the views concatenated view after view (default: for ``embedding``
-            only).
+        views_first: whether 2-D embeddings (a step's output, or one backbone call over all views) are the views
+            concatenated view after view (default: for ``embedding`` only).
         collapse_fraction: the alarm's fraction of the best effective rank (0 turns it off).
         stop_on_collapse: stop the run when the alarm rings.
 
@@ -140,8 +141,11 @@ class HealthMetrics(Callback):
         calls = [call for call in self._hooked if call.shape[0] == samples]
         if calls and len({call.shape[1] for call in calls}) == 1:
             return torch.stack(calls, dim=1)
-        if len(self._hooked) == 1 and self._hooked[0].shape[0] % samples == 0:
-            return self._hooked[0].reshape(samples, -1, self._hooked[0].shape[-1])
+        if len(self._hooked) == 1 and self._hooked[0].shape[0] % samples == 0:  # one call over every view
+            rows, dim = self._hooked[0], self._hooked[0].shape[-1]
+            if self.views_first:
+                return rows.reshape(-1, samples, dim).transpose(0, 1)
+            return rows.reshape(samples, -1, dim)
         return None
 
     # --- summing and logging -----------------------------------------------------------------------------------------

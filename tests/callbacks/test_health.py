@@ -378,3 +378,39 @@ def test_a_failed_step_ends_the_run_with_its_own_error_before_any_decomposition(
     with pytest.raises(StepFailed):
         trainer.fit(module, train_dataloaders=gaussian_views(dim=8, batch_size=8, samples=256))
     assert failed_at and not decomposed
+
+
+class ConcatenatedViews(HealthProbe):
+    """A user module with a ``backbone`` that it calls once over the views concatenated view after view
+    (``torch.cat(views)``, as lightly's examples do) and a step that returns the loss alone."""
+
+    def __init__(self) -> None:
+        super().__init__(dim=8, inputs=8)
+        self.backbone = self.encoder
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        views = batch[0]
+        embeddings = self.backbone(torch.cat(views.unbind(dim=1)))  # (L * B, D), view after view
+        first, second = embeddings.chunk(2)
+        return (first - second).pow(2).mean() - embeddings.var(dim=0).mean()
+
+
+@pytest.mark.parametrize("views_first", [True, False])
+def test_one_backbone_call_over_all_views_is_read_as_views_first_says(views_first):
+    """One hooked call of ``(L * B, D)`` rows: ``views_first`` says how they group into samples, so LiDAR (which
+    compares a sample's views) sees each sample's own views with ``True`` and mixes samples with ``False``."""
+    module = ConcatenatedViews()
+    records = record_health(module)
+    backbone = RecordEmbeddings(module.backbone)
+    health = HealthMetrics(every_n_steps=3, views_first=views_first)
+    trainer = quiet_trainer(max_steps=6, callbacks=[health, backbone], limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=gaussian_views(dim=8, batch_size=8))
+    logged = logged_health(records)
+    assert sorted(logged) == [3, 6]
+
+    def grouped(calls: list[torch.Tensor]) -> torch.Tensor:
+        rows = calls[0]
+        return rows.reshape(2, 8, -1).transpose(0, 1) if views_first else rows.reshape(8, 2, -1)
+
+    for step, embeddings in windows(logged, 3, 2, backbone.calls, grouped).items():
+        assert_health_equal(logged[step], embeddings)

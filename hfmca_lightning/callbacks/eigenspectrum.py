@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from hfmca_lightning.analysis.spectrum_window import GROUPS_PER_FEATURE, Spectru
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.callbacks.spectrum_hooks import HookedSpectrumPairs
 from hfmca_lightning.callbacks.step_outputs import EMBEDDING_KEYS, step_tensor, unknown_embedding_key
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.methods.inspection import paper_order
 from hfmca_lightning.methods.update_guard import raise_if_a_step_failed_in
@@ -50,9 +51,9 @@ class EigenspectrumCallback(FigureCallback):
     * to W&B loggers also ``spectrum/<name>/eigenvalues``, the non-trivial spectrum as a ``wandb.Histogram`` over
       [0, 1] (W&B draws its distribution over time without any panel set-up);
     * ``rankme/backbone``: RankMe (:func:`~hfmca_lightning.analysis.rankme`) of the backbone features of the step's
-      batch: those ``training_step`` returns (``outputs["features"]``, or stable-pretraining's
-      ``outputs["embedding"]``: :mod:`~hfmca_lightning.callbacks.step_outputs`), else a hooked module's backbone
-      outputs.
+      batch (of every process, under DDP): those ``training_step`` returns (``outputs["features"]``, or
+      stable-pretraining's ``outputs["embedding"]``: :mod:`~hfmca_lightning.callbacks.step_outputs`), else a hooked
+      module's backbone outputs.
 
     Values go straight to the loggers, at the step of the window's last batch. At the end of every training epoch
     it draws two figures, written as PNG under ``<run dir>/figures`` and sent to W&B / TensorBoard:
@@ -76,7 +77,7 @@ class EigenspectrumCallback(FigureCallback):
         groups_per_feature: see ``min_groups`` (default 100; set one of the two).
         hooked_layers: for modules without cost pairs, the backbone layers hooked (default: its named stages or
             residual blocks).
-        hooked_reg: for modules without cost pairs, the regulariser of the hooked pairs' spectra.
+        hooked_reg: for modules without cost pairs, the regulariser of the hooked pairs' spectra (default 1e-3).
         embedding_key: the training output key of RankMe's features (default: ``features``, else ``embedding``).
 
     Raises:
@@ -102,25 +103,20 @@ class EigenspectrumCallback(FigureCallback):
         min_groups: int | None = None,
         groups_per_feature: int | None = None,
         hooked_layers: list[str] | None = None,
-        hooked_reg: float = HOOKED_REG,
+        hooked_reg: float | None = None,
         embedding_key: str | None = None,
     ) -> None:
         super().__init__(output_dir)
-        checks = (
-            ("every_n_steps", every_n_steps, every_n_steps >= 1),
-            ("top_k", top_k, top_k >= 1),
-            ("threshold", threshold, 0 < threshold < 1),
-            ("min_groups", min_groups, min_groups is None or min_groups >= 1),
-            ("groups_per_feature", groups_per_feature, groups_per_feature is None or groups_per_feature >= 1),
-            ("hooked_reg", hooked_reg, hooked_reg > 0),
-        )
-        for name, value, valid in checks:
-            if not valid:
-                raise ConfigurationError(
-                    "EigenspectrumCallback needs every_n_steps >= 1, top_k >= 1, 0 < threshold < 1, min_groups >= 1 "
-                    f"(or null), groups_per_feature >= 1 (or null) and hooked_reg > 0; got {name}={value}",
-                    parameter=name,
-                )
+        owner = "EigenspectrumCallback"
+        for name, count in (("every_n_steps", every_n_steps), ("top_k", top_k)):
+            check_at_least(count, 1, name, owner)
+        for name, optional in (("min_groups", min_groups), ("groups_per_feature", groups_per_feature)):
+            if optional is not None:
+                check_at_least(optional, 1, name, owner)
+        if not 0 < threshold < 1:  # NaN too
+            raise ConfigurationError(f"{owner} needs 0 < threshold < 1; got {threshold}", parameter="threshold")
+        if hooked_reg is not None and not 0 < hooked_reg < math.inf:
+            raise ConfigurationError(f"{owner} needs a finite hooked_reg > 0; got {hooked_reg}", parameter="hooked_reg")
         if min_groups is not None and groups_per_feature is not None:
             raise ConfigurationError(
                 f"EigenspectrumCallback: set min_groups ({min_groups}: the same window for every pair) or "
@@ -136,7 +132,8 @@ class EigenspectrumCallback(FigureCallback):
         self.threshold = threshold
         self.history: dict[str, list[tuple[int, list[float]]]] = {}
         self._steps_seen = 0  # optimiser steps taken when the last batch ended (micro-batches share a step)
-        self.hooked_layers, self.hooked_reg = hooked_layers, hooked_reg
+        self.hooked_layers, self.hooked_reg = hooked_layers, HOOKED_REG if hooked_reg is None else hooked_reg
+        self._hooked_reg_given = hooked_reg is not None
         self.embedding_key = embedding_key
         self._hooked: HookedSpectrumPairs | None = None
         self._internal_steps: int | None = None  # hooked internal pairs: steps recorded before each log
@@ -165,8 +162,8 @@ class EigenspectrumCallback(FigureCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         has_costs = callable(getattr(pl_module, "cost_modules", None))
-        given = [name for name, value, default in (("hooked_layers", self.hooked_layers, None),
-                 ("hooked_reg", self.hooked_reg, HOOKED_REG)) if value != default]  # fmt: skip
+        given = [name for name, set_ in (("hooked_layers", self.hooked_layers is not None),
+                 ("hooked_reg", self._hooked_reg_given)) if set_]  # fmt: skip
         if has_costs and given:
             raise ConfigurationError(
                 f"EigenspectrumCallback: {' and '.join(given)} set the pairs hooked on modules without cost pairs, "
@@ -234,8 +231,11 @@ class EigenspectrumCallback(FigureCallback):
                 metrics[f"spectrum/{name}/top10_mean"] = float(nontrivial[:10].mean())
                 metrics[f"spectrum/{name}/num_above_{self.threshold:g}"] = float((nontrivial > self.threshold).sum())
             metrics.update({f"eigenvalues/{name}/{rank:02d}": value for rank, value in enumerate(top, start=1)})
-        if isinstance(features, torch.Tensor) and features.dim() == 2 and min(features.shape) > 1:
-            metrics["rankme/backbone"] = float(rankme(features))
+        if isinstance(features, torch.Tensor) and features.dim() == 2:
+            if trainer.world_size > 1:  # the whole batch of every process, as the spectra's windows
+                features = cast(torch.Tensor, pl_module.all_gather(features)).flatten(0, 1)  # (W, n, D): one tensor
+            if min(features.shape) > 1:
+                metrics["rankme/backbone"] = float(rankme(features))
         if trainer.is_global_zero and metrics:
             self._log(trainer, metrics, step - 1)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hfmca_lightning.callbacks.figures import FigureCallback
 from hfmca_lightning.data.datamodule import MultiViewDataModule
-from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.evaluation_data import denormalise, figure_batches, figure_images
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
@@ -78,16 +78,21 @@ class DensityRatioHeatmapCallback(FigureCallback):
         first_image: int = 0,
     ) -> None:
         super().__init__(output_dir)
+        owner = "DensityRatioHeatmapCallback"
         for name, value in (
             ("num_images", num_images),
             ("every_n_epochs", every_n_epochs),
             ("statistics_images", statistics_images),
         ):
-            if value < 1:
-                raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 1; got {value}", parameter=name)
+            check_at_least(value, 1, name, owner)
         for name, index in (("first_image", first_image), ("image_class", image_class)):
-            if index is not None and index < 0:
-                raise ConfigurationError(f"DensityRatioHeatmapCallback needs {name} >= 0; got {index}", parameter=name)
+            if index is not None:
+                check_at_least(index, 0, name, owner)
+        if layers is not None and not layers:
+            raise ConfigurationError(
+                f"{owner}: layers is empty; name the internal cost layers to draw, or null for the default",
+                parameter="layers",
+            )
         self.num_images = num_images
         self.layers = layers
         self.every_n_epochs = every_n_epochs

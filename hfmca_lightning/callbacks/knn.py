@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +15,7 @@ from torch.utils.data import DistributedSampler
 from hfmca_lightning.callbacks.gather import evaluation_split, gather_in_dataset_order, queries_only, split_length
 from hfmca_lightning.callbacks.step_outputs import evaluation_rows
 from hfmca_lightning.data.datamodule import BANK, QUERIES
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, check_at_least
 from hfmca_lightning.evaluation.knn import knn_predict
 
 __all__ = ["KNNEvaluation"]
@@ -68,11 +69,11 @@ class KNNEvaluation(Callback):
         self, k: int = 200, temperature: float = 0.1, embedding_key: str | None = None, label_key: str | None = None
     ) -> None:
         super().__init__()
-        for name, value, valid in (("k", k, k >= 1), ("temperature", temperature, temperature > 0)):
-            if not valid:
-                raise ConfigurationError(
-                    f"KNNEvaluation needs k >= 1 and temperature > 0; got {name}={value}", parameter=name
-                )
+        check_at_least(k, 1, "k", "KNNEvaluation")
+        if not 0 < temperature < math.inf:  # NaN too; inf would make the weighted vote an unweighted one
+            raise ConfigurationError(
+                f"KNNEvaluation needs a finite temperature > 0; got {temperature}", parameter="temperature"
+            )
         self.k = k
         self.temperature = temperature
         self.embedding_key, self.label_key = embedding_key, label_key

@@ -17,7 +17,7 @@ from hfmca_lightning.callbacks.step_outputs import evaluation_rows, step_embeddi
 from hfmca_lightning.data.batch_formats import BatchFormat, first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
-from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 from hfmca_lightning.evaluation.features import evaluation_mode
 from hfmca_lightning.evaluation.linear import topk_accuracies
 
@@ -70,8 +70,9 @@ class LinearProbe(Callback):
             for ``embedding`` only).
 
     Raises:
-        ConfigurationError: when ``feature_dim`` or ``num_classes`` is below 1 or ``lr`` is not positive; at
-            setup, when they do not fit the data or the backbone, or cannot be told from them.
+        ConfigurationError: when ``feature_dim`` or ``num_classes`` is below 1, ``lr`` is not positive or ``momentum``
+            not in [0, 1); at setup, when they do not fit the data or cannot be told from it and the backbone; at the
+            first features (the sanity check's or training's), when they are not ``feature_dim`` long.
 
     Example::
 
@@ -95,15 +96,20 @@ class LinearProbe(Callback):
     ) -> None:
         super().__init__()
         for name, value in (("feature_dim", feature_dim), ("num_classes", num_classes)):
-            if value is not None and value < 1:
-                raise ConfigurationError(f"LinearProbe needs {name} >= 1; got {value}", parameter=name)
+            if value is not None:
+                check_at_least(value, 1, name, "LinearProbe")
         if not 0 < lr < math.inf:  # NaN too
             raise ConfigurationError(f"LinearProbe needs a finite lr > 0; got {lr}", parameter="lr")
-        for name, rate in (("momentum", momentum), ("weight_decay", weight_decay)):
-            if not 0 <= rate < math.inf:
-                raise ConfigurationError(f"LinearProbe needs a finite {name} >= 0; got {rate}", parameter=name)
-        if not topk or any(k < 1 for k in topk):
-            raise ConfigurationError(f"LinearProbe needs topk of values >= 1; got {list(topk)}", parameter="topk")
+        if not 0 <= momentum < 1:  # from 1 on, SGD's steps grow without bound
+            raise ConfigurationError(f"LinearProbe needs 0 <= momentum < 1; got {momentum}", parameter="momentum")
+        if not 0 <= weight_decay < math.inf:
+            raise ConfigurationError(
+                f"LinearProbe needs a finite weight_decay >= 0; got {weight_decay}", parameter="weight_decay"
+            )
+        if not topk:
+            raise ConfigurationError("LinearProbe needs at least one topk accuracy; got none", parameter="topk")
+        for k in topk:
+            check_at_least(k, 1, "topk", "LinearProbe")
         self.feature_dim, self.num_classes, self.topk = feature_dim, num_classes, tuple(topk)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.embedding_key, self.label_key, self.views_first = embedding_key, label_key, views_first
@@ -191,12 +197,7 @@ class LinearProbe(Callback):
             if features is None:  # in the run's precision (bf16-mixed: under its autocast, as the training step)
                 with torch.no_grad(), evaluation_mode(pl_module), trainer.precision_plugin.forward_context():
                     features = pl_module(images)
-            if features.shape[-1] != self.feature_dim:
-                raise ConfigurationError(
-                    f"LinearProbe has feature_dim={self.feature_dim} but the module's features have "
-                    f"{features.shape[-1]}",
-                    parameter="feature_dim",
-                )
+            self._check_feature_dim(features)
             standardise.train()
             self.classifier.train()
             with torch.enable_grad():
@@ -212,6 +213,15 @@ class LinearProbe(Callback):
         optimizer.step()
         if loss is not None:
             pl_module.log("linear/train_loss", loss.detach())
+
+    def _check_feature_dim(self, features: Tensor) -> None:
+        """One line, in training or at the sanity check, for features of another size than ``feature_dim``."""
+        if features.shape[-1] != self.feature_dim:
+            raise ConfigurationError(
+                f"LinearProbe has feature_dim={self.feature_dim} but the module's features have {features.shape[-1]}; "
+                "set feature_dim to that, or leave it out (default: the backbone's)",
+                parameter="feature_dim",
+            )
 
     def _skip_without_features(self, pl_module: LightningModule) -> None:
         """A module whose training step returns no features and that has no ``forward`` gives the probe nothing to
@@ -242,6 +252,7 @@ class LinearProbe(Callback):
         if self.classifier is None or evaluation_split(trainer, dataloader_idx) != QUERIES:
             return
         embeddings, labels = evaluation_rows(outputs, self.embedding_key, self.label_key, "LinearProbe", pl_module)
+        self._check_feature_dim(embeddings)
         standardise, _ = self._built()
         standardise.eval()
         with torch.no_grad():

@@ -162,3 +162,22 @@ def test_a_step_without_a_loader_index_and_two_loaders_is_one_line_before_evalua
     ) as error:
         quiet_trainer(callbacks=[KNNEvaluation(k=5)]).validate(NoLoaderIndex(), _dict_data(), verbose=False)
     assert "\n" not in str(error.value) and error.value.parameter == "evaluation_loaders"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"k": 0}, "k must be >= 1; got 0"),
+        # before: a whole epoch, then topk's TypeError
+        ({"k": 2.5}, "k must be a whole number >= 1; got 2.5"),
+        ({"k": "5"}, "k must be a whole number >= 1; got '5'"),
+        ({"temperature": 0.0}, "a finite temperature > 0; got 0.0"),
+        # before: accepted, and the weighted vote an unweighted one
+        ({"temperature": float("inf")}, "a finite temperature > 0; got inf"),
+    ],
+)
+def test_a_knn_setting_out_of_range_is_one_line(settings, message):
+    from hfmca_lightning.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        KNNEvaluation(**settings)

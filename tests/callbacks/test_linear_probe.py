@@ -75,6 +75,18 @@ def test_resumed_probe_equals_an_uninterrupted_one(tmp_path):
     assert resumed.optimizer.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
 
 
+def test_a_feature_dim_other_than_the_features_is_one_line_at_the_sanity_check():
+    """A ``feature_dim`` other than the features' (the projector's output size instead of the backbone's): one line
+    at the sanity check's first features, before any training step; before, BatchNorm's traceback from torch."""
+    seed_everything(0)
+    module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=32, output_dim=16)
+    probe = LinearProbe(feature_dim=64)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[probe], num_sanity_val_steps=1, accelerator="cpu")
+    with pytest.raises(ConfigurationError, match="feature_dim=64 but the module's features have 16; set feature_dim"):
+        trainer.fit(module, _data())
+    assert trainer.global_step == 0
+
+
 def test_wrong_number_of_classes_is_one_clear_error():
     with pytest.raises(ConfigurationError, match="num_classes=7 but the data has 4 classes"):
         _fit([LinearProbe(num_classes=7)], epochs=1)
@@ -83,13 +95,19 @@ def test_wrong_number_of_classes_is_one_clear_error():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"momentum": -1.0}, "momentum >= 0; got -1.0"),
+        ({"momentum": -1.0}, "0 <= momentum < 1; got -1.0"),
+        # before: accepted, and SGD's steps grew without bound (train loss 51 against 1.3)
+        ({"momentum": 1.5}, "0 <= momentum < 1; got 1.5"),
         ({"weight_decay": -1.0}, "weight_decay >= 0; got -1.0"),
         # before: a run that logged linear/train_loss nan and chance accuracy without a word
         ({"lr": float("nan")}, "a finite lr > 0; got nan"),
-        ({"momentum": float("inf")}, "a finite momentum >= 0; got inf"),
+        ({"momentum": float("inf")}, "0 <= momentum < 1; got inf"),
         ({"weight_decay": float("nan")}, "a finite weight_decay >= 0; got nan"),
-        ({"topk": (0,)}, r"topk of values >= 1; got \[0\]"),
+        ({"topk": (0,)}, "topk must be >= 1; got 0"),
+        ({"topk": ()}, "at least one topk accuracy"),
+        # before: a torchmetrics TypeError at the first validation
+        ({"topk": (1.5,)}, "topk must be a whole number >= 1; got 1.5"),
+        ({"feature_dim": 2.5}, "feature_dim must be a whole number >= 1; got 2.5"),
     ],
 )
 def test_a_probe_setting_out_of_range_is_one_line_when_built(settings, message):

@@ -121,7 +121,12 @@ def test_hooked_pair_settings_on_a_module_with_cost_pairs_are_refused():
     from hfmca_lightning.errors import ConfigurationError
     from tests.helpers import bn_free_module
 
-    for settings, named in (({"hooked_layers": ["features"]}, "hooked_layers"), ({"hooked_reg": 0.5}, "hooked_reg")):
+    given = (
+        ({"hooked_layers": ["features"]}, "hooked_layers"),
+        ({"hooked_reg": 0.5}, "hooked_reg"),
+        ({"hooked_reg": 1e-3}, "hooked_reg"),  # the default's value, given: before, accepted and unused
+    )
+    for settings, named in given:
         trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[EigenspectrumCallback(**settings)])
         with pytest.raises(ConfigurationError, match=f"EigenspectrumCallback: {named} set the pairs hooked on"):
             trainer.fit(bn_free_module(), data(views=4))

@@ -5,14 +5,16 @@ twice), with two evaluation loaders or one."""
 
 from __future__ import annotations
 
+import csv
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
 
-from hfmca_lightning.callbacks import KNNEvaluation
+from hfmca_lightning.callbacks import EigenspectrumCallback, KNNEvaluation
 from hfmca_lightning.data import BatchedDrawer, MultiCrop, ResidentDrawer, SimCLRViews, TransformViews
 from tests.helpers import FLOAT32_UNIT, PER_RANK_BATCH, bn_free_module, ddp_data, ddp_trainer
 
@@ -191,3 +193,24 @@ def test_a_ddp_checkpoint_resumes_on_another_device_count(tmp_path):
     )
     one.fit(resumed, ddp_data(2 * PER_RANK_BATCH), ckpt_path=tmp_path / "last.ckpt")
     assert one.global_step == 4 and one.current_epoch == 2
+
+
+@pytest.mark.extended
+def test_rankme_under_ddp_is_that_of_every_process_batch(tmp_path):
+    """``rankme/backbone`` under DDP is RankMe of the features of every process's batch together, as one process's
+    with the doubled batch (and as the spectra's windows), not of rank 0's share."""
+    logged = {}
+    for devices, batch_size in ((1, 2 * PER_RANK_BATCH), (2, PER_RANK_BATCH)):
+        folder = tmp_path / f"devices{devices}"
+        spectra = EigenspectrumCallback(every_n_steps=1, min_groups=1, output_dir=str(folder / "figures"))
+        trainer = ddp_trainer(
+            devices, max_steps=2, limit_val_batches=0, callbacks=[spectra], logger=CSVLogger(folder, name="")
+        )
+        trainer.fit(bn_free_module(), ddp_data(batch_size))
+        (metrics,) = folder.rglob("metrics.csv")
+        logged[devices] = [
+            float(row["rankme/backbone"]) for row in csv.DictReader(open(metrics)) if row.get("rankme/backbone")
+        ]
+    assert len(logged[1]) == 2
+    # RankMe of 32 x 5 float32 features, the same rows in another order: float32 rounding of the SVD, 1e-5 relative
+    assert logged[2] == pytest.approx(logged[1], rel=1e-5)

@@ -198,7 +198,9 @@ class HealthStatistics:
         samples, as the functions of this module give them on those samples."""
         n = self.samples
         gram = self.first_gram
-        metrics = {"rankme": float(entropy_rank(torch.linalg.eigvalsh(gram).clamp_min(0).sqrt(), EPSILON))}
+        # the singular values of the (n, D) samples: as many as min(n, D), the Gram's other eigenvalues are zeros
+        singular = torch.linalg.eigvalsh(gram).flip(0).clamp_min(0).sqrt()[: min(int(n), gram.shape[0])]
+        metrics = {"rankme": float(entropy_rank(singular, EPSILON))}
         mean = self.first_sum / n
         covariance = gram / n - torch.outer(mean, mean)
         spectrum = torch.linalg.eigvalsh(covariance).flip(0).clamp_min(0)

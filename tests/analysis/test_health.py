@@ -420,3 +420,13 @@ def one_line_value_error(call) -> str:
 )
 def test_bad_shapes_are_refused_in_one_line(call, words):
     assert words in one_line_value_error(call)
+
+
+def test_rankme_from_the_sums_of_fewer_samples_than_dimensions():
+    """Fewer samples than dimensions (``hfmca analyze --num_batches 1`` on a wide backbone): RankMe from the sums takes
+    the ``min(n, D)`` singular values an ``(n, D)`` matrix has, not the Gram's zero eigenvalues as well (each of
+    which added ``eps``, or the square root of its rounding, to the entropy: 11.587 against 11.578 at 32 x 512)."""
+    x = torch.randn(4, 2, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+    metrics = HealthStatistics.of(x).metrics()
+    # 4 singular values from an SVD and from a Gram matrix's eigenvalues: float64 rounding of 12-term sums
+    assert metrics["rankme"] == pytest.approx(float(rankme(x[:, 0])), rel=1e-9)

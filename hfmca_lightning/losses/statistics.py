@@ -9,7 +9,9 @@ they belong to. The cost only needs three uncentered second moments,
 
 which are kept here as *sums plus counts* so that statistics from several devices or batches combine
 by addition (``CorrelationStatistics.__add__``, :func:`all_reduce_statistics`). All sums are float64,
-computed outside autocast, whatever the dtype of the features.
+computed outside autocast, whatever the dtype of the features; the products of feature maps are float64 too, except
+in the ``fast`` and ``bf16`` precisions, which multiply in float32 or bfloat16 and sum the products in float64
+(:func:`feature_map_statistics`).
 """
 
 from __future__ import annotations

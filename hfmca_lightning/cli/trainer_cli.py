@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
@@ -103,6 +104,15 @@ def _raised_by_lightning_alone(error: BaseException) -> bool:
     own = next((index for index, name in enumerate(frames) if name.endswith("/cli/trainer_cli.py")), -1)
     below = [name for name in frames[own + 1 :] if not name.endswith("/cli/trainer_cli.py")]
     return bool(below) and all(any(part in name for part in _LIGHTNING) for name in below)
+
+
+def _check_writable(folder: Path, what: str, instead: str) -> None:
+    """One line before training when ``folder`` (or, not made yet, the nearest folder above it) cannot be written:
+    else the first checkpoint or log row fails, an epoch later."""
+    existing = next(part for part in (folder, *folder.parents) if part.exists())
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == folder else f" (it would be made in {existing})"
+        raise ConfigurationError(f"{what} {folder} cannot be written{where}: {instead}, or change its permissions")
 
 
 def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, ModelCheckpoint]:
@@ -218,6 +228,11 @@ class HFMCACLI(LightningCLI):
                 f"seed_everything must be in [0, 2**32 - 1], or true for a random seed; got {seed}"
             )
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if str(ckpt_path) == "best":  # Lightning's best is the best of a fit in the same process
+            raise ConfigurationError(
+                "--ckpt_path best names the best checkpoint of a fit earlier in the same process, and a new hfmca "
+                "command has none: give the checkpoint's path (`hfmca fit` prints it as `best checkpoint:`), or last"
+            )
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
             # missing / corrupt / foreign: one line, before anything is built
             read_checkpoint(ckpt_path, missing_hint=" (or use `--ckpt_path last`: the run's newest)")
@@ -243,6 +258,16 @@ class HFMCACLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as error:  # an accelerator whose package is missing, ...
             raise ConfigurationError(f"trainer: {error}") from None
+        except RuntimeError as error:
+            if not str(error).startswith("Found more than one stateful callback"):
+                raise
+            message = f"trainer: {error} (trainer.callbacks+= adds to the config's callbacks)"
+            raise ConfigurationError(message, parameter="callbacks") from None
+        settings = self.config[self.subcommand] if self.subcommand else self.config
+        if settings["trainer"].get("sync_batchnorm") and isinstance(trainer.accelerator, CPUAccelerator):
+            raise ConfigurationError(
+                "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only; leave it out for a run on CPUs"
+            )
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         watch_ranks(trainer, failed_exit_status=1)  # the hfmca command's status for a failed run
@@ -271,6 +296,10 @@ class HFMCACLI(LightningCLI):
                 super()._run_subcommand(subcommand)
         except MisconfigurationException as error:
             if not _raised_by_lightning_alone(error):  # raised by code (a module's, a callback's): its traceback
+                raise
+            raise ConfigurationError(f"trainer: {error}") from None
+        except ValueError as error:  # --ckpt_path hpc without an HPC checkpoint
+            if "ckpt_path=" not in str(error) or not _raised_by_lightning_alone(error):
                 raise
             raise ConfigurationError(f"trainer: {error}") from None
         finally:
@@ -361,6 +390,7 @@ class HFMCACLI(LightningCLI):
                     f"checkpoint folder {folder} is a file: give ModelCheckpoint a dirpath that is a folder, or move "
                     "the file"
                 )
+            _check_writable(folder, "checkpoint folder", "give ModelCheckpoint another dirpath")
             self.run_folders.acquire(folder)
 
     def _check_log_folders(self) -> None:
@@ -377,6 +407,7 @@ class HFMCACLI(LightningCLI):
                     f"{type(logger).__name__} save_dir {folder}: {blocking} is a file, not a folder; give the logger "
                     "another save_dir, or move the file"
                 )
+            _check_writable(path, f"{type(logger).__name__} save_dir", "give the logger another save_dir")
 
     def _resume_checkpoint(self) -> Path | None:
         """The file ``--ckpt_path`` names; for ``last``, the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders
@@ -388,11 +419,31 @@ class HFMCACLI(LightningCLI):
             return Path(ckpt_path)
         newest = newest_last_checkpoint(self.trainer)
         if newest is None:
-            where = (
-                ", ".join(str(folder) for folder in sorted(checkpoint_folders(self.trainer, last_only=True)))
-                or "no checkpoint folder of this run: none of its ModelCheckpoint callbacks has both a dirpath and "
-                "save_last: true"
-            )
-            rank_zero_info(f"hfmca: no last checkpoint in {where}; starting a new run.")
+            rank_zero_info(f"hfmca: no last checkpoint in {self._last_folders()}; starting a new run.")
             self.config_init[self.subcommand]["ckpt_path"] = None
         return newest
+
+    def _last_folders(self) -> str:
+        """Where ``--ckpt_path last`` looks, in words."""
+        return (
+            ", ".join(str(folder) for folder in sorted(checkpoint_folders(self.trainer, last_only=True)))
+            or "no checkpoint folder of this run: none of its ModelCheckpoint callbacks has both a dirpath and "
+            "save_last: true"
+        )
+
+    def before_validate(self) -> None:
+        """``--ckpt_path last``: the run's newest ``last.ckpt``, checked as a path is; without one, one line (Lightning
+        would score the untrained weights and exit 0)."""
+        if str(self.config_init[self.subcommand].get("ckpt_path")) != "last":
+            return
+        newest = newest_last_checkpoint(self.trainer)
+        if newest is None:
+            raise ConfigurationError(
+                f"--ckpt_path last: no last checkpoint in {self._last_folders()}; {self.subcommand} scores a "
+                "checkpoint: give its path, or fit first"
+            )
+        read_checkpoint(newest, check_weights=True)
+        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
+
+    def before_test(self) -> None:
+        self.before_validate()

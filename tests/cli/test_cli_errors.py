@@ -95,6 +95,33 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         },
         "PreemptionCheckpoint: Invalid value for every_n_train_steps=-1. Must be >= 0",
     ),
+    # before: Lightning's ValueError and its traceback, exit status 1
+    (
+        "ckpt_path best",
+        lambda tmp, ckpt: ["--ckpt_path", "best"],
+        lambda tmp: {},
+        "--ckpt_path best names the best checkpoint of a fit earlier in the same process",
+    ),
+    (
+        "ckpt_path hpc without an HPC checkpoint",
+        lambda tmp, ckpt: ["--ckpt_path", "hpc"],
+        lambda tmp: {},
+        'trainer: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found',
+    ),
+    # before: a RuntimeError traceback, exit status 1
+    (
+        "a second KNNEvaluation",
+        lambda tmp, ckpt: ["--trainer.callbacks+=hfmca_lightning.callbacks.KNNEvaluation"],
+        lambda tmp: {},
+        "Found more than one stateful callback of type `KNNEvaluation`",
+    ),
+    # before: every process failed at the start of training, with advice to resume
+    (
+        "sync_batchnorm on CPUs",
+        lambda tmp, ckpt: ["--trainer.sync_batchnorm", "true"],
+        lambda tmp: {},
+        "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only",
+    ),
     (
         "projector output_dim 0",
         lambda tmp, ckpt: ["--model.init_args.projector.init_args.output_dim", "0"],
@@ -578,3 +605,52 @@ def test_a_diverged_last_checkpoint_is_refused_when_resumed_by_name(tmp_path, tr
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert f"{tmp_path / 'checkpoints' / 'last.ckpt'} holds weights that are not finite" in err.splitlines()[-1], err
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_scoring_the_last_checkpoint_of_a_run_without_one_is_one_line(command, tmp_path, capsys):
+    """``validate`` / ``test --ckpt_path last`` with no ``last.ckpt``: Lightning scored the untrained weights and
+    the command exited 0."""
+    overrides = tiny_overrides(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", str(DEMO), "--config", str(overrides), "--ckpt_path", "last"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.splitlines()[-1] == (
+        f"hfmca: error: --ckpt_path last: no last checkpoint in {tmp_path / 'checkpoints'}; {command} scores a "
+        "checkpoint: give its path, or fit first"
+    ), err
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_scoring_the_last_checkpoint_reads_the_runs_newest(command, tmp_path, trained_checkpoint, capsys):
+    """``--ckpt_path last`` scores the run's ``last.ckpt``: the metrics of its path given by name."""
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copy(trained_checkpoint, tmp_path / "checkpoints" / "last.ckpt")
+    overrides = tiny_overrides(tmp_path)
+    scores = []
+    for path in ("last", str(tmp_path / "checkpoints" / "last.ckpt")):
+        main(["-q", command, "--config", str(DEMO), "--config", str(overrides), "--ckpt_path", path])
+        scores.append(capsys.readouterr().out)
+    assert "top1" in scores[0] and scores[0] == scores[1], scores
+
+
+@pytest.mark.parametrize("folder", ["checkpoints", "logs"])
+def test_a_folder_the_run_cannot_write_is_one_line_before_training(folder, tmp_path, capsys, monkeypatch):
+    """A checkpoint folder or log save_dir without write permission: before, the first checkpoint failed after a
+    whole epoch. (Permissions are simulated: tests may run as root, who writes anywhere.)"""
+    import os
+
+    import hfmca_lightning.cli.trainer_cli as trainer_cli
+
+    (tmp_path / folder).mkdir()
+    allowed = os.access
+    monkeypatch.setattr(
+        trainer_cli.os, "access", lambda path, mode: Path(path) != tmp_path / folder and allowed(path, mode)
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert f"{tmp_path / folder} cannot be written" in err.splitlines()[-1], err
+    assert not list((tmp_path / "checkpoints").glob("*.ckpt")), "training started"

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hfmca_lightning.cli.verbosity as verbosity
+from hfmca_lightning.callbacks.optimizer_settings import ConfiguredOptimizerSettings
 from hfmca_lightning.callbacks.progress import CostProgressBar, EpochLines
 from hfmca_lightning.callbacks.run_state import RunState, saved_csv_log_dirs, saved_wandb_run_id
 from hfmca_lightning.callbacks.stored_config import StoredConfig
@@ -195,7 +196,7 @@ class HFMCACLI(LightningCLI):
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
-            trainer_defaults={"callbacks": [RunState(), StoredConfig()]},
+            trainer_defaults={"callbacks": [RunState(), StoredConfig(), ConfiguredOptimizerSettings()]},
             save_config_callback=AtomicSaveConfig,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={**no_exit, **{name: no_exit for name in SUBCOMMANDS}},

@@ -59,6 +59,34 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
 
 
+def _optimizer_state(path: Path) -> tuple[list[dict], dict]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]]
+    return groups, checkpoint["lr_schedulers"][0]
+
+
+def test_a_resumed_run_trains_with_the_learning_rate_and_length_of_its_config(tmp_path, caplog):
+    """Resumed with a tenth of the learning rate and a longer run (what the project's errors advise after a
+    divergence), the optimiser and cosine schedule are those of a run started with those settings, at the same
+    point: before, the checkpoint's settings were restored over the config's without a word."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    interrupted_fit(resumed, 1, "--trainer.max_epochs", "2")  # lr 0.002, cosine over 2 epochs
+    new = ["--trainer.max_epochs", "3", "--model.init_args.optimizer.init_args.lr", "0.0002"]
+    interrupted_fit(straight, 2, *new)
+    caplog.clear()
+    interrupted_fit(resumed, 2, *new, "--ckpt_path", "last")
+    assert "not the checkpoint's: lr 0.002 -> 0.0002, CosineAnnealingLR T_max 2 -> 3 (the schedule" in caplog.text
+    (expected_groups, expected_schedule), (groups, schedule) = (
+        _optimizer_state(folder / "checkpoints" / "last.ckpt") for folder in (straight, resumed)
+    )
+    assert schedule["T_max"] == expected_schedule["T_max"] == 3
+    for key in ("base_lrs", "_last_lr"):  # lr * (0.0002 / 0.002) against 0.0002 * the cosine: a few float64 units
+        assert schedule[key] == pytest.approx(expected_schedule[key], rel=1e-12)
+    for group, expected in zip(groups, expected_groups):
+        assert group["lr"] == pytest.approx(expected["lr"], rel=1e-12) and group["initial_lr"] == 0.0002
+        assert {k: v for k, v in group.items() if "lr" not in k} == {k: v for k, v in expected.items() if "lr" not in k}
+
+
 def test_bf16_mixed_precision_keeps_the_cost_in_float64(tmp_path):
     fit(tmp_path, "--trainer.precision", "bf16-mixed", "--trainer.log_every_n_steps", "1")
     costs = logged(tmp_path, "cost/external")

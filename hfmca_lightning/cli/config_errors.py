@@ -22,6 +22,15 @@ _CLASS_PATH = re.compile(r"^-?\s*Problem with given class_path '([^']+)':$")
 _UNKNOWN_OPTION = re.compile(r"^Option '([^']+)' is not accepted$")
 _NOT_IMPORTABLE = re.compile(r"^(?:module '[\w.]+' has no attribute '\w+'|No module named '[\w.]+')$")
 _UNRECOGNISED = re.compile(r"^(?:unrecognized arguments: --|Subcommand '\w+' does not accept option ')([\w.\[\]-]+)")
+_CALLABLE = re.compile(r"^-?\s*Type .+ expects a function or a callable class: (.*)$")
+_CALLABLE_CLASS = re.compile(r"Got value: Namespace\(class_path='([^']+)'")
+_GOT_NAMESPACE = re.compile(r"\.? Got value: Namespace\(.*$")
+_EXPECTED_TYPE = re.compile(r"^-?\s*Expected an? <class '([\w.]+)'>")
+_GIVEN_VALUE = re.compile(r"(?:Given|Got) value: (.*)$")
+_GIVEN_STRING = re.compile(r"^Given value: ([\w.]+)$")
+_NO_CLASS_PATH = re.compile(r"^Dict must include a class_path")
+# jsonargparse first tries a string for a class-typed key as a config file; the line after says why it is no class
+_NOT_A_PATH = re.compile(r"^-\s*Expected a path but [\w.]+ either not accessible or invalid$")
 _NOISE = (
     "Does not validate against any of the Union subtypes",
     "Subtypes:",
@@ -42,10 +51,20 @@ def describe_parser_error(message: str) -> str:
     path: list[str] = []
     class_path: str | None = None
     leaf = message.strip().splitlines()[-1].strip() if message.strip() else message
-    for raw in message.splitlines():
+    lines = message.splitlines()
+    for index, raw in enumerate(lines):
         line = raw.strip()
-        if not line or line.startswith(_NOISE):
+        if not line or line.startswith(_NOISE) or line.removeprefix("- ").startswith(_NOISE) or _NOT_A_PATH.match(line):
             continue
+        if match := _CALLABLE.match(line):
+            indent = len(raw) - len(raw.lstrip())
+            nested: list[str] = []
+            for inner in lines[index + 1 :]:
+                if inner.strip() and len(inner) - len(inner.lstrip()) <= indent:
+                    break
+                nested.append(inner.strip())
+            given = [found.group(1) for inner in lines[index + 1 :] if (found := _GIVEN_STRING.match(inner.strip()))]
+            return _describe_callable(".".join(path), match.group(1), nested, given[0] if given else None)
         if match := _PARSER_KEY.match(line):
             path.append(match.group(1))
             class_path = None
@@ -67,6 +86,48 @@ def describe_parser_error(message: str) -> str:
     return f"{key}: {leaf}" if key else leaf
 
 
+def _describe_callable(key: str, problem: str, nested: list[str], given: str | None = None) -> str:
+    """``<key>.init_args.<name>: <problem>`` for a key typed as a callable given by ``class_path`` / ``init_args``
+    (an optimizer, a learning-rate schedule; its first parameter, the parameters or the optimizer, is not
+    configured); ``given``: the class path given as a plain string."""
+    found = _CALLABLE_CLASS.search("\n".join([problem, *nested]))
+    class_path = found.group(1) if found else None
+    problem = _GOT_NAMESPACE.sub("", problem.strip())
+    if match := _PARSER_KEY.match(problem):
+        return f"{key}.init_args.{match.group(1)}: {_readable_value_error([match.group(2), *nested])}"
+    if match := _UNKNOWN_OPTION.match(problem):
+        valid = _parameters_of(class_path)[1:] if class_path else []
+        return _unknown_key(f"{key}.init_args", match.group(1), valid, class_path)
+    if _NOT_IMPORTABLE.match(problem):
+        return f"{key}: class_path {given + ' ' if given else ''}names no class ({problem})"
+    if _NO_CLASS_PATH.match(problem):
+        return f"{key}: init_args given without a class_path; set {key}.class_path (or `--{key} <class>`) first"
+    return f"{key}: {problem}"
+
+
+def _readable_value_error(lines: list[str]) -> str:
+    """``expected a float, got 'abc'`` from jsonargparse's report of a value of the wrong type (a union's included);
+    otherwise its first line."""
+    expected: list[str] = []
+    value: str | None = None
+    first: str | None = None
+    for raw in lines:
+        line = _GOT_NAMESPACE.sub("", raw.strip())
+        if not line or _NOT_A_PATH.match(line):
+            continue
+        if match := _EXPECTED_TYPE.match(line):
+            if match.group(1) != "NoneType" and match.group(1) not in expected:
+                expected.append(match.group(1))
+        if match := _GIVEN_VALUE.search(line):
+            value = match.group(1)
+        if first is None and not line.startswith(_NOISE):
+            first = line.removeprefix("- ")
+    if expected:
+        types = " or ".join(f"{'an' if name[0] in 'aeiou' else 'a'} {name}" for name in expected)
+        return f"expected {types}" + (f", got {value!r}" if value is not None else "")
+    return first or "invalid value"
+
+
 def _unknown_key(parent: str, name: str, valid: list[str], class_path: str | None = None) -> str:
     where = f" of {class_path.rsplit('.', 1)[-1]}" if class_path else ""
     prefix = f"{parent}." if parent else ""
@@ -74,6 +135,8 @@ def _unknown_key(parent: str, name: str, valid: list[str], class_path: str | Non
     close = difflib.get_close_matches(name, valid, n=1)
     if close:
         text += f"; did you mean {prefix}{close[0]}?"
+    elif valid:
+        text += "."
     if valid:
         listed = ", ".join(valid[:_MAX_LISTED]) + (", ..." if len(valid) > _MAX_LISTED else "")
         text += f" Valid keys here: {listed}"

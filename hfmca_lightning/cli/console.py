@@ -9,15 +9,17 @@
     hfmca export --ckpt_path runs/demo/checkpoints/last.ckpt --out exported/demo      # plain weights
     hfmca dashboard --entity E --project P                           # the W&B eigenvalue-dynamics view
     hfmca -q fit ... / hfmca -v analyze ...                          # quieter / more talkative
+    hfmca --version
 
 Exit status: 0 after the command's output; 2 for a mistake in the command line, the configuration, the data or a
 checkpoint, an input file that is missing, an output folder that cannot be written or (without ``--overwrite``)
 already holds files, or a checkpoint folder another live ``fit`` writes into (one line ``hfmca: error: <what, where,
-how to fix>``, before any training or other work); 1 for a command that fails mid-way (a NaN, a failed
-factorisation, a full disk or another operating-system error: one line naming the file; files are replaced whole,
-so what was there before stays); 130 after Ctrl-C (SIGINT: one line ``hfmca: interrupted``; ``fit``
-first shuts down as Lightning does); 143 after SIGTERM (``fit`` first writes a checkpoint). In every case the
-command's data-loader workers are stopped before it exits (:mod:`hfmca_lightning.runtime.workers`).
+how to fix>``, before any training or other work; a missing or unknown command: the commands there are and the
+closest one); 1 for a command that fails mid-way (a NaN, a failed factorisation, a full disk or another
+operating-system error: one line naming the file; files are replaced whole, so what was there before stays); 130
+after Ctrl-C (SIGINT: one line ``hfmca: interrupted``; ``fit`` first shuts down as Lightning does); 143 after
+SIGTERM (``fit`` first writes a checkpoint). In every case the command's data-loader workers are stopped before it
+exits (:mod:`hfmca_lightning.runtime.workers`).
 
 Output: ``fit`` prints Lightning's usual lines (without its advertisements), a bar on a terminal and a line per
 epoch in a log; the commands that train nothing print only their own lines and results (``validate`` / ``test``: a
@@ -31,7 +33,9 @@ On Linux with glibc and no CUDA device the command first sets malloc to keep fre
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import signal
 import sys
 import threading
@@ -56,6 +60,10 @@ EXIT_CONFIGURATION, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SIGTERM = 2, 1, 128 + 2,
 ANALYSIS_COMMANDS = ("analyze", "compare")
 EVALUATION_COMMANDS = ("linear", "knn")
 LIGHTNING_COMMANDS = ("fit", "validate", "test")  # run by LightningCLI
+COMMANDS = (*LIGHTNING_COMMANDS, "predict", *ANALYSIS_COMMANDS, *EVALUATION_COMMANDS, "export", "dashboard")
+PACKAGE = "hfmca_lightning"
+_NO_SUBCOMMAND = re.compile(r'^expected "subcommand" to be one of .* but it was not provided')
+_INVALID_SUBCOMMAND = re.compile(r"^argument subcommand: invalid choice: '([^']*)'")
 
 
 _RESEND_AFTER_S = 0.05  # a signal Python dropped is sent again once the code that dropped it has returned
@@ -132,6 +140,11 @@ def main(args: list[str] | None = None) -> None:
     while argv[:1] in (["-q"], ["--quiet"], ["-v"], ["--verbose"]):
         level = verbosity.QUIET if argv.pop(0) in ("-q", "--quiet") else verbosity.VERBOSE
     command = argv[0] if argv else ""
+    if command == "--version":
+        print(f"hfmca {_version()}")
+        return
+    if not command or not (command.startswith("-") or command in COMMANDS):
+        _exit(f"hfmca: error: {_unknown_command(command)}", EXIT_CONFIGURATION)
     verbosity.configure(level, trains=command == "fit")
     keep_freed_memory_for_cpu_runs()  # CPU steps without page faults (hfmca_lightning.runtime.cpu_memory)
     if argv[:1] in (["-h"], ["--help"]):
@@ -153,7 +166,7 @@ def main(args: list[str] | None = None) -> None:
         line = f"hfmca: error: {_original_message(error)}"
         _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
-        _exit(f"hfmca: error: {describe_parser_error(str(error))}", EXIT_CONFIGURATION)
+        _exit(f"hfmca: error: {_describe_argument_error(str(error))}", EXIT_CONFIGURATION)
     except (CostFactorisationError, NonFiniteStepError, CollapseError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
@@ -174,6 +187,35 @@ def main(args: list[str] | None = None) -> None:
         raise
     finally:
         shutdown_workers()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        return "(version unknown: the package is not installed)"
+
+
+def _unknown_command(command: str) -> str:
+    """What to say for a missing or unknown command: the closest command, and all of them."""
+    usage = f"usage: hfmca [-q | -v] <command> [options], with <command> one of {', '.join(COMMANDS)}"
+    after = " (`hfmca <command> --help` lists its options; `hfmca --version` the version)."
+    if not command:
+        return f"no command given; {usage}{after}"
+    close = difflib.get_close_matches(command, COMMANDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else "."
+    return f"unknown command {command!r}{hint} Commands: {', '.join(COMMANDS)}{after}"
+
+
+def _describe_argument_error(message: str) -> str:
+    """One line for a mistake in the command line; a missing or unknown command (options before it) lists all."""
+    if _NO_SUBCOMMAND.match(message):
+        return _unknown_command("")
+    if match := _INVALID_SUBCOMMAND.match(message):
+        return _unknown_command(match.group(1))
+    return describe_parser_error(message)
 
 
 def _run(command: str, argv: list[str], args: list[str] | None) -> None:

@@ -7,8 +7,10 @@
 
 Both use the run's DataModule evaluation splits (the labelled train split and the test split, without
 augmentation, exactly what :class:`~hfmca_lightning.callbacks.KNNEvaluation` uses) and write a JSON file
-and a Markdown table to ``--out`` (default: ``<run dir>/evaluation``), each file atomically, the JSON last. Both
-commands may share a folder; a command whose own files are already there is refused unless ``--overwrite`` is given.
+and a Markdown table to ``--out`` (default: ``<run dir>/evaluation`` for a checkpoint in the run's ``checkpoints``
+folder, else ``evaluation`` beside the checkpoint), each file atomically, the JSON last. Both commands may share a
+folder; a command whose own files are already there is refused unless ``--overwrite`` is given. Fine-tuning reports its
+progress as ``hfmca fit`` does: a bar on a terminal, a line per epoch in a log file or a pipe, nothing with ``-q``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
+from hfmca_lightning.cli.trainer_cli import progress_report
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
@@ -46,8 +49,10 @@ def default_device() -> str:
 
 
 def default_out(ckpt_path: str | Path) -> Path:
-    """``<run dir>/evaluation`` for ``<run dir>/checkpoints/<name>.ckpt``."""
-    return Path(ckpt_path).resolve().parent.parent / "evaluation"
+    """``<run dir>/evaluation`` for ``<run dir>/checkpoints/<name>.ckpt``; ``evaluation`` beside a checkpoint kept
+    anywhere else (never in the folder above it, which may hold other runs or none)."""
+    folder = Path(ckpt_path).resolve().parent
+    return (folder.parent if folder.name == "checkpoints" else folder) / "evaluation"
 
 
 def split_features(
@@ -194,11 +199,14 @@ def _finetune(
         backbone.train(), int(feature_dim), datamodule.num_classes, lr=lr, batch_size=datamodule.batch_size
     )
     accelerator, devices = trainer_device(device)
+    enable_progress_bar, callbacks = progress_report()
     trainer = Trainer(
         max_epochs=epochs,
         accelerator=accelerator,
         devices=devices,
         logger=False,
+        enable_progress_bar=enable_progress_bar,
+        callbacks=callbacks,
         enable_checkpointing=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -262,7 +270,12 @@ def run_evaluation_command(argv: list[str]) -> None:
     knn = commands.add_parser("knn", help="kNN top-1 on the test split over a grid of k and temperature")
     for sub in (linear, knn):
         sub.add_argument("--ckpt_path", required=True)
-        sub.add_argument("--out", default=None, help="output folder (default: <run dir>/evaluation)")
+        sub.add_argument(
+            "--out",
+            default=None,
+            help="output folder (default: <run dir>/evaluation; for a checkpoint outside a checkpoints/ folder, "
+            "evaluation beside it)",
+        )
         sub.add_argument(
             "--overwrite", action="store_true", help="replace this command's files of an earlier run in --out"
         )

@@ -9,9 +9,11 @@ Writes ``backbone.pt`` (a ``state_dict``: tensors and plain extra state such as 
 normalisation, how to load it, the SHA-256 of each file written with it) and, with ``--embeddings``,
 ``embeddings_<split>.npz`` (``features (N, D)`` float32, ``labels (N,)``).
 
-A non-empty ``--out`` is refused unless ``--overwrite`` is given. Every file is written in full beside its target
-before any is renamed into place, ``backbone.json`` last: a full disk or a crash mid-way leaves the previous export
-as it was (:class:`~hfmca_lightning.runtime.files.StagedFiles`).
+A non-empty ``--out`` is refused unless ``--overwrite`` is given; with it, an ``embeddings_<split>.npz`` of an
+earlier export that this one does not write is removed (its features are another checkpoint's). Every file is written
+in full beside its target before any is renamed into place, ``backbone.json`` last, and the earlier embeddings are
+removed only once every new file is written: a full disk or a crash mid-way leaves the previous export as it was
+(:class:`~hfmca_lightning.runtime.files.StagedFiles`).
 
 torchvision backbones (``CIFARResNet18``, ``TorchvisionBackbone``) load into the stock torchvision model
 with its classifier replaced by ``nn.Identity()`` (and, for the CIFAR stem, a 3x3 stride-1 ``conv1`` and
@@ -42,6 +44,8 @@ from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
 from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["export_backbone", "backbone_description", "run_export_command"]
+
+SPLITS = ("train", "test")
 
 TORCHVISION_LOAD = """import torch, torchvision
 from torch import nn
@@ -139,7 +143,8 @@ def export_backbone(
 ) -> Path:
     """Write ``backbone.pt``, ``backbone.json`` and, for each split in ``embeddings`` (``train``: the labelled
     training split; ``test``), ``embeddings_<split>.npz``; all of them or, on failure, none (the files there before
-    stay). Returns the JSON's path."""
+    stay). An ``embeddings_<split>.npz`` already in ``out`` that is not written now goes with the earlier export.
+    Returns the JSON's path."""
     ckpt_path, out = Path(ckpt_path), Path(out)
     checkpoint = read_checkpoint(ckpt_path)
     module, datamodule = load_run(ckpt_path, config_path, checkpoint=checkpoint)
@@ -180,6 +185,9 @@ def export_backbone(
                 written[name] = files.write(out / name, save)
         description["sha256"] = {name: _sha256(path) for name, path in written.items()}
         files.write_text(out / "backbone.json", json.dumps(description, indent=1))  # last: it describes the others
+        for split in SPLITS:  # an earlier export's embeddings, of another checkpoint: gone as the new files go in
+            if f"embeddings_{split}.npz" not in written:
+                (out / f"embeddings_{split}.npz").unlink(missing_ok=True)
     return out / "backbone.json"
 
 
@@ -206,7 +214,7 @@ def run_export_command(argv: list[str]) -> None:
     parser.add_argument(
         "--embeddings",
         nargs="*",
-        choices=["train", "test"],
+        choices=list(SPLITS),
         default=None,
         help="also write features and labels of these splits (no value: both)",
     )
@@ -215,8 +223,10 @@ def run_export_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.config is not None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
+    if not Path(args.ckpt_path).is_file():
+        read_checkpoint(args.ckpt_path)  # missing, or a folder: one line, before the output folder is made
     check_out(args.out, args.overwrite)
-    splits = ["train", "test"] if args.embeddings == [] else args.embeddings
+    splits = list(SPLITS) if args.embeddings == [] else args.embeddings
     splits = None if splits is None else list(dict.fromkeys(splits))  # `train train`: one file, written once
     path = export_backbone(args.ckpt_path, args.out, embeddings=splits, device=args.device, config_path=args.config)
     print(f"wrote {path.parent}")

@@ -107,6 +107,15 @@ def _raised_by_lightning_alone(error: BaseException) -> bool:
     return bool(below) and all(any(part in name for part in _LIGHTNING) for name in below)
 
 
+def progress_report() -> tuple[bool, list[Callback]]:
+    """``(enable_progress_bar, callbacks)`` of a trainer an ``hfmca`` command runs: on a terminal the costs on the bar
+    without a host read per step (:class:`CostProgressBar`); in a log file or a pipe, where a bar's redraws pile up, a
+    line per epoch (:class:`EpochLines`); nothing with ``-q``."""
+    if verbosity.quiet():
+        return False, []
+    return True, [CostProgressBar() if verbosity.draws_bars(sys.stdout) else EpochLines()]
+
+
 def _check_writable(folder: Path, what: str, instead: str) -> None:
     """One line before training when ``folder`` (or, not made yet, the nearest folder above it) cannot be written:
     else the first checkpoint or log row fails, an epoch later."""
@@ -275,20 +284,14 @@ class HFMCACLI(LightningCLI):
         return trainer
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        # Unless the config has a bar of its own: on a terminal the costs on the bar without a host read per step
-        # (CostProgressBar); in a log file or a pipe, where a bar's redraws pile up, a line per epoch (EpochLines);
-        # nothing with -q.
+        # Unless the config has a bar of its own: progress_report's.
         given = config.get("callbacks") or []
         configured = [*(given if isinstance(given, list) else [given]), *callbacks]
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(callback, ProgressBar) for callback in configured
         ):
-            if verbosity.quiet():
-                config = {**config, "enable_progress_bar": False}
-            elif verbosity.draws_bars(sys.stdout):
-                callbacks = [*callbacks, CostProgressBar()]
-            else:
-                callbacks = [*callbacks, EpochLines()]
+            enable_progress_bar, reports = progress_report()
+            config, callbacks = {**config, "enable_progress_bar": enable_progress_bar}, [*callbacks, *reports]
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:

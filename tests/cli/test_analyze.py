@@ -263,6 +263,36 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert "hfmca: error: checkpoint not found" in err and "last" not in err, err
 
 
+@pytest.mark.parametrize("command", ["analyze", "compare a", "compare b"])
+def test_a_missing_checkpoint_names_its_option_and_creates_no_out_folder(tmp_path, capsys, command):
+    """The checkpoint is checked before ``--out`` is made: a mistyped path leaves no empty folder behind, and
+    ``compare``'s line names the option that was wrong."""
+    present, missing, out = tmp_path / "present.ckpt", tmp_path / "nothere.ckpt", tmp_path / "out" / "analysis"
+    present.write_bytes(b"")
+    arguments, option = {
+        "analyze": (["analyze", "--ckpt_path", str(missing)], "--ckpt_path"),
+        "compare a": (["compare", "--ckpt_a", str(missing), "--ckpt_b", str(present)], "--ckpt_a"),
+        "compare b": (["compare", "--ckpt_a", str(present), "--ckpt_b", str(missing)], "--ckpt_b"),
+    }[command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*arguments, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.strip() == f"hfmca: error: checkpoint not found: {missing}. Check {option}."
+    assert not (tmp_path / "out").exists()
+
+
+def test_analyze_says_how_many_test_images_of_the_class_it_draws(checkpoints, tmp_path, capsys):
+    """``--num_images`` above the class's test images: the line gives the count drawn, not the count asked for."""
+    _, datamodule = load_run(checkpoints["selfsupervised"])
+    available = len(figure_images(datamodule, 20, target=3)[0])
+    assert available < 20
+    arguments = ["--out", str(tmp_path / "a"), "--num_batches", "1", "--num_images", "20", "--image_class", "3"]
+    main(["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), *arguments])
+    err = capsys.readouterr().err
+    assert f"hfmca: density-ratio heatmaps and basis functions of {available} test images\n" in err, err
+
+
 def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):
     """A baseline's checkpoint compares with an HFMCA one at the same backbone modules (by name)."""
     out = tmp_path / "hfmca_vs_simclr"

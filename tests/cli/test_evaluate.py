@@ -101,6 +101,29 @@ def test_exported_embeddings_are_the_features_and_labels_of_each_split(simclr_ru
     assert saved["features"].shape == (12, 512)  # 4 classes x 3 test images
 
 
+def test_export_with_overwrite_removes_the_earlier_exports_embeddings(simclr_run, tmp_path):
+    """An earlier export's ``embeddings_*.npz`` hold another checkpoint's features: an ``--overwrite`` export that
+    does not write them removes them, so the folder holds what ``backbone.json`` describes."""
+    out = tmp_path / "export"
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(out), "--embeddings"])
+    (out / "notes.txt").write_text("kept")  # not a file export writes: left alone
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(out), "--overwrite", "--embeddings", "test"])
+    assert sorted(path.name for path in out.iterdir()) == [
+        "backbone.json", "backbone.pt", "embeddings_test.npz", "notes.txt"
+    ]  # fmt: skip
+    main(["export", "--ckpt_path", str(simclr_run), "--out", str(out), "--overwrite"])
+    assert sorted(path.name for path in out.iterdir()) == ["backbone.json", "backbone.pt", "notes.txt"]
+    assert sorted(json.loads((out / "backbone.json").read_text())["sha256"]) == ["backbone.pt"]
+
+
+def test_export_of_a_missing_checkpoint_creates_no_out_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--ckpt_path", str(tmp_path / "nothere.ckpt"), "--out", str(tmp_path / "out" / "e")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("hfmca: error: checkpoint not found: "), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_package_backbones_export_with_their_init_args(tmp_path):
     """A run of the tiny demo model: the JSON names the class and its arguments, and they rebuild it."""
     main(
@@ -148,6 +171,20 @@ def test_knn_and_linear_write_into_the_runs_evaluation_folder_and_refuse_only_th
     written = (evaluation / "knn.json").stat().st_mtime_ns
     main(["knn", "--ckpt_path", str(checkpoint), "--k", "5", "--overwrite"])
     assert (evaluation / "knn.json").stat().st_mtime_ns != written
+
+
+def test_a_checkpoint_outside_a_checkpoints_folder_is_evaluated_into_a_folder_beside_it(simclr_run, tmp_path, capsys):
+    """evaluation.md: ``<run dir>/evaluation`` only for ``<run dir>/checkpoints/*.ckpt``; a checkpoint kept elsewhere
+    gets ``evaluation`` beside it, never a folder above it (which may be a shared one such as /tmp)."""
+    import shutil
+
+    checkpoint = tmp_path / "downloads" / "model.ckpt"
+    checkpoint.parent.mkdir()
+    shutil.copy(simclr_run, checkpoint)
+    main(["knn", "--ckpt_path", str(checkpoint), "--k", "5"])
+    evaluation = tmp_path / "downloads" / "evaluation"
+    assert (evaluation / "knn.json").is_file() and not (tmp_path / "evaluation").exists()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {evaluation}"
 
 
 def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_path, capsys):
@@ -217,6 +254,34 @@ def test_finetuning_trains_the_backbone_on_the_chosen_labels(simclr_run):
         if key.endswith("weight") and not torch.equal(value, before[key])
     ]
     assert "net.conv1.weight" in changed and "net.layer4.1.conv2.weight" in changed
+
+
+@pytest.mark.parametrize(
+    ("level", "terminal", "shown"),
+    [(None, False, "epoch lines"), ("-q", False, "nothing"), ("-q", True, "nothing"), (None, True, "bar")],
+)
+def test_finetuning_progress_follows_the_output_and_the_verbosity(
+    simclr_run, tmp_path, monkeypatch, capsys, level, terminal, shown
+):
+    """As ``hfmca fit``: a bar on a terminal, a line per epoch in a log file or a pipe (a bar's redraws would pile up
+    there), nothing with -q."""
+    import hfmca_lightning.cli.verbosity as verbosity
+
+    monkeypatch.setattr(verbosity, "draws_bars", lambda stream: terminal)
+    arguments = ["linear", "--ckpt_path", str(simclr_run), "--out", str(tmp_path / "f"), "--finetune", "--epochs", "2"]
+    main([*([level] if level else []), *arguments])
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[-2].startswith("full fine-tuning, 100% of the labels: top-1 ") and lines[-1].startswith("wrote ")
+    bar = "Epoch 0" in captured.out or "Epoch 0" in captured.err
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    if shown == "bar":
+        assert bar and not epochs, captured
+    else:
+        assert not bar and "%|" not in captured.out + captured.err, captured
+        assert [line.split(":")[0] for line in epochs] == (["epoch 1/2", "epoch 2/2"] if shown == "epoch lines" else [])
+    if level == "-q":
+        assert lines[:-2] == [] and captured.err == "", captured
 
 
 @pytest.mark.parametrize(

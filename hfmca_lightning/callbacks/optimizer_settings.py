@@ -2,40 +2,63 @@
 
 from __future__ import annotations
 
-import math
+import inspect
+from collections import Counter
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.optim.lr_scheduler import CosineAnnealingLR
+from torch.optim.lr_scheduler import LambdaLR
+
+from hfmca_lightning.errors import ConfigurationError
 
 __all__ = ["ConfiguredOptimizerSettings"]
 
-# A scheduler's state that says where it is, not how it was configured: restored from the checkpoint as it is.
-_PROGRESS = frozenset({"last_epoch", "base_lrs", "lr_lambdas"})
-_PLAIN = (int, float, bool, str, tuple, type(None))
+_NOT_SETTINGS = frozenset({"self", "optimizer", "last_epoch", "verbose"})  # a scheduler's arguments that set no rate
+_CYCLED = ("momentum", "betas")  # group settings that schedulers with cycle_momentum (OneCycleLR, CyclicLR) set
 
 
-def _differs(restored: Any, configured: Any) -> bool:
-    """Whether two plain setting values differ (tensors and other objects are left as restored)."""
-    return isinstance(restored, _PLAIN) and isinstance(configured, _PLAIN) and restored != configured
+def _same(restored: Any, configured: Any) -> bool:
+    """Whether a restored setting equals the configured one (tuples and lists alike; values that cannot be compared
+    count as equal: they are left as restored)."""
+    if isinstance(restored, torch.Tensor) or isinstance(configured, torch.Tensor):
+        return True
+    if isinstance(restored, (list, tuple)) and isinstance(configured, (list, tuple)):
+        return list(restored) == list(configured)
+    if isinstance(restored, (int, float, bool, str, type(None), Counter, dict)):
+        return bool(restored == configured)
+    return True
 
 
-def _initial_lr(group: dict[str, Any]) -> Any:
-    """A parameter group's learning rate before any schedule (``initial_lr``, which a scheduler sets), else ``lr``."""
-    return group.get("initial_lr", group.get("lr"))
+def _settings(scheduler: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a scheduler's ``state`` that are arguments of its class (``T_max``, ``step_size``, ...), not
+    where it is (``last_epoch``, ``T_cur``, ...)."""
+    names = set(inspect.signature(type(scheduler).__init__).parameters) - _NOT_SETTINGS
+    return {name: value for name, value in state.items() if name in names}
+
+
+def _rates(scheduler: Any) -> list[float] | None:
+    """The rates of ``scheduler`` at its ``last_epoch`` from its settings alone, or None where it has no closed form."""
+    if isinstance(scheduler, LambdaLR):
+        return [
+            float(base * rule(scheduler.last_epoch)) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+        ]
+    closed_form = getattr(scheduler, "_get_closed_form_lr", None)  # torch's step, cosine, linear, ... schedules
+    return list(closed_form()) if callable(closed_form) else None
 
 
 class ConfiguredOptimizerSettings(Callback):
     """When a fit resumes, Lightning restores each optimiser's and scheduler's state over the ones the config built,
     settings included, so a learning rate, weight decay or run length changed for the resumed run would be ignored.
-    This callback notes the settings as built (``on_fit_start``, before the restore) and, resumed, puts them back
-    (``on_train_start``): a changed learning rate scales the restored schedule (each group's ``lr`` and
-    ``initial_lr`` and its schedulers' ``base_lrs`` by new / old initial rate: the schedule goes on where it was, at
-    the new scale); other group settings (``weight_decay``, ``momentum``, ``betas``, ...) and scheduler settings
-    (``T_max``, ``eta_min``, ...) take the config's values, a cosine's learning rate then the new cosine's at the run's
-    point. One line says what changed; with nothing changed a resumed
-    run stays exact. The ``hfmca`` CLI adds it to every run."""
+    This callback notes the settings as built (``on_fit_start``, before the restore) and, resumed, puts back those
+    that changed (``on_train_start``): a group's initial learning rate (its schedulers' ``base_lrs``), the optimiser's
+    own settings (``weight_decay``, ``momentum``, ``betas``, ... but those a schedule cycles), and the schedulers'
+    arguments (``T_max``, ``step_size``, ``max_epochs`` of lightly's warm-up cosine, ...); the rate is then the new
+    schedule's at the run's point, as a run started with these settings would have it. A change to a schedule without
+    a closed form (warm restarts, one-cycle, chained) is one ``ConfigurationError``; schedulers without ``base_lrs``
+    (``ReduceLROnPlateau``) are left as restored. One line says what changed; with nothing changed nothing is touched,
+    and a resumed run stays exact. The ``hfmca`` CLI adds it to every run."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,45 +75,66 @@ class ConfiguredOptimizerSettings(Callback):
         built, self._built = self._built, None
         if built is None or trainer.ckpt_path is None:
             return
-        built_groups, built_schedulers = built
+        built_groups, built_states = built
+        configs = trainer.lr_scheduler_configs
+        scheduler_states = {id(config.scheduler): state for config, state in zip(configs, built_states)}
         changes: list[str] = []
         for optimizer, groups in zip(trainer.optimizers, built_groups):
             schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
-            for number, (group, configured) in enumerate(zip(optimizer.param_groups, groups)):
-                old, new = _initial_lr(group), _initial_lr(configured)
-                if _differs(old, new) and old:
-                    factor = new / old
-                    group["lr"] = group["lr"] * factor
-                    if "initial_lr" in group:
-                        group["initial_lr"] = new
-                    for scheduler in schedulers:
-                        scheduler.base_lrs[number] = scheduler.base_lrs[number] * factor
-                        last = getattr(scheduler, "_last_lr", None)
-                        if last is not None:
-                            last[number] = group["lr"]
-                    changes.append(f"lr {old:g} -> {new:g}")
-                for key, value in configured.items():
-                    if key not in ("lr", "initial_lr") and _differs(group.get(key), value):
-                        changes.append(f"{key} {group.get(key)} -> {value}")
-                        group[key] = value
-        for config, state in zip(trainer.lr_scheduler_configs, built_schedulers):
-            scheduler, changed = config.scheduler, False
-            for key, value in state.items():
-                if key not in _PROGRESS and not key.startswith("_") and _differs(getattr(scheduler, key), value):
-                    changes.append(f"{type(scheduler).__name__} {key} {getattr(scheduler, key)} -> {value}")
-                    setattr(scheduler, key, value)
-                    changed = True
-            if changed and isinstance(scheduler, CosineAnnealingLR):  # where the new cosine is at this point
-                position = math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)
-                rates = [
-                    scheduler.eta_min + (base - scheduler.eta_min) * (1 + position) / 2 for base in scheduler.base_lrs
-                ]
-                for group, rate in zip(scheduler.optimizer.param_groups, rates):
-                    group["lr"] = rate
-                scheduler._last_lr = rates
+            if any(not hasattr(scheduler, "base_lrs") for scheduler in schedulers):
+                continue  # ReduceLROnPlateau, chained schedules: their state is their own
+            changes += self._apply(optimizer, groups, schedulers, scheduler_states)
         if changes:
             rank_zero_info(
                 "resumed with the config's optimiser settings, not the checkpoint's: "
                 + ", ".join(dict.fromkeys(changes))
-                + " (the schedule goes on from where it was)"
+                + " (the schedule goes on from the run's point)"
             )
+
+    @staticmethod
+    def _apply(
+        optimizer: torch.optim.Optimizer,
+        groups: list[dict[str, Any]],
+        schedulers: list[Any],
+        scheduler_states: dict[int, dict[str, Any]],
+    ) -> list[str]:
+        """Put the configured settings of one optimiser and its schedulers back; what changed, in words."""
+        changes: list[str] = []  # in words
+        rate_changed = False  # the schedule's rate must be recomputed
+        cycled = any(getattr(scheduler, "cycle_momentum", False) for scheduler in schedulers)
+        for number, (group, configured) in enumerate(zip(optimizer.param_groups, groups)):
+            for key in optimizer.defaults:
+                if key == "lr" or (cycled and key in _CYCLED) or key not in configured:
+                    continue
+                if not _same(group.get(key), configured[key]):
+                    changes.append(f"{key} {group.get(key)} -> {configured[key]}")
+                    group[key] = configured[key]
+            old, new = group.get("initial_lr", group["lr"]), configured.get("initial_lr", configured["lr"])
+            if not _same(old, new):
+                changes.append(f"lr {old:g} -> {new:g}")
+                rate_changed = True
+                if not schedulers:
+                    group["lr"] = new
+                if "initial_lr" in group:
+                    group["initial_lr"] = new
+                for scheduler in schedulers:
+                    scheduler.base_lrs[number] = new
+        for scheduler in schedulers:
+            settings = _settings(scheduler, scheduler_states.get(id(scheduler), {}))
+            altered = [name for name, value in settings.items() if not _same(getattr(scheduler, name, value), value)]
+            name = type(scheduler).__name__
+            changes += [f"{name} {key} {getattr(scheduler, key)} -> {settings[key]}" for key in altered]
+            for key in altered:
+                setattr(scheduler, key, settings[key])
+            if not (rate_changed or altered):
+                continue
+            rates = _rates(scheduler) if len(schedulers) == 1 else None
+            if rates is None:
+                raise ConfigurationError(
+                    f"resuming cannot carry {', '.join(changes)} into {name}'s schedule from the run's point: resume "
+                    "with the checkpoint's optimiser and schedule settings, or start a new run"
+                )
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
+            scheduler._last_lr = list(rates)  # what get_last_lr() and Lightning's LearningRateMonitor read
+        return changes

@@ -80,7 +80,7 @@ def test_a_resumed_run_trains_with_the_learning_rate_and_length_of_its_config(tm
         _optimizer_state(folder / "checkpoints" / "last.ckpt") for folder in (straight, resumed)
     )
     assert schedule["T_max"] == expected_schedule["T_max"] == 3
-    for key in ("base_lrs", "_last_lr"):  # lr * (0.0002 / 0.002) against 0.0002 * the cosine: a few float64 units
+    for key in ("base_lrs", "_last_lr"):  # the cosine's closed form against torch's recursive one: float64 rounding
         assert schedule[key] == pytest.approx(expected_schedule[key], rel=1e-12)
     for group, expected in zip(groups, expected_groups):
         assert group["lr"] == pytest.approx(expected["lr"], rel=1e-12) and group["initial_lr"] == 0.0002

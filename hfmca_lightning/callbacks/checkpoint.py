@@ -41,7 +41,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
         if len(args) > len(names):
             raise TypeError(f"PreemptionCheckpoint takes at most {len(names)} positional arguments; got {len(args)}")
         positional = dict(zip(names, args))  # by name: a seventh one is save_on_exception, not a second value of it
-        twice = sorted(positional.keys() & kwargs.keys())
+        twice = sorted(positional.keys() & {*kwargs, *(["save_on_exception"] if save_on_exception is not True else [])})
         if twice:
             raise TypeError(f"PreemptionCheckpoint got {', '.join(twice)} twice, by position and by keyword")
         kwargs.update(positional, save_on_exception=positional.get("save_on_exception", save_on_exception))

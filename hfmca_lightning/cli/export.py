@@ -12,7 +12,7 @@ normalisation, how to load it, the SHA-256 of each file written with it) and, wi
 A non-empty ``--out`` is refused unless ``--overwrite`` is given; with it, an ``embeddings_<split>.npz`` of an
 earlier export that this one does not write is removed (its features are another checkpoint's). Every file is written
 in full beside its target before any is renamed into place, ``backbone.json`` last, and the earlier embeddings are
-removed only once every new file is written: a full disk or a crash mid-way leaves the previous export as it was
+removed only once every new file is in place: a full disk or a crash mid-way leaves the previous export as it was
 (:class:`~hfmca_lightning.runtime.files.StagedFiles`).
 
 torchvision backbones (``CIFARResNet18``, ``TorchvisionBackbone``) load into the stock torchvision model
@@ -185,9 +185,9 @@ def export_backbone(
                 written[name] = files.write(out / name, save)
         description["sha256"] = {name: _sha256(path) for name, path in written.items()}
         files.write_text(out / "backbone.json", json.dumps(description, indent=1))  # last: it describes the others
-        for split in SPLITS:  # an earlier export's embeddings, of another checkpoint: gone as the new files go in
-            if f"embeddings_{split}.npz" not in written:
-                (out / f"embeddings_{split}.npz").unlink(missing_ok=True)
+    for split in SPLITS:  # an earlier export's embeddings, of another checkpoint: gone once the new files are in place
+        if f"embeddings_{split}.npz" not in written:
+            (out / f"embeddings_{split}.npz").unlink(missing_ok=True)
     return out / "backbone.json"
 
 

@@ -274,7 +274,8 @@ class HFMCACLI(LightningCLI):
             message = f"trainer: {error} (trainer.callbacks+= adds to the config's callbacks)"
             raise ConfigurationError(message, parameter="callbacks") from None
         settings = self.config[self.subcommand] if self.subcommand else self.config
-        if settings["trainer"].get("sync_batchnorm") and isinstance(trainer.accelerator, CPUAccelerator):
+        fitting = self.subcommand == "fit"  # the only command that converts BatchNorm layers
+        if fitting and settings["trainer"].get("sync_batchnorm") and isinstance(trainer.accelerator, CPUAccelerator):
             raise ConfigurationError(
                 "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only; leave it out for a run on CPUs"
             )
@@ -441,6 +442,8 @@ class HFMCACLI(LightningCLI):
         if str(self.config_init[self.subcommand].get("ckpt_path")) != "last":
             return
         newest = newest_last_checkpoint(self.trainer)
+        if newest is None and not checkpoint_folders(self.trainer, last_only=True):
+            return  # no local folder to look in (a remote dirpath, a logger's version folder): Lightning's lookup
         if newest is None:
             raise ConfigurationError(
                 f"--ckpt_path last: no last checkpoint in {self._last_folders()}; {self.subcommand} scores a "

@@ -123,3 +123,8 @@ def test_a_setting_model_checkpoint_refuses_is_one_configuration_error(tmp_path:
 
     with pytest.raises(ConfigurationError, match="PreemptionCheckpoint: Invalid value for every_n_train_steps=-1"):
         PreemptionCheckpoint(dirpath=tmp_path, every_n_train_steps=-1)
+
+
+def test_save_on_exception_given_by_position_and_by_keyword_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="save_on_exception twice"):
+        PreemptionCheckpoint(str(tmp_path), None, "loss", False, True, 1, True, save_on_exception=False)

@@ -115,7 +115,7 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         lambda tmp: {},
         "Found more than one stateful callback of type `KNNEvaluation`",
     ),
-    # before: every process failed at the start of training, with advice to resume
+    # before: ignored on one process; under DDP every process failed at the start of training, with advice to resume
     (
         "sync_batchnorm on CPUs",
         lambda tmp, ckpt: ["--trainer.sync_batchnorm", "true"],

@@ -16,9 +16,11 @@ from torch.optim import SGD, Adam
 from torch.optim.lr_scheduler import (
     CosineAnnealingLR,
     CosineAnnealingWarmRestarts,
+    LinearLR,
     MultiStepLR,
     OneCycleLR,
     ReduceLROnPlateau,
+    SequentialLR,
     StepLR,
 )
 
@@ -26,6 +28,11 @@ from hfmca_lightning.callbacks import ConfiguredOptimizerSettings
 from hfmca_lightning.errors import ConfigurationError
 
 Build = Callable[[dict[str, Any]], tuple[torch.optim.Optimizer, Any]]
+
+
+def sequential(optimizer: torch.optim.Optimizer, T_max: int) -> SequentialLR:  # noqa: N803 - torch's name
+    """A linear warm-up over 3 steps, then a cosine over ``T_max``."""
+    return SequentialLR(optimizer, [LinearLR(optimizer, 0.1, 1.0, 3), CosineAnnealingLR(optimizer, T_max)], [3])
 
 
 def build(optimizer: type, scheduler: type | None, optimizer_settings: dict, scheduler_settings: dict) -> Any:
@@ -49,23 +56,28 @@ def train(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> None:
             scheduler.step()
 
 
-def resumed(made: tuple, saved: tuple) -> ConfiguredOptimizerSettings:
-    """Lightning's resume: ``made`` is built from the config (noted by the callback), ``saved``'s state is loaded
-    over it, then training starts (the callback puts the config's settings back)."""
+def as_trainer(made: tuple, interval: str = "epoch") -> SimpleNamespace:
+    """What the callback reads of a Lightning trainer: optimisers, scheduler configs, the checkpoint resumed."""
     optimizer, scheduler = made
-    trainer = SimpleNamespace(
-        optimizers=[optimizer],
-        lr_scheduler_configs=[] if scheduler is None else [SimpleNamespace(scheduler=scheduler)],
-        ckpt_path=None,
-    )
-    callback = ConfiguredOptimizerSettings()
+    configs = [] if scheduler is None else [SimpleNamespace(scheduler=scheduler, interval=interval, frequency=1)]
+    return SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=configs, ckpt_path=None)
+
+
+def resumed(made: tuple, saved: tuple, interval: str = "epoch", saved_interval: str = "epoch") -> None:
+    """Lightning's resume: ``made`` is built from the config (noted by the callback), ``saved``'s state and the
+    callback state of its run are loaded over it, then training starts (the callback puts the config's settings
+    back)."""
+    saving = ConfiguredOptimizerSettings()
+    saving.on_fit_start(as_trainer(saved, saved_interval), None)
+    callback, trainer = ConfiguredOptimizerSettings(), as_trainer(made, interval)
+    callback.load_state_dict(copy.deepcopy(saving.state_dict()))
     callback.on_fit_start(trainer, None)
+    optimizer, scheduler = made
     optimizer.load_state_dict(copy.deepcopy(saved[0].state_dict()))
     if scheduler is not None:
         scheduler.load_state_dict(copy.deepcopy(saved[1].state_dict()))
     trainer.ckpt_path = "last.ckpt"
     callback.on_train_start(trainer, None)
-    return callback
 
 
 def rates(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
@@ -138,6 +150,7 @@ UNCHANGED = {
     ),
     "plateau (no base_lrs)": (SGD, ReduceLROnPlateau, ({"lr": 0.1}, {"patience": 0, "factor": 0.5})),
     "cosine": (Adam, CosineAnnealingLR, ({"lr": 0.1, "weight_decay": 0.1}, {"T_max": 10})),
+    "sequential (states of its schedules)": (SGD, sequential, ({"lr": 0.1}, {"T_max": 10})),
 }
 
 
@@ -152,9 +165,35 @@ def test_with_the_checkpoints_settings_nothing_is_touched(optimizer, scheduler, 
     assert "resumed with the config's" not in caplog.text
 
 
-def test_a_change_to_a_schedule_without_a_closed_form_is_one_line():
-    """Warm restarts: where the run is in its cycle cannot be carried over to another cycle length."""
-    saved = build(SGD, CosineAnnealingWarmRestarts, {"lr": 0.1}, {"T_0": 4})
+REFUSED = {
+    # where the run is in its cycle cannot be carried over to another cycle length
+    "warm restarts": (CosineAnnealingWarmRestarts, {"T_0": 4}, {"T_0": 5}, "CosineAnnealingWarmRestarts T_0 4 -> 5"),
+    "one cycle, another floor": (
+        OneCycleLR,
+        {"max_lr": 0.1, "total_steps": 20},
+        {"max_lr": 0.1, "total_steps": 20, "final_div_factor": 10},
+        "min_lr 4e-07 -> 0.0004",
+    ),
+    "sequential, another cosine": (sequential, {"T_max": 10}, {"T_max": 20}, "SequentialLR _schedulers"),
+}
+
+
+@pytest.mark.parametrize(("scheduler", "old", "new", "named"), REFUSED.values(), ids=REFUSED.keys())
+def test_a_change_to_a_schedule_without_a_closed_form_is_one_line(scheduler, old, new, named):
+    saved = build(SGD, scheduler, {"lr": 0.1}, old)
     train(*saved, 6)
-    with pytest.raises(ConfigurationError, match="resuming cannot carry CosineAnnealingWarmRestarts T_0 4 -> 5"):
-        resumed(build(SGD, CosineAnnealingWarmRestarts, {"lr": 0.1}, {"T_0": 5}), saved)
+    with pytest.raises(ConfigurationError, match=f"resuming cannot carry {named}"):
+        resumed(build(SGD, scheduler, {"lr": 0.1}, new), saved)
+
+
+def test_a_schedule_of_another_class_or_interval_is_one_line():
+    """``last_epoch`` counts the checkpoint's scheduler's steps: another class (a warm-up added or left out) or
+    another interval (epochs against steps: ``max_epochs -1`` and ``max_steps``) cannot take it over."""
+    saved = build(SGD, CosineWarmupScheduler, {"lr": 0.1}, {"warmup_epochs": 2, "max_epochs": 8})
+    train(*saved, 4)
+    with pytest.raises(ConfigurationError, match=r"stepped its schedule as \[\['CosineWarmupScheduler'"):
+        resumed(build(SGD, CosineAnnealingLR, {"lr": 0.1}, {"T_max": 8}), saved)
+    saved = build(SGD, CosineAnnealingLR, {"lr": 0.1}, {"T_max": 8})
+    train(*saved, 4)
+    with pytest.raises(ConfigurationError, match="'epoch', '1'.* this config as .*'step', '1'"):
+        resumed(build(SGD, CosineAnnealingLR, {"lr": 0.1}, {"T_max": 8}), saved, interval="step")

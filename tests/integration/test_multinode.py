@@ -31,13 +31,13 @@ NODE = """
 import sys
 import torch
 from lightning.pytorch import Trainer
-from tests.helpers import PER_RANK_BATCH, bn_free_module, ddp_data
+from tests.helpers import PER_RANK_BATCH, ReleaseProcessGroup, bn_free_module, ddp_data
 
 module = bn_free_module()
 trainer = Trainer(
     accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_epochs=1, limit_train_batches=int(sys.argv[2]),
     limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-    enable_model_summary=False,
+    enable_model_summary=False, callbacks=[ReleaseProcessGroup()],  # else gloo's threads may abort the exit
 )
 trainer.fit(module, ddp_data(PER_RANK_BATCH))
 if trainer.global_rank == 0:

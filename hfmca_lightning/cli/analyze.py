@@ -54,7 +54,7 @@ from hfmca_lightning.methods.inspection import (
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
 from hfmca_lightning.models.heads import GridExternalHead
-from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
+from hfmca_lightning.runtime.checkpoint_io import check_checkpoint_path
 from hfmca_lightning.runtime.files import StagedFiles
 from hfmca_lightning.visualization import (
     basis_functions_figure,
@@ -572,14 +572,6 @@ def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:
     return f"{Path(ckpt_path).parent.parent.name} ({type(module).__name__})"
 
 
-def _check_checkpoint(path: str, option: str) -> None:
-    """A missing checkpoint (or a folder) given as ``option``: one line naming it, before the output folder is made."""
-    if not Path(path).exists():
-        raise ConfigurationError(f"checkpoint not found: {path}. Check {option}.")
-    if not Path(path).is_file():
-        read_checkpoint(path)
-
-
 def run_analysis_command(argv: list[str]) -> None:
     """Parse and run ``analyze ...`` or ``compare ...``."""
     parser = options.OneLineParser(prog="hfmca", description="Analysis of trained HFMCA checkpoints.")
@@ -655,10 +647,10 @@ def run_analysis_command(argv: list[str]) -> None:
     if args.command == "analyze":
         if args.config is not None:
             read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
-        _check_checkpoint(args.ckpt_path, "--ckpt_path")
+        check_checkpoint_path(args.ckpt_path)  # before the output folder is made
     else:
-        _check_checkpoint(args.ckpt_a, "--ckpt_a")
-        _check_checkpoint(args.ckpt_b, "--ckpt_b")
+        check_checkpoint_path(args.ckpt_a, "--ckpt_a")
+        check_checkpoint_path(args.ckpt_b, "--ckpt_b")
     check_out(args.out, args.overwrite)
     if args.command == "analyze":
         index = analyze(

@@ -40,7 +40,7 @@ from hfmca_lightning.cli.verbosity import progress
 from hfmca_lightning.data.datamodule import BANK, QUERIES
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import extract_features
-from hfmca_lightning.runtime.checkpoint_io import read_checkpoint
+from hfmca_lightning.runtime.checkpoint_io import check_checkpoint_path, read_checkpoint
 from hfmca_lightning.runtime.files import StagedFiles
 
 __all__ = ["export_backbone", "backbone_description", "run_export_command"]
@@ -223,8 +223,7 @@ def run_export_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.config is not None:
         read_config_file(args.config)  # a file that is no YAML mapping: one line, before any work
-    if not Path(args.ckpt_path).is_file():
-        read_checkpoint(args.ckpt_path)  # missing, or a folder: one line, before the output folder is made
+    check_checkpoint_path(args.ckpt_path)  # missing, or a folder: one line, before the output folder is made
     check_out(args.out, args.overwrite)
     splits = list(SPLITS) if args.embeddings == [] else args.embeddings
     splits = None if splits is None else list(dict.fromkeys(splits))  # `train train`: one file, written once

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.files import write_atomically
 
-__all__ = ["AtomicCheckpointIO", "is_local", "read_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "check_checkpoint_path", "is_local", "read_checkpoint"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -59,6 +59,19 @@ def is_local(path: _PATH) -> bool:
     return "file" in (get_filesystem(path).protocol or ("file",))
 
 
+def check_checkpoint_path(path: str | Path, option: str = "--ckpt_path", missing_hint: str = "") -> Path:
+    """``path`` when it names a file; else one :class:`ConfigurationError` naming ``option`` (and ending with
+    ``missing_hint``) for a missing path, or the file to give for a folder: what commands check before any work."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigurationError(f"checkpoint not found: {path}. Check {option}{missing_hint}.")
+    if not path.is_file():
+        raise ConfigurationError(
+            f"checkpoint path {path} is a folder; give the .ckpt file inside it (e.g. {path / 'last.ckpt'})."
+        )
+    return path
+
+
 def read_checkpoint(path: str | Path, check_weights: bool = True, missing_hint: str = "") -> dict[str, Any]:
     """Load a Lightning checkpoint on the CPU, or raise one :class:`ConfigurationError` naming the file
     (``check_weights=False``: without reading every weight for its finiteness, for a file checked before;
@@ -68,13 +81,7 @@ def read_checkpoint(path: str | Path, check_weights: bool = True, missing_hint: 
     format), a readable file that is not a Lightning training checkpoint (e.g. a plain ``state_dict``) and one whose
     weights are not finite (a diverged run's: every evaluation of it would be NaN or chance).
     """
-    path = Path(path)
-    if not path.exists():
-        raise ConfigurationError(f"checkpoint not found: {path}. Check --ckpt_path{missing_hint}.")
-    if not path.is_file():
-        raise ConfigurationError(
-            f"checkpoint path {path} is a folder; give the .ckpt file inside it (e.g. {path / 'last.ckpt'})."
-        )
+    path = check_checkpoint_path(path, missing_hint=missing_hint)
     try:
         checkpoint = _load(path)
     except (ConfigurationError, MemoryError):

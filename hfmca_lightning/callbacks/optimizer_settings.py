@@ -68,14 +68,19 @@ def _described(what: str, restored: Any, configured: Any) -> str:
     )
 
 
-def _rates(scheduler: Any) -> list[float] | None:
-    """The rates of ``scheduler`` at its ``last_epoch`` from its settings alone, or None where it has no closed form."""
-    if isinstance(scheduler, LambdaLR):  # lightly's warm-up cosine too
+def _has_closed_form(scheduler: Any) -> bool:
+    """Whether :func:`_rates` can give the rates of ``scheduler`` from its settings alone: a ``LambdaLR`` (lightly's
+    warm-up cosine too), or torch's step, cosine, linear, ... schedules."""
+    return isinstance(scheduler, LambdaLR) or callable(getattr(scheduler, "_get_closed_form_lr", None))
+
+
+def _rates(scheduler: Any) -> list[float]:
+    """The rates of ``scheduler`` (one with :func:`_has_closed_form`) at its ``last_epoch``."""
+    if isinstance(scheduler, LambdaLR):
         return [
             float(base * rule(scheduler.last_epoch)) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)
         ]
-    closed_form = getattr(scheduler, "_get_closed_form_lr", None)  # torch's step, cosine, linear, ... schedules
-    return [float(rate) for rate in closed_form()] if callable(closed_form) else None
+    return [float(rate) for rate in scheduler._get_closed_form_lr()]
 
 
 def _kinds(trainer: Trainer) -> list[list[str]]:
@@ -190,7 +195,7 @@ def _apply(
             continue
         if not rate_changes and not isinstance(scheduler, LambdaLR):
             continue  # a LambdaLR's rule is the config's function: its rate is recomputed (what its step computes)
-        if len(schedulers) > 1 or _rates(scheduler) is None:
+        if len(schedulers) > 1 or not _has_closed_form(scheduler):
             why = "two schedulers set its rate" if len(schedulers) > 1 else f"{name} has no closed form"
             raise ConfigurationError(
                 f"resuming cannot carry {', '.join(dict.fromkeys(rate_changes))} into the schedule from the run's "
@@ -199,7 +204,6 @@ def _apply(
         for key in altered:
             _restore(scheduler, key, built[key])
         rates = _rates(scheduler)
-        assert rates is not None  # checked above, before any change
         for group, rate in zip(optimizer.param_groups, rates):
             group["lr"] = rate
         scheduler._last_lr = rates  # what get_last_lr() and Lightning's LearningRateMonitor read

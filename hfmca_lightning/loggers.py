@@ -60,6 +60,8 @@ class OfflineSafeWandbLogger(WandbLogger):
         kwargs.setdefault("settings", _settings(init_timeout))
         kwargs["offline"] = offline  # in kwargs: mypy cannot tell *args stops before it
         super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:  # wandb warns of the setting in every run, even unset
+            self._wandb_init.pop("anonymous", None)
 
     def resume_run(self, run_id: str) -> None:
         """Log into the existing run ``run_id`` (must be called before the run starts)."""

@@ -190,3 +190,25 @@ def test_rows_logged_straight_to_a_csv_logger_are_on_disk_with_the_checkpoint(tm
     assert not (Path(logger.log_dir) / "metrics.csv").exists()
     RunState().on_save_checkpoint(SimpleNamespace(loggers=[logger]), None, {})  # type: ignore[arg-type]
     assert [(row["step"], row["spectrum/top"]) for row in _rows(Path(logger.log_dir))] == [("3", "0.5")]
+
+
+@pytest.mark.integration  # a subprocess or a training run
+@pytest.mark.parametrize("quiet", [False, True])
+def test_wandb_says_nothing_under_quiet_and_never_warns_of_anonymous(no_wandb_account, tmp_path, monkeypatch, quiet):
+    """``hfmca -q fit`` leaves W&B's lines out (the run is still stored); without ``-q`` they are there, but never
+    wandb's warning of the ``anonymous`` setting that Lightning passes unset."""
+    import subprocess
+
+    from tests.helpers import DEMO, HFMCA, tiny_overrides
+
+    monkeypatch.delenv("WANDB_SILENT")  # the fixture's; the command decides
+    logger = {"class_path": "hfmca_lightning.loggers.OfflineSafeWandbLogger", "init_args": {"save_dir": str(tmp_path)}}
+    overrides = tiny_overrides(tmp_path, **{"trainer.logger": logger, "trainer.callbacks": []})
+    command = [str(HFMCA), *(["-q"] if quiet else []), "fit", "--config", str(DEMO), "--config", str(overrides)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "the offline run must be stored on disk"
+    wandb_lines = [line for line in output.splitlines() if "wandb" in line.lower() and "W&B: no API key" not in line]
+    assert bool(wandb_lines) != quiet, output[-3000:]
+    assert "anonymous" not in output, output[-3000:]

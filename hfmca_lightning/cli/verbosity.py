@@ -42,9 +42,12 @@ class _NoAdvertisements(logging.Filter):
 
 def configure(level: str = DEFAULT, trains: bool = True) -> None:
     """Lightning's INFO lines (trainer banners such as ``GPU available``) shown for the commands that train (``trains``)
-    or with ``VERBOSE``, hidden otherwise; its advertisements never."""
+    or with ``VERBOSE``, hidden otherwise; its advertisements never. ``QUIET`` silences W&B's lines too
+    (``WANDB_SILENT``, unless set)."""
     global _level
     _level = level
+    if level == QUIET:
+        os.environ.setdefault("WANDB_SILENT", "true")
     show = level == VERBOSE or (level == DEFAULT and trains)
     for name in _LIGHTNING:
         for logger in (logging.getLogger(f"{name}.utilities.rank_zero"), logging.getLogger(name)):

@@ -78,9 +78,8 @@ class _ReleaseSource(ImageSource):
 
 
 class CIFAR(_ReleaseSource):
-    """CIFAR10 / CIFAR100 (fine labels) from torchvision's on-disk layout (``cifar-10-batches-py`` /
-    ``cifar-100-python``) under ``root``, downloaded there if asked. The pickles are read by an unpickler that builds
-    dicts, lists and numpy arrays and refuses anything else (a pickle can run code).
+    """CIFAR10 / CIFAR100 (fine labels) in torchvision's layout (``cifar-10-batches-py`` / ``cifar-100-python``) under
+    ``root``. Its pickles are read by an unpickler building only dicts, lists and numpy arrays (a pickle can run code).
 
     Args:
         name: ``cifar10`` or ``cifar100``.
@@ -104,20 +103,17 @@ class CIFAR(_ReleaseSource):
         check_choice(name, ("cifar10", "cifar100"), "name", "CIFAR")
         self.name = self._label = name
         self.root, self.download, self.verify = Path(root).expanduser(), download, verify
-        self._spec = _TorchvisionCIFAR10 if name == "cifar10" else _TorchvisionCIFAR100
-        self.num_classes = 10 if name == "cifar10" else 100
+        self._spec, self.num_classes = (_TorchvisionCIFAR10, 10) if name == "cifar10" else (_TorchvisionCIFAR100, 100)
         self.mean, self.std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
         self._splits: dict[bool, ArrayImages] = {}  # read once: the training split is also the kNN bank
 
     def split(self, train: bool) -> ArrayImages:
         if train not in self._splits:
             self.prepare()
-            images, targets = [], []
             label_key = "labels" if self.name == "cifar10" else "fine_labels"
-            for name, _ in self._spec.train_list if train else self._spec.test_list:
-                batch_images, batch_targets = _read_cifar_batch(self.folder / name, label_key)
-                images.append(batch_images)
-                targets.extend(batch_targets)
+            files = self._spec.train_list if train else self._spec.test_list
+            images, labels = zip(*(_read_cifar_batch(self.folder / name, label_key) for name, _ in files))
+            targets = [target for batch in labels for target in batch]
             if not all(0 <= target < self.num_classes for target in targets):
                 raise ConfigurationError(
                     f"{self.folder}: the labels of {self.name} are 0 to {self.num_classes - 1}, but its files hold "
@@ -127,9 +123,8 @@ class CIFAR(_ReleaseSource):
         return self._splits[train]
 
 
-# The only globals a CIFAR batch (python format) refers to: its arrays, as numpy (1.x: numpy.core, 2.x: numpy._core)
-# pickles them with protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), and bytes as Python 3 writes
-# them with protocols 0-2 (_codecs.encode).
+# The only globals of a CIFAR batch (python format): numpy arrays (1.x: numpy.core, 2.x: numpy._core) pickled with
+# protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), Python 3 bytes with protocols 0-2 (_codecs.encode).
 CIFAR_PICKLE_GLOBALS = frozenset(
     {
         ("numpy", "ndarray"),
@@ -187,8 +182,7 @@ class _BinaryImages(LabelledImages):
     """STL-10's ``*_X.bin`` (uint8, column-major 3 x 96 x 96 per image), memory-mapped, with its labels."""
 
     def __init__(self, images: np.ndarray, targets: Sequence[int] | np.ndarray) -> None:
-        self.images = images
-        self.targets = [int(t) for t in targets]
+        self.images, self.targets = images, [int(t) for t in targets]
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         return torch.from_numpy(np.ascontiguousarray(self.images[index].transpose(0, 2, 1))), self.targets[index]
@@ -201,9 +195,8 @@ class _ConcatImages(ConcatDataset, LabelledImages):
 
 
 class STL10(_ReleaseSource):
-    """STL-10 from torchvision's on-disk layout (``stl10_binary`` under ``root``; a 2.6 GB download if asked): 100k
-    unlabelled and 5k labelled training images, 8k test images, 96 x 96, memory-mapped. Training uses the unlabelled
-    images (and the labelled ones: ``train_on_labelled``); kNN, the labelled ones as bank and the test ones as queries.
+    """STL-10 (torchvision's ``stl10_binary`` under ``root``; 2.6 GB), memory-mapped, 96 x 96: training uses the 100k
+    unlabelled images (and the 5k labelled: ``train_on_labelled``), kNN the labelled as bank, the 8k test as queries.
 
     Args:
         root: folder that holds (or will hold) ``stl10_binary``.

@@ -1,17 +1,16 @@
-"""Training batches in the layouts other SSL code expects (docs/baselines.md). Every drawer produces a
-:class:`ViewBatch` (groups of equal-size views, global crops first); :func:`format_batch` lays it out as
+"""Training batches in the layouts other SSL code expects (docs/baselines.md): every drawer makes a :class:`ViewBatch`
+(groups of equal-size views, global crops first) that :func:`format_batch` lays out as
 
-* ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``; several view sizes: a list of groups
-  ``(B, n_g, C, H_g, W_g)``; view grids: ``(views, targets, grids (B, L, g, g, 2))``; a single view ``(B, C, H, W)``;
+* ``stacked`` (this project's modules): ``(views (B, L, C, H, W), targets)``; several groups (also at one size): a list
+  of ``(B, n_g, C, H_g, W_g)``; view grids: ``(views, targets, grids (B, L, g, g, 2))``; one view ``(B, C, H, W)``;
 * ``lightly``: ``([view_0 (B, C, H, W), ..., view_{L-1}], targets, names)``, view grids after the views (VICRegL);
 * ``solo`` (solo-learn): ``(indexes (B,), [view_0, ..., view_{L-1}], targets)``;
 * ``dict`` (stable-pretraining): ``{"views": [{"image", "label", "sample_idx"}, ...], "label", "sample_idx"}``, view
   grids as each view's ``"grid"``; ``dict_named`` (its DINO): ``"views"`` a dict ``{"global_0": ..., "local_0": ...}``;
-  a single view and the evaluation batches: ``{"image", "label", "sample_idx"}``.
+  one view and the evaluation batches: ``{"image", "label", "sample_idx"}``.
 
-Every dict batch is a new plain ``dict`` (code that writes into it changes nothing of the next); ``label`` is
-``UNLABELLED`` (-1) for images without a class.
-"""
+Each dict batch is a new plain ``dict`` (writing into it changes nothing of the next); ``label`` is ``UNLABELLED`` (-1)
+for images without a class."""
 
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def format_batch(
     batch: ViewBatch, batch_format: BatchFormat, single: bool = False, global_views: int | None = None
 ) -> Any:
     """``batch`` laid out in ``batch_format`` (module docstring); ``single``: one view per sample, without a view axis;
-    ``global_views``: how many views, first in order, are global crops (``dict_named``; default: the first group's).
+    ``global_views``: how many leading views are global crops (``dict_named``; default: the first group's).
 
     Raises:
         ValueError: when ``batch_format`` is not one of :data:`BATCH_FORMATS`.
@@ -103,13 +102,11 @@ def sample_dict(images: Tensor, labels: Tensor, indices: Tensor) -> dict[str, Te
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
-    """``(images (B, C, H, W), targets (B,))``: the first view of each sample of a training batch laid out in
-    ``batch_format`` (what callbacks that look at one view per image take, such as the online linear probe)."""
+    """``(images (B, C, H, W), targets (B,))``: each sample's first view of a training batch in ``batch_format`` (for
+    callbacks that look at one view per image, such as the online linear probe)."""
     if batch_format in DICT_FORMATS:
-        views = batch.get("views")
-        if views is None:  # a single view
-            return batch["image"], batch["label"]
-        first = next(iter(views.values())) if isinstance(views, dict) else views[0]
+        views = batch.get("views")  # None: a single view
+        first = batch if views is None else (next(iter(views.values())) if isinstance(views, dict) else views[0])
         return first["image"], batch["label"]
     views, targets = (batch[1], batch[2]) if batch_format == "solo" else (batch[0], batch[1])
     if isinstance(views, (list, tuple)):

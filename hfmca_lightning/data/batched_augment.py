@@ -1,9 +1,8 @@
 """SimCLR views of whole batches on any device (:class:`BatchedViewAugmentation`; docs/conventions.md §5): the
 distributions of :func:`~hfmca_lightning.data.transforms.view_transform` in a fixed number of tensor operations (at
 CIFAR size per-sample augmentation costs dispatch, not arithmetic), each sample's parameters from its seed alone
-(:mod:`~hfmca_lightning.data.counter_random`), pixels kept in float32 (torchvision's uint8 blends truncate after every
-jitter step, about 1/255 darker per step).
-"""
+(:mod:`~hfmca_lightning.data.counter_random`), pixels in float32 (torchvision's uint8 blends truncate after every
+jitter step, about 1/255 darker per step)."""
 
 from __future__ import annotations
 
@@ -76,11 +75,8 @@ def _shift_hue(views: Tensor, shift: Tensor) -> Tensor:
     chroma = maximum - minimum
     safe_chroma = torch.where(chroma > 0, chroma, torch.ones_like(chroma))
     saturation = chroma / torch.where(maximum > 0, maximum, torch.ones_like(maximum))
-    hue = torch.where(
-        maximum == r,
-        (g - b) / safe_chroma,
-        torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0),
-    )
+    hue = torch.where(maximum == g, (b - r) / safe_chroma + 2.0, (r - g) / safe_chroma + 4.0)
+    hue = torch.where(maximum == r, (g - b) / safe_chroma, hue)
     hue = torch.remainder(hue / 6.0 + 1.0 + shift.view(-1, 1, 1), 1.0)
     # channel n in (5, 3, 1) for (R, G, B): v - v s clamp(min(k, 4 - k), 0, 1) with k = (n + 6 h) mod 6
     offsets = torch.arange(5.0, 0.0, -2.0, dtype=views.dtype, device=views.device).view(1, 3, 1, 1)
@@ -110,10 +106,8 @@ class BatchedViewAugmentation(nn.Module):
     distributions of :func:`~hfmca_lightning.data.transforms.view_transform` (tested against torchvision's samplers
     and pixel statistics); view ``l`` of each image has kind ``l % spec.view_kinds`` (blur, solarisation).
 
-    ``select_rows``: the colour jitter's hue shift computed on the rows that need it only (a quarter of the
-    arithmetic, but the row indices are read on the host), or on all rows and selected (no host read); default:
-    rows on CPUs, where a host read costs nothing, selection elsewhere.
-    """
+    ``select_rows``: the hue shift computed on the rows that need it only (a quarter of the arithmetic, but the row
+    indices are read on the host) or on all rows and selected; default: rows on CPUs (a host read is free there)."""
 
     mean: Tensor
     std: Tensor
@@ -145,10 +139,7 @@ class BatchedViewAugmentation(nn.Module):
         # the parameters of every view, from its sample's numbers in a fixed order of requests
         uniforms, count, device = CounterUniforms(seeds, num_views), batch * num_views, seeds.device
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
-        if spec.horizontal_flip:
-            flip = uniforms.rand((count,)) < 0.5
-        else:
-            flip = torch.zeros(count, dtype=torch.bool, device=device)
+        flip = uniforms.rand((count,)) < 0.5 if spec.horizontal_flip else seeds.new_zeros(count, dtype=torch.bool)
         brightness, contrast, saturation, hue = spec.jitter
         applied = uniforms.rand((count,)) < spec.jitter_p
 

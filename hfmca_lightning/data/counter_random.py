@@ -1,11 +1,9 @@
 """Random numbers as a function of ``(sample seed, position)``: counter-based, batched, the same on every device.
 
-Seeding torch's generator once per sample costs a synchronous reset and a few dozen kernel launches per sample on a
-GPU; here the uniforms of a whole batch come from one integer hash of ``(seed, position)``, so a sample's numbers do not
-depend on its batch, its rank or the device. The hash is Chris Wellons' ``lowbias32``, chained over the seed's two
-32-bit halves, the stream and the position; 32-bit products are taken in int64 in two 16-bit halves, so the integers
-are exact on any CPU or GPU.
-"""
+Seeding torch's generator per sample costs a synchronous reset and dozens of kernel launches per sample on a GPU; here
+a batch's uniforms come from one integer hash of ``(seed, position)``, so a sample's numbers do not depend on its batch,
+rank or device. The hash is Chris Wellons' ``lowbias32``, chained over the seed's two 32-bit halves, the stream and the
+position; 32-bit products are taken in int64 in two 16-bit halves, exact on any CPU or GPU."""
 
 from __future__ import annotations
 
@@ -21,23 +19,17 @@ _ROUNDS = ((16, 0x7FEB352D), (15, 0x846CA68B))  # lowbias32's shift and multipli
 _STREAM = 0x9E3779B9  # the golden ratio's bits: keeps stream 0 from leaving the seed's hash unchanged
 
 
-def _multiply32(x: Tensor, multiplier: int) -> Tensor:
-    """``x * multiplier mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, without leaving int64's range."""
-    low, high = multiplier & 0xFFFF, multiplier >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
-
-
 def hash32(x: Tensor) -> Tensor:
     """``lowbias32`` of int64 ``x`` in ``[0, 2**32)``: a bijection of 32-bit words with good avalanche."""
     for shift, multiplier in _ROUNDS:
-        x = _multiply32(x ^ (x >> shift), multiplier)
+        x = x ^ (x >> shift)  # then x * multiplier mod 2**32 by its 16-bit halves, within int64
+        x = (x * (multiplier & 0xFFFF) + (((x * (multiplier >> 16)) & 0xFFFF) << 16)) & _MASK32
     return x ^ (x >> 16)
 
 
 def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
     """``(B, count)`` float64 uniforms in ``[0, 1)``, row ``b`` a function of ``(seeds[b], stream)`` only: ``seeds``
-    ``(B,)`` int64 in ``[0, 2**63)`` (as the sampler gives them) on any device, ``count`` numbers per seed, ``stream``
-    separating uses of the same seeds."""
+    ``(B,)`` int64 in ``[0, 2**63)`` (as the sampler gives them), any device; ``stream`` separates uses of the seeds."""
     if seeds.dim() != 1 or seeds.dtype != torch.int64:
         raise ValueError(f"seeds must be a (B,) int64 tensor; got {seeds.dtype} {tuple(seeds.shape)}")
     state = hash32(seeds & _MASK32)
@@ -50,16 +42,14 @@ def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
 
 
 class CounterUniforms:
-    """The uniforms of ``B`` samples with ``L`` views each, for the draws of
-    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.views_from_seeds`: ``per_view`` numbers per
-    view, made at once by :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand`. Every
-    request is ``(B * L, ...)``: view ``l`` of sample ``b`` is row ``b * L + l``, and its numbers depend only on
-    ``seeds[b]``, ``l`` and the order of requests."""
+    """``per_view`` uniforms for each of ``L`` views of ``B`` samples (the draws of
+    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.views_from_seeds`), made at once by
+    :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand` as ``(B * L, ...)``: view ``l``
+    of sample ``b`` is row ``b * L + l``, its numbers a function of ``seeds[b]``, ``l`` and the order of requests."""
 
     def __init__(self, seeds: Tensor, num_views: int, per_view: int = 40) -> None:
         self.rows, self.per_view = seeds.shape[0] * num_views, per_view
-        self._numbers = counter_uniforms(seeds, num_views * per_view).view(self.rows, per_view)
-        self._used = 0
+        self._numbers, self._used = counter_uniforms(seeds, num_views * per_view).view(self.rows, per_view), 0
 
     def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
         """Uniforms in ``[0, 1)`` of ``shape = (B * L, ...)``."""
@@ -73,5 +63,5 @@ class CounterUniforms:
         return numbers.to(dtype)
 
     def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Uniforms in ``[low, high)`` of ``shape = (B * L, ...)``."""
+        """Uniforms in ``[low, high)`` of ``shape = (B * L, ...)`` (float32: may round up to ``high``)."""
         return (self.rand(shape, torch.float64) * (high - low) + low).to(dtype)

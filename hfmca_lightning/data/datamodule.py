@@ -1,5 +1,4 @@
-"""``MultiViewDataModule``: multi-view training batches from a view spec and a drawer, plus the evaluation loaders
-(docs/conventions.md §5)."""
+"""``MultiViewDataModule``: a view spec's training batches and the evaluation loaders (docs/conventions.md §5)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from hfmca_lightning.runtime.workers import cores_per_process, leave_signals_to_
 
 __all__ = ["BANK", "EVALUATION_LOADERS", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
 
-# Evaluation loaders, by their index in ``val_dataloader()`` / ``test_dataloader()``: the kNN bank (the train split
-# without augmentation) and the queries (the test split).
+# Evaluation loader indices: the kNN bank (train split, un-augmented) and the queries (test split).
 BANK, QUERIES = 0, 1
 EvaluationLoaders = Literal["bank_and_queries", "queries"]
 EVALUATION_LOADERS: tuple[EvaluationLoaders, ...] = get_args(EvaluationLoaders)
@@ -42,9 +40,8 @@ class TrainingPosition:
 
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
-    """The data position after the last finished training batch (what a checkpoint written now resumes at), from
-    Lightning's loop progress, which counts the batches the loop consumed (the loader runs ahead by its prefetched
-    batches). A finished epoch is the start of the next one."""
+    """The position after the last finished training batch (where a checkpoint written now resumes), from the batches
+    the loop consumed (the loader runs ahead by its prefetch); a finished epoch is the next one's start."""
     loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
     epoch = max(loop.epoch_progress.current.started - 1, 0)  # type: ignore[attr-defined]  # the batches' epoch
     batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
@@ -62,11 +59,10 @@ def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSp
 class MultiViewDataModule(LightningDataModule):
     """Multi-view batches for HFMCA and any other SSL method: ``views`` says what to draw, ``drawer`` where.
 
-    The training loader gives the views of ``batch_size`` samples per batch in ``batch_format``; the evaluation loaders
-    ``BANK`` (0, the training split) and ``QUERIES`` (1, the test split) give un-augmented ``(image, target)`` batches
-    for kNN (``{"image", "label", "sample_idx"}`` in a dict format). Each sample's views come from a seed given by the
-    sampler, so runs do not depend on the number of workers; :meth:`state_dict` (in every checkpoint) records how far
-    training got, and a run resumed from it goes on with the order and views of an uninterrupted run.
+    Training batches hold ``batch_size`` samples' views in ``batch_format``; the evaluation loaders ``BANK`` (0, train
+    split) and ``QUERIES`` (1, test split) give un-augmented ``(image, target)`` kNN batches (``{"image", "label",
+    "sample_idx"}`` in a dict format). Views come from the sampler's per-sample seeds, whatever the number of workers;
+    :meth:`state_dict` (in every checkpoint) records the position, so a resumed run matches an uninterrupted one.
 
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``DatasetSource``, ...).
@@ -74,18 +70,18 @@ class MultiViewDataModule(LightningDataModule):
             any callable image -> list of views, such as lightly's ``SimCLRTransform``.
         drawer: where to draw them (:mod:`hfmca_lightning.data.drawers`; default ``TorchvisionDrawer()``).
         batch_format: ``stacked`` (this project's modules), ``lightly``, ``solo``, ``dict`` or ``dict_named``
-            (stable-pretraining); the layouts: :mod:`hfmca_lightning.data.batch_formats`.
+            (stable-pretraining); layouts: :mod:`hfmca_lightning.data.batch_formats`.
         evaluation_loaders: ``bank_and_queries`` (two loaders) or ``queries`` (the test split's alone, for modules
             whose ``validation_step`` takes no loader index; kNN then reads its bank from :meth:`evaluation_loader`).
         batch_size: samples (source images) per training batch and process.
         eval_batch_size: images per evaluation batch.
-        num_workers: data-loader worker processes; more than the CPU cores this process may use are capped to them.
+        num_workers: data-loader worker processes, capped to the CPU cores this process may use.
         persistent_workers: keep the workers alive between epochs.
         seed: seeds shuffling and views.
 
     Raises:
-        ConfigurationError: when a batch size, ``num_workers`` or the batch format is out of range, ``views`` or
-            ``drawer`` is a class rather than an instance, or the drawer cannot draw the views.
+        ConfigurationError: when a batch size, ``num_workers``, ``batch_format`` or ``evaluation_loaders`` is out of
+            range, ``views`` or ``drawer`` is a class, not an instance, or the drawer cannot draw the views.
 
     Example::
 
@@ -130,8 +126,7 @@ class MultiViewDataModule(LightningDataModule):
         check_drawer(views, drawer)
         self.source, self.views = source, views
         self.drawer = drawer.bind(DrawSetup(views, source.image_size, (source.mean, source.std)))  # this module's copy
-        self.batch_format: BatchFormat = batch_format
-        self.evaluation_loaders: EvaluationLoaders = evaluation_loaders
+        self.batch_format, self.evaluation_loaders = batch_format, evaluation_loaders
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_workers, self.persistent_workers, self.seed = num_workers, persistent_workers, seed
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
@@ -189,8 +184,7 @@ class MultiViewDataModule(LightningDataModule):
                     "is skipped (give the source labelled evaluation data to get it).",
                     category=HFMCAWarning,
                 )
-        if stage is not None:
-            self._check_loader_index(stage)
+        self._check_loader_index(stage)
         # errors (device memory for ResidentDrawer) before training starts
         self.drawer.prepare(self._train_split, self.trainer.strategy.root_device if self.trainer is not None else None)
         processes = self.trainer.world_size if self.trainer is not None else 1
@@ -202,9 +196,8 @@ class MultiViewDataModule(LightningDataModule):
                 parameter="batch_size",
             )
 
-    def _check_loader_index(self, stage: str) -> None:
-        """With two evaluation loaders Lightning passes the evaluation step a loader index: a step without one is
-        one line before training, not an error after the first epoch."""
+    def _check_loader_index(self, stage: str | None) -> None:
+        """Two evaluation loaders pass the step a loader index: a step without one fails here, not after an epoch."""
         trainer = self.trainer
         names = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}
         if trainer is None or self.evaluation_loaders != "bank_and_queries" or stage not in names:
@@ -223,13 +216,11 @@ class MultiViewDataModule(LightningDataModule):
             )
 
     def train_dataset(self) -> Dataset:
-        """What the training loader reads: the drawer's dataset
-        (:meth:`~hfmca_lightning.data.drawers.ViewDrawer.dataset`)."""
+        """The training loader's dataset: :meth:`~hfmca_lightning.data.drawers.ViewDrawer.dataset`."""
         return self.drawer.dataset(self.training_split)
 
     def loader(self, dataset: Dataset, batch_size: int | None, workers: int | None = None, **kwargs: Any) -> DataLoader:
-        """A loader of ``dataset`` with this module's workers (capped to this process's CPU cores; they end with the
-        command) and memory pinning; ``kwargs`` go to ``DataLoader``."""
+        """``DataLoader(dataset, **kwargs)``: this module's workers capped to this process's CPU cores; CUDA: pinned."""
         workers = self.num_workers if workers is None else workers
         processes = max(1, self.trainer.num_devices) if self.trainer is not None else 1  # DDP: they share the cores
         cores = cores_per_process(processes)
@@ -253,9 +244,8 @@ class MultiViewDataModule(LightningDataModule):
     def training_loader(
         self, sampler: SeededRandomSampler, batch_format: BatchFormat | None, persistent_workers: bool | None = None
     ) -> DataLoader:
-        """The drawer's batches in ``sampler``'s order, laid out in ``batch_format`` (None: as the drawer gives them:
-        the views, or what a device drawer draws from after the transfer); ``persistent_workers`` overrides the
-        module's."""
+        """The drawer's batches in ``sampler``'s order and ``batch_format`` (None: as the drawer gives them; a device
+        drawer's are what it draws from after the transfer); ``persistent_workers`` overrides the module's."""
         batching = self.drawer.batching(sampler, self.batch_size)
         workers = None if self.drawer.uses_workers else 0  # no worker work: `num_workers` serves evaluation only
         collate = partial(_collate, self.drawer, batch_format, self.views)
@@ -266,8 +256,7 @@ class MultiViewDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Per-process batches of ``batch_size`` samples (under DDP the global batch is ``world_size * batch_size``),
         in ``batch_format``; a device drawer's become views after the transfer (:meth:`on_after_batch_transfer`)."""
-        trainer = self.trainer
-        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         sampler = SeededRandomSampler(len(self.training_split), self.seed, num_replicas=replicas, rank=rank)
         if self._resume_position is not None:
             sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
@@ -276,8 +265,7 @@ class MultiViewDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data, written into every checkpoint by Lightning."""
-        trainer = self.trainer
-        return {} if trainer is None else {"position": asdict(training_position(trainer, self.batch_size))}
+        return {} if self.trainer is None else {"position": asdict(training_position(self.trainer, self.batch_size))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position of a checkpoint: the next training loader starts there."""
@@ -285,21 +273,17 @@ class MultiViewDataModule(LightningDataModule):
             self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Device drawers: a transferred training batch (images, or the training set's indices and seeds) -> its
-        views, on the device, in ``batch_format``."""
-        trainer = self.trainer
-        if not self.drawer.draws_on_device or trainer is None or not trainer.training:
+        """Device drawers: a transferred training batch (images, or indices and seeds) -> views in ``batch_format``."""
+        if not self.drawer.draws_on_device or self.trainer is None or not self.trainer.training:
             return batch
         views = format_batch(self.drawer.draw(batch), self.batch_format, self.single_view, self.views.global_views)
-        # Lightning converts a batch for the trainer's precision (float64 under "64-true") before this hook, when it
-        # held only uint8 images or indices: the views drawn here get the same conversion.
-        return trainer.precision_plugin.convert_input(views)
+        # Lightning's precision conversion (float64 under "64-true") ran on the uint8/index batch: redo it on the views
+        return self.trainer.precision_plugin.convert_input(views)
 
     def evaluation_loader(self, split: int, tuples: bool = False, **kwargs: Any) -> DataLoader:
-        """The un-augmented images of evaluation split ``split`` (``BANK``: the training split, ``QUERIES``: the test
-        split) in batches of ``eval_batch_size``: ``(image (B, C, H, W), target (B,))``, or ``{"image", "label",
-        "sample_idx"}`` in a dict format unless ``tuples`` (``sample_idx``: the index in the labelled split);
-        ``kwargs`` go to ``DataLoader`` (a ``sampler``)."""
+        """Un-augmented ``eval_batch_size`` batches of split ``split`` (``BANK``: train, ``QUERIES``: test):
+        ``(image (B, C, H, W), target (B,))``, or ``{"image", "label", "sample_idx"}`` in a dict format unless
+        ``tuples`` (``sample_idx``: index in the labelled split); ``kwargs`` (a ``sampler``) go to ``DataLoader``."""
         splits = self.evaluation_splits
         if splits is None:
             raise ValueError(f"{type(self.source).__name__} has no labelled evaluation split")
@@ -308,8 +292,7 @@ class MultiViewDataModule(LightningDataModule):
         return self.loader(dataset, self.eval_batch_size, **kwargs)
 
     def val_dataloader(self) -> list[DataLoader] | DataLoader:
-        """``[BANK, QUERIES]`` evaluation loaders (:meth:`evaluation_loader`), or with ``evaluation_loaders="queries"``
-        the ``QUERIES`` loader alone; none without labels."""
+        """``[BANK, QUERIES]`` loaders, ``QUERIES`` alone (``evaluation_loaders="queries"``), ``[]`` without labels."""
         if self.evaluation_splits is None:
             return []
         if self.evaluation_loaders == "queries":

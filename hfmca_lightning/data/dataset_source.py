@@ -1,6 +1,6 @@
-"""Any torch ``Dataset`` of ``(image, target)`` pairs as an image source. Its images (PIL, ``(H, W, 3)`` uint8
-arrays, or ``(C, H, W)`` / ``(H, W)`` uint8 or ``[0, 1]`` float tensors) reach every drawer as ``(3, H, W)`` uint8
-tensors, greyscale repeated over the three channels (from YAML: docs/training.md)."""
+"""Any torch ``Dataset`` of ``(image, target)`` pairs as an image source (from YAML: docs/training.md). Its images
+(PIL; ``(H, W, C)`` / ``(H, W)`` arrays or ``(C, H, W)`` / ``(H, W)`` tensors, ``C`` 1 or 3, uint8 or floats in
+``[0, 1]``) reach every drawer as ``(3, H, W)`` uint8 tensors, greyscale repeated over the three channels."""
 
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ class DatasetSource(ImageSource):
     """Training (and optionally test) images from torch ``Dataset``\\ s of ``(image, target)`` pairs.
 
     Args:
-        train: the training split; its targets are its ``targets`` attribute where it has one (torchvision's data
-            sets do), else read once from its samples.
+        train: the training split; its targets are its ``targets`` attribute where it has one of its length
+            (torchvision's data sets do), else read once from its samples.
         test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
-        mean: the per-channel mean the views are normalised by (RGB, images in ``[0, 1]``).
-        std: the per-channel standard deviation the views are normalised by.
-        eval_resize: the shorter side evaluation images are resized to before the centre crop.
+        mean: per-channel normalisation mean (RGB, images in ``[0, 1]``).
+        std: per-channel normalisation standard deviation.
+        eval_resize: shorter side of evaluation images before the centre crop (``None``: ``image_size``).
 
     Raises:
         ConfigurationError: when a split is not a sized data set, or a setting is out of its range.
@@ -54,8 +54,7 @@ class DatasetSource(ImageSource):
                     parameter=name,
                 )
         self._image_settings(image_size, eval_resize, mean, std)
-        self.train, self.test = train, test
-        self._train_images = DatasetImages(train)
+        self.train, self.test, self._train_images = train, test, DatasetImages(train)
         targets = self._train_images.targets
         labelled = [target for target in targets if target != UNLABELLED]
         if min(labelled, default=0) < 0:
@@ -111,10 +110,9 @@ class DatasetImages(LabelledImages):
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
         found, length = getattr(dataset, "targets", None), len(cast(Sized, dataset))  # sized: DatasetSource checks
-        if found is not None and len(found) == length:
-            self.targets = [int(target) for target in found]
-        else:
-            self.targets = [int(self._pair(index)[1]) for index in range(length)]
+        if found is None or len(found) != length:
+            found = (self._pair(index)[1] for index in range(length))
+        self.targets = [int(target) for target in found]
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         image, target = self._pair(index)
@@ -141,8 +139,7 @@ def as_uint8_image(image: Any) -> Tensor:
         raise ConfigurationError(
             f"DatasetSource: an image is a {type(image).__name__}; give PIL images, arrays or tensors"
         )
-    if image.dim() == 2:
-        image = image.unsqueeze(0)
+    image = image.unsqueeze(0) if image.dim() == 2 else image
     if image.dim() != 3 or image.shape[0] not in (1, 3):
         raise ConfigurationError(
             f"DatasetSource: an image has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)"

@@ -1,6 +1,5 @@
-"""The per-sample work of the data-loader workers, and the resumable sampler that drives it: every random choice of a
-sample (its views, its same-class partners) comes from the seed of its ``(index, seed)`` key, so runs do not depend on
-the number of workers and resume exactly."""
+"""The workers' per-sample work and the resumable sampler driving it: a sample's every random choice (views, same-class
+partners) comes from its ``(index, seed)`` key, so runs do not depend on the worker count and resume exactly."""
 
 from __future__ import annotations
 
@@ -27,12 +26,11 @@ DrawFunction = Callable[[LabelledImages, int, int], DrawnViews]  # (split, index
 
 
 class SeededRandomSampler(DistributedSampler):
-    """Shuffles the data per epoch from ``(seed, epoch)`` and yields ``(index, sample_seed)`` keys: one global order is
-    drawn for all ranks; rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th key starting at ``r`` (the tail
-    that does not divide evenly is dropped), so consecutive per-rank batches of ``b`` together hold exactly the samples,
-    with exactly the augmentation seeds, of one single-process batch of ``num_replicas * b``. As a
-    ``DistributedSampler`` it stays in place under DDP. After :meth:`resume` the next iteration starts inside an epoch;
-    ``len()`` stays the full epoch's, as Lightning's loop counts the batches of a resumed epoch from where it stopped.
+    """Shuffles per epoch from ``(seed, epoch)``, yielding ``(index, sample_seed)`` keys (a ``DistributedSampler``: DDP
+    leaves it in place). Rank ``r`` takes keys ``r, r + num_replicas, ...`` of one global order (an uneven tail is
+    dropped), so consecutive per-rank batches of ``b`` hold exactly the samples and seeds of one single-process batch of
+    ``num_replicas * b``. After :meth:`resume` the next iteration starts mid-epoch; ``len()`` stays the full epoch's
+    (Lightning counts a resumed epoch's batches from where it stopped).
 
     Raises:
         ValueError: when ``num_samples`` is below ``num_replicas``.
@@ -49,11 +47,10 @@ class SeededRandomSampler(DistributedSampler):
         self._resume_at: tuple[int, int] | None = None
 
     def resume(self, epoch: int, samples_seen: int) -> None:
-        """Start the next iteration at ``epoch``, after the first ``samples_seen`` keys of its global order (what all
-        ranks together consumed before a checkpoint).
+        """Start the next iteration at ``epoch`` past its first ``samples_seen`` keys (all ranks', before a checkpoint).
 
         Raises:
-            ValueError: when ``epoch`` is negative or ``samples_seen`` is not in ``[0, num_samples]``.
+            ValueError: when ``epoch`` is negative or ``samples_seen`` is not in ``[0, num_samples_total]``.
         """
         if epoch < 0 or not 0 <= samples_seen <= self.num_samples_total:
             raise ValueError(f"cannot resume at epoch {epoch} after {samples_seen} of {self.num_samples_total} samples")
@@ -75,8 +72,8 @@ class SeededRandomSampler(DistributedSampler):
 
 @contextmanager
 def seeded_generators(seed: int) -> Iterator[None]:
-    """torch's CPU generator, Python's ``random`` and numpy's global generator seeded with ``seed`` inside the block
-    and restored after it (transforms of other libraries draw from any of them)."""
+    """torch's CPU, Python's and numpy's global generators seeded with ``seed`` in the block, restored after it (other
+    libraries' transforms draw from any of them)."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -90,9 +87,9 @@ def seeded_generators(seed: int) -> Iterator[None]:
 
 
 class SeededViews(Dataset):
-    """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views that
-    ``draw(split, index, seed) -> (views, target)`` makes from the sample's seed, stacked into groups of ``group_sizes``
-    views (None: consecutive views of equal shape); ``(view, grid)`` pairs (VICRegL) also give the grids."""
+    """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids (L, g, g, 2) or None)``: the views of
+    ``draw(split, index, seed) -> (views, target)`` stacked in groups of ``group_sizes`` (None: runs of equal shape);
+    ``(view, grid)`` pairs (VICRegL) also give the grids."""
 
     def __init__(self, split: LabelledImages, draw: DrawFunction, group_sizes: Sequence[int] | None = None) -> None:
         self.split, self.draw, self.group_sizes = split, draw, group_sizes
@@ -117,8 +114,7 @@ class SeededViews(Dataset):
 def cycled_views(
     transforms: Sequence[Transform], count: int, split: LabelledImages, index: int, seed: int
 ) -> DrawnViews:
-    """``count`` views of image ``index`` (paper Alg. 1), view ``l`` through ``transforms[l % len]``, with the
-    generators seeded from ``seed`` once the image is read."""
+    """``count`` views of image ``index`` (paper Alg. 1), view ``l`` by ``transforms[l % len]``, seeded once read."""
     image, target = split[index]
     with seeded_generators(seed):
         return [transforms[view % len(transforms)](image) for view in range(count)], target
@@ -127,9 +123,8 @@ def cycled_views(
 def same_class_views(
     transforms: Sequence[Transform], by_class: dict[int, Tensor], split: LabelledImages, index: int, seed: int
 ) -> DrawnViews:
-    """Image ``index`` and ``len(transforms) - 1`` other images of its class (``by_class``: the indices of each),
-    drawn without replacement from ``seed``; member ``l`` through ``transforms[l]``, read and transformed with the
-    generators seeded from ``seed``."""
+    """Image ``index`` and ``len(transforms) - 1`` others of its class (``by_class``: indices per class) drawn from
+    ``seed`` without replacement; member ``l`` read and put through ``transforms[l]`` with generators seeded from it."""
     target = split.targets[index]
     candidates = by_class[target][by_class[target] != index]
     order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))

@@ -1,8 +1,6 @@
-"""Drawers: where and how the views of a view spec (:mod:`hfmca_lightning.data.view_specs`) are drawn:
-:class:`TorchvisionDrawer` (every spec, in CPU workers), :class:`BatchedDrawer` (whole batches, in CPU workers or on the
-device) and :class:`~hfmca_lightning.data.ResidentDrawer` (the training set kept on the device). Each sample's views
-come from its seed alone, so runs do not depend on the number of workers or processes and resume exactly with every
-drawer. :func:`check_drawer` decides which drawer can draw which spec."""
+"""Drawers of a view spec's views: :class:`TorchvisionDrawer` (any spec, CPU workers), :class:`BatchedDrawer` (whole
+batches, CPU workers or device), :class:`~hfmca_lightning.data.ResidentDrawer` (training set on the device). Each
+sample's views come from its seed alone: runs do not depend on the number of workers or processes and resume exactly."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ class DrawSetup:
 
 
 class ViewDrawer:
-    """Where the views of a spec are drawn: in data-loader workers (:meth:`collate` gives the views) or on the device
-    (:meth:`collate` gives images or indices, :meth:`draw` the views after the transfer). A data module draws with its
-    own copy, :meth:`bind`, so one drawer object can configure several data modules."""
+    """Draws in loader workers (:meth:`collate` gives the views) or on the device (:meth:`collate` gives images or
+    indices, :meth:`draw` the views after the transfer). Each data module draws with its own copy (:meth:`bind`)."""
 
     draws: tuple[type[ViewSpec], ...] = (ViewSpec,)  # the specs it can draw (read by check_drawer)
     records_grids = True  # whether it draws crop grids
@@ -74,8 +71,7 @@ class ViewDrawer:
         return {"sampler": sampler, "batch_size": batch_size, "drop_last": True}
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        """What the training loader reads: by default a dataset of ``(index, seed)`` keys -> samples for
-        :meth:`collate` (the items :meth:`batching` gives)."""
+        """The training loader's dataset: the items of :meth:`batching`'s sampler -> samples for :meth:`collate`."""
         raise NotImplementedError
 
     def collate(self, samples: list[Any]) -> Any:
@@ -142,9 +138,8 @@ class _ImagesToDraw(Dataset):
 
 
 class SeededDrawer(ViewDrawer):
-    """The drawers of :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`: SimCLRViews without
-    grids, each image's views from its own seed, in ``output_dtype`` and channels-last if asked (what the backbone of
-    a channels-last, bf16 run takes without another pass)."""
+    """Drawers by :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` (SimCLRViews without grids,
+    per-image seeds), in ``output_dtype``, channels-last if asked: what a bf16 channels-last backbone takes as is."""
 
     draws = (SimCLRViews,)
     records_grids = False
@@ -176,12 +171,11 @@ class SeededDrawer(ViewDrawer):
 
 
 class BatchedDrawer(SeededDrawer):
-    """The views of a whole batch in a fixed number of tensor operations
-    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's parameters from its own
-    seed: in the collate function of the CPU workers (``on: workers``; several times the views per core of
-    :class:`TorchvisionDrawer` on CIFAR-sized images) or on the device after the transfer of uint8 images (``on:
-    device``, no host-device waits). Both give the same views, from the image resized and centre-cropped to the view
-    size. Draws :class:`~hfmca_lightning.data.view_specs.SimCLRViews` without grids.
+    """A whole batch's views in a fixed number of tensor operations
+    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's from its own seed: in the CPU
+    workers' collate (``on: workers``; several times :class:`TorchvisionDrawer`'s views per core on CIFAR-sized images)
+    or on the device after the uint8 images' transfer (``on: device``; no host-device waits). Both draw the same views,
+    of the image resized and centre-cropped to the view size: :class:`~hfmca_lightning.data.SimCLRViews` without grids.
 
     Args:
         on: ``workers`` or ``device``.
@@ -227,8 +221,7 @@ class BatchedDrawer(SeededDrawer):
 
 
 def check_drawer(views: ViewSpec, drawer: ViewDrawer) -> None:
-    """Whether ``drawer`` can draw ``views``, the one place that decides it: a ``ConfigurationError`` in one line for
-    a pair that cannot work, naming a drawer that can."""
+    """The one check of whether ``drawer`` can draw ``views``: a one-line ``ConfigurationError`` naming one that can."""
     name = type(drawer).__name__
     if not isinstance(views, drawer.draws):
         what = ", ".join(spec.__name__ for spec in drawer.draws)

@@ -25,9 +25,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 class FolderImages(LabelledImages):
     """Image files ``samples [(path, target)]`` decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
-    An unreadable file is, with ``on_bad_image='error'``, a :class:`ConfigurationError` naming it; with ``'skip'``, a
-    warning naming it (and the count skipped so far in this process) and the next readable image of the list in its
-    place, so an epoch keeps its length."""
+    An unreadable file: ``on_bad_image='error'`` raises a :class:`ConfigurationError` naming it; ``'skip'`` warns
+    (naming it and this process's skip count) and reads the next readable image instead (an epoch keeps its length)."""
 
     def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
         self.samples, self.on_bad_image, self.skipped = samples, on_bad_image, 0
@@ -44,11 +43,8 @@ class FolderImages(LabelledImages):
                         f"cannot read image {path}: {error}. Remove or replace the file, or set on_bad_image: skip."
                     ) from None
                 self.skipped += 1
-                warnings.warn(
-                    f"skipping unreadable image {path} ({error}); {self.skipped} skipped so far in this process",
-                    HFMCAWarning,
-                    stacklevel=2,
-                )
+                skipped = f"{self.skipped} skipped so far in this process"
+                warnings.warn(f"skipping unreadable image {path} ({error}); {skipped}", HFMCAWarning, stacklevel=2)
         raise ConfigurationError(
             f"no readable image among 100 files from {self.samples[index][0]}: check the data folder"
         )
@@ -89,11 +85,10 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
 
 
 def _image_files(folder: Path) -> list[str]:
-    """Every image file under ``folder`` (recursively, links followed) in walk order (a folder's files by name, then
-    its sub-folders by name); no file is opened. Each directory is entered once (by its ``(st_dev, st_ino)``); a link
-    to a directory holding ``folder`` (``up -> ..``: its siblings) is not followed. A file under several names (hard
-    links, links) is listed under its first: plain files told apart by the listing's inode (no call per file), links
-    by their target's ``(st_dev, st_ino)``."""
+    """Image files under ``folder`` (recursive, links followed), none opened, in walk order: a folder's files by name,
+    then its sub-folders by name. Each directory is entered once (by ``(st_dev, st_ino)``), none through a link to
+    one holding ``folder`` (``up -> ..``: its siblings). A file with several names (hard links, links) is listed under
+    its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``."""
     try:
         top = os.stat(folder)
     except OSError:
@@ -133,19 +128,10 @@ def _image_files(folder: Path) -> list[str]:
     return found
 
 
-class _FolderSource(ImageSource):
-    """What both folder sources share (the settings' meaning: :class:`ImageFolderSource`)."""
-
-    def _folder_settings(self, root: str, on_bad_image: Literal["error", "skip"]) -> None:
-        check_choice(on_bad_image, ("error", "skip"), "on_bad_image", type(self).__name__)
-        self.root, self.on_bad_image = Path(root).expanduser(), on_bad_image
-
-
-class ImageFolderSource(_FolderSource):
-    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included. Start-up only
-    lists the files (100k files take well under a second). Classes are the folder names, sorted; both splits must have
-    the same classes, none of them empty. Links are followed, each folder and each image once: a link back up the tree
-    (``self -> .``, ``up -> ..``) is skipped, not walked again.
+class ImageFolderSource(ImageSource):
+    """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included; start-up only
+    lists the files (100k in well under a second). Classes are the folder names, sorted, the same in both splits, none
+    empty. Links are followed, each folder and image once, but not back up the tree (``self -> .``, ``up -> ..``).
 
     Args:
         root: folder with one sub-folder per split.
@@ -172,7 +158,8 @@ class ImageFolderSource(_FolderSource):
         std: tuple[float, float, float] = IMAGENET_STD,
         on_bad_image: Literal["error", "skip"] = "error",
     ) -> None:
-        self._folder_settings(root, on_bad_image)
+        check_choice(on_bad_image, ("error", "skip"), "on_bad_image", type(self).__name__)
+        self.root, self.on_bad_image = Path(root).expanduser(), on_bad_image
         self._image_settings(image_size, eval_resize, mean, std)
         if test_dir is not None and os.path.normpath(test_dir) == os.path.normpath(train_dir):
             raise ConfigurationError(
@@ -198,8 +185,7 @@ class ImageFolderSource(_FolderSource):
                 raise ConfigurationError(
                     f"class_list {path} is not a text file (UTF-8)", parameter="class_list"
                 ) from None
-            lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
-            classes = [line for line in lines if line]
+            classes = [name for line in text.splitlines() if (name := line.split("#", 1)[0].strip())]
             if not classes or len(set(classes)) != len(classes):
                 raise ConfigurationError(
                     f"class_list {self.class_list} must list distinct class folder names, one per line",
@@ -260,9 +246,8 @@ class ImageFolderSource(_FolderSource):
         return FolderImages(samples, self.on_bad_image)
 
 
-class UnlabelledFolderSource(_FolderSource):
-    """Any tree of images without classes (every image file under ``root``, links followed as in
-    :class:`ImageFolderSource`), for training only.
+class UnlabelledFolderSource(ImageSource):
+    """Every image file under ``root`` (links followed as in :class:`ImageFolderSource`); no classes: training only.
 
     Args:
         root: folder searched recursively for image files.
@@ -285,7 +270,8 @@ class UnlabelledFolderSource(_FolderSource):
         on_bad_image: Literal["error", "skip"] = "error",
         evaluation: ImageSource | None = None,
     ) -> None:
-        self._folder_settings(root, on_bad_image)
+        check_choice(on_bad_image, ("error", "skip"), "on_bad_image", type(self).__name__)
+        self.root, self.on_bad_image = Path(root).expanduser(), on_bad_image
         self._image_settings(image_size, eval_resize, mean, std)
         for name in ("image_size", "eval_resize", "mean", "std"):
             if evaluation is not None and getattr(evaluation, name) != getattr(self, name):
@@ -295,8 +281,7 @@ class UnlabelledFolderSource(_FolderSource):
                     f"source's settings): give both the same {name}",
                     parameter="evaluation",
                 )
-        self.evaluation = evaluation
-        self.num_classes = evaluation.num_classes if evaluation is not None else 0
+        self.evaluation, self.num_classes = evaluation, evaluation.num_classes if evaluation is not None else 0
         self._images: FolderImages | None = None
 
     def prepare(self) -> None:
@@ -307,8 +292,7 @@ class UnlabelledFolderSource(_FolderSource):
 
     def split(self, train: bool) -> LabelledImages:
         if not train:
-            splits = self.evaluation_splits()
-            if splits is None:
+            if (splits := self.evaluation_splits()) is None:
                 raise ConfigurationError(
                     f"{self.root} has no labels: give `evaluation` a labelled source for test images"
                 )

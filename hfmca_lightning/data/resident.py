@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
 from hfmca_lightning.data.batch_formats import ViewBatch
-from hfmca_lightning.data.datasets import SampleKey, SeededRandomSampler
+from hfmca_lightning.data.datasets import SeededRandomSampler
 from hfmca_lightning.data.drawers import OutputDtype, SeededDrawer
 from hfmca_lightning.data.sources import ArrayImages, LabelledImages
 from hfmca_lightning.data.transforms import resize_transform
@@ -52,9 +52,9 @@ def stored_on_device(images: Tensor, device: torch.device) -> Tensor:
 
 @dataclass
 class ResidentBatch:
-    """One training batch of :class:`ResidentDrawer`: the chunk of ``batches_per_call`` consecutive batches it belongs
-    to (``chunk`` numbers it, increasing over the process; ``indices`` / ``seeds`` (N * B,) its samples), its
-    ``position`` in it, the next chunk's samples (empty at the end of an epoch), and its own samples' names."""
+    """One :class:`ResidentDrawer` training batch: its chunk of ``batches_per_call`` batches (``chunk``: its number,
+    increasing over the process; ``indices`` / ``seeds`` (N * B,): its samples), its ``position`` in it, the next
+    chunk's samples (empty at an epoch's end), and its own samples' names."""
 
     chunk: int
     position: int
@@ -70,15 +70,10 @@ class ResidentBatch:
         return replace(self, **{name: getattr(self, name).pin_memory() for name in tensors})
 
 
-def _key_tensors(keys: list[SampleKey]) -> tuple[Tensor, Tensor]:
-    pairs = torch.tensor(keys, dtype=torch.int64).view(-1, 2)
-    return pairs[:, 0].clone(), pairs[:, 1].clone()
-
-
 class _Chunks(DistributedSampler):
-    """The :class:`ResidentBatch` of each batch of a :class:`SeededRandomSampler` (a ``DistributedSampler``, so
-    Lightning leaves it in place), in chunks of ``batches_per_call``. Chunk numbers never repeat in a process: a pass
-    that repeats an epoch (resumed, or a second run of the data module) never finds an earlier pass's chunks."""
+    """A :class:`ResidentBatch` per batch of a :class:`SeededRandomSampler`, in chunks of ``batches_per_call`` (a
+    ``DistributedSampler``: Lightning leaves it in place). Chunk numbers never repeat in a process, so a pass repeating
+    an epoch (resumed, or a rerun of the data module) never finds an earlier pass's drawn chunks."""
 
     def __init__(self, sampler: SeededRandomSampler, batch_size: int, batches_per_call: int) -> None:
         self.sampler, self.batch_size, self.batches_per_call = sampler, batch_size, batches_per_call
@@ -93,7 +88,8 @@ class _Chunks(DistributedSampler):
         keys = list(self.sampler)
         whole, size = len(keys) // self.batch_size * self.batch_size, self.batch_size * self.batches_per_call
         chunks = [keys[start : min(start + size, whole)] for start in range(0, whole, size)]
-        pairs = [_key_tensors(chunk) for chunk in [*chunks, []]]  # (indices, seeds) per chunk; none after the last
+        tables = [torch.tensor(chunk, dtype=torch.int64).view(-1, 2) for chunk in [*chunks, []]]  # none after the last
+        pairs = [(table[:, 0].clone(), table[:, 1].clone()) for table in tables]  # (indices, seeds) per chunk
         first = next(_PASSES) * _CHUNKS_PER_PASS
         for number, chunk in enumerate(chunks):
             (indices, seeds), (next_indices, next_seeds) = pairs[number], pairs[number + 1]
@@ -118,15 +114,13 @@ class _Batches(Dataset):
 
 
 class ResidentDrawer(SeededDrawer):
-    """The training split kept on the device as one uint8 tensor (an error if it would take more than half of the free
-    device memory); a training batch is its samples' indices and seeds, and the views are drawn on the device from the
-    seeds: those :class:`~hfmca_lightning.data.BatchedDrawer` gives, without data-loader workers (``num_workers`` then
-    serves the evaluation loaders). Draws :class:`~hfmca_lightning.data.SimCLRViews` without grids.
+    """The training split kept on the device as one uint8 tensor (refused above half the free device memory); a batch is
+    its samples' indices and seeds, whose views, :class:`~hfmca_lightning.data.BatchedDrawer`'s, are drawn on the device
+    without loader workers (``num_workers`` serves evaluation only). Draws ``SimCLRViews`` without grids.
 
     Args:
-        batches_per_call: draw the views of this many consecutive batches in one call (fewer, larger launches on a
-            GPU; on CUDA the next chunk is drawn ahead on a side stream while the current one trains). The views are
-            those of one batch at a time (each sample's come from its own seed).
+        batches_per_call: draw this many consecutive batches' views per call (fewer, larger GPU launches; on CUDA the
+            next chunk is drawn ahead on a side stream while this one trains); the views do not depend on it.
         output_dtype: ``float32`` or ``bfloat16``.
         channels_last: views laid out channels-last.
 
@@ -149,8 +143,8 @@ class ResidentDrawer(SeededDrawer):
         self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
-        # one side stream for every chunk drawn ahead: the caching allocator reuses a block only on the stream it
-        # was freed to, so a new stream per chunk would keep each chunk's temporaries apart
+        # one side stream for all chunks drawn ahead: the caching allocator reuses a block only on the stream it was
+        # freed to, so a stream per chunk would never reuse the temporaries of the chunks before
         self._side_stream: Any = None
 
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:

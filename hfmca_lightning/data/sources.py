@@ -1,6 +1,5 @@
-"""Image sources: where the images come from (docs/conventions.md §5), handed out as :class:`LabelledImages` splits.
-Missing or malformed data is raised by :meth:`ImageSource.prepare` or the split methods, before training starts; an
-image that cannot be decoded, when it is first read."""
+"""Image sources: where images come from (docs/conventions.md §5), as :class:`LabelledImages` splits. Missing or
+bad data raises in :meth:`ImageSource.prepare` or a split method (before training), an undecodable image when read."""
 
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ def channel_values(values: Sequence[float], name: str) -> tuple[float, float, fl
 
 
 def pil_rgb(image: Image.Image) -> Tensor:
-    """A PIL image as an RGB uint8 tensor ``(3, H, W)``. PIL's own conversion clips at 255, so greyscale of more bits
-    is scaled here: 16-bit (modes ``I;16``, and ``I`` within 0..65535, as PIL reads 16-bit PGM) and floats in [0, 1]
-    (mode ``F``, :func:`unit_floats_to_uint8`); other values are refused."""
+    """A PIL image as an RGB uint8 tensor ``(3, H, W)``, deeper greyscale scaled (PIL's conversion clips at 255): 16-bit
+    (modes ``I;16``, and ``I`` in 0..65535 as PIL reads 16-bit PGM) and floats in [0, 1] (mode ``F``,
+    :func:`unit_floats_to_uint8`); other values are refused."""
     if image.mode == "F":
         grey = unit_floats_to_uint8(torch.from_numpy(np.asarray(image, dtype=np.float64)), "a mode F image")
     elif image.mode.startswith("I"):
@@ -74,8 +73,8 @@ class LabelledImages(Dataset):
 
 
 class ArrayImages(LabelledImages):
-    """Images held in memory as one ``(N, H, W, 3)`` uint8 array with ``N`` targets (``UNLABELLED`` for images without
-    a class): ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+    """Images in memory: one ``(N, H, W, 3)`` uint8 array and ``N`` targets (``UNLABELLED``: no class);
+    ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
 
     Raises:
         ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.

@@ -62,10 +62,9 @@ def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int
 
 
 class SyntheticShapes(ImageSource):
-    """The embedded, procedurally generated data set for the offline demo and the tests: each of ``num_classes``
-    (2 to 10) classes is a shape (disk, square, triangle, ring, cross, stripes, ...) drawn with random colours,
-    position and size over a noisy background, so a representation must see shape, not colour, to separate the
-    classes. Deterministic from ``seed``; nothing is stored on disk.
+    """The procedurally generated data set of the offline demo and the tests, deterministic from ``seed``, not stored:
+    each class is a shape (disk, square, triangle, ring, cross, stripes, ...) in random colours, position and size over
+    a noisy background, so a representation must see shape, not colour, to separate the classes.
 
     Args:
         num_classes: shapes, hence classes, in ``[2, 10]``.

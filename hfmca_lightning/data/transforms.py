@@ -1,6 +1,5 @@
-"""SimCLR view augmentations with the strength knobs of the paper's Table 2 (docs/conventions.md §5).
-
-Each knob maps 0 -> no distortion and 1 -> the paper's extreme; ``None`` keeps the SimCLR CIFAR default:
+"""SimCLR view augmentations with the strength knobs of the paper's Table 2 (docs/conventions.md §5): 0 -> no
+distortion, 1 -> the paper's extreme, ``None`` -> the SimCLR CIFAR default:
 
 ========  ==============================================  ===================  =====================
 knob      meaning of strength t                            SimCLR default       t = 1
@@ -10,9 +9,8 @@ color     ColorJitter(0.8t, 0.8t, 0.8t, 0.2t), p = 0.8     t = 0.5 (0.4, ..0.1) 
 gray      RandomGrayscale p = t                            t = 0.2              always grey
 ========  ==============================================  ===================  =====================
 
-At crop strength 0 the view is the whole image (scale and aspect ratio 1). ImageNet-scale sets add Gaussian blur and
-solarisation with per-view-kind probabilities, as lightly's transforms (BYOL: ``color_jitter=(0.4, 0.4, 0.2, 0.1),
-blur=(1.0, 0.1), solarize=(0.0, 0.2)``)."""
+Crop strength 0: the whole image (scale, aspect ratio 1). Blur and solarisation (ImageNet scale) take per-view-kind
+probabilities, as lightly's (BYOL: ``color_jitter=(0.4, 0.4, 0.2, 0.1), blur=(1.0, 0.1), solarize=(0.0, 0.2)``)."""
 
 from __future__ import annotations
 
@@ -49,11 +47,9 @@ PerChannel = tuple[float, ...]  # a mean or a standard deviation, one value per 
 
 @dataclass(frozen=True)
 class ViewAugmentation:
-    """The parameters of the view distribution, shared by every drawer (:meth:`from_strengths` makes it from the
-    knobs of the module docstring). View ``l`` of a group has kind ``l % view_kinds``: its blur and solarisation
-    probabilities (BYOL's two distributions alternate). The Gaussian blur has sigma in [0.1, 2]: PIL's filter on the
-    CPU (:class:`RandomGaussianBlur`, as lightly), a separable kernel of about 10 % of the image side in whole batches
-    (:attr:`blur_kernel`, SimCLR's).
+    """The view distribution every drawer draws (:meth:`from_strengths`: from the Table 2 knobs); a view's kind sets its
+    blur and solarisation probabilities (:meth:`kind`; BYOL's two alternate). Blur sigma is in [0.1, 2]: PIL's filter
+    on the CPU (:class:`RandomGaussianBlur`, as lightly), a separable :attr:`blur_kernel` in whole batches (SimCLR's).
 
     Args:
         image_size: side of the square views.
@@ -103,13 +99,13 @@ class ViewAugmentation:
         blur: float | Sequence[float] = 0.0,
         solarize: float | Sequence[float] = 0.0,
     ) -> ViewAugmentation:
-        """The distribution of the Table 2 knobs (module docstring; None: the SimCLR default), ``color_jitter``
-        ``(brightness, contrast, saturation, hue)`` instead of the colour knob's jitter, and the blur and solarisation
-        probabilities (one, or one per view kind).
+        """The distribution of the Table 2 knobs (None: the SimCLR default); ``color_jitter``
+        ``(brightness, contrast, saturation, hue)`` replaces the colour knob's jitter; blur and solarisation
+        probabilities: one, or one per view kind.
 
         Raises:
-            ConfigurationError: when a strength or probability is not in [0, 1], or ``color_jitter`` is not four
-                values ``>= 0``.
+            ConfigurationError: for a strength or probability not in [0, 1], ``color_jitter`` together with
+                ``color_strength``, or ``color_jitter`` not four finite values ``>= 0`` with hue at most 0.5.
         """
         strengths = {"crop_strength": crop_strength, "color_strength": color_strength, "gray_strength": gray_strength}
         for name, value in strengths.items():
@@ -117,12 +113,8 @@ class ViewAugmentation:
                 message = f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}"
                 raise ConfigurationError(message, parameter=name)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
-        if crop_strength is None:
-            scale, ratio = DEFAULT_CROP_SCALE, (3 / 4, 4 / 3)
-        elif crop_strength == 0:
-            scale, ratio = (1.0, 1.0), (1.0, 1.0)
-        else:
-            scale, ratio = (1.0 - crop_strength * (1.0 - 1.0 / image_size**2), 1.0), (3 / 4, 4 / 3)
+        ratio = (1.0, 1.0) if crop_strength == 0 else (3 / 4, 4 / 3)
+        scale = DEFAULT_CROP_SCALE if crop_strength is None else (1 - crop_strength * (1 - 1 / image_size**2), 1.0)
         color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength
         gray = DEFAULT_GRAY_STRENGTH if gray_strength is None else gray_strength
         jitter = (0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
@@ -156,18 +148,16 @@ def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ..
 
 
 def view_transform(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> v2.Compose:
-    """uint8 / PIL image -> a normalised float view ``(3, S, S)`` of ``spec``'s distribution with the blur and
-    solarisation of view number ``view``'s kind: crop, flip, colour jitter, greyscale, blur, solarisation,
-    normalisation (lightly's SimCLR / BYOL order; :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`
-    draws the same for whole batches)."""
+    """uint8 / PIL image -> normalised float view ``(3, S, S)`` of ``spec``, blur and solarisation of view ``view``'s
+    kind: crop, flip, colour jitter, greyscale, blur, solarisation, normalisation (lightly's SimCLR / BYOL order;
+    :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` draws the same for whole batches)."""
     crop = v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)
     flip = [v2.RandomHorizontalFlip()] if spec.horizontal_flip else []
     return v2.Compose([v2.ToImage(), crop, *flip, *appearance_steps(spec, mean, std, view)])
 
 
 def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> list[nn.Module]:
-    """The steps of :func:`view_transform` after the crop and flip: colour jitter, greyscale, blur, solarisation (with
-    view kind ``view``'s probabilities), conversion to float and normalisation."""
+    """:func:`view_transform`'s steps after the crop and flip, to normalisation, with kind ``view``'s probabilities."""
     steps: list[nn.Module] = []
     if spec.jitter_p > 0:
         steps.append(v2.RandomApply([v2.ColorJitter(*spec.jitter)], p=spec.jitter_p))
@@ -182,15 +172,11 @@ def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, 
 
 
 class ViewWithGrid(nn.Module):
-    """A view and where it came from: image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)``
-    pixel position in the source image of the centre of cell ``(i, j)`` (row, column) of a ``g x g`` grid over
-    the view, after its flip. Crop and flip are lightly's location-recording ones (VICRegL's) with ``spec``'s
-    settings, then :func:`appearance_steps`.
-
-    The cell centres are ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's
-    ``RandomResizedCropAndFlip`` spaces them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell),
-    which puts the last centre outside the crop, so its grid is not used.
-    """
+    """image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)`` source pixel of the centre of cell
+    ``(i, j)`` (row, column) of a ``g x g`` grid over the view, after its flip: lightly's location-recording crop and
+    flip (VICRegL's) with ``spec``'s settings, then :func:`appearance_steps`. Cell centres are
+    ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's ``RandomResizedCropAndFlip`` (not used) spaces
+    them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell), putting the last outside the crop."""
 
     def __init__(self, spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int, grid_size: int) -> None:
         super().__init__()
@@ -217,10 +203,9 @@ class ViewWithGrid(nn.Module):
 
 
 class RandomGaussianBlur(nn.Module):
-    """With probability ``p``, PIL's Gaussian blur with a radius (sigma) drawn uniformly from ``sigma``: the blur
-    of lightly's transforms (PIL's separable filter is much faster than torchvision's 23 x 23 kernel on 224-px
-    views: docs/benchmarks/cpu.md). Random numbers come from torch's generator, so views stay a function of their
-    sample seed."""
+    """With probability ``p``, PIL's Gaussian blur of radius (sigma) uniform in ``sigma``, as lightly's (PIL's separable
+    filter is much faster than torchvision's 23 x 23 kernel at 224 px: docs/benchmarks/cpu.md). Draws from torch's
+    generator, so views stay a function of their sample seed."""
 
     def __init__(self, p: float = 0.5, sigma: tuple[float, float] = BLUR_SIGMA) -> None:
         super().__init__()
@@ -230,18 +215,16 @@ class RandomGaussianBlur(nn.Module):
         if float(torch.rand(())) >= self.p:
             return image
         radius = self.sigma[0] + float(torch.rand(())) * (self.sigma[1] - self.sigma[0])
-        if isinstance(image, Image.Image):
-            return image.filter(ImageFilter.GaussianBlur(radius=radius))
-        blurred = to_pil_image(image).filter(ImageFilter.GaussianBlur(radius=radius))
-        return tv_tensors.wrap(pil_to_tensor(blurred), like=image)
+        pil = image if isinstance(image, Image.Image) else to_pil_image(image)
+        blurred = pil.filter(ImageFilter.GaussianBlur(radius=radius))
+        return blurred if pil is image else tv_tensors.wrap(pil_to_tensor(blurred), like=image)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sigma={self.sigma}"
 
 
 def view_transforms(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, grid_size: int = 0) -> list[nn.Module]:
-    """One :func:`view_transform` per view kind of ``spec`` (view ``l`` uses entry ``l % len``), or with
-    ``grid_size > 0`` one :class:`ViewWithGrid` of a ``g x g`` grid (VICRegL)."""
+    """A :func:`view_transform` per view kind (view ``l``: ``l % len``); ``grid_size > 0``: :class:`ViewWithGrid`."""
     if grid_size > 0:
         return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
     return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
@@ -255,8 +238,7 @@ def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: i
 
 
 def finetune_transform(image_size: int, mean: PerChannel, std: PerChannel) -> v2.Compose:
-    """Supervised fine-tuning augmentation (the standard protocol): random resized crop of ``image_size``
-    (scale 0.08..1), horizontal flip, normalise."""
+    """Fine-tuning augmentation (standard): ``RandomResizedCrop(image_size, scale=(0.08, 1))``, flip, normalise."""
     crop = v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True)
     steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip()]
     return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])

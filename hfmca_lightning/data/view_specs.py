@@ -1,5 +1,5 @@
-"""View specs: what the views of a training sample are, with every setting of them and their number
-(docs/conventions.md §5); a drawer (:mod:`hfmca_lightning.data.drawers`) says where they are drawn."""
+"""View specs: what a sample's views are, with all their settings and their number (docs/conventions.md §5); drawers
+(:mod:`hfmca_lightning.data.drawers`) say where they are drawn."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ class ViewSpec:
 
     @property
     def global_views(self) -> int | None:
-        """How many views, first in order, are global crops: all but :class:`MultiCrop`'s local ones; None: the
-        views of the first size."""
+        """How many leading views are global crops: all but :class:`MultiCrop`'s local ones; None: the first size's."""
         return self.num_views
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
@@ -88,20 +87,18 @@ class _Augmented(ViewSpec):
 
 
 class SimCLRViews(_Augmented):
-    """``count`` SimCLR views of one image (paper Alg. 1). The Table 2 knobs map 0 to no distortion and 1 to the
-    paper's extreme; ``None`` keeps the SimCLR CIFAR default (:mod:`hfmca_lightning.data.transforms`).
+    """``count`` SimCLR views of one image (paper Alg. 1; Table 2 knobs: :mod:`hfmca_lightning.data.transforms`).
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
-        crop_strength: Table 2 crop knob in [0, 1].
-        color_strength: Table 2 colour-jitter knob in [0, 1].
-        gray_strength: Table 2 greyscale knob in [0, 1].
+        crop_strength: crop knob in [0, 1] (0: no distortion, 1: the paper's extreme; None: SimCLR's CIFAR default).
+        color_strength: colour-jitter knob, as ``crop_strength``.
+        gray_strength: greyscale knob, as ``crop_strength``.
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
         horizontal_flip: random horizontal flips.
-        blur: probability of a Gaussian blur; a list: one per view kind, cycled over the views (BYOL: ``[1.0, 0.1]``).
-        solarize: probability of a solarisation, as ``blur`` (BYOL: ``[0.0, 0.2]``).
-        grids: ``g > 0``: each view comes with the source positions of a ``g x g`` grid over it (VICRegL); batches
-            get a grids tensor ``(B, L, g, g, 2)``.
+        blur: Gaussian blur probability; a list: one per view kind, cycled over the views (BYOL: ``[1.0, 0.1]``).
+        solarize: solarisation probability, as ``blur`` (BYOL: ``[0.0, 0.2]``).
+        grids: ``g > 0``: views with the source positions of a ``g x g`` grid over each, ``(B, L, g, g, 2)`` (VICRegL).
 
     Raises:
         ConfigurationError: for a value out of range, or ``color_jitter`` and ``color_strength`` both set.
@@ -126,8 +123,7 @@ class SimCLRViews(_Augmented):
 
 
 class SingleView(_Augmented):
-    """One SimCLR view of each image, batched as ``(images (B, C, H, W), targets)`` (internal costs alone, supervised
-    training).
+    """One SimCLR view per image, batched ``(images (B, C, H, W), targets)``: internal costs alone, supervised training.
 
     Args:
         crop_strength: as :class:`SimCLRViews`.
@@ -144,8 +140,8 @@ class SingleView(_Augmented):
 
 
 class SameClassViews(_Augmented):
-    """``count`` different images of one class per sample, each a SimCLR view (the supervised scenario; all strengths
-    0 for plain images). The training images need labels, at least ``count`` of each class.
+    """``count`` different images of one class per sample, each a SimCLR view (supervised scenario; all strengths 0:
+    plain images). The training images need labels, at least ``count`` per class.
 
     Args:
         count: images per group.
@@ -189,10 +185,9 @@ class SameClassViews(_Augmented):
 
 
 class MultiCrop(_Augmented):
-    """Global and local crops of one image, global first (DINO, SwAV, iBOT, MSN): each the SimCLR view of its group's
-    size and crop scale; the other settings of :class:`SimCLRViews` but ``count``, ``crop_strength`` and ``grids``.
-    Stacked batches hold one ``(B, n_g, C, S_g, S_g)`` tensor per group; the list formats give the crops in order.
-    The defaults are DINO's and SwAV's, scaled to CIFAR-like data.
+    """Global then local crops of one image (DINO, SwAV, iBOT, MSN; defaults theirs, scaled to CIFAR-like data), each a
+    SimCLR view at its group's size and crop scale, with :class:`SimCLRViews`' settings but ``count``, ``crop_strength``
+    and ``grids``. Stacked batches hold one ``(B, n_g, C, S_g, S_g)`` per group; list formats give the crops in order.
 
     Args:
         global_crops: crops in the global group.
@@ -209,8 +204,8 @@ class MultiCrop(_Augmented):
         solarize: as :class:`SimCLRViews`.
 
     Raises:
-        ConfigurationError: when a count is negative, there is no crop, a size is below 1, a scale is not
-            ``0 < smallest <= largest <= 1``, or a colour setting is out of range.
+        ConfigurationError: for a negative count, no crop, a size below 1, a scale not
+            ``0 < smallest <= largest <= 1``, or a colour setting out of range.
 
     Example::
 
@@ -263,11 +258,9 @@ class MultiCrop(_Augmented):
 
     def groups(self, image_size: int) -> list[tuple[int, int, tuple[float, float]]]:
         """``(count, size, scale)`` of each non-empty group, global first, for a source of ``image_size`` pixels."""
-        groups = [
-            (self.global_crops, self.global_size or image_size, self.global_scale),
-            (self.local_crops, self.local_size or max(1, image_size // 2), self.local_scale),
-        ]
-        return [group for group in groups if group[0]]  # type: ignore[misc]  # the scales are pairs (checked)
+        global_group = (self.global_crops, self.global_size or image_size, self.global_scale)
+        local_group = (self.local_crops, self.local_size or max(1, image_size // 2), self.local_scale)
+        return [group for group in (global_group, local_group) if group[0]]  # type: ignore[misc]  # pairs (checked)
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         augmentation, groups = self.augmentation(image_size), self.groups(image_size)
@@ -280,10 +273,10 @@ class MultiCrop(_Augmented):
 
 
 class TransformViews(ViewSpec):
-    """Any callable PIL image -> list of ``(C, H, W)`` views: lightly's ``SimCLRTransform``, ``DINOTransform``, or a
-    user's own (a callable given as the data module's ``views`` is wrapped in this), called with torch's, Python's and
-    numpy's generators seeded from the sample's seed (views independent of the workers, exact on resume). Consecutive
-    views of equal shape form a group (DINO's global, then local crops); their number is counted on the first sample.
+    """Any callable PIL image -> list of ``(C, H, W)`` views (lightly's ``SimCLRTransform``, ``DINOTransform``, a
+    user's; a callable given as the data module's ``views`` is wrapped in this), run under torch's, Python's and numpy's
+    generators seeded from the sample's seed (exact on resume, whatever the workers). Consecutive views of equal shape
+    form a group (DINO's global, then local crops); their number is counted on the first sample.
 
     Args:
         transform: image -> list of ``(C, H, W)`` tensors.

@@ -52,7 +52,8 @@ class CounterUniforms:
         self._numbers, self._used = counter_uniforms(seeds, num_views * per_view).view(self.rows, per_view), 0
 
     def rand(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
-        """Uniforms in ``[0, 1)`` of ``shape = (B * L, ...)``."""
+        """Uniforms in ``[0, 1)`` of ``shape = (B * L, ...)`` (those that ``dtype`` would round up to 1 are its
+        largest value below 1, so ``rand < p`` holds for ``p = 1``)."""
         if shape[0] != self.rows:
             raise ValueError(f"requests must have one row per view ({self.rows}); got shape {shape}")
         width = math.prod(shape[1:])
@@ -60,7 +61,7 @@ class CounterUniforms:
             raise ValueError(f"more than {self.per_view} random numbers per view requested: raise per_view")
         numbers = self._numbers[:, self._used : self._used + width].reshape(shape)
         self._used += width
-        return numbers.to(dtype)
+        return numbers.to(dtype).clamp_(max=1.0 - torch.finfo(dtype).eps / 2)
 
     def uniform(self, shape: tuple[int, ...], low: float, high: float, dtype: torch.dtype = torch.float32) -> Tensor:
         """Uniforms in ``[low, high)`` of ``shape = (B * L, ...)`` (float32: may round up to ``high``)."""

@@ -82,3 +82,14 @@ def test_counter_uniforms_hand_out_consecutive_numbers_of_each_view():
         uniforms.rand((5,))
     with pytest.raises(ValueError, match="more than 5 random numbers per view"):
         uniforms.rand((6, 2))
+
+
+def test_float32_uniforms_stay_below_one_so_that_probability_one_always_happens():
+    """Seed 1181012's ninth number is 1 - 2.1e-8, which float32 rounds up to 1: ``rand < 1.0`` (a blur of probability
+    1, BYOL's first view) must still hold; every other number is the float64 one rounded as before."""
+    uniforms = CounterUniforms(torch.tensor([1181012]), num_views=1, per_view=10)
+    numbers = counter_uniforms(torch.tensor([1181012]), 10)[0]
+    assert float(numbers[8]) > 1 - 2**-25 and float(numbers[8].float()) == 1.0  # the case
+    drawn = uniforms.rand((1, 10))[0]
+    assert float(drawn[8]) == 1 - 2**-24 and bool((drawn < 1.0).all())
+    torch.testing.assert_close(drawn[:8], numbers[:8].float(), rtol=0, atol=0)

@@ -104,8 +104,9 @@ class ViewAugmentation:
         probabilities: one, or one per view kind.
 
         Raises:
-            ConfigurationError: for a strength or probability not in [0, 1], ``color_jitter`` together with
-                ``color_strength``, or ``color_jitter`` not four finite values ``>= 0`` with hue at most 0.5.
+            ConfigurationError: for a strength or probability not in [0, 1], blur and solarisation lists of two
+                lengths, ``color_jitter`` together with ``color_strength``, or ``color_jitter`` not four finite values
+                ``>= 0`` with hue at most 0.5.
         """
         strengths = {"crop_strength": crop_strength, "color_strength": color_strength, "gray_strength": gray_strength}
         for name, value in strengths.items():
@@ -113,6 +114,12 @@ class ViewAugmentation:
                 message = f"{name} must be in [0, 1] (0: no distortion, 1: the paper's extreme) or null; got {value}"
                 raise ConfigurationError(message, parameter=name)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
+        if min(len(blur_p), len(solarize_p)) > 1 and len(blur_p) != len(solarize_p):
+            raise ConfigurationError(
+                f"blur gives {len(blur_p)} view kinds and solarize {len(solarize_p)}: give one probability per view "
+                "kind in both lists (the same length), or a single value",
+                parameter="solarize",
+            )
         ratio = (1.0, 1.0) if crop_strength == 0 else (3 / 4, 4 / 3)
         scale = DEFAULT_CROP_SCALE if crop_strength is None else (1 - crop_strength * (1 - 1 / image_size**2), 1.0)
         color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength

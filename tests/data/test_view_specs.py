@@ -52,6 +52,12 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
             "color_jitter",
         ),
         (lambda: SingleView(blur=1.5), "blur is a probability in", "blur"),
+        # before: SimCLRViews cycled three view kinds (blur a, b, a, a, b, a), MultiCrop each list on its own
+        (
+            lambda: SimCLRViews(6, blur=[1.0, 0.1], solarize=[0, 0.1, 0.2]),
+            "blur gives 2 view kinds and solarize 3",
+            "solarize",
+        ),
         # before: torchvision's traceback at the first view (hue 0.9), or NaN views / no jitter on the batched drawer
         (lambda: SimCLRViews(color_jitter=[0, 0, 0, 0.9]), r"hue at most 0.5; got \[0, 0, 0, 0.9\]", "color_jitter"),
         (lambda: SimCLRViews(color_jitter=[float("inf"), 0, 0, 0]), "finite and >= 0", "color_jitter"),
@@ -71,6 +77,7 @@ def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: An
         "color_jitter with color_strength",
         "multi-crop color_jitter with color_strength",
         "blur probability",
+        "blur and solarize lengths",
         *("hue above 0.5", "infinite jitter", "NaN jitter", "three scale values"),
     ],
 )

@@ -41,11 +41,13 @@ class TrainingPosition:
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     """The position after the last finished training batch (where a checkpoint written now resumes), from the batches
-    the loop consumed (the loader runs ahead by its prefetch); a finished epoch is the next one's start."""
+    the loop consumed (the loader runs ahead by its prefetch). A finished epoch is the next one's start, and so is one
+    that ``max_steps`` or ``max_time`` ended early once its end hooks ran: Lightning resumes at the next epoch."""
     loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
-    epoch = max(loop.epoch_progress.current.started - 1, 0)  # type: ignore[attr-defined]  # the batches' epoch
+    epochs = loop.epoch_progress.current  # type: ignore[attr-defined]
+    epoch = max(epochs.started - 1, 0)  # the batches' epoch
     batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-    if batches >= trainer.num_training_batches:
+    if batches >= trainer.num_training_batches or 0 < epochs.started <= epochs.processed:
         return TrainingPosition(epoch + 1, 0)
     return TrainingPosition(epoch, batches * batch_size * trainer.world_size)
 
@@ -259,8 +261,14 @@ class MultiViewDataModule(LightningDataModule):
         replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         sampler = SeededRandomSampler(len(self.training_split), self.seed, num_replicas=replicas, rank=rank)
         if self._resume_position is not None:
-            sampler.resume(self._resume_position.epoch, self._resume_position.samples_seen)
-            self._resume_position = None
+            position, self._resume_position = self._resume_position, None
+            if position.samples_seen > len(self.training_split):
+                raise ConfigurationError(
+                    f"the checkpoint resumes epoch {position.epoch} after {position.samples_seen} training images, but "
+                    f"the training split now has {len(self.training_split)}: resume with the data the run was trained "
+                    "on, or start a new run"
+                )
+            sampler.resume(position.epoch, position.samples_seen)
         return self.training_loader(sampler, None if self.drawer.draws_on_device else self.batch_format)
 
     def state_dict(self) -> dict[str, Any]:

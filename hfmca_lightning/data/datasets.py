@@ -57,6 +57,13 @@ class SeededRandomSampler(DistributedSampler):
         self._resume_at = (epoch, samples_seen)
         self.epoch = epoch
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration shuffles for (Lightning sets it); a resume position of another epoch is
+        dropped: the loop counts that epoch finished, and this one starts from its first key."""
+        if self._resume_at is not None and self._resume_at[0] != epoch:
+            self._resume_at = None
+        self.epoch = epoch
+
     def __iter__(self) -> Iterator[SampleKey]:  # (index, seed) keys, not indices
         skip = 0
         if self._resume_at is not None:

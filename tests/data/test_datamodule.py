@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
 
 from hfmca_lightning.data import (
     BatchedDrawer,
@@ -185,6 +186,80 @@ def test_a_checkpoints_position_starts_the_next_training_loader_there():
         torch.testing.assert_close(views, expected_views, rtol=0, atol=0)
         assert torch.equal(targets, expected_targets)
     assert len(batches(resumed, epoch=1)) == len(uninterrupted)  # the position is used once
+
+
+def test_a_position_of_another_epoch_than_the_loops_is_dropped_and_a_shrunk_split_refused():
+    """Lightning sets the epoch it runs after restoring a checkpoint: when that is not the position's epoch (a
+    checkpoint written by an older version after ``max_steps`` ended an epoch early), the loader gives the whole of
+    Lightning's epoch, not the rest of another. A position past the end of a training split that shrank since the
+    checkpoint is one line."""
+
+    def make() -> MultiViewDataModule:
+        return MultiViewDataModule(_shapes(), batch_size=4, num_workers=0, seed=2)
+
+    fresh = make().train_dataloader()
+    fresh.sampler.set_epoch(1)
+    whole_epoch = [targets for _, targets in fresh]
+    stale = make()
+    stale.load_state_dict({"position": asdict(TrainingPosition(epoch=0, samples_seen=8))})
+    loader = stale.train_dataloader()
+    loader.sampler.set_epoch(1)
+    assert [targets.tolist() for _, targets in loader] == [targets.tolist() for targets in whole_epoch]
+    shrunk = make()
+    shrunk.load_state_dict({"position": asdict(TrainingPosition(epoch=0, samples_seen=20))})
+    with pytest.raises(ConfigurationError, match="after 20 training images, but the training split now has 16"):
+        shrunk.train_dataloader()
+
+
+class _RecordsSamples(LightningModule):
+    """Records the sample indices of each training step (lightly batches carry them as names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.steps: list[tuple[int, list[str]]] = []
+
+    def training_step(self, batch, batch_index):
+        views, _, names = batch
+        self.steps.append((self.current_epoch, list(names)))
+        return self.weight * views[0].mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.integration  # training runs
+@pytest.mark.parametrize("stop", ["max_steps", "max_time"])
+def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_with_the_next_epochs_samples(tmp_path, stop):
+    """Lightning counts an epoch that ``max_steps`` or ``max_time`` ended early finished once its end hooks ran (where
+    the checkpoint is written), and resumes at the next epoch: the resumed steps train on exactly the samples of the
+    uninterrupted run's next epochs, in order (before: the rest of the stopped epoch, as if it were the next one)."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    def data() -> MultiViewDataModule:
+        source = SyntheticShapes(num_classes=4, train_per_class=6, test_per_class=2, image_size=8)
+        return MultiViewDataModule(source, batch_format="lightly", batch_size=4, num_workers=2, seed=3)  # 6 steps
+
+    def trainer(**options) -> Trainer:
+        quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+        return Trainer(
+            max_epochs=3, accelerator="cpu", limit_val_batches=0, default_root_dir=tmp_path, **quiet, **options
+        )
+
+    class StopsAtStepFour(Callback):  # max_time's stop: the Timer sets should_stop after a batch
+        def on_train_batch_end(self, trainer, *args) -> None:
+            trainer.should_stop = trainer.global_step >= 4
+
+    uninterrupted = _RecordsSamples()
+    trainer(enable_checkpointing=False).fit(uninterrupted, data())
+    stopped, checkpoint = _RecordsSamples(), ModelCheckpoint(dirpath=tmp_path, filename="stopped")
+    limit = {"max_steps": 4} if stop == "max_steps" else {"callbacks": [checkpoint, StopsAtStepFour()]}
+    trainer(**({"callbacks": [checkpoint]} | limit)).fit(stopped, data())
+    assert [epoch for epoch, _ in stopped.steps] == [0] * 4
+    resumed = _RecordsSamples()
+    trainer(enable_checkpointing=False).fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
+    later_epochs = [step for step in uninterrupted.steps if step[0] >= 1]
+    assert resumed.steps == later_epochs and len(later_epochs) == 12
 
 
 # The test pretends the machine has 3 cores; torch compares the 3 workers with the real count.

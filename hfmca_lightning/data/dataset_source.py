@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence, Sized
 from typing import Any, cast
 
@@ -24,8 +25,8 @@ class DatasetSource(ImageSource):
     """Training (and optionally test) images from torch ``Dataset``\\ s of ``(image, target)`` pairs.
 
     Args:
-        train: the training split; its targets are its ``targets`` attribute where it has one of its length
-            (torchvision's data sets do), else read once from its samples.
+        train: the training split; its targets (integer class indices) are its ``targets`` attribute where it has
+            one of its length and no ``target_transform`` (as torchvision's data sets), else read once from its pairs.
         test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
@@ -110,13 +111,13 @@ class DatasetImages(LabelledImages):
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
         found, length = getattr(dataset, "targets", None), len(cast(Sized, dataset))  # sized: DatasetSource checks
-        if found is None or len(found) != length:
-            found = (self._pair(index)[1] for index in range(length))
-        self.targets = [int(target) for target in found]
+        # a target_transform changes the pairs' targets, not the attribute: read the pairs then
+        if found is None or len(found) != length or getattr(dataset, "target_transform", None) is not None:
+            found = [self._pair(index)[1] for index in range(length)]
+        self.targets = [_class_index(target, index) for index, target in enumerate(found)]
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
-        image, target = self._pair(index)
-        return as_uint8_image(image), int(target)
+        return as_uint8_image(self._pair(index)[0]), self.targets[index]
 
     def _pair(self, index: int) -> tuple[Any, Any]:
         sample = self.dataset[index]
@@ -126,6 +127,17 @@ class DatasetImages(LabelledImages):
                 "(image, target) pairs"
             )
         return sample[0], sample[1]
+
+
+def _class_index(target: Any, index: int) -> int:
+    """``target`` as a class index: an integer (Python, numpy, a one-integer tensor); anything else is one line."""
+    try:
+        return operator.index(target)
+    except TypeError:
+        raise ConfigurationError(
+            f"DatasetSource: the target of sample {index} is {target!r}, not a class index; give integer class "
+            f"indices ({UNLABELLED}: no class)"
+        ) from None
 
 
 def as_uint8_image(image: Any) -> Tensor:

@@ -117,6 +117,45 @@ def test_targets_that_evaluation_cannot_use_are_one_line_before_training() -> No
     assert unlabelled.num_classes == 0 and unlabelled.evaluation_splits() is None
 
 
+class Shifted(Labelled):
+    """Targets ``t`` in ``targets``, ``t + 3`` in the pairs: a torchvision data set with a ``target_transform``."""
+
+    def __init__(self, targets: list[int]) -> None:
+        super().__init__(targets)
+        self.target_transform = lambda target: target + 3
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.zeros(3, 8, 8, dtype=torch.uint8), self.target_transform(self.targets[index])
+
+
+class Targets(Labelled):
+    """Pairs whose targets are as given (any type), without a ``targets`` attribute."""
+
+    def __init__(self, targets: list[object]) -> None:
+        self.given = targets
+
+    def __len__(self) -> int:
+        return len(self.given)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, object]:
+        return torch.zeros(3, 8, 8, dtype=torch.uint8), self.given[index]
+
+
+def test_the_pairs_targets_count_and_a_target_that_is_no_class_index_is_one_line() -> None:
+    """A ``target_transform`` changes the pairs' targets, not the ``targets`` attribute: the split, every drawer and
+    kNN use the pairs' (before: the attribute's, so training, kNN and the class count disagreed). Integer targets of
+    any kind are class indices; fractions, strings, None and multi-hot tensors are one line (before: 0.5 became 0)."""
+    source = DatasetSource(Shifted([0, 1, 2]), Shifted([2, 1]), image_size=8)
+    assert source.num_classes == 6 and source.split(True).targets == [3, 4, 5]
+    assert [source.split(True)[index][1] for index in range(3)] == [3, 4, 5]
+    assert [source.split(False)[index][1] for index in range(2)] == [5, 4]
+    integers = DatasetSource(Targets([0, np.int64(1), torch.tensor(2), np.array(1)]), image_size=8)
+    assert integers.split(True).targets == [0, 1, 2, 1]
+    for target in (0.5, 1.0, "cat", None, torch.tensor([0, 1])):
+        with pytest.raises(ConfigurationError, match="the target of sample 1 is .*, not a class index"):
+            DatasetSource(Targets([0, target]), image_size=8)
+
+
 def test_torchvision_data_sets_come_from_yaml_as_class_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchvision's FakeData (PIL images, no ``targets``) named in a config, as a user writes it."""
     from hfmca_lightning.cli.trainer_cli import HFMCACLI

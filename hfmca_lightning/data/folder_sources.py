@@ -37,7 +37,7 @@ class FolderImages(LabelledImages):
             path, target = self.samples[(index + attempt) % len(self.samples)]
             try:
                 return read_image(path), target
-            except (OSError, RuntimeError, ValueError, UnidentifiedImageError) as error:
+            except (OSError, RuntimeError, ValueError, UnidentifiedImageError, Image.DecompressionBombError) as error:
                 if self.on_bad_image == "error":
                     raise ConfigurationError(
                         f"cannot read image {path}: {error}. Remove or replace the file, or set on_bad_image: skip."
@@ -84,18 +84,20 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _image_files(folder: Path) -> list[str]:
+def _image_files(folder: Path, claimed: dict[tuple[int, int], str] | None = None) -> list[str]:
     """Image files under ``folder`` (recursive, links followed), none opened, in walk order: a folder's files by name,
     then its sub-folders by name. Each directory is entered once (by ``(st_dev, st_ino)``), none through a link to
     one holding ``folder`` (``up -> ..``: its siblings). A file with several names (hard links, links) is listed under
-    its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``."""
+    its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``.
+    ``claimed``: the files of other classes (identity -> path); one of them found here is one line, and this folder's
+    are added to it."""
     try:
         top = os.stat(folder)
     except OSError:
         return []
     root = os.path.realpath(folder)
     visited = {(top.st_dev, top.st_ino)}
-    seen: set[tuple[int, int] | None] = set()
+    seen: dict[tuple[int, int], str] = {}
     found: list[str] = []
     pending = [(os.fspath(folder), top.st_dev)]
     while pending:
@@ -121,17 +123,25 @@ def _image_files(folder: Path) -> list[str]:
                 key = _identity(entry) if entry.is_symlink() else (device, entry.inode())
                 if key in seen:
                     continue
+                if key is not None and claimed is not None and key in claimed:
+                    raise ConfigurationError(
+                        f"{entry.path} and {claimed[key]} are one image file (a link or a hard link) in two class "
+                        "folders, so it would be trained and scored under two classes: keep it in one"
+                    )
                 if key is not None:  # None: a broken link, listed, and named when it cannot be read
-                    seen.add(key)
+                    seen[key] = entry.path
                 found.append(entry.path)
         pending.extend(reversed(subdirectories))
+    if claimed is not None:
+        claimed.update(seen)
     return found
 
 
 class ImageFolderSource(ImageSource):
     """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included; start-up only
     lists the files (100k in well under a second). Classes are the folder names, sorted, the same in both splits, none
-    empty. Links are followed, each folder and image once, but not back up the tree (``self -> .``, ``up -> ..``).
+    empty. Links are followed, each folder and image once, but not back up the tree (``self -> .``, ``up -> ..``);
+    an image in two class folders is refused.
 
     Args:
         root: folder with one sub-folder per split.
@@ -235,8 +245,9 @@ class ImageFolderSource(ImageSource):
                 f"only in {folder.name}: {extra[:5]}); kNN and probes need the same classes in every split"
             )
         samples: list[tuple[str, int]] = []
+        claimed: dict[tuple[int, int], str] = {}  # every class's files: a file of two classes is refused
         for target, name in enumerate(self.classes):
-            files = _image_files(folder / name)
+            files = _image_files(folder / name, claimed)
             if not files:
                 raise ConfigurationError(
                     f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder "

@@ -2,6 +2,7 @@ import os
 import pickle
 import re
 import signal
+import struct
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -251,6 +252,45 @@ def test_unreadable_image_is_named_when_read(tmp_path):
     index = [path for path, _ in train.samples].index(str(broken))
     with pytest.raises(ConfigurationError, match=r"cannot read image .*broken\.png.*on_bad_image: skip"):
         train[index]
+
+
+def test_an_image_over_pils_size_limit_is_an_unreadable_image_named_or_skipped(tmp_path):
+    """A file whose header declares 225 megapixels (PIL refuses it as a decompression bomb, not as an OSError) is named
+    in one line, or skipped with ``on_bad_image: skip`` (before: PIL's DecompressionBombError, skip or not)."""
+    write_image_folder(tmp_path, per_class=2, num_classes=2)
+    huge = tmp_path / "train" / "class_1" / "huge.bmp"
+    side = 15000
+    header = struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, side, side, 1, 24, 0, 0, 0, 0, 0, 0)
+    huge.write_bytes(b"BM" + header)
+    for on_bad_image in ("error", "skip"):
+        train = ImageFolderSource(root=str(tmp_path), on_bad_image=on_bad_image).split(train=True)
+        index = [path for path, _ in train.samples].index(str(huge))
+        if on_bad_image == "error":
+            with pytest.raises(ConfigurationError, match=r"cannot read image .*huge\.bmp: Image size \(225000000"):
+                train[index]
+        else:
+            with pytest.warns(UserWarning, match=r"skipping unreadable image .*huge\.bmp"):
+                image, _ = train[index]
+            assert torch.equal(image, train[(index + 1) % len(train)][0])
+
+
+def test_an_image_in_two_class_folders_is_one_line(tmp_path):
+    """A class folder that is a link to another (or a file linked into two classes) would list its images under two
+    classes, contradicting "each image once": one line naming both paths."""
+    write_image_folder(tmp_path, per_class=2, num_classes=2)
+    (tmp_path / "train" / "class_2").symlink_to("class_0")
+    (tmp_path / "test" / "class_2").symlink_to("class_0")
+    with pytest.raises(ConfigurationError, match=r"class_2/.*png and .*class_0/.*png are one image file .* two class"):
+        ImageFolderSource(root=str(tmp_path)).split(train=True)
+    for split in ("train", "test"):
+        (tmp_path / split / "class_2").unlink()
+        (tmp_path / split / "class_2").mkdir()
+    os.link(next((tmp_path / "train" / "class_0").glob("*.png")), tmp_path / "train" / "class_2" / "linked.png")
+    (tmp_path / "test" / "class_2" / "own.png").write_bytes(
+        next((tmp_path / "test" / "class_1").glob("*.png")).read_bytes()
+    )
+    with pytest.raises(ConfigurationError, match=r"class_2/linked\.png and .*class_0/.*png are one image file"):
+        ImageFolderSource(root=str(tmp_path)).split(train=True)
 
 
 def test_an_image_file_is_read_only_as_an_image_format(tmp_path, monkeypatch):

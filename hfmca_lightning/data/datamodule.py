@@ -178,7 +178,15 @@ class MultiViewDataModule(LightningDataModule):
                     "SameClassViews groups images by class, but the training images have no labels", parameter="views"
                 )
             if isinstance(self.views, TransformViews):  # its count is known from its output only
-                self._counted_views = self.views.count_views(split, self.seed)
+                shapes = self.views.view_shapes(split, self.seed)
+                self._counted_views, size = len(shapes), self.source.image_size
+                if max(shapes[0][1:]) > size:  # larger than the source's images: lightly's 224 px on CIFAR, say
+                    rank_zero_warn(
+                        f"the views transform makes {shapes[0][1]}x{shapes[0][2]} views of the source's {size}-px "
+                        f"images, which kNN, probes and analysis read at {size} px, normalised with the source's mean "
+                        f"and std; give the transform that size (lightly: input_size={size}) and normalisation",
+                        category=HFMCAWarning,
+                    )
             self._train_split, self._evaluation = split, self.source.evaluation_splits()
             if self._evaluation is None:
                 rank_zero_warn(

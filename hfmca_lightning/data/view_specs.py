@@ -299,12 +299,12 @@ class TransformViews(ViewSpec):
 
     @property
     def num_views(self) -> None:
-        return None  # known from the output only: :meth:`count_views`
+        return None  # known from the output only: :meth:`view_shapes`
 
-    def count_views(self, split: LabelledImages, seed: int) -> int:
-        """The number of views the transform makes of the first image of ``split`` (counted in ``setup``)."""
+    def view_shapes(self, split: LabelledImages, seed: int) -> list[tuple[int, ...]]:
+        """The ``(C, H, W)`` of each view the transform makes of the first image of ``split`` (read in ``setup``)."""
         groups = self.dataset(split, 0, ((), ()))[(0, seed)][0]
-        return sum(group.shape[0] for group in groups)
+        return [tuple(group.shape[1:]) for group in groups for _ in range(group.shape[0])]
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return SeededViews(split, partial(_transformed_views, self.transform))

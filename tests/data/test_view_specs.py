@@ -20,7 +20,7 @@ from hfmca_lightning.data import (
     TransformViews,
 )
 from hfmca_lightning.data.sources import ArrayImages
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 
 
 def data(views: Any = None, batch_size: int = 4, workers: int = 0, **options: Any) -> MultiViewDataModule:
@@ -306,3 +306,15 @@ def test_lightlys_transforms_are_counted_and_grouped_on_the_first_sample():
     assert dino.num_views == 5
     (global_crops, local_crops), targets = next(iter(dino.train_dataloader()))
     assert global_crops.shape == (4, 2, 3, 32, 32) and local_crops.shape == (4, 3, 3, 16, 16)
+
+
+def test_a_transform_whose_views_are_larger_than_the_sources_images_is_a_warning():
+    """lightly's ``SimCLRTransform()`` makes 224-px views: on 32-px images that trains at 224 px while kNN and probes
+    read 32-px images (with the source's normalisation), without a word before; views of the source's size or smaller
+    (patches, local crops) are what a transform is for, without a warning."""
+    from lightly.transforms import SimCLRTransform
+
+    with pytest.warns(HFMCAWarning, match="makes 224x224 views of the source's 32-px images.*input_size=32"):
+        data(SimCLRTransform()).setup("fit")
+    data(SimCLRTransform(input_size=32)).setup("fit")  # HFMCAWarning is an error here
+    data(TransformViews(lambda image: [torch.zeros(3, 8, 8)] * 3)).setup("fit")

@@ -33,10 +33,12 @@ EVALUATION_LOADERS: tuple[EvaluationLoaders, ...] = get_args(EvaluationLoaders)
 
 @dataclass(frozen=True)
 class TrainingPosition:
-    """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``."""
+    """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``; ``skipped``:
+    the samples of the epoch before that ``max_steps`` or ``max_time`` left untrained when they ended it."""
 
     epoch: int
     samples_seen: int
+    skipped: int = 0
 
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
@@ -47,9 +49,10 @@ def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     epochs = loop.epoch_progress.current  # type: ignore[attr-defined]
     epoch = max(epochs.started - 1, 0)  # the batches' epoch
     batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+    samples = batch_size * trainer.world_size
     if batches >= trainer.num_training_batches or 0 < epochs.started <= epochs.processed:
-        return TrainingPosition(epoch + 1, 0)
-    return TrainingPosition(epoch, batches * batch_size * trainer.world_size)
+        return TrainingPosition(epoch + 1, 0, max(int(trainer.num_training_batches) - batches, 0) * samples)
+    return TrainingPosition(epoch, batches * samples)
 
 
 def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec, samples: list[Any]) -> Any:
@@ -286,7 +289,14 @@ class MultiViewDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position of a checkpoint: the next training loader starts there."""
         if "position" in state_dict:
-            self._resume_position = TrainingPosition(**state_dict["position"])
+            self._resume_position = position = TrainingPosition(**state_dict["position"])
+            if position.skipped:
+                rank_zero_warn(
+                    f"the checkpoint's epoch {position.epoch - 1} was ended early by max_steps or max_time, and "
+                    f"Lightning counts it finished: training goes on at epoch {position.epoch}, and {position.skipped} "
+                    "training images of that epoch are not trained on (a SIGTERM stop resumes exactly)",
+                    category=HFMCAWarning,
+                )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Device drawers: a transferred training batch (images, or indices and seeds) -> views in ``batch_format``."""

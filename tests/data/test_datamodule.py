@@ -233,7 +233,8 @@ class _RecordsSamples(LightningModule):
 def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_with_the_next_epochs_samples(tmp_path, stop):
     """Lightning counts an epoch that ``max_steps`` or ``max_time`` ended early finished once its end hooks ran (where
     the checkpoint is written), and resumes at the next epoch: the resumed steps train on exactly the samples of the
-    uninterrupted run's next epochs, in order (before: the rest of the stopped epoch, as if it were the next one)."""
+    uninterrupted run's next epochs, in order (before: the rest of the stopped epoch, as if it were the next one); a
+    warning says how many images of the stopped epoch are left untrained."""
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     def data() -> MultiViewDataModule:
@@ -257,7 +258,8 @@ def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_with_the_nex
     trainer(**({"callbacks": [checkpoint]} | limit)).fit(stopped, data())
     assert [epoch for epoch, _ in stopped.steps] == [0] * 4
     resumed = _RecordsSamples()
-    trainer(enable_checkpointing=False).fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
+    with pytest.warns(HFMCAWarning, match="epoch 0 was ended early .* goes on at epoch 1, and 8 training images"):
+        trainer(enable_checkpointing=False).fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
     later_epochs = [step for step in uninterrupted.steps if step[0] >= 1]
     assert resumed.steps == later_epochs and len(later_epochs) == 12
 

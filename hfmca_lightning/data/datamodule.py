@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -46,12 +47,12 @@ def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     the loop consumed (the loader runs ahead by its prefetch). A finished epoch is the next one's start, and so is one
     that ``max_steps`` or ``max_time`` ended early once its end hooks ran: Lightning resumes at the next epoch."""
     loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
-    epochs = loop.epoch_progress.current  # type: ignore[attr-defined]
+    epochs: Any = loop.epoch_progress.current
     epoch = max(epochs.started - 1, 0)  # the batches' epoch
     batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-    samples = batch_size * trainer.world_size
-    if batches >= trainer.num_training_batches or 0 < epochs.started <= epochs.processed:
-        return TrainingPosition(epoch + 1, 0, max(int(trainer.num_training_batches) - batches, 0) * samples)
+    samples, total = batch_size * trainer.world_size, trainer.num_training_batches
+    if batches >= total or 0 < epochs.started <= epochs.processed:
+        return TrainingPosition(epoch + 1, 0, int(total - batches) * samples if batches < total < math.inf else 0)
     return TrainingPosition(epoch, batches * samples)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
@@ -341,6 +342,37 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         if self.external_head is not None and getattr(datamodule, "single_view", False):
             raise ConfigurationError(
                 "SingleView gives one image per sample, but the external head needs groups of views"
+            )
+        if stage == "fit":
+            self._check_training_batches(datamodule)
+
+    def _check_training_batches(self, datamodule: Any) -> None:
+        """Training batches this module cannot take, refused before the first step: batches with crop grids
+        (``(views, targets, grids)``, VICRegL's), and one sample per process where a BatchNorm layer normalises over
+        the samples alone and needs two: the external head's (its last maps are 1x1, one per image) and any
+        ``BatchNorm1d``; a backbone's ``BatchNorm2d`` also normalises over the map's positions."""
+        grids = getattr(getattr(datamodule, "views", None), "grids", 0)
+        if grids:
+            raise ConfigurationError(
+                f"data.init_args.views draws crop grids (grids={grids}), which only VICRegL reads; HFMCAModule takes "
+                "(views, targets) batches: remove grids from the views",
+                parameter="grids",
+            )
+        batch_size = getattr(datamodule, "batch_size", None)
+        normalising = [
+            name
+            for name, child in self.named_modules()
+            if isinstance(child, _BatchNorm)
+            and (name.startswith("external_head.") or isinstance(child, nn.BatchNorm1d))
+        ]
+        in_head = [name for name in normalising if name.startswith("external_head.")]
+        layer = in_head[-1] if in_head else next(iter(normalising), None)  # the head's last: on its 1x1 maps
+        if isinstance(batch_size, int) and batch_size < 2 and layer is not None:
+            raise ConfigurationError(
+                f"HFMCAModule trains on batches of {batch_size} sample per process, but its BatchNorm layer {layer} "
+                "normalises over the samples and needs at least 2 (under DDP the batch is per process): set "
+                "data.init_args.batch_size to 2 or more",
+                parameter="batch_size",
             )
 
     def forward(self, images: Tensor) -> Tensor:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods.baselines import BYOL, BarlowTwins, FastSiam, MoCo, SimCLR, SimSiam, VICReg, VICRegL
+from hfmca_lightning.methods.compatibility import ArchitectureMismatch
 from hfmca_lightning.models import SmallConvNet
-from tests.helpers import quiet_trainer
+from tests.helpers import RaiseAtStep, quiet_trainer
 
 SMALL_HEADS = {
     SimCLR: {"hidden_dim": 64, "output_dim": 32},
@@ -177,3 +180,140 @@ def test_a_baseline_setting_out_of_its_range_is_one_line(method, settings, messa
     """Before: trained silently (a negative temperature, a momentum outside [0, 1]) or an error deep in a head."""
     with pytest.raises(ConfigurationError, match=message):
         method(SmallConvNet(width=8, num_stages=2), **settings)
+
+
+def _moco_run(seed: int) -> tuple[MoCo, MultiViewDataModule]:
+    """A tiny MoCo (8 keys per step into a 64-key bank) and its data, the weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    module = MoCo(
+        SmallConvNet(width=8, num_stages=2),
+        optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+        lr_scheduler=partial(torch.optim.lr_scheduler.ConstantLR, factor=1.0, total_iters=0),
+        **SMALL_HEADS[MoCo],
+    )
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=4, train_per_class=8, image_size=16),
+        views=SimCLRViews(count=2),
+        batch_size=8,
+        num_workers=0,
+        seed=0,
+    )
+    return module, data
+
+
+def _moco_state(module: MoCo) -> dict[str, torch.Tensor]:
+    """Every weight and buffer, and the memory bank and its write position (not in lightly's state_dict)."""
+    bank = module.criterion.memory_bank
+    return {**module.state_dict(), "bank": bank.bank.clone(), "bank_ptr": bank.bank_ptr.clone()}
+
+
+def _interrupted_moco(tmp_path: Path, steps: int, stop_at: int) -> MoCo:
+    """A MoCo run of ``steps`` steps that fails at step ``stop_at`` (as a run killed there), a checkpoint of every
+    step in ``tmp_path`` (``last.ckpt``: the state after ``stop_at`` steps)."""
+    interrupted, data = _moco_run(seed=0)
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1), RaiseAtStep(stop_at, rank=0)]
+    with pytest.raises(OSError, match="unreadable"):
+        quiet_trainer(max_steps=steps, limit_val_batches=0, callbacks=callbacks, enable_checkpointing=True).fit(
+            interrupted, data
+        )
+    assert interrupted.global_step == stop_at
+    return interrupted
+
+
+def test_an_interrupted_and_resumed_moco_fit_equals_an_uninterrupted_one(tmp_path):
+    """The memory bank travels in the checkpoint: lightly keeps it in non-persistent buffers, so a resumed run
+    started from a fresh random bank (weights 0.03 off the uninterrupted run's after 3 more steps)."""
+    uninterrupted, data = _moco_run(seed=0)
+    quiet_trainer(max_steps=8, limit_val_batches=0).fit(uninterrupted, data)
+    interrupted = _interrupted_moco(tmp_path, steps=8, stop_at=5)  # the same run (momentum schedule over 8 steps)
+    assert int(interrupted.criterion.memory_bank.bank_ptr) == 40  # 5 steps of 8 keys: the bank is part full
+    resumed, data = _moco_run(seed=1)  # another fresh bank: what the checkpoint holds must replace it
+    quiet_trainer(max_steps=8, limit_val_batches=0).fit(resumed, data, ckpt_path=str(tmp_path / "last.ckpt"))
+    expected, got = _moco_state(uninterrupted), _moco_state(resumed)
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            got[name], value, rtol=0, atol=0, msg=lambda problem, name=name: f"{name}: {problem}"
+        )
+
+
+def test_a_moco_checkpoint_without_its_memory_bank_resumes_with_a_warning(tmp_path):
+    """A checkpoint written before banks were saved still resumes: with a fresh bank, and a warning saying so. A bank
+    of another size is one clear error."""
+    interrupted = _interrupted_moco(tmp_path, steps=4, stop_at=2)
+    old = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert torch.equal(old.pop("moco_memory_bank")["bank"], interrupted.criterion.memory_bank.bank)
+    torch.save(old, tmp_path / "old.ckpt")
+    resumed, data = _moco_run(seed=0)
+    with pytest.warns(UserWarning, match="MoCo: the checkpoint holds no memory bank .* fresh bank of random keys"):
+        quiet_trainer(max_steps=4, limit_val_batches=0).fit(resumed, data, ckpt_path=str(tmp_path / "old.ckpt"))
+    assert resumed.global_step == 4
+    smaller, data = _moco_run(seed=0)
+    smaller.criterion.memory_bank.bank = torch.zeros(32, 32)
+    with pytest.raises(ArchitectureMismatch, match=r"memory bank: checkpoint \(64, 32\) vs model \(32, 32\)"):
+        quiet_trainer(max_steps=4, limit_val_batches=0).fit(smaller, data, ckpt_path=str(tmp_path / "last.ckpt"))
+
+
+@pytest.mark.parametrize("method", [BYOL, MoCo], ids=lambda m: m.__name__)
+def test_a_momentum_baseline_without_a_known_run_length_is_refused_before_training(method):
+    """The momentum schedule runs over ``estimated_stepping_batches``: with ``max_epochs -1`` and only ``max_time``
+    that is inf, which was an OverflowError at the first step."""
+    module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        views=SimCLRViews(count=2),
+        batch_size=4,
+        num_workers=0,
+    )
+    trainer = quiet_trainer(max_epochs=-1, max_time="00:00:00:30", limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"momentum rises .* but this run has no known length \(trainer.max_epochs -1 and no trainer.max_steps",
+    ):
+        trainer.fit(module, data)
+    assert trainer.global_step == 0
+    quiet_trainer(max_epochs=-1, max_steps=2, limit_val_batches=0).fit(module, data)  # a known length trains
+
+
+@pytest.mark.parametrize("method", [m for m in SMALL_HEADS if m is not VICRegL], ids=lambda m: m.__name__)
+def test_crop_grids_for_a_baseline_other_than_vicregl_are_refused_before_training(method):
+    """Crop grids make batches (views, targets, grids): before, 'too many values to unpack' at the first step."""
+    module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        views=SimCLRViews(count=4 if method is FastSiam else 2, grids=4),
+        batch_size=4,
+        num_workers=0,
+    )
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError, match=f"only VICRegL reads; {method.__name__} takes .*remove grids from the views"
+    ) as refused:
+        trainer.fit(module, data)
+    assert refused.value.parameter == "grids" and trainer.global_step == 0
+
+
+@pytest.mark.parametrize("method", list(SMALL_HEADS), ids=lambda m: m.__name__)
+def test_one_sample_per_batch_is_refused_before_training_where_a_head_normalises_over_the_samples(method):
+    """BatchNorm in the heads needs two samples: before, torch's 'Expected more than 1 value per channel' at the first
+    step. MoCo's heads have none and its backbone's BatchNorm2d normalises over the map's positions: it trains."""
+    module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
+        views=SimCLRViews(count=4 if method is FastSiam else 2, grids=4 if method is VICRegL else 0),
+        batch_size=1,
+        num_workers=0,
+    )
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
+    if method is MoCo:
+        trainer.fit(module, data)
+        assert trainer.global_step == 2
+        return
+    with pytest.raises(
+        ConfigurationError,
+        match=f"{method.__name__} trains on batches of 1 sample per process, but its BatchNorm layer "
+        r"projection_head\.layers\.1 normalises over the samples and needs at least 2 \(under DDP the batch is per "
+        r"process\): set data\.init_args\.batch_size to 2 or more",
+    ) as refused:
+        trainer.fit(module, data)
+    assert refused.value.parameter == "batch_size" and trainer.global_step == 0

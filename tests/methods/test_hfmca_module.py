@@ -1,10 +1,12 @@
 import pytest
 import torch
 
+from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.diagnostics import HostReads
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
-from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN
+from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN, ViewProjector
+from tests.helpers import quiet_trainer
 
 
 def test_a_module_without_any_cost_is_rejected():
@@ -273,3 +275,47 @@ def test_the_objective_leaves_its_checks_on_the_device_until_they_are_read():
     with HostReads() as recorder:
         objective.checks.raise_if_failed()
     assert len(recorder.reads) == 1, recorder.reads
+
+
+def _small_hfmca_and_data(**data_options) -> tuple[HFMCAModule, MultiViewDataModule]:
+    module = HFMCAModule(
+        SmallConvNet(width=4, num_stages=2),
+        projector=ViewProjector(8, 8, 8),
+        external_head=GridExternalHead(8, 2, 2, 8, noise_channels=0),
+    )
+    options = {"views": SimCLRViews(count=4), "batch_size": 4, **data_options}
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=4, train_per_class=8, test_per_class=3, image_size=16), num_workers=0, **options
+    )
+    return module, data
+
+
+def test_crop_grids_are_refused_before_training():
+    """Crop grids (VICRegL's) make batches (views, targets, grids): before, 'too many values to unpack' at step 0."""
+    module, data = _small_hfmca_and_data(views=SimCLRViews(count=4, grids=4))
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"views draws crop grids \(grids=4\), which only VICRegL reads; HFMCAModule takes \(views, targets\) "
+        "batches: remove grids from the views",
+    ) as refused:
+        trainer.fit(module, data)
+    assert refused.value.parameter == "grids" and trainer.global_step == 0
+
+
+def test_one_image_per_batch_is_refused_before_training():
+    """The external head's last BatchNorm sees one 1x1 map per image: before, torch's 'Expected more than 1 value per
+    channel' at the first step."""
+    module, data = _small_hfmca_and_data(batch_size=1)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"HFMCAModule trains on batches of 1 sample per process, but its BatchNorm layer "
+        r"external_head\.layers\.8 normalises over the samples and needs at least 2 \(under DDP the batch is per "
+        r"process\)",
+    ) as refused:
+        trainer.fit(module, data)
+    assert refused.value.parameter == "batch_size" and trainer.global_step == 0
+    module, data = _small_hfmca_and_data(batch_size=2)
+    quiet_trainer(max_steps=1, limit_val_batches=0).fit(module, data)  # two images train
+    assert module.global_step == 1

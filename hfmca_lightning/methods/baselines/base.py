@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ from lightly.models.utils import deactivate_requires_grad, update_momentum
 from lightly.utils.scheduler import cosine_schedule
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from hfmca_lightning.errors import ConfigurationError
@@ -32,6 +34,8 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
 
     min_views = 2
     max_views: int | None = None  # the views the loss reads (pair losses: 2); None: any number
+    reads_crop_grids = False  # whether training batches may carry crop grids (VICRegL's)
+    backbone_names: tuple[str, ...] = ("backbone",)  # the backbone and its momentum copies; the rest are heads
 
     def __init__(
         self,
@@ -70,6 +74,20 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
                 f"{type(self).__name__} compares {self.max_views} views per image, but the data gives {num_views}: "
                 f"the others would be drawn and never used. Draw {self.max_views} (SimCLRViews' count, MultiCrop's "
                 "crops)"
+            )
+        if stage == "fit":
+            self._check_crop_grids(datamodule)
+            _check_batch_norm_batch_size(self, datamodule, self.backbone_names)
+
+    def _check_crop_grids(self, datamodule: Any) -> None:
+        """Crop grids (``SimCLRViews(grids=g)``) make batches ``(views, targets, grids)``, which only VICRegL reads:
+        refused before training instead of an unpacking error at the first step."""
+        grids = getattr(getattr(datamodule, "views", None), "grids", 0)
+        if grids and not self.reads_crop_grids:
+            raise ConfigurationError(
+                f"data.init_args.views draws crop grids (grids={grids}), which only VICRegL reads; "
+                f"{type(self).__name__} takes (views, targets) batches: remove grids from the views, or train VICRegL",
+                parameter="grids",
             )
 
     def forward(self, images: Tensor) -> Tensor:
@@ -133,6 +151,35 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         self._update_guard = NonFiniteUpdateGuard(type(self).__name__)  # a failure of this object's is gone
 
 
+def _check_batch_norm_batch_size(module: nn.Module, datamodule: Any, backbones: tuple[str, ...]) -> None:
+    """Training batches of one sample per process are refused before training where a BatchNorm layer normalises over
+    the samples alone: any in the heads (one vector per sample) and any ``BatchNorm1d`` (otherwise torch's "Expected
+    more than 1 value per channel" at the first step). A backbone's ``BatchNorm2d`` also normalises over the map's
+    positions and trains on one sample (MoCo does), so it is not counted. Under DDP ``batch_size`` is per process.
+
+    ``backbones``: the names of the module's backbone and its momentum copies."""
+    batch_size = getattr(datamodule, "batch_size", None)
+    if not isinstance(batch_size, int) or batch_size >= 2:
+        return
+    layer = next(
+        (
+            name
+            for name, child in module.named_modules()
+            if isinstance(child, _BatchNorm)
+            and (name.split(".")[0] not in backbones or isinstance(child, nn.BatchNorm1d))
+        ),
+        None,
+    )
+    if layer is None:
+        return
+    raise ConfigurationError(
+        f"{type(module).__name__} trains on batches of {batch_size} sample per process, but its BatchNorm layer "
+        f"{layer} normalises over the samples and needs at least 2 (under DDP the batch is per process): set "
+        "data.init_args.batch_size to 2 or more",
+        parameter="batch_size",
+    )
+
+
 def _check_settings(method: str, settings: dict[str, Any]) -> None:
     """A baseline's sizes (``*_dim``) >= 1, ``temperature`` > 0, ``momentum`` and ``alpha`` in [0, 1] and
     ``num_matches`` two counts >= 1, each refused in one line before anything is built (else an IndexError deep in a
@@ -178,6 +225,19 @@ class MomentumBaseline(SSLBaseline):
 
     momentum: float
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit" and self.trainer.max_epochs == -1 and self.trainer.max_steps == -1:
+            raise self._unknown_run_length()
+
+    def _unknown_run_length(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"{type(self).__name__}'s momentum rises from {self.momentum} to 1 on a cosine over the run's steps, but "
+            "this run has no known length (trainer.max_epochs -1 and no trainer.max_steps; a max_time alone stops at "
+            "an unknown step): set trainer.max_epochs or trainer.max_steps",
+            parameter="max_epochs",
+        )
+
     def momentum_copy(self, module: nn.Module) -> nn.Module:
         """A frozen copy of ``module`` that follows it by exponential moving average."""
         copied = copy.deepcopy(module)
@@ -186,8 +246,9 @@ class MomentumBaseline(SSLBaseline):
 
     def update_momentum_copies(self, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
         """One EMA step of every ``(module, momentum copy)`` pair, at this step's scheduled momentum."""
-        momentum = cosine_schedule(
-            self.global_step, max(1, int(self.trainer.estimated_stepping_batches)), self.momentum, 1.0
-        )
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):  # a loader without a length and no max_steps: setup cannot tell
+            raise self._unknown_run_length()
+        momentum = cosine_schedule(self.global_step, max(1, int(total_steps)), self.momentum, 1.0)
         for module, copied in pairs:
             update_momentum(module, copied, m=momentum)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from lightly.loss import NTXentLoss
 from lightly.models.modules import MoCoProjectionHead, SimCLRProjectionHead
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from hfmca_lightning.errors import HFMCAWarning
 from hfmca_lightning.methods.baselines.base import MomentumBaseline, ProjectedPairBaseline
+from hfmca_lightning.methods.compatibility import ArchitectureMismatch
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable
 
 __all__ = ["SimCLR", "MoCo"]
@@ -29,10 +35,19 @@ class SimCLR(ProjectedPairBaseline):
         self.criterion = NTXentLoss(temperature=temperature, gather_distributed=True)
 
 
+MEMORY_BANK_KEY = "moco_memory_bank"  # the checkpoint's entry holding MoCo's memory bank
+
+
 class MoCo(MomentumBaseline):
-    """MoCo v2 (He et al. 2020; Chen et al. 2020): momentum key encoder and a memory bank of negatives."""
+    """MoCo v2 (He et al. 2020; Chen et al. 2020): momentum key encoder and a memory bank of negatives.
+
+    The memory bank (lightly's ``criterion.memory_bank``: ``bank`` ``(memory_bank_size, output_dim)`` and the write
+    position ``bank_ptr``) is no part of the ``state_dict`` (lightly's buffers are not persistent); every checkpoint
+    holds it under ``"moco_memory_bank"``, so a resumed run goes on with the keys it had (exact resume).
+    """
 
     max_views = 2
+    backbone_names = ("backbone", "key_backbone")
 
     def __init__(
         self,
@@ -61,3 +76,33 @@ class MoCo(MomentumBaseline):
         query = self.projection_head(self.backbone(views[0]))
         key = self.key_projection_head(self.key_backbone(views[1])).detach()
         return self.criterion(query, key)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        bank = self.criterion.memory_bank
+        checkpoint[MEMORY_BANK_KEY] = {"bank": bank.bank.detach().clone(), "bank_ptr": bank.bank_ptr.detach().clone()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the memory bank; a checkpoint without one (written before banks were saved) keeps this module's,
+        with a warning that the run is then not exact."""
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get(MEMORY_BANK_KEY)
+        bank = self.criterion.memory_bank
+        if saved is None:
+            rank_zero_warn(
+                "MoCo: the checkpoint holds no memory bank (written before banks were saved): training goes on with a "
+                "fresh bank of random keys, so a resumed run is not exactly the run the checkpoint came from",
+                category=HFMCAWarning,
+            )
+            return
+        if tuple(saved["bank"].shape) != tuple(bank.bank.shape):
+            details = f"memory bank: checkpoint {tuple(saved['bank'].shape)} vs model {tuple(bank.bank.shape)}"
+            raise ArchitectureMismatch(
+                f"the checkpoint's MoCo memory bank does not fit the model as configured ({details}: keys x "
+                "features). Resume with the memory_bank_size and output_dim the checkpoint was trained with "
+                "(saved as config.yaml in the run folder).",
+                details,
+            )
+        with torch.no_grad():
+            bank.bank.copy_(saved["bank"])
+            bank.bank_ptr.copy_(saved["bank_ptr"])

@@ -68,6 +68,8 @@ class VICRegL(SSLBaseline):
         num_matches: nearest neighbours kept in the two feature-distance matchings, lightly's (20, 4).
     """
 
+    reads_crop_grids = True
+
     def __init__(
         self,
         backbone: nn.Module,

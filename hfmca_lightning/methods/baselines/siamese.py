@@ -17,6 +17,7 @@ class BYOL(MomentumBaseline):
     """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised."""
 
     max_views = 2
+    backbone_names = ("backbone", "momentum_backbone")
 
     def __init__(
         self,

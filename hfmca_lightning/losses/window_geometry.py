@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
 __all__ = ["WindowGeometry", "window_geometry", "input_geometry"]
 
@@ -158,14 +157,20 @@ _POINTWISE = (
     nn.Hardsigmoid,
     nn.Softplus,
 )
+# timm's stochastic depth and DropBlock scale each position alone (a random mask, no neighbours): pointwise too
+_POINTWISE_CLASS_NAMES = ("DropPath", "DropBlock2d")
+# ResNet blocks named as methods.inspection.residual_blocks names them (torchvision's and timm's classes)
+_RESIDUAL_BLOCK_CLASS_NAMES = ("BasicBlock", "Bottleneck")
 
 
 def window_geometry(module: nn.Module) -> WindowGeometry:
     """Derive the window geometry of ``module`` from its conv / pool / padding layers.
 
     Rules, in order: a ``window_geometry`` attribute wins; conv, pooling and zero-padding layers have
-    their own geometry; pointwise layers (norms, activations, dropout) are the identity; a torchvision
-    ``BasicBlock`` / ``Bottleneck`` uses its main path (the 1x1 shortcut lies inside that window);
+    their own geometry; pointwise layers (norms, activations, dropout, timm's ``DropPath`` / ``DropBlock2d``) are
+    the identity; a ResNet ``BasicBlock`` / ``Bottleneck`` (any class of that name: torchvision's and timm's) uses its
+    main path, its children in registration order without ``downsample`` (the 1x1 shortcut lies inside that window;
+    composed after the main path it multiplied the stride of a strided block by its own: timm registers it last);
     any other container composes its children in registration order, which is right for
     ``nn.Sequential`` and for blocks whose forward is a single chain.
 
@@ -192,11 +197,10 @@ def window_geometry(module: nn.Module) -> WindowGeometry:
         return _pool_geometry(module)
     if isinstance(module, nn.ZeroPad2d):
         return _pad_geometry(module)
-    if isinstance(module, _POINTWISE):
+    if isinstance(module, _POINTWISE) or type(module).__name__ in _POINTWISE_CLASS_NAMES:
         return WindowGeometry.identity()
-    if isinstance(module, (BasicBlock, Bottleneck)):
-        path = [module.conv1, module.conv2] + ([module.conv3] if isinstance(module, Bottleneck) else [])
-        return _compose(path)
+    if type(module).__name__ in _RESIDUAL_BLOCK_CLASS_NAMES:  # main path: conv1 .. conv3 (timm: and its `aa` pool)
+        return _compose([child for name, child in module.named_children() if name != "downsample"])
     children = list(module.children())
     if not children:
         raise ValueError(

@@ -15,6 +15,7 @@ from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_le
 __all__ = ["CIFARResNet18", "SmallConvNet", "TimmBackbone", "TorchvisionBackbone"]
 
 _CLASSIFIER_ATTRIBUTES = ("fc", "classifier", "heads", "head")
+_AUXILIARY_CLASSIFIER_ATTRIBUTES = ("aux1", "aux2", "AuxLogits")  # GoogLeNet's, Inception-v3's
 
 
 class TorchvisionBackbone(nn.Module):
@@ -24,7 +25,10 @@ class TorchvisionBackbone(nn.Module):
     ``regnet_y_800mf``, ``vit_b_16``, ... (``torchvision.models.list_models()``). The last linear layer of the
     classifier (``fc``, ``classifier``, ``heads`` or ``head``) becomes the identity and ``feature_dim`` is
     its input size. The model sits under ``net``, so its torchvision module names are kept behind a
-    ``net.`` prefix (``net.layer1.0``: what internal-cost ``layers`` name).
+    ``net.`` prefix (``net.layer1.0``: what internal-cost ``layers`` name). Auxiliary classifiers (``googlenet``'s
+    ``aux1`` / ``aux2``, ``inception_v3``'s ``AuxLogits``) are removed, so that training mode gives the features too,
+    not torchvision's ``GoogLeNetOutputs`` / ``InceptionOutputs``. Models built for one input size (``vit_*``,
+    ``maxvit_t``: 224 px) set ``image_size``, which training checks against the data's before the first step.
 
     Args:
         name: the torchvision model name.
@@ -71,14 +75,39 @@ class TorchvisionBackbone(nn.Module):
                 )
             net.conv1 = nn.Conv2d(3, net.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
+        _remove_auxiliary_classifiers(net)
         self.feature_dim, self.classifier_path = _remove_classifier(net, name)
         self.architecture, self.cifar_stem = name, cifar_stem  # what `hfmca export` writes down
-        if isinstance(getattr(net, "image_size", None), int):  # ViTs: one input size (checked against the data)
-            self.image_size: int = net.image_size
+        image_size = _fixed_input_size(net)
+        if image_size is not None:  # ViTs, MaxViT: one input size (checked against the data)
+            self.image_size: int = image_size
         self.net = net
 
     def forward(self, images: Tensor) -> Tensor:
         return self.net(images)
+
+
+def _remove_auxiliary_classifiers(net: nn.Module) -> None:
+    """Drop GoogLeNet's / Inception-v3's auxiliary classifiers (Szegedy et al. 2015, 2016), as torchvision does for
+    pretrained weights: with them, training-mode ``forward`` returns a namedtuple of logits instead of the features."""
+    if not getattr(net, "aux_logits", False):
+        return
+    setattr(net, "aux_logits", False)  # noqa: B010  # an attribute of GoogLeNet / Inception3, not of nn.Module
+    for attribute in _AUXILIARY_CLASSIFIER_ATTRIBUTES:
+        if isinstance(getattr(net, attribute, None), nn.Module):
+            setattr(net, attribute, None)  # what torchvision's builders set without auxiliary heads
+
+
+def _fixed_input_size(net: nn.Module) -> int | None:
+    """The one image size a model takes, where it has one: a torchvision ViT's ``image_size``; MaxViT's first stage
+    grid (built for it: window and grid partitions of fixed size) times its stride 4 (stride-2 stem, stride-2 first
+    MBConv)."""
+    if isinstance(getattr(net, "image_size", None), int):
+        return int(net.image_size)  # type: ignore[arg-type]  # checked just above
+    if isinstance(net, torchvision.models.MaxVit):
+        grid: tuple[int, int] = net.blocks[0].grid_size  # a MaxVitBlock's (H, W), after its stride 2
+        return 4 * int(grid[0])
+    return None
 
 
 def _remove_classifier(net: nn.Module, name: str) -> tuple[int, str]:

@@ -164,3 +164,40 @@ def test_input_geometry_matches_the_probed_receptive_field_of_the_map(backbone, 
     geometry = input_geometry(root, name)
     assert geometry == expected
     assert probed_windows(InputMapOf(root, name), size, 3) == windows_of(geometry, size)
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "probed"),
+    [
+        ("resnet18", {}, "layer2.0"),  # BasicBlock, stride in conv1, downsample registered last
+        ("resnet50", {"drop_path_rate": 0.1, "drop_block_rate": 0.1}, "layer3.0"),  # Bottleneck, DropBlock2d, DropPath
+        ("resnetaa50", {}, "layer2.0"),  # anti-aliased: conv2 at stride 1, then a 2x2 average pool (`aa`)
+    ],
+)
+def test_timm_resnet_blocks_match_their_forward_pass(model, options, probed):
+    """Any block named BasicBlock / Bottleneck is its main path without ``downsample``: timm registers the shortcut
+    after conv2, and composing it too gave layer2.0 of resnet18 stride 4 instead of 2."""
+    timm = pytest.importorskip("timm")
+    from hfmca_lightning.methods.inspection import residual_blocks
+
+    net = timm.create_model(model, num_classes=0, **options).eval()
+    sizes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def record(name: str, inputs: torch.Tensor, output: torch.Tensor) -> None:
+        sizes[name] = (tuple(inputs.shape[-2:]), tuple(output.shape[-2:]))
+
+    handles = [
+        net.get_submodule(name).register_forward_hook(lambda _m, args, out, name=name: record(name, args[0], out))
+        for name in residual_blocks(net)
+    ]
+    with torch.no_grad():
+        net(torch.rand(1, 3, 64, 64))
+    for handle in handles:
+        handle.remove()
+    assert len(sizes) >= 8
+    for name, (input_size, output_size) in sizes.items():
+        assert window_geometry(net.get_submodule(name)).output_size(input_size) == output_size, name
+    block = net.get_submodule(probed)
+    geometry = window_geometry(block)
+    assert geometry.stride == 2
+    assert probed_windows(block, 8, block.conv1.in_channels) == windows_of(geometry, 8)

@@ -220,3 +220,72 @@ def test_vision_transformers_of_one_input_size_are_checked_against_the_data():
     with pytest.raises(ConfigurationError, match=message.format("TimmBackbone")):
         check_image_size(TimmBackbone("vit_tiny_patch16_224"), data)
     check_image_size(TimmBackbone("vit_tiny_patch16_224", model_kwargs={"img_size": 32, "patch_size": 8}), data)
+
+
+@pytest.mark.parametrize(("name", "size"), [("googlenet", 32), ("inception_v3", 75)])
+def test_models_with_auxiliary_classifiers_give_their_features_in_training_mode(name, size):
+    """GoogLeNet and Inception-v3 returned torchvision's GoogLeNetOutputs / InceptionOutputs of logits in training
+    mode (the first step failed in the projector); their auxiliary classifiers are removed."""
+    backbone = TorchvisionBackbone(name).train()
+    assert not [m for m in backbone.modules() if isinstance(m, nn.Linear) and m.out_features == 1000]
+    features = backbone(torch.rand(2, 3, size, size))
+    assert isinstance(features, torch.Tensor) and features.shape == (2, backbone.feature_dim)
+
+
+def tiny_simclr_data(image_size: int = 32):
+    from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
+
+    source = SyntheticShapes(num_classes=2, train_per_class=4, test_per_class=2, image_size=image_size)
+    return MultiViewDataModule(source, views=SimCLRViews(count=2), batch_size=4, num_workers=0)
+
+
+def test_googlenet_trains():
+    from hfmca_lightning.methods.baselines import SimCLR
+    from tests.helpers import quiet_trainer
+
+    module = SimCLR(TorchvisionBackbone("googlenet"), hidden_dim=16, output_dim=8)
+    before = [parameter.detach().clone() for parameter in module.backbone.parameters()]
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, accelerator="cpu")
+    trainer.fit(module, tiny_simclr_data())
+    assert trainer.global_step == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.backbone.parameters(), strict=True))
+
+
+def test_maxvit_is_built_for_224_px_and_other_sizes_are_refused_before_training():
+    """MaxViT's window and grid partitions fix its input size; it set no image_size, so 32-px data passed the start-up
+    check and the first step failed in a reshape."""
+    from hfmca_lightning.methods.baselines import SimCLR
+    from tests.helpers import quiet_trainer
+
+    backbone = TorchvisionBackbone("maxvit_t")
+    assert backbone.image_size == 224
+    with torch.no_grad():
+        assert backbone.eval()(torch.rand(1, 3, 224, 224)).shape == (1, backbone.feature_dim)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, accelerator="cpu")
+    with pytest.raises(ConfigurationError, match="gives 32-px images, but the backbone .* image_size=224"):
+        trainer.fit(SimCLR(backbone, hidden_dim=16, output_dim=8), tiny_simclr_data())
+    assert trainer.global_step == 0
+
+
+def test_timm_resnet_blocks_have_torchvisions_window_geometry_and_are_analysed():
+    """timm registers a block's `downsample` after conv2, and composing it too doubled a strided block's stride
+    (layer2.0: (7, 4, 3) for (7, 2, 3)), so internal costs and the spectrum callback failed at the first step."""
+    pytest.importorskip("timm")
+    from hfmca_lightning.callbacks import EigenspectrumCallback
+    from hfmca_lightning.methods.baselines import SimCLR
+    from hfmca_lightning.methods.inspection import residual_blocks
+    from tests.helpers import quiet_trainer
+
+    timm_net, torchvision_net = TimmBackbone("resnet18"), TorchvisionBackbone("resnet18")
+    blocks = residual_blocks(timm_net)
+    assert blocks == residual_blocks(torchvision_net) and len(blocks) == 8
+    internal, reference = InternalCosts(blocks), InternalCosts(blocks)
+    internal.attach(timm_net)
+    reference.attach(torchvision_net)
+    assert [pair.geometry for pair in internal.pairs] == [pair.geometry for pair in reference.pairs]
+    assert internal.pairs[2].geometry == WindowGeometry(7, 2, 3)  # net.layer2.0, stride 2
+    spectrum = EigenspectrumCallback(every_n_steps=1, min_groups=1)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, accelerator="cpu", callbacks=[spectrum])
+    trainer.fit(SimCLR(TimmBackbone("resnet18"), hidden_dim=16, output_dim=8), tiny_simclr_data())
+    assert trainer.global_step == 1
+    assert set(spectrum.history) == {"external"} | {f"internal/{name.removeprefix('net.')}" for name in blocks}

@@ -40,11 +40,13 @@ def parameter_groups(module: nn.Module, weight_decay_on_bias_and_norm: bool = Tr
 def cosine_schedule(
     module: LightningModule, optimizer: torch.optim.Optimizer, warmup_epochs: float = 0.0
 ) -> dict[str, Any]:
-    """Cosine annealing to 0 over the run.
+    """Cosine annealing to 0 over the run, whichever of ``max_epochs`` and ``max_steps`` ends it.
 
-    Without warm-up: per epoch over ``max_epochs`` (per step over ``max_steps`` when epochs are unbounded). With
-    ``warmup_epochs > 0``: lightly's ``CosineWarmupScheduler`` per optimiser step, a linear warm-up over
-    ``warmup_epochs`` epochs then a cosine to 0 over the rest of ``Trainer.estimated_stepping_batches``.
+    Without warm-up: per epoch over ``max_epochs`` when the run is whole epochs (no ``max_steps``, or one that does
+    not end the run before them); otherwise per optimiser step over ``Trainer.estimated_stepping_batches`` (a
+    ``max_steps`` shorter than ``max_epochs`` epochs, or epochs unbounded). With ``warmup_epochs > 0``: lightly's
+    ``CosineWarmupScheduler`` per optimiser step, a linear warm-up over ``warmup_epochs`` epochs then a cosine to 0
+    over the rest of ``Trainer.estimated_stepping_batches``.
 
     Raises:
         ConfigurationError: when the run has no known length (``max_epochs`` -1 and no ``max_steps``; a
@@ -52,7 +54,7 @@ def cosine_schedule(
     """
     trainer = module.trainer
     max_epochs = trainer.max_epochs
-    if warmup_epochs <= 0 and max_epochs is not None and max_epochs > 0:
+    if warmup_epochs <= 0 and max_epochs is not None and max_epochs > 0 and _runs_whole_epochs(trainer, max_epochs):
         return {
             "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max_epochs),
             "interval": "epoch",
@@ -80,6 +82,18 @@ def cosine_schedule(
 
     scheduler = CosineWarmupScheduler(optimizer, warmup_epochs=warmup, max_epochs=total, end_value=0.0)
     return {"scheduler": scheduler, "interval": "step"}
+
+
+def _runs_whole_epochs(trainer: Any, max_epochs: int) -> bool:
+    """Whether the run ends with its ``max_epochs``-th epoch: no ``max_steps``, or one at least as long (a
+    ``max_steps`` that ends the run within the epochs makes the per-epoch cosine stop before it anneals)."""
+    if trainer.max_steps == -1:
+        return True  # the plain max_epochs run: the data is not loaded here
+    planned = trainer.estimated_stepping_batches  # loads the train data first when it has to
+    batches = trainer.num_training_batches
+    if math.isinf(batches):  # an iterable data set of unknown length: max_steps ends the run
+        return False
+    return bool(planned == max_epochs * math.ceil(batches / trainer.accumulate_grad_batches))
 
 
 def configure_optimizers(

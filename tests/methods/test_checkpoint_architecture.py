@@ -4,17 +4,19 @@ the modules' own load hooks; ``strict=False`` loads what fits, and lazily sized 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from hfmca_lightning.errors import HFMCAWarning
 from hfmca_lightning.losses import HFMCACost
 from hfmca_lightning.methods import HFMCAModule
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.methods.compatibility import ArchitectureMismatch, load_checked_state_dict
-from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
+from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN, ViewProjector
 
 
 def simclr(width: int = 8, hidden_dim: int = 32) -> SimCLR:
@@ -89,3 +91,38 @@ def test_keys_are_compared_after_the_modules_load_hooks():
     module = nn.Sequential(RenamesOnLoad())
     load_checked_state_dict(module, {"0.old_weight": torch.ones(3)})
     assert torch.equal(module[0].weight, torch.ones(3))
+
+
+def spectrum_module(layout: str) -> HFMCAModule:
+    return HFMCAModule(
+        SpectrumCNN(channels=6, hidden_dim=8, noise_channels=0, layout=layout),
+        external_head=GridExternalHead(6, 2, 2, 8, noise_channels=0),
+    )
+
+
+def test_a_refused_checkpoint_leaves_a_spectrum_cnn_in_its_own_layout():
+    """The SpectrumCNN takes a checkpoint's layout from its extra state while torch loads; a checkpoint of another
+    layout and a missing key was refused, and the module was left with the checkpoint's layout (three pools), not its
+    own. Now its extra state is put back with its tensors, and no warning says it switched."""
+    torch.manual_seed(0)
+    module = spectrum_module("paper").eval()
+    images = torch.rand(2, 3, 32, 32)
+    before = module.backbone(images)
+    other = spectrum_module("three_pools").state_dict()
+    del other["external_head.layers.1.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the layout warning of a load that did not happen is no news
+        with pytest.raises(ArchitectureMismatch, match="1 parameters missing from the checkpoint"):
+            module.load_state_dict(other)
+    assert module.backbone.layout == "paper" and module.backbone.state_dict()["_extra_state"] == {"layout": "paper"}
+    assert [name for name, _ in module.backbone.blocks.named_children() if name.startswith("pool")] == [
+        "pool2",
+        "pool4",
+        "pool6",
+        "pool8",
+    ]
+    torch.testing.assert_close(module.backbone(images), before, rtol=0, atol=0)
+    # a checkpoint of the other layout that fits loads, and switches the layout with a warning
+    with pytest.warns(HFMCAWarning, match="trained with layout 'three_pools'; using it instead of the configured"):
+        module.load_state_dict(spectrum_module("three_pools").state_dict())
+    assert module.backbone.layout == "three_pools"

@@ -3,6 +3,8 @@ warm-up + cosine schedule, each checked against an independent computation of li
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from lightly.utils.lars import LARS
@@ -184,3 +186,45 @@ def test_a_schedule_setting_that_would_be_ignored_is_refused(settings, message):
     module = small_module()
     with pytest.raises(ConfigurationError, match=message):
         configure_optimizers(module, None, settings.get("lr_scheduler"), settings.get("warmup_epochs", 0.0))
+
+
+@pytest.mark.parametrize(
+    ("warmup_epochs", "length", "interval"),
+    [
+        (0.0, {"max_epochs": 100, "max_steps": 8}, "step"),  # max_steps ends the run in epoch 2 of 100
+        (0.25, {"max_epochs": 100, "max_steps": 8}, "step"),
+        (0.0, {"max_epochs": 2, "max_steps": 100}, "epoch"),  # max_epochs ends it: the per-epoch cosine, as before
+        (0.0, {"max_epochs": 2}, "epoch"),
+    ],
+    ids=["max_steps first", "max_steps first, warm-up", "max_epochs first", "max_epochs alone"],
+)
+def test_the_default_cosine_anneals_to_zero_over_the_run_whichever_limit_ends_it(warmup_epochs, length, interval):
+    """Trainer(max_epochs=100, max_steps=8): the cosine ran per epoch over 100 epochs and ended the run at lr 0.0599
+    (of 0.06) without the warm-up, and at 0 with it. Now both anneal to 0 over the 8 steps; a run of whole epochs
+    keeps its per-epoch schedule (one rate through each epoch)."""
+    module = small_module(warmup_epochs=warmup_epochs, optimizer=lambda params: torch.optim.SGD(params, lr=0.2))
+    data = MultiViewDataModule(
+        SyntheticShapes(num_classes=3, train_per_class=8, test_per_class=2, image_size=16),
+        views=SimCLRViews(count=4),
+        batch_size=4,
+        num_workers=0,
+    )  # 6 steps an epoch
+    seen = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+        def on_train_end(self, trainer, pl_module):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])  # after the last step
+
+    trainer = quiet_trainer(limit_val_batches=0, callbacks=[Record()], **length)
+    trainer.fit(module, data)
+    assert trainer.lr_scheduler_configs[0].interval == interval
+    total = trainer.global_step
+    assert seen[-1] == pytest.approx(0.0, abs=1e-12)  # annealed to 0 at the end of the run
+    if interval == "step" and not warmup_epochs:
+        expected = [0.2 * (1 + math.cos(math.pi * step / total)) / 2 for step in range(total + 1)]
+        assert total == 8 and seen == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    if interval == "epoch":
+        assert total == 12 and seen == pytest.approx([0.2] * 6 + [0.1] * 6 + [0.0], abs=1e-12)

@@ -166,21 +166,39 @@ def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
+def _counted_call(name: str, original: Callable[..., Any], tensor: Tensor, args: tuple, kwargs: dict) -> Any:
+    """``original(tensor, *args, **kwargs)``, recorded as ``Tensor.<name>`` in every active recorder when it brings
+    values to the host (its own dispatched operations are not counted again)."""
+    depth = getattr(_inside_method, "depth", 0)
+    if depth == 0 and _method_reads(name, tensor, args, kwargs):
+        for recorder in list(HostReads._active):
+            recorder.reads.append(f"Tensor.{name}")
+    _inside_method.depth = depth + 1
+    try:
+        return original(tensor, *args, **kwargs)
+    finally:
+        _inside_method.depth = depth
+
+
 def _patch_methods() -> None:
     for name in _METHODS:
         original = getattr(Tensor, name)
         HostReads._saved[name] = original
+        counted: Callable[..., Any]
+        if name == "__array__":
+            # ``Tensor.__array__(self, dtype=None)``'s own signature and name: numpy 2 first passes ``copy=``, and
+            # on the TypeError that names ``__array__()`` calls again without it (torch's method takes no ``copy``).
+            # A wrapper taking ``**kwargs`` counted both calls; this one fails the first before counting.
 
-        def counted(self: Tensor, *args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
-            depth = getattr(_inside_method, "depth", 0)
-            if depth == 0 and _method_reads(_name, self, args, kwargs):
-                for recorder in list(HostReads._active):
-                    recorder.reads.append(f"Tensor.{_name}")
-            _inside_method.depth = depth + 1
-            try:
-                return _original(self, *args, **kwargs)
-            finally:
-                _inside_method.depth = depth
+            def counted(self: Tensor, dtype: Any = None, _original: Any = original) -> Any:
+                return _counted_call("__array__", _original, self, (dtype,), {})
+
+            counted.__name__, counted.__qualname__ = original.__name__, original.__qualname__
+
+        else:
+
+            def counted(self: Tensor, *args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+                return _counted_call(_name, _original, self, args, kwargs)
 
         setattr(Tensor, name, counted)
 

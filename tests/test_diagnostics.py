@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,25 @@ def test_each_kind_of_host_read_is_counted_once(read, expected):
     with HostReads() as recorder:
         read(VALUES)
     assert recorder.reads == [expected]
+
+
+def test_numpy_sees_the_recorded_array_method_as_torch_s_own():
+    """numpy 2 calls ``__array__`` with ``copy=`` first and again without it when that fails: the recorder counts
+    the one call that converts, and numpy warns as it does without the recorder (not twice, no new warning)."""
+
+    def warnings_of(convert):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = convert()
+        return result, sorted(str(w.message) for w in caught)
+
+    expected, expected_warnings = warnings_of(lambda: np.array(VALUES, dtype=np.float32))
+    with HostReads() as recorder:
+        converted, recorded_warnings = warnings_of(lambda: np.array(VALUES, dtype=np.float32))
+    assert recorder.reads == ["Tensor.__array__"]
+    assert recorded_warnings == expected_warnings
+    np.testing.assert_array_equal(converted, expected)
+    assert converted.dtype == np.float32
 
 
 def test_device_work_and_dtype_casts_are_not_host_reads():

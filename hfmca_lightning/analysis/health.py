@@ -6,8 +6,9 @@
   equal variances give ``k``.
 * **alpha-ReQ** (Agrawal et al., *alpha-ReQ: Assessing representation quality in self-supervised learning by
   measuring eigenspectrum decay*, NeurIPS 2022): ``alpha`` of the power law ``lambda_i ~ i^-alpha`` fitted by least
-  squares to ``log lambda_i`` against ``log i`` over the eigenvalues above ``1e-12`` of the largest; near 1 is
-  healthy, large is collapsing onto few directions, small is noise-like.
+  squares to ``log lambda_i`` against ``log i`` over the eigenvalues above ``1e-12`` of the largest and above the
+  float64 round-off of the uncentred second moment (:func:`round_off_floor`); near 1 is healthy, large is
+  collapsing onto few directions, small is noise-like.
 * **LiDAR** (Thilak et al., *LiDAR: Sensing linear probing performance in joint embedding SSL architectures*, ICLR
   2024): the RankMe-style entropy rank of ``Sigma_w^-1/2 Sigma_b Sigma_w^-1/2``, the linear-discriminant matrix whose
   classes are the samples and whose members are their views: ``Sigma_b`` the covariance of the samples' mean
@@ -28,7 +29,7 @@ __all__ = ["HealthStatistics", "alpha_req", "effective_rank", "entropy_rank", "l
 
 EPSILON = 1e-7  # RankMe's and LiDAR's epsilon, added to every normalised eigenvalue
 LIDAR_DELTA = 1e-4  # LiDAR's ridge on the within-sample covariance
-RELATIVE_FLOOR = 1e-12  # alpha-ReQ fits the eigenvalues above this fraction of the largest
+RELATIVE_FLOOR = 1e-12  # alpha-ReQ fits the eigenvalues above this fraction of the largest (and the round-off floor)
 
 
 def entropy_rank(values: Tensor, epsilon: float = 0.0) -> Tensor:
@@ -67,10 +68,20 @@ def effective_rank(features: Tensor) -> Tensor:
     return entropy_rank(_covariance_spectrum(_check(features, "effective_rank")))
 
 
-def power_law_exponent(eigenvalues: Tensor) -> Tensor:
+def round_off_floor(mean_square: Tensor, dimension: int) -> Tensor:
+    """``D * eps * mean ||x||^2``: the size of the float64 round-off in the eigenvalues of a covariance taken from sums
+    (``gram / n - m m^T``, :class:`HealthStatistics`), where the centring cancels ``||m||^2``. Below it, a covariance
+    eigenvalue (a direction without variance, as when rank is lost or ``n <= D``) cannot be told from rounding
+    (measured: at most ~4 ``eps mean ||x||^2`` after thousands of merged batches); alpha-ReQ fits none of them, from
+    sums or from samples, so both give one value."""
+    return dimension * torch.finfo(torch.float64).eps * mean_square
+
+
+def power_law_exponent(eigenvalues: Tensor, floor: Tensor | float = 0.0) -> Tensor:
     """``alpha`` of ``lambda_i ~ i^-alpha`` fitted to descending ``eigenvalues`` above ``RELATIVE_FLOOR`` of the
-    largest (0-dim float64; 0 where fewer than two are)."""
-    kept = eigenvalues[eigenvalues > RELATIVE_FLOOR * eigenvalues[0].clamp_min(torch.finfo(torch.float64).tiny)]
+    largest and above ``floor`` (:func:`round_off_floor`) (0-dim float64; 0 where fewer than two are)."""
+    relative = RELATIVE_FLOOR * eigenvalues[0].clamp_min(torch.finfo(torch.float64).tiny)
+    kept = eigenvalues[eigenvalues > torch.clamp(relative, min=floor)]
     if kept.numel() < 2:
         return torch.zeros((), dtype=torch.float64, device=eigenvalues.device)
     x = torch.log(torch.arange(1, kept.numel() + 1, dtype=torch.float64, device=kept.device))
@@ -80,7 +91,8 @@ def power_law_exponent(eigenvalues: Tensor) -> Tensor:
 
 
 def alpha_req(features: Tensor) -> Tensor:
-    """alpha-ReQ: the power-law decay of the covariance eigenvalues of ``features (N, D)``.
+    """alpha-ReQ: the power-law decay of the covariance eigenvalues of ``features (N, D)`` above ``1e-12`` of the
+    largest and above :func:`round_off_floor` (the directions with no variance are not in the fit).
 
     Args:
         features: ``(N, D)`` embeddings.
@@ -91,7 +103,9 @@ def alpha_req(features: Tensor) -> Tensor:
     Raises:
         ValueError: when ``features`` is not ``(N, D)`` with ``N >= 2``.
     """
-    return power_law_exponent(_covariance_spectrum(_check(features, "alpha_req")))
+    x = _check(features, "alpha_req")
+    mean_square = (x * x).sum(dim=1).mean()
+    return power_law_exponent(_covariance_spectrum(x), round_off_floor(mean_square, x.shape[1]))
 
 
 def _lidar_from_moments(between: Tensor, within: Tensor, delta: float) -> Tensor:
@@ -205,7 +219,8 @@ class HealthStatistics:
         covariance = gram / n - torch.outer(mean, mean)
         spectrum = torch.linalg.eigvalsh(covariance).flip(0).clamp_min(0)
         metrics["effective_rank"] = float(entropy_rank(spectrum))
-        metrics["alpha_req"] = float(power_law_exponent(spectrum))
+        floor = round_off_floor(torch.trace(gram) / n, gram.shape[0])
+        metrics["alpha_req"] = float(power_law_exponent(spectrum, floor))
         if self.views >= 2:
             centre = self.mean_sum / n
             between = self.mean_gram / n - torch.outer(centre, centre)

@@ -42,6 +42,7 @@ from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
+    BatchNormReference,
     BatchNormStatistics,
     analysis_layers,
     analysis_mode,
@@ -51,6 +52,7 @@ from hfmca_lightning.methods.inspection import (
     layer_pairs,
     nontrivial_basis_maps,
     paper_order,
+    recorded_batch_norm,
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
 from hfmca_lightning.models.heads import GridExternalHead
@@ -114,13 +116,16 @@ def _enough_batches(
 ) -> dict[str, CorrelationStatistics]:
     """Statistics summed over ``batches``: ``num_batches`` of them, or (``None``) until every pair holds
     ``groups_per_feature`` groups per feature (as the training-time spectra; fewer show dependence that is not there)
-    and ``also_enough()`` says so, or the batches run out; the stage shown as ``description``."""
+    and ``also_enough()`` says so, or the batches run out; the stage shown as ``description``. Empty where ``collect``
+    gave no pair (``compare`` of layers that do not match); an error where there was no batch at all."""
     statistics: dict[str, CorrelationStatistics] = {}
+    drawn = 0
     batches = progress(batches, description, total=num_batches)
     try:
         for index, batch in enumerate(batches):
             if num_batches is not None and index >= num_batches:
                 break
+            drawn += 1
             for name, stats in collect(batch).items():
                 statistics[name] = statistics[name] + stats if name in statistics else stats
             if (
@@ -136,7 +141,7 @@ def _enough_batches(
         close = getattr(batches, "close", None)
         if close is not None:  # a generator: its loader's workers are shut down now, not at exit
             close()
-    if not statistics:
+    if not drawn:
         raise ConfigurationError("no batches to analyse: the data split is empty")
     return statistics
 
@@ -345,13 +350,20 @@ def analyze(
     dimension), the label-free health of the backbone on the same batches (RankMe, effective rank, alpha-ReQ, LiDAR:
     ``health`` in spectra.json, :class:`HealthSums`), density-ratio heatmaps and basis functions of ``num_images``
     test images at ``layers`` (default: the three lowest internal layers), ``index.html``. BatchNorm: ``batch_norm``
-    (:func:`choose_batch_norm`; the choice is printed on the page).
+    (:func:`choose_batch_norm`; the choice is printed on the page); with each batch's own, the figures' test images
+    are normalised with the statistics of the first training batch (:func:`recorded_batch_norm`), so that an
+    image's maps do not depend on the others drawn.
 
     Any checkpoint of the package: baselines, HFMCA runs without internal costs (and any run given
     ``internal_layers``) are analysed through :func:`analysis_module`."""
     run_module, datamodule = load_run(ckpt_path, config_path)
     module = analysis_module(run_module, internal_layers)
     norm, notes = _batch_norm_for([module], batch_norm)
+    if norm == "batch":
+        notes[0] += (
+            " The figures' test images are normalised with the statistics of the first training batch, so that an "
+            "image's maps do not depend on which others are drawn."
+        )
     out = Path(out)
     health_sums = HealthSums()
     if module.internal_costs is not None:  # the figures' layers and images, refused before the statistics pass
@@ -364,8 +376,17 @@ def analyze(
             )
         images, _ = figure_images(datamodule, num_images, target=image_class, start=first_image)
 
+    # With each batch's own BatchNorm statistics, the figures' few test images are normalised with those of the first
+    # training batch, recorded as it passes: by a training-sized batch, the same whichever images are drawn with them.
+    reference: BatchNormReference = {}
+
     def collect(batch: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
-        collected = collect_for_analysis(module, batch, batch_norm=norm)
+        if norm == "batch" and not reference:
+            with recorded_batch_norm(module) as recorded:
+                collected = collect_for_analysis(module, batch, batch_norm=norm)
+            reference.update(recorded)
+        else:
+            collected = collect_for_analysis(module, batch, batch_norm=norm)
         health_sums.add(collected.features, batch)
         return collected.statistics
 
@@ -400,9 +421,11 @@ def analyze(
                 "(spectra.json has the numbers).",
             )
         ]
+        basis_files: set[str] = set()
         if module.internal_costs is not None:
             stage(f"density-ratio heatmaps and basis functions of {len(images)} test images")
-            pairs = {pair.name: pair for pair in layer_pairs(module, images, statistics, batch_norm=norm)}
+            figure_pairs = layer_pairs(module, images, statistics, batch_norm=norm, reference=reference or None)
+            pairs = {pair.name: pair for pair in figure_pairs}
             heatmaps = telescoping_response(list(pairs.values()))
             chosen = layers or default_figure_layers(list(heatmaps))
             overlay = heatmap_overlay_figure(
@@ -424,13 +447,18 @@ def analyze(
                     basis_functions_figure(maps, values, title=f"Basis functions of layer {name}, test image 0"),
                     out / file,
                 )
+                basis_files.add(file)
                 figures.append(
                     (
                         file,
                         f"Eigenfunctions (Alg. 4, normalised) of layer {name} on test image 0, after the constant one.",
                     )
                 )
-        return _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary, health)
+        index = _write_index(files, out, f"HFMCA analysis of {ckpt_path}", notes, figures, summary, health)
+    for stale in out.glob("basis_*.png"):  # an earlier report's layers (--overwrite): gone once these are in place
+        if stale.name not in basis_files:
+            stale.unlink(missing_ok=True)
+    return index
 
 
 def _training_batches(datamodule: MultiViewDataModule, device: torch.device) -> Iterator[Tensor | list[Tensor]]:
@@ -502,7 +530,10 @@ def compare(
     and, for two HFMCA runs with heads, between their heads' outputs (``external``, the paper's LF) on the same groups:
     values near 1 = parallel eigenfunctions, near 0 = orthogonal (paper Fig. 5). Layers see the test split of model
     A's data, heads its training groups; ``num_batches`` of each, or as many as give every pair
-    ``groups_per_feature`` groups per feature. Any two checkpoints of the package."""
+    ``groups_per_feature`` groups per feature. Any two checkpoints of the package. The two models' features at a
+    layer may differ in number (channels): the statistics pair each position's ``K1`` and ``K2`` features; a layer
+    whose maps differ in spatial size (no common positions) is left out with a note, and an error says so when no
+    pair is left."""
     model_a, data_a = load_run(ckpt_a)
     model_b, _ = load_run(ckpt_b)
     names_b = set(dict(backbone_of(model_b).named_modules()))
@@ -515,6 +546,7 @@ def compare(
     norm, notes = _batch_norm_for([model_a, model_b], batch_norm)
     if data_a.evaluation_splits is None:
         raise ConfigurationError("model A's data has no labelled evaluation split to compare on")
+    unmatched: dict[str, str] = {}  # pair name -> why it has no statistics: A's and B's shapes
 
     def cross(images: Tensor | list[Tensor]) -> dict[str, CorrelationStatistics]:
         outputs_a = _module_outputs(model_a, images, pair_names, norm)
@@ -526,11 +558,14 @@ def compare(
             and torch.equal(outputs_a[last].flatten(1), outputs_a["backbone"])
         ):
             del outputs_a["backbone"]  # the backbone's output is its last compared layer's
-        return {
-            name: group_statistics(_positions(value).double()[:, None], _positions(outputs_b[name]).double())
-            for name, value in outputs_a.items()
-            if value.shape[1:] == outputs_b[name].shape[1:] and value.dim() == outputs_b[name].dim()
-        }
+        statistics = {}
+        for name, value in outputs_a.items():
+            other = outputs_b[name]
+            if value.dim() == other.dim() and value.shape[2:] == other.shape[2:]:  # the same positions: any K1, K2
+                statistics[name] = group_statistics(_positions(value).double()[:, None], _positions(other).double())
+            else:
+                unmatched[name] = f"A {_shape_text(value)}, B {_shape_text(other)}"
+        return statistics
 
     statistics = _enough_batches(
         (images for images, _ in data_a.evaluation_loader(QUERIES, tuples=True)),
@@ -547,8 +582,21 @@ def compare(
             statistics.update(
                 _enough_batches(groups, cross, num_batches, groups_per_feature, "statistics of both heads on groups")
             )
+    skipped = [f"{name} ({shapes})" for name, shapes in unmatched.items()]
+    if not statistics:
+        raise ConfigurationError(
+            f"no layer of the two models can be compared: {'; '.join(skipped) or 'no common layer'}. The "
+            "cross-spectrum pairs the features at the same positions, so the maps must have the same spatial size "
+            "(channels may differ); choose such layers with --layers"
+        )
+    skip_notes = [
+        "Left out, maps of different spatial sizes (the cross-spectrum needs the same positions): "
+        f"{'; '.join(skipped)}."
+    ]
     summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg), groups_per_feature)
-    notes = notes + short_window_notes(summary)
+    notes = notes + (skip_notes if skipped else []) + short_window_notes(summary)
+    if skipped:
+        print(f"hfmca: warning: {skip_notes[0]}", file=sys.stderr)
     out = Path(out)
     title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
     caption = (
@@ -566,6 +614,11 @@ def compare(
             out / "cross_spectra.png",
         )
         return _write_index(files, out, title, notes, [("cross_spectra.png", caption)], summary)
+
+
+def _shape_text(output: Tensor) -> str:
+    """``K x H x W`` of a ``(N, K, H, W)`` map, ``K features`` of ``(N, K)`` outputs."""
+    return " x ".join(map(str, output.shape[1:])) if output.dim() > 2 else f"{output.shape[1]} features"
 
 
 def _run_label(ckpt_path: str | Path, module: LightningModule) -> str:

@@ -1,9 +1,10 @@
 """Linear evaluation of frozen features (the protocol of SimCLR, solo-learn and lightly's offline tables).
 
 Pure torch: features in, a trained classifier and top-k accuracies out. The features are standardised with
-the training split's mean and standard deviation (the classifier sees the same scale whatever the method),
-then a linear layer is trained by SGD with momentum and a cosine learning-rate schedule on shuffled
-mini-batches drawn from a seeded generator, so two calls with the same arguments give the same classifier.
+the training split's mean and standard deviation (the classifier sees the same scale whatever the method; a feature
+constant on the training split is only centred, as scikit-learn's ``StandardScaler`` does), then a linear layer is
+trained by SGD with momentum and a cosine learning-rate schedule on shuffled mini-batches drawn from a seeded
+generator, so two calls with the same arguments give the same classifier.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ __all__ = ["LinearClassifier", "topk_accuracies", "train_linear_classifier", "cl
 
 @dataclass
 class LinearClassifier:
-    """A standardisation ``(x - mean) / std`` followed by ``linear``: ``(N, D)`` features -> ``(N, C)`` logits."""
+    """A standardisation ``(x - mean) / std`` (``std`` 1 for features constant in training) followed by ``linear``:
+    ``(N, D)`` features -> ``(N, C)`` logits."""
 
     mean: Tensor
     std: Tensor
@@ -59,6 +61,21 @@ def class_balanced_subset(targets: Tensor, fraction: float, seed: int = 0) -> Te
     return torch.cat(chosen).sort().values
 
 
+def standardisation(features: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``(D,)`` mean and scale that standardise ``(N, D)`` float32 features: the standard deviation (divided by
+    ``N``), and 1 for a feature constant on these samples (its variance within the round-off of computing it,
+    scikit-learn's ``StandardScaler`` rule), so that a feature silent in training and active at test (a sparse ReLU
+    unit) is not multiplied by a huge factor there."""
+    values = features.to(torch.float32 if features.device.type == "mps" else torch.float64)  # MPS has no float64
+    mean = values.mean(dim=0)
+    variance = values.var(dim=0, unbiased=False)
+    samples, eps = values.shape[0], torch.finfo(values.dtype).eps
+    round_off = samples * eps * variance + (samples * mean * eps) ** 2
+    constant = variance <= round_off
+    std = torch.where(constant, torch.ones_like(variance), variance.sqrt())
+    return mean.to(features.dtype), std.to(features.dtype)
+
+
 def train_linear_classifier(
     features: Tensor,
     targets: Tensor,
@@ -83,8 +100,7 @@ def train_linear_classifier(
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"need epochs >= 1 and batch_size >= 1; got {epochs} and {batch_size}")
     features = features.float()
-    mean = features.mean(dim=0)
-    std = features.std(dim=0, unbiased=False).clamp_min(1e-6)
+    mean, std = standardisation(features)
     standardised = (features - mean) / std
     generator = torch.Generator().manual_seed(seed)
     linear = nn.Linear(features.shape[1], num_classes).to(features.device)

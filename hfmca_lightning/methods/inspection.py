@@ -6,8 +6,8 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Literal
 
 import torch
@@ -23,6 +23,7 @@ from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
 __all__ = [
     "BatchNormStatistics",
+    "BatchNormReference",
     "analysis_mode",
     "collect_for_analysis",
     "collect_statistics",
@@ -34,6 +35,7 @@ __all__ = [
     "residual_blocks",
     "analysis_layers",
     "paper_order",
+    "recorded_batch_norm",
     "spectra",
 ]
 
@@ -68,9 +70,78 @@ def default_figure_layers(log_names: list[str]) -> list[str]:
 BatchNormStatistics = Literal["running", "batch"]
 
 
-def analysis_mode(module: nn.Module, batch_norm: BatchNormStatistics) -> AbstractContextManager[None]:
-    """Eval mode, BatchNorm with its ``running`` statistics or each ``batch``'s own (the running ones untouched)."""
-    return evaluation_mode(module) if batch_norm == "running" else batch_statistics_mode(module)
+BatchNormReference = dict[str, tuple[Tensor, Tensor]]
+"""Per BatchNorm layer (module name): the ``(C,)`` mean and biased variance of what it normalised in one batch
+(:func:`recorded_batch_norm`)."""
+
+
+def _batch_norms(module: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
+    return {name: m for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
+@contextmanager
+def recorded_batch_norm(module: nn.Module) -> Iterator[BatchNormReference]:
+    """While inside, every BatchNorm layer's inputs are recorded; on exit the yielded dict holds, per layer, the mean
+    and biased variance per channel of all it saw (float64): with ``batch_norm="batch"``, the statistics it
+    normalised the batch with (pooled over its calls where one batch takes several: views passed one by one,
+    backbone chunks)."""
+    sums: dict[str, list[Tensor]] = {}  # name -> [count, mean, sum of squared deviations] (Chan et al.'s merge)
+
+    def record(name: str, inputs: tuple[Tensor, ...]) -> None:
+        x = inputs[0].detach()
+        dims = [0, *range(2, x.dim())]
+        variance, mean = torch.var_mean(x.to(torch.float64), dim=dims, unbiased=False)
+        count = torch.tensor(float(x.numel() // x.shape[1]), dtype=torch.float64, device=x.device)
+        if name not in sums:
+            sums[name] = [count, mean, variance * count]
+            return
+        total, old_mean, squares = sums[name]
+        delta = mean - old_mean
+        merged = total + count
+        sums[name] = [
+            merged,
+            old_mean + delta * count / merged,
+            squares + variance * count + delta**2 * total * count / merged,
+        ]
+
+    reference: BatchNormReference = {}
+    with ExitStack() as stack:
+        for name, norm in _batch_norms(module).items():
+            handle = norm.register_forward_pre_hook(lambda _m, inputs, name=name: record(name, inputs))
+            stack.callback(handle.remove)
+        yield reference
+    reference.update({name: (mean, squares / count) for name, (count, mean, squares) in sums.items()})
+
+
+@contextmanager
+def reference_batch_norm_mode(module: nn.Module, reference: BatchNormReference) -> Iterator[None]:
+    """Eval mode in which every BatchNorm layer of ``reference`` normalises with its recorded statistics (in place of
+    its running ones, which are back on exit), the others with their running statistics: what a batch is normalised
+    with then depends on none of its images, as ``batch_norm="batch"`` with the reference's batch."""
+    norms = _batch_norms(module)
+    saved = {name: (norm.running_mean, norm.running_var) for name, norm in norms.items() if name in reference}
+    with evaluation_mode(module):
+        try:
+            for name in saved:
+                mean, variance = reference[name]
+                own: Tensor | None = norms[name].running_mean
+                own = own if own is not None else norms[name].weight
+                dtype = own.dtype if own is not None else torch.float32
+                norms[name].running_mean, norms[name].running_var = mean.to(dtype), variance.to(dtype)
+            yield
+        finally:
+            for name, (running_mean, running_var) in saved.items():
+                norms[name].running_mean, norms[name].running_var = running_mean, running_var
+
+
+def analysis_mode(
+    module: nn.Module, batch_norm: BatchNormStatistics, reference: BatchNormReference | None = None
+) -> AbstractContextManager[None]:
+    """Eval mode, BatchNorm with its ``running`` statistics or each ``batch``'s own (the running ones untouched);
+    with a ``reference`` (``batch`` only), those recorded of another batch (:func:`reference_batch_norm_mode`)."""
+    if batch_norm == "running":
+        return evaluation_mode(module)
+    return batch_statistics_mode(module) if reference is None else reference_batch_norm_mode(module, reference)
 
 
 @torch.no_grad()
@@ -79,16 +150,17 @@ def collect_for_analysis(
     batch: Tensor | Sequence[Tensor],
     keep_maps: bool = False,
     batch_norm: BatchNormStatistics = "running",
+    reference: BatchNormReference | None = None,
 ) -> Collected:
     """:meth:`HFMCAModule.collect` of ``batch`` (or groups of views of different sizes) in eval mode, without
     gradients, on the module's device and in its floating dtype (a run in "64-true" has float64 weights), with
     float64 statistics; BatchNorm with its ``running`` statistics or each ``batch``'s own (as in training, the
-    running ones untouched)."""
+    running ones untouched), or with ``batch`` and a ``reference``, those of the reference's batch."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     groups = [batch] if isinstance(batch, Tensor) else list(batch)
     moved = [group.to(module.device, dtype) for group in groups]
     on_device: Tensor | list[Tensor] = moved[0] if isinstance(batch, Tensor) else moved
-    with analysis_mode(module, batch_norm):
+    with analysis_mode(module, batch_norm, reference):
         return module.collect(on_device, keep_maps=keep_maps, precision="float64")
 
 
@@ -119,14 +191,17 @@ def layer_pairs(
     images: Tensor,
     statistics: dict[str, CorrelationStatistics] | None = None,
     batch_norm: BatchNormStatistics = "running",
+    reference: BatchNormReference | None = None,
 ) -> list[LayerPair]:
     """The internal pairs of ``images (N, C, H, W)`` in backbone order, each with its Alg. 4 decomposition
-    (from ``statistics`` when given, else from the statistics of these images), named by log name (``L3``)."""
+    (from ``statistics`` when given, else from the statistics of these images), named by log name (``L3``).
+    BatchNorm as :func:`collect_for_analysis`: with ``batch`` and no ``reference``, an image's maps depend on the
+    other images drawn; a ``reference`` (:func:`recorded_batch_norm` of a training batch) keeps them its own."""
     if module.internal_costs is None:
         raise ConfigurationError(
             "density-ratio heatmaps and basis functions need internal costs (InternalCosts) on the backbone"
         )
-    collected = collect_for_analysis(module, images, keep_maps=True, batch_norm=batch_norm)
+    collected = collect_for_analysis(module, images, keep_maps=True, batch_norm=batch_norm, reference=reference)
     pairs = []
     for pair in module.internal_costs.pairs:
         stats = (statistics or {}).get(pair.cost_name, collected.statistics[pair.cost_name])

@@ -219,6 +219,32 @@ def test_alpha_req_equals_numpy_polyfit_on_a_noisy_spectrum():
     assert float(alpha_req(x)) == pytest.approx(reference_alpha(x.numpy()), abs=tolerance)
 
 
+@pytest.mark.parametrize(("samples", "rank", "offset"), [(512, 40, 1.0), (512, 12, 4.0), (200, 256, 1.0)])
+def test_alpha_req_from_sums_fits_the_directions_with_variance_as_from_samples(samples, rank, offset):
+    """Embeddings far from the origin (``||m||^2 ~ 340 offset^2`` against a largest variance of ``1e-3``) that lost
+    rank (``rank`` of 256 directions, or ``samples - 1 < 256``): the covariance from the sums (``gram / n - m m^T``)
+    has round-off eigenvalues of ``~ eps ||m||^2`` (``1e-14``, above ``1e-12`` of the largest) in the directions
+    without variance. alpha-ReQ leaves them out from the sums as from the samples: both fit the power law the
+    directions with variance hold (exactly ``i^-1`` where ``rank < samples``)."""
+    d = 256
+    generator = torch.Generator().manual_seed(rank)
+    centre = offset * 2 * torch.rand(d, generator=generator, dtype=torch.float64)
+    if rank < samples:
+        eigenvalues = 1e-3 * torch.arange(1, d + 1, dtype=torch.float64) ** -1.0
+        eigenvalues[rank:] = 0
+        x = with_spectrum(eigenvalues, samples=samples, seed=rank) + centre
+        expected = 1.0
+    else:
+        scales = 0.03 * torch.linspace(1, 0.05, d, dtype=torch.float64)
+        x = torch.randn(samples, d, generator=generator, dtype=torch.float64) * scales + centre
+        expected = reference_alpha(x.numpy(), floor=1e-9)  # the samples - 1 eigenvalues with variance
+    sums = HealthStatistics.of(x[:64, None])
+    for batch in x[64:].split(64):  # merged batch by batch, as the callback and `hfmca analyze` add them
+        sums = sums.merge(HealthStatistics.of(batch[:, None]))
+    assert float(alpha_req(x)) == pytest.approx(expected, abs=1e-6)
+    assert sums.metrics()["alpha_req"] == pytest.approx(expected, abs=1e-6)
+
+
 # --- LiDAR ------------------------------------------------------------------------------------------------------------
 
 

@@ -137,6 +137,76 @@ def test_analyze_writes_spectra_heatmaps_basis_functions_and_an_index(checkpoint
     assert "<tr><td>internal/L4</td>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>" in page
 
 
+def test_analyze_overwrite_leaves_no_basis_figure_of_the_earlier_report(checkpoints, tmp_path):
+    """``--overwrite`` into the folder of an earlier report with other layers: its ``basis_<layer>.png`` go once the
+    new files are in place (as ``hfmca export`` removes an earlier export's embeddings), so the folder holds one
+    report, the one its index.html shows."""
+    out = tmp_path / "analysis"
+    arguments = ["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), "--out", str(out)]
+    arguments += ["--num_batches", "1", "--num_images", "1"]
+    main([*arguments, "--layers", "L1", "L3"])
+    assert {"basis_L1.png", "basis_L3.png"} <= {p.name for p in out.iterdir()}
+    main([*arguments, "--layers", "L2", "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == [
+        "basis_L2.png",
+        "density_ratio.png",
+        "index.html",
+        "spectra.json",
+        "spectra.png",
+    ]
+    assert "basis_L2.png" in (out / "index.html").read_text()
+
+
+def test_with_batch_statistics_an_image_s_maps_do_not_depend_on_the_images_drawn_with_it(
+    checkpoints, tmp_path, monkeypatch
+):
+    """``--batch_norm batch`` (auto's choice for this 3-step run): the figures' test images are normalised with the
+    statistics of a training batch, not with their own, so test image 0's heatmaps and basis functions are the same
+    drawn alone (``--num_images 1``) or with others (they were not: 8 images against 1 moved half the basis pixels
+    of the demo), up to float32 rounding. The noise channels' draws are made the same for every image (one seeded
+    draw per map size), so that they do not depend on the batch either."""
+    import hfmca_lightning.cli.analyze as analyze_module
+    from hfmca_lightning.models.layers import NoiseChannels
+
+    def same_noise_for_every_image(self, x):
+        with torch.random.fork_rng():
+            torch.manual_seed(x.shape[-1])
+            noise = torch.rand(1, self.num_channels, *x.shape[2:], dtype=x.dtype, device=x.device)
+        return torch.cat([x, noise.expand(x.shape[0], -1, -1, -1)], dim=1)
+
+    monkeypatch.setattr(NoiseChannels, "forward", same_noise_for_every_image)
+
+    drawn: dict[str, Any] = {}
+    overlay, basis = analyze_module.heatmap_overlay_figure, analyze_module.basis_functions_figure
+
+    def overlay_spy(images, maps, **options):
+        drawn["heatmaps"] = {name: values[0].clone() for name, values in maps.items()}  # test image 0's
+        return overlay(images, maps, **options)
+
+    def basis_spy(maps, values, **options):
+        drawn.setdefault("basis", []).append(maps.clone())
+        return basis(maps, values, **options)
+
+    monkeypatch.setattr(analyze_module, "heatmap_overlay_figure", overlay_spy)
+    monkeypatch.setattr(analyze_module, "basis_functions_figure", basis_spy)
+    runs = {}
+    for count in (1, 8):
+        drawn.clear()
+        out = tmp_path / f"images_{count}"
+        arguments = ["--out", str(out), "--num_batches", "1", "--num_images", str(count), "--layers", "L1", "L2"]
+        main(["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), *arguments])
+        assert json.loads((out / "spectra.json").read_text())["batch_norm"] == "batch"
+        runs[count] = dict(drawn)
+    assert list(runs[1]["heatmaps"]) == list(runs[8]["heatmaps"]) == ["L1", "L2"]
+    for name, alone in runs[1]["heatmaps"].items():
+        with_others = runs[8]["heatmaps"][name]
+        torch.testing.assert_close(with_others, alone, rtol=1e-4, atol=1e-5 * float(alone.abs().max()))
+    assert len(runs[1]["basis"]) == len(runs[8]["basis"]) == 2
+    for alone, with_others in zip(runs[1]["basis"], runs[8]["basis"]):
+        torch.testing.assert_close(with_others, alone, rtol=1e-4, atol=1e-5 * float(alone.abs().max()))
+    assert "normalised with the statistics of the first training batch" in (out / "index.html").read_text()
+
+
 def test_analyze_draws_test_images_of_the_chosen_class(checkpoints, tmp_path, monkeypatch):
     import hfmca_lightning.cli.analyze as analyze_module
 
@@ -291,6 +361,59 @@ def test_analyze_says_how_many_test_images_of_the_class_it_draws(checkpoints, tm
     main(["analyze", "--ckpt_path", str(checkpoints["selfsupervised"]), *arguments])
     err = capsys.readouterr().err
     assert f"hfmca: density-ratio heatmaps and basis functions of {available} test images\n" in err, err
+
+
+@pytest.fixture(scope="module")
+def narrow_three_pools(tmp_path_factory) -> Path:
+    """The unsupervised spectrum run with 4 channels instead of 6, in the ``three_pools`` layout, on 16 x 16 images.
+    On 32 x 32 images, beside the paper layout's maps (L1-L2 34 x 34, L3-L4 17, L5-L6 8, L7-L8 4, L9 1), its L1-L4
+    maps have other sizes (32, 16), its L5-L8 maps differ only in channels, and its L9 map is 2 x 2 (its 16-pixel
+    4 x 4 pool)."""
+    root = tmp_path_factory.mktemp("narrow")
+    backbone = {"class_path": "hfmca_lightning.models.SpectrumCNN", "init_args": {"channels": 4, "hidden_dim": 8}}
+    backbone["init_args"].update(noise_channels=2, layout="three_pools", image_size=16)
+    overrides = tiny_overrides(
+        root,
+        model={"init_args": {"backbone": backbone}},
+        **{"data.init_args.batch_size": 4, "data.init_args.source.init_args.train_per_class": 10},
+        **{"trainer.limit_val_batches": 0, "data.init_args.source.init_args.image_size": 16},
+    )
+    config = str(REPO / "configs" / "spectrum_unsupervised.yaml")
+    main(["fit", "--config", config, "--config", str(overrides), "--trainer.limit_train_batches", "2"])
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_compare_pairs_layers_of_other_widths_and_names_those_of_other_sizes(
+    checkpoints, narrow_three_pools, tmp_path, capsys
+):
+    """The cross-spectrum of ``K1`` and ``K2`` features at the same positions is defined for ``K1 != K2``: layers of
+    other channel counts are compared (``min(K1, K2)`` eigenvalues); layers whose maps differ in spatial size (no
+    common positions) are left out with a note that names them, and a command left with no pair at all says why, in
+    one line (it said the data split was empty)."""
+    out = tmp_path / "widths"
+    compare(checkpoints["unsupervised"], narrow_three_pools, out)
+    spectra = json.loads((out / "cross_spectra.json").read_text())["pairs"]
+    assert list(spectra) == [f"internal/L{i}" for i in range(5, 9)]  # 6 against 4 channels
+    assert all(len(pair["eigenvalues"]) == 4 - 1 for pair in spectra.values())  # the constant function's apart
+    assert all(0 <= value < 1 for pair in spectra.values() for value in pair["eigenvalues"])
+    skipped = (
+        "internal/L1 (A 6 x 34 x 34, B 4 x 32 x 32); internal/L2 (A 6 x 34 x 34, B 4 x 32 x 32); "
+        "internal/L3 (A 6 x 17 x 17, B 4 x 16 x 16); internal/L4 (A 6 x 17 x 17, B 4 x 16 x 16); "
+        "internal/L9 (A 6 x 1 x 1, B 4 x 2 x 2)."
+    )
+    assert f"Left out, maps of different spatial sizes (the cross-spectrum needs the same positions): {skipped}" in (
+        (out / "index.html").read_text()
+    )
+    assert "hfmca: warning: Left out, maps of different spatial sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        compare(checkpoints["unsupervised"], narrow_three_pools, tmp_path / "none", "--layers", "blocks.L9")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert last == (
+        "hfmca: error: no layer of the two models can be compared: internal/L9 (A 6 x 1 x 1, B 4 x 2 x 2). The "
+        "cross-spectrum pairs the features at the same positions, so the maps must have the same spatial size "
+        "(channels may differ); choose such layers with --layers"
+    )
 
 
 def test_compare_puts_hfmca_beside_simclr(checkpoints, tmp_path):

@@ -41,3 +41,29 @@ def test_classifier_separates_separable_classes_whatever_their_scale():
     assert topk_accuracies(classifier.logits(features), targets, 5)[1] == 1.0
     again = train_linear_classifier(features, targets, 5, epochs=30, batch_size=32)
     torch.testing.assert_close(again.linear.weight, classifier.linear.weight, rtol=0, atol=0)
+
+
+def test_a_feature_constant_in_training_is_not_magnified_at_test():
+    """A sparse ReLU unit silent on every training image (std 0) fires weakly at test: it keeps scale 1 (scikit-learn's
+    StandardScaler), so the classifier's predictions are those with the unit zeroed, not thrown by a 1e6 factor."""
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 32, generator=generator) * 2
+
+    def sample(n):
+        targets = torch.randint(0, 4, (n,), generator=generator)
+        return torch.relu(centres[targets] + torch.randn(n, 32, generator=generator)), targets
+
+    (train, train_targets), (test, test_targets) = sample(400), sample(400)
+    train[:, 0] = 0.0  # silent in training
+    test[:, 0] = 0.05  # and weakly active on every test image
+    train[:, 1] = test[:, 1] = 3.0  # a constant that is not zero: its float32 variance is round-off, not spread
+    train[:, 2] = 1e-4 * torch.randn(400, generator=generator)  # small, but it varies: standardised as usual
+    test[:, 2] = 1e-4 * torch.randn(400, generator=generator)
+    classifier = train_linear_classifier(train, train_targets, 4, epochs=50)
+    assert classifier.std[:2].tolist() == [1.0, 1.0]
+    assert 0.5e-4 < float(classifier.std[2]) < 2e-4
+    zeroed = test.clone()
+    zeroed[:, 0] = 0.0
+    predictions = classifier.logits(test).argmax(1)
+    assert torch.equal(predictions, classifier.logits(zeroed).argmax(1))
+    assert topk_accuracies(classifier.logits(test), test_targets, 4)[1] > 0.95

@@ -1,5 +1,6 @@
 """Loggers that continue a run: a W&B logger that never crashes or hangs a run for want of an account or a network,
-and a resumed run's CSV log continued in the folder of the run it resumes."""
+a resumed run's CSV log continued in the folder of the run it resumes, and a CSV log whose ``metrics.csv`` is never
+left part-written when a new column makes Lightning rewrite it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from hfmca_lightning.errors import HFMCAWarning
 from hfmca_lightning.runtime.checkpoint_io import is_local
 from hfmca_lightning.runtime.files import write_text_atomically
 
-__all__ = ["OfflineSafeWandbLogger", "continue_csv_log", "wandb_credentials_available"]
+__all__ = ["OfflineSafeWandbLogger", "continue_csv_log", "rewrite_csv_log_atomically", "wandb_credentials_available"]
 
 
 def wandb_credentials_available() -> bool:
@@ -92,7 +93,19 @@ def _settings(init_timeout: float) -> Any:
     return wandb.Settings(init_timeout=init_timeout)
 
 
-class _ContinuedMetrics(ExperimentWriter):
+class _AtomicMetrics(ExperimentWriter):
+    """Lightning's CSV writer, whose ``metrics.csv`` is replaced whole when a new metric adds a column: Lightning's
+    own rewrites the file in place (truncated, then written), so a kill at that moment loses the logged history.
+    Rows are appended as Lightning does (a kill mid-append loses at most the rows being appended)."""
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        path = Path(self.metrics_file_path)
+        with path.open(newline="", encoding="utf-8") as file:
+            rows = list(csv.DictReader(file))
+        write_text_atomically(path, _csv_text(fieldnames, rows))
+
+
+class _ContinuedMetrics(_AtomicMetrics):
     """Lightning's CSV writer on a ``metrics.csv`` that holds the rows of the run being resumed: it keeps the rows of
     the steps before ``from_step`` (rewritten atomically) and appends. The rows of later steps (the resumed run logs
     those steps again) go to ``metrics-after-step-<from_step>.csv`` beside it, so that a resume from an older
@@ -148,6 +161,17 @@ def _step_of(row: dict[str, str]) -> float:
         return float(row.get("step") or "inf")
     except ValueError:
         return float("inf")
+
+
+def rewrite_csv_log_atomically(logger: CSVLogger) -> None:
+    """Give ``logger`` the writer of a new run that replaces ``metrics.csv`` whole when a new column appears, in the
+    version folder Lightning would use; before Lightning makes its own (called on the global rank 0 alone: the other
+    processes' writers are no-ops). A remote ``save_dir`` keeps Lightning's writer, and a writer made already
+    (a resumed run's, :func:`continue_csv_log`) stays."""
+    if logger._experiment is not None or not is_local(logger.root_dir):
+        return
+    os.makedirs(logger.root_dir, exist_ok=True)
+    logger._experiment = _AtomicMetrics(logger.log_dir)
 
 
 def continue_csv_log(logger: CSVLogger, log_dirs: Sequence[str], from_step: int, writes: bool = True) -> str | None:

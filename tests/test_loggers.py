@@ -1,13 +1,16 @@
 """W&B logging never needs an account or a network: offline runs are stored locally and resumed; a resumed run's
-metrics.csv goes on in the folder of the run it resumes."""
+metrics.csv goes on in the folder of the run it resumes; metrics.csv is replaced whole, never rewritten in place, when
+a new column appears."""
 
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from hfmca_lightning.callbacks.run_state import RunState
@@ -212,3 +215,41 @@ def test_wandb_says_nothing_under_quiet_and_never_warns_of_anonymous(no_wandb_ac
     wandb_lines = [line for line in output.splitlines() if "wandb" in line.lower() and "W&B: no API key" not in line]
     assert bool(wandb_lines) != quiet, output[-3000:]
     assert "anonymous" not in output, output[-3000:]
+
+
+class LinkMetricsBeforeValidation(Callback):
+    """Hard-links the run's metrics.csv to ``link`` as the first validation starts (before its columns appear): a
+    file rewritten in place shows through the link; one replaced whole leaves the link the old file."""
+
+    def __init__(self, link: str) -> None:
+        self.link = link
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not os.path.exists(self.link):
+            os.link(os.path.join(trainer.log_dir or "", "metrics.csv"), self.link)
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_new_column_replaces_metrics_csv_whole(tmp_path, resumed):
+    """Rows on disk after every step (a checkpoint each), then validation adds ``knn/top1``: Lightning's writer would
+    truncate the file and write it again (a kill in between loses the run's history); the run's writer, new or
+    continuing a resumed run, writes a new file and renames it over the old one, and the old file is left whole."""
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}
+    checkpoint["init_args"] = {"dirpath": str(tmp_path / "checkpoints"), "save_last": True, "every_n_train_steps": 1}
+    knn = {"class_path": "hfmca_lightning.callbacks.KNNEvaluation", "init_args": {"k": 20}}
+    link = {"class_path": "tests.test_loggers.LinkMetricsBeforeValidation"}
+    link["init_args"] = {"link": str(tmp_path / "before_validation.csv")}
+    settings: dict[str, object] = {"trainer.callbacks": [checkpoint, knn, link], "trainer.log_every_n_steps": 1}
+    if resumed:  # epoch 0 without the evaluation, then epoch 1 resumed with it
+        fit(tmp_path, **{**settings, "trainer.callbacks": [checkpoint]})
+        fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **settings)
+    else:
+        fit(tmp_path, **settings)
+    (log_dir,) = (tmp_path / "logs" / "run").iterdir()
+    before = _rows(tmp_path, "before_validation.csv")
+    after = _rows(log_dir)
+    steps = 8 if resumed else 4
+    assert "knn/top1" not in before[0], "metrics.csv was rewritten in place"
+    assert "knn/top1" in after[0]
+    assert [int(row["step"]) for row in before] == list(range(steps))  # every step's row, as validation started
+    assert [row["train/loss"] for row in after[:steps]] == [row["train/loss"] for row in before]

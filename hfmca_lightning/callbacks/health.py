@@ -28,7 +28,8 @@ class HealthMetrics(Callback):
     """Every ``every_n_steps`` optimiser steps (or, where an estimate needs more steps' samples than that, as soon as it
     has them), the label-free health of the embeddings: logged as ``health/rankme``,
     ``health/effective_rank``, ``health/alpha_req``, ``health/lidar`` (two or more views per sample) and
-    ``health/samples``, usable by ``ModelCheckpoint(monitor=...)`` as any metric (docs/conventions.md §9).
+    ``health/samples``, usable by ``ModelCheckpoint(monitor=...)`` as any metric (docs/conventions.md §9). Each
+    estimate is one row of the loggers, at the step it was computed at (``log_every_n_steps`` does not apply).
 
     The embeddings are the training steps' own, no extra forward pass: a step's ``outputs["features"]`` (``(B * L,
     D)`` with each sample's ``L`` views together, as :class:`~hfmca_lightning.methods.HFMCAModule` returns them, or
@@ -194,8 +195,16 @@ class HealthMetrics(Callback):
         return HealthStatistics.from_tensors(tensors, self.sums.views)
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, metrics: dict[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            pl_module.log(f"health/{name}", value, on_step=True, on_epoch=False)
+        """The estimate of optimiser step ``step``: straight to the loggers, once, under the step of its batch (as
+        Lightning logs a step's row: ``step - 1``), and in ``trainer.callback_metrics`` for ``ModelCheckpoint(
+        monitor=...)`` (``logger=False``: Lightning would log the value again at every logging step until the epoch
+        ends, rows of a stale estimate that a resumed run would not repeat)."""
+        named = {f"health/{name}": value for name, value in metrics.items()}
+        for name, value in named.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, logger=False)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(named, step=step - 1)
         rank = metrics["effective_rank"]
         if rank > self.best_effective_rank:
             self.best_effective_rank, self.best_step = rank, step

@@ -292,6 +292,21 @@ class LinearProbe(Callback):
             return
         self._pending_state = None
         standardise, optimizer = self._built()
+        self._check_saved_shapes(state_dict)
         standardise.load_state_dict(state_dict["standardise"])
         self.classifier.load_state_dict(state_dict["classifier"])
         optimizer.load_state_dict(state_dict["optimizer"])
+
+    def _check_saved_shapes(self, state_dict: dict[str, Any]) -> None:
+        """One line when the checkpoint's probe has another shape than this run's (another number of classes, or
+        another feature size): its weights cannot continue here."""
+        weight = self.classifier.classification_head.weight  # (num_classes, feature_dim)
+        saved = state_dict["classifier"].get("classification_head.weight")
+        if saved is None or tuple(saved.shape) == tuple(weight.shape):
+            return
+        raise ConfigurationError(
+            f"LinearProbe: the checkpoint's probe classifies {saved.shape[0]} classes from {saved.shape[1]}-d "
+            f"features, this run's {weight.shape[0]} classes from {weight.shape[1]}-d features (the data or the "
+            "backbone changed since the checkpoint): resume with the checkpoint's data and backbone, or start a new "
+            "run without --ckpt_path"
+        )

@@ -13,6 +13,7 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hfmca_lightning.cli.verbosity as verbosity
+from hfmca_lightning.callbacks.checkpoint import PreemptionCheckpoint, noted_checkpoint
 from hfmca_lightning.callbacks.optimizer_settings import ConfiguredOptimizerSettings
 from hfmca_lightning.callbacks.progress import CostProgressBar, EpochLines
 from hfmca_lightning.callbacks.run_state import RunState, saved_csv_log_dirs, saved_wandb_run_id
@@ -35,8 +37,8 @@ from hfmca_lightning.cli.options import SEED_RANGE
 from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.data import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
-from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log
-from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, is_local, read_checkpoint
+from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log, rewrite_csv_log_atomically
+from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, check_resumable, is_local, read_checkpoint
 from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
 from hfmca_lightning.runtime.run_lock import RunFolderLock
@@ -127,13 +129,29 @@ def _check_writable(folder: Path, what: str, instead: str) -> None:
 
 def checkpoint_folders(trainer: Trainer, last_only: bool = False) -> dict[Path, ModelCheckpoint]:
     """The local checkpoint folders the run's ``ModelCheckpoint`` callbacks write into, known before training (with
-    ``last_only``: those of the callbacks that write ``last.ckpt``): each callback's ``dirpath``; without one,
-    ``<default_root_dir>/checkpoints`` when the trainer has no logger. (With a logger and no ``dirpath``,
+    ``last_only``: those where ``--ckpt_path last`` looks, of the callbacks that write ``last.ckpt`` or, a
+    :class:`PreemptionCheckpoint` without ``save_last``, the checkpoint of a SIGTERM): each callback's ``dirpath``;
+    without one, ``<default_root_dir>/checkpoints`` when the trainer has no logger. (With a logger and no ``dirpath``,
     Lightning writes into the first logger's version folder, known only once the run starts: a new one for a new run,
     the checkpoint's for a resumed one whose first logger is a CSV logger.)"""
+    return _folders(trainer, _writes_resume_point if last_only else lambda callback: True)
+
+
+def _writes_resume_point(callback: ModelCheckpoint) -> bool:
+    return bool(callback.save_last) or _notes_newest(callback)
+
+
+def _notes_newest(callback: ModelCheckpoint) -> bool:
+    """Whether the callback, writing no ``last.ckpt``, names the newest checkpoint it saved in its folder
+    (:func:`~hfmca_lightning.callbacks.checkpoint.noted_checkpoint`)."""
+    return isinstance(callback, PreemptionCheckpoint) and not callback.save_last
+
+
+def _folders(trainer: Trainer, keep: Callable[[ModelCheckpoint], bool]) -> dict[Path, ModelCheckpoint]:
+    """:func:`checkpoint_folders` of the callbacks ``keep`` keeps, each folder with the first of them."""
     folders: dict[Path, ModelCheckpoint] = {}
     for callback in trainer.checkpoint_callbacks:
-        if not isinstance(callback, ModelCheckpoint) or (last_only and not callback.save_last):
+        if not isinstance(callback, ModelCheckpoint) or not keep(callback):
             continue
         if callback.dirpath is not None:
             folder = str(callback.dirpath)
@@ -161,17 +179,21 @@ def _is_last_checkpoint_name(path: Path, callback: ModelCheckpoint) -> bool:
 
 
 def newest_last_checkpoint(trainer: Trainer) -> Path | None:
-    """What ``--ckpt_path last`` resumes: the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders of the
-    trainer's callbacks that write one (``save_last``), never a file of another folder; None when there is none.
+    """What ``--ckpt_path last`` resumes: the newest of the ``last.ckpt`` (or ``last-vN.ckpt``) files in the folders of
+    the trainer's callbacks that write one (``save_last``) and the newest checkpoint a :class:`PreemptionCheckpoint`
+    without ``save_last`` saved into its folder (on SIGTERM or as it saves; named in the folder's
+    :data:`~hfmca_lightning.callbacks.checkpoint.NEWEST_NOTE`), never a file of another folder or another callback's
+    checkpoint; None when there is none.
 
     Where there is none but a ``last.ckpt`` link whose file is gone (``save_last: link``: Lightning deletes the file it
     linked to before it links the new one, so a kill in between leaves the link dangling), the newest checkpoint file
     of that folder, with a warning: the run goes on from there instead of starting over."""
-    folders = checkpoint_folders(trainer, last_only=True)
+    folders = _folders(trainer, lambda callback: bool(callback.save_last))
     listed = {folder: list(folder.iterdir()) if folder.is_dir() else [] for folder in folders}
     candidates = [
         path for folder, paths in listed.items() for path in paths if _is_last_checkpoint(path, folders[folder])
     ]
+    candidates += filter(None, (noted_checkpoint(folder) for folder in _folders(trainer, _notes_newest)))
     if candidates:
         return max(candidates, key=lambda path: path.stat().st_mtime)
     for folder, paths in listed.items():
@@ -244,8 +266,10 @@ class HFMCACLI(LightningCLI):
                 "command has none: give the checkpoint's path (`hfmca fit` prints it as `best checkpoint:`), or last"
             )
         if ckpt_path is not None and str(ckpt_path) not in NAMED_CHECKPOINTS:
-            # missing / corrupt / foreign: one line, before anything is built
-            read_checkpoint(ckpt_path, missing_hint=" (or use `--ckpt_path last`: the run's newest)")
+            # missing / corrupt / foreign, or weights alone to continue a run from: one line, before anything is built
+            checkpoint = read_checkpoint(ckpt_path, missing_hint=" (or use `--ckpt_path last`: the run's newest)")
+            if subcommand == "fit":
+                check_resumable(checkpoint, ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: Lightning would merge the ``--ckpt_path`` checkpoint's hyper-parameters over the command's config
@@ -320,11 +344,17 @@ class HFMCACLI(LightningCLI):
                 callback.config = config
         self._lock_checkpoint_folders()
         self._check_log_folders()
+        self._prepare_resume()
+        self._atomic_csv_logs()
+
+    def _prepare_resume(self) -> None:
+        """Resuming (``--ckpt_path``): the checkpoint found and checked, W&B and the CSV loggers pointed at its run."""
         named = str(self.config_init[self.subcommand].get("ckpt_path")) in NAMED_CHECKPOINTS  # `last`: found here
         checkpoint_path = self._resume_checkpoint()
         if checkpoint_path is None:
             return
         checkpoint = read_checkpoint(checkpoint_path, check_weights=named)  # a path's weights: checked when parsed
+        check_resumable(checkpoint, checkpoint_path)
         # Resuming, the checkpoint folder holds this run's own checkpoints; the data module's state (not the loader's)
         # resumes a stopped epoch exactly (docs/resume.md), which Lightning cannot see.
         for folder in checkpoint_folders(self.trainer):
@@ -345,6 +375,15 @@ class HFMCACLI(LightningCLI):
                     int(checkpoint.get("global_step", 0)),
                     writes=self.trainer.is_global_zero,
                 )
+
+    def _atomic_csv_logs(self) -> None:
+        """The CSV loggers of process 0 that no resume continues: ``metrics.csv`` replaced whole when a column is
+        added (:func:`~hfmca_lightning.loggers.rewrite_csv_log_atomically`)."""
+        if not self.trainer.is_global_zero:
+            return
+        for logger in self.trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                rewrite_csv_log_atomically(logger)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
@@ -415,8 +454,8 @@ class HFMCACLI(LightningCLI):
             _check_writable(path, f"{type(logger).__name__} save_dir", "give the logger another save_dir")
 
     def _resume_checkpoint(self) -> Path | None:
-        """The file ``--ckpt_path`` names; for ``last``, the newest ``last.ckpt`` (or ``last-vN.ckpt``) in the folders
-        of this run's callbacks that write one (``save_last``), never another folder's."""
+        """The file ``--ckpt_path`` names; for ``last``, :func:`newest_last_checkpoint`: the newest ``last.ckpt`` (or
+        ``last-vN.ckpt``, or SIGTERM checkpoint) in the folders of this run's callbacks, never another folder's."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         if ckpt_path is None or str(ckpt_path) in ("best", "hpc"):
             return None
@@ -433,12 +472,13 @@ class HFMCACLI(LightningCLI):
         return (
             ", ".join(str(folder) for folder in sorted(checkpoint_folders(self.trainer, last_only=True)))
             or "no checkpoint folder of this run: none of its ModelCheckpoint callbacks has both a dirpath and "
-            "save_last: true"
+            "save_last: true, nor is a PreemptionCheckpoint with a dirpath"
         )
 
     def before_validate(self) -> None:
         """``--ckpt_path last``: the run's newest ``last.ckpt``, checked as a path is; without one, one line (Lightning
         would score the untrained weights and exit 0)."""
+        self._atomic_csv_logs()
         if str(self.config_init[self.subcommand].get("ckpt_path")) != "last":
             return
         newest = newest_last_checkpoint(self.trainer)

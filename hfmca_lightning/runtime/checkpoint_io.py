@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.runtime.files import write_atomically
 
-__all__ = ["AtomicCheckpointIO", "check_checkpoint_path", "is_local", "read_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "check_checkpoint_path", "check_resumable", "is_local", "read_checkpoint"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -115,6 +115,20 @@ def read_checkpoint(path: str | Path, check_weights: bool = True, missing_hint: 
             "epoch=...-step=....ckpt beside it), and a lower learning rate to train on from it."
         )
     return checkpoint
+
+
+def check_resumable(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """One :class:`ConfigurationError` when ``checkpoint`` (read from ``path``) cannot continue a run: one written with
+    ``save_weights_only`` holds the weights without the optimiser state and the loops' position (Lightning's own
+    resume ends in a ``KeyError``). It can still be scored and analysed."""
+    missing = [key for key in ("optimizer_states", "loops") if key not in checkpoint]
+    if missing:
+        raise ConfigurationError(
+            f"{path} holds the weights only (no {' and no '.join(missing)}: a checkpoint callback with "
+            "save_weights_only: true wrote it), so `fit --ckpt_path` cannot continue its run: resume from a checkpoint "
+            "written without save_weights_only (leave it false in runs meant to be resumed), or start a new run "
+            "without --ckpt_path; validate, test, analyze and linear take this checkpoint as it is"
+        )
 
 
 def _load(path: Path) -> Any:

@@ -3,7 +3,9 @@
 The lock of ``runs/demo/checkpoints`` is ``runs/demo/.checkpoints.lock``. The operating system releases it when
 the process that holds it ends, however it ends (SIGKILL included), so a lock is never left stuck: the file stays,
 and only a live holder counts. It holds the holder's pid and host, for the message that refuses a second run.
-Processes forked by the holder (data-loader workers) share the lock until they exit.
+A process forked by the holder (a data-loader worker) closes its copy of the lock's descriptor as it starts, so
+the lock is the holder's alone: a holder killed by itself (the OOM killer's SIGKILL of the main process, whose
+workers notice only seconds later) frees the folder at once, and the holder's lock stays held while it lives.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import fcntl
 import os
 import socket
+import weakref
 from pathlib import Path
 
 from hfmca_lightning.errors import ConfigurationError
@@ -41,6 +44,7 @@ class RunFolderLock:
 
     def __init__(self) -> None:
         self._held: dict[Path, int] = {}
+        _locks.add(self)
 
     def acquire(self, folder: Path) -> bool:
         """Lock ``folder`` (not created; its parent is); ``True`` once held, ``False`` where locks are unsupported."""
@@ -83,6 +87,26 @@ class RunFolderLock:
         held, self._held = self._held, {}
         for descriptor in held.values():
             os.close(descriptor)
+
+
+_locks: weakref.WeakSet[RunFolderLock] = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    """In a process just forked (``os.fork``: data-loader workers, DDP's fork launcher): close its copies of the lock
+    descriptors and forget them. A ``flock`` belongs to the open file, which the parent's descriptor keeps open, so
+    the parent's lock stays held; the child neither holds it after the parent dies nor releases it."""
+    for lock in list(_locks):
+        held, lock._held = lock._held, {}
+        for descriptor in held.values():
+            try:
+                os.close(descriptor)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _read_holder(descriptor: int) -> str:

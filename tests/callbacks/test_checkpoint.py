@@ -1,8 +1,11 @@
 """PreemptionCheckpoint: ``last.ckpt`` is a resume point every ``every_n_train_steps`` steps, at every epoch's end and
-when training ends (docs/training.md, docs/resume.md); its SIGTERM save: tests/integration/test_resume.py."""
+when training ends (docs/training.md, docs/resume.md); its SIGTERM save at a step's end, also when the signal comes
+between the micro-batches of an accumulated step (the resumed runs: tests/integration/test_resume.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,40 @@ def test_a_setting_model_checkpoint_refuses_is_one_configuration_error(tmp_path:
 def test_save_on_exception_given_by_position_and_by_keyword_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="save_on_exception twice"):
         PreemptionCheckpoint(str(tmp_path), None, "loss", False, True, 1, True, save_on_exception=False)
+
+
+class SigtermAtBatch(Callback):
+    """Sends this process a real SIGTERM as training batch ``batch_idx`` starts, as SLURM's would arrive while the
+    batch computes (Lightning's handler is installed during ``fit``; without it the test fails, it does not die)."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx = batch_idx
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        if batch_idx == self.batch_idx:
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("batch_idx", [4, 5])  # the first micro-batch of step 3; its last
+def test_sigterm_between_micro_batches_stops_after_the_step(tmp_path, batch_idx, monkeypatch):
+    """``accumulate_grad_batches=2``: a SIGTERM during step 3's first micro-batch (batch 4) is held back until its
+    second (batch 5) has stepped the optimiser, so the checkpoint holds no half-accumulated step: after step 3, with
+    6 batches done, as for a SIGTERM during batch 5."""
+    said: list[str] = []
+    monkeypatch.setattr("hfmca_lightning.callbacks.checkpoint.rank_zero_info", said.append)
+    checkpoint = PreemptionCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = quiet_trainer(
+        max_epochs=2,
+        limit_train_batches=8,
+        limit_val_batches=0,
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
+        callbacks=[SigtermAtBatch(batch_idx), checkpoint],
+    )
+    with pytest.raises(SIGTERMException):
+        trainer.fit(BoringModel())
+    saved = read_checkpoint(tmp_path / "last.ckpt")
+    assert saved["global_step"] == 3
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 6
+    assert said == [f"SIGTERM: saved the state after step 3 to {tmp_path / 'last.ckpt'}"]

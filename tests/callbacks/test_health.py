@@ -24,6 +24,7 @@ from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, ViewProjector
 from tests.helpers import quiet_trainer
 from tests.helpers.health import (
+    HEALTH_NAMES,
     HealthProbe,
     RecordEmbeddings,
     assert_health_equal,
@@ -239,6 +240,31 @@ def test_model_checkpoint_keeps_the_step_with_the_best_effective_rank(tmp_path):
     (kept,) = (tmp_path / "checkpoints").glob("*.ckpt")
     assert torch.load(kept, weights_only=False)["global_step"] == best
     assert float(checkpoint.best_model_score) == pytest.approx(ranks[best], rel=2**-23)
+
+
+def test_each_estimate_is_one_row_of_the_log_at_its_own_step(tmp_path):
+    """Health every 2 steps, a row of metrics.csv at every step: the health columns are filled in the rows of the
+    steps that computed an estimate only (never a stale estimate again at the steps between: a resumed run, whose
+    Lightning starts with an empty cache, would not repeat it), once each, with the value computed there."""
+    module = HealthProbe(dim=None, inputs=8, peak=5)
+    trainer = quiet_trainer(
+        max_steps=9,
+        callbacks=[HealthMetrics(every_n_steps=2)],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, train_dataloaders=gaussian_views(dim=8, batch_size=8))
+    logged = logged_health(module.health)
+    assert sorted(logged) == [2, 4, 6, 8]
+    (path,) = tmp_path.glob("**/metrics.csv")
+    rows = list(csv.DictReader(path.open()))
+    for name in HEALTH_NAMES:
+        filled = [int(row["step"]) + 1 for row in rows if row.get(f"health/{name}")]
+        assert filled == [2, 4, 6, 8], (name, filled)
+        column = csv_column(tmp_path, f"health/{name}")
+        assert column == {step: values[name] for step, values in logged.items()}
+    assert float(trainer.callback_metrics["health/effective_rank"]) == pytest.approx(logged[8]["effective_rank"])
 
 
 # --- the collapse alarm -----------------------------------------------------------------------------------------------

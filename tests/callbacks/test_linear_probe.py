@@ -23,7 +23,7 @@ from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods import HFMCAModule, InternalCosts
 from hfmca_lightning.methods.baselines import SimCLR
 from hfmca_lightning.models import GridExternalHead, SmallConvNet
-from tests.helpers import quiet_trainer
+from tests.helpers import fit, quiet_trainer
 
 NUM_CLASSES = 4
 
@@ -73,6 +73,26 @@ def test_resumed_probe_equals_an_uninterrupted_one(tmp_path):
         for key, value in straight.state_dict()[part].items():
             torch.testing.assert_close(resumed.state_dict()[part][key], value, rtol=0, atol=0, msg=key)
     assert resumed.optimizer.state_dict()["state"][0]["momentum_buffer"].abs().sum() > 0
+
+
+def test_resuming_a_probe_of_another_shape_is_one_line(tmp_path, capsys):
+    """``hfmca fit --ckpt_path last`` with a data set of 5 classes where the checkpoint's probe classifies 4: one line
+    naming both shapes and the fix, before training (not load_state_dict's size-mismatch traceback)."""
+    probe = {"class_path": "hfmca_lightning.callbacks.LinearProbe"}
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}
+    checkpoint["init_args"] = {"dirpath": str(tmp_path / "checkpoints"), "save_last": True}
+    callbacks = {"trainer.callbacks": [probe, checkpoint]}
+    fit(tmp_path, **callbacks)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **callbacks,
+            **{"data.init_args.source.init_args.num_classes": 5})  # fmt: skip
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("hfmca: error: LinearProbe: the checkpoint's probe classifies 4 classes from 16-d features, "
+                           "this run's 5 classes from 16-d features"), line  # fmt: skip
+    assert "resume with the checkpoint's data and backbone, or start a new run" in line
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4  # not trained on
 
 
 def test_a_feature_dim_other_than_the_features_is_one_line_at_the_sanity_check():

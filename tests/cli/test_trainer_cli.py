@@ -1,8 +1,11 @@
 """``hfmca fit`` and its run folders: one run per checkpoint folder at a time (a live run's folder refused, a killed
-run's lock taken over), ``--ckpt_path last`` from this run's folder only, ``config.yaml`` replaced whole."""
+run's lock taken over, also while its orphaned data-loader workers live on), ``--ckpt_path last`` from this run's
+folder only (``last.ckpt``, or the checkpoint a ``PreemptionCheckpoint`` without ``save_last`` wrote on SIGTERM), a
+weights-only checkpoint refused by ``fit --ckpt_path`` in one line, ``config.yaml`` replaced whole."""
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 from pathlib import Path
@@ -10,19 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback, LightningModule, Trainer
 
+from hfmca_lightning.callbacks.checkpoint import NEWEST_NOTE
+from hfmca_lightning.cli import main
 from tests.helpers import DEMO, finish_hfmca, fit, run_hfmca, start_hfmca, tiny_overrides, wait_for
+from tests.helpers.runs import group_processes
 
 
 def fit_args(folder: Path, **extra: object) -> list[str]:
     return ["fit", "--config", str(DEMO), "--config", str(tiny_overrides(folder, **extra))]
 
 
-def paused_run_args(folder: Path, step: int, max_epochs: int = 1) -> list[str]:
+def paused_run_args(folder: Path, step: int, max_epochs: int = 1, **extra: object) -> list[str]:
     """The tiny demo (4 steps per epoch), held before training step ``step`` until ``folder / "go"`` exists."""
     callbacks = yaml.safe_load((tiny_overrides(folder)).read_text())["trainer"]["callbacks"]
     pause = {"class_path": "tests.helpers.PauseBeforeStep", "init_args": {"resume": str(folder / "go"), "step": step}}
-    return fit_args(folder, **{"trainer.callbacks": [*callbacks, pause], "trainer.max_epochs": max_epochs})
+    return fit_args(folder, **{"trainer.callbacks": [*callbacks, pause], "trainer.max_epochs": max_epochs, **extra})
 
 
 def step_of(checkpoint: Path) -> int:
@@ -57,11 +64,21 @@ def test_a_second_fit_into_a_running_runs_folder_is_refused_and_the_first_finish
 
 @pytest.mark.extended
 @pytest.mark.integration  # subprocess runs
-def test_the_lock_of_a_killed_run_is_taken_over_by_its_resume(tmp_path):
-    args = paused_run_args(tmp_path, step=6, max_epochs=2)  # held after the first epoch's checkpoint (step 4)
+@pytest.mark.parametrize("killed_alone", [False, True])
+def test_the_lock_of_a_killed_run_is_taken_over_by_its_resume(tmp_path, killed_alone):
+    """SIGKILL to the run's process group, or to its main process alone (the OOM killer's choice), whose 2 persistent
+    data-loader workers live on for seconds: the resume started at once takes the folder over."""
+    workers = {"data.init_args.num_workers": 2, "data.init_args.persistent_workers": True} if killed_alone else {}
+    # held after the first epoch's checkpoint (step 4)
+    args = paused_run_args(tmp_path, step=6, max_epochs=2, **workers)
     killed = start_hfmca(tmp_path, *args, log_name="killed.log", test_classes=True)
     wait_for((tmp_path / "go.waiting").exists, killed)
-    os.killpg(killed.pid, signal.SIGKILL)
+    workers = [pid for pid in group_processes(killed.pid) if pid != killed.pid]
+    assert bool(workers) == killed_alone  # (persistent workers of the training and evaluation loaders)
+    if killed_alone:
+        os.kill(killed.pid, signal.SIGKILL)
+    else:
+        os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     assert (tmp_path / ".checkpoints.lock").read_text().split()[0] == str(killed.pid)  # left behind
     assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 4
@@ -182,3 +199,101 @@ def test_the_progress_report_follows_the_output_and_the_verbosity(tmp_path, monk
     cli = HFMCACLI(args=fit_args(tmp_path, **{"trainer.enable_progress_bar": True})[1:], run=False)
     shown = cli.trainer.progress_bar_callback
     assert (type(shown).__name__ if shown is not None else None) == bar
+
+
+class SigtermAtBatch(Callback):
+    """Sends this process a real SIGTERM as training batch ``at_batch`` of the run (counted over epochs from 0)
+    starts, as a cluster's would arrive while the batch computes (once: a resumed run starts after it)."""
+
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        if trainer.fit_loop.total_batch_idx == self.at_batch:
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_without_save_last_is_resumed_by_last(tmp_path, capsys):
+    """A ``PreemptionCheckpoint`` without ``save_last`` saves the SIGTERM's state under its ``filename``; the advised
+    ``--ckpt_path last`` resumes that checkpoint (the same run: its metrics.csv goes on in version_0), not a new
+    run from step 0."""
+    checkpoints = tmp_path / "checkpoints"
+    preemption = {"class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint"}
+    preemption["init_args"] = {"dirpath": str(checkpoints)}
+    sigterm = {"class_path": "tests.cli.test_trainer_cli.SigtermAtBatch", "init_args": {"at_batch": 2}}
+    callbacks = {"trainer.callbacks": [preemption, sigterm], "trainer.log_every_n_steps": 1}
+    with pytest.raises(SystemExit) as stopped:
+        fit(tmp_path, **callbacks)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert "continue with the same command and `--ckpt_path last`" in capsys.readouterr().err
+    assert sorted(path.name for path in checkpoints.glob("*.ckpt")) == ["epoch=0-step=3.ckpt"]
+
+    callbacks["trainer.callbacks"] = [preemption]  # no second SIGTERM, whatever the run starts from
+    fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", **callbacks)
+    out = capsys.readouterr().out
+    assert "no last checkpoint" not in out, out
+    assert [path.name for path in (tmp_path / "logs" / "run").iterdir()] == ["version_0"]  # the same run, continued
+    rows = list(csv.DictReader((tmp_path / "logs" / "run" / "version_0" / "metrics.csv").open()))
+    steps = [int(row["step"]) for row in rows if row.get("train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 7, steps  # each step once, to the end of epoch 2
+    # the note follows the saves: `last` is the newest checkpoint now, not the SIGTERM's older (deleted) one
+    newest = max(checkpoints.glob("*.ckpt"), key=lambda path: path.stat().st_mtime)
+    assert newest.name != "epoch=0-step=3.ckpt" and (checkpoints / NEWEST_NOTE).read_text() == f"{newest.name}\n"
+
+
+def test_last_finds_a_noted_checkpoint_only_in_this_runs_preemption_folders(tmp_path):
+    """``--ckpt_path last`` takes the checkpoint the note names in the folder of a ``PreemptionCheckpoint`` without
+    ``save_last`` (when newer than any ``last.ckpt``), never a note in another callback's folder (nor one that writes
+    ``last.ckpt``), nor one that names a file that is gone or outside the folder."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hfmca_lightning.callbacks import PreemptionCheckpoint
+    from hfmca_lightning.cli.trainer_cli import newest_last_checkpoint
+    from tests.helpers import quiet_trainer
+
+    preempted, other, silent, own = tmp_path / "preempted", tmp_path / "other", tmp_path / "silent", tmp_path / "own"
+    trainer = quiet_trainer(
+        enable_checkpointing=True,
+        callbacks=[
+            PreemptionCheckpoint(dirpath=preempted),
+            ModelCheckpoint(dirpath=other),  # not a PreemptionCheckpoint
+            PreemptionCheckpoint(dirpath=silent, save_last=True, every_n_train_steps=3),  # writes last.ckpt
+            ModelCheckpoint(dirpath=own, save_last=True, every_n_train_steps=5),
+        ],
+    )
+    for age, (folder, name) in enumerate(
+        [(own, "last.ckpt"), (preempted, "epoch=0-step=3.ckpt"), (other, "x.ckpt"), (silent, "y.ckpt")]
+    ):
+        folder.mkdir()
+        (folder / name).write_bytes(b"")
+        (folder / NEWEST_NOTE).write_text(f"{name}\n")
+        os.utime(folder / name, (1_000 + age, 1_000 + age))  # each newer than the one before
+    assert newest_last_checkpoint(trainer) == preempted / "epoch=0-step=3.ckpt"
+    (preempted / NEWEST_NOTE).write_text("../other/x.ckpt\n")
+    assert newest_last_checkpoint(trainer) == own / "last.ckpt"
+    (preempted / NEWEST_NOTE).write_text("gone.ckpt\n")
+    assert newest_last_checkpoint(trainer) == own / "last.ckpt"
+
+
+def test_fit_from_a_weights_only_checkpoint_is_one_line_and_validate_takes_it(tmp_path, capsys):
+    """A checkpoint written with ``save_weights_only`` has no optimiser state or loop position: ``fit --ckpt_path``
+    (its path, or ``last``) ends with one line before training (Lightning's own resume: a KeyError traceback);
+    ``validate`` scores it."""
+    checkpoints = tmp_path / "checkpoints"
+    weights_only = {"class_path": "hfmca_lightning.callbacks.PreemptionCheckpoint"}
+    weights_only["init_args"] = {"dirpath": str(checkpoints), "save_last": True, "save_weights_only": True}
+    knn = {"class_path": "hfmca_lightning.callbacks.KNNEvaluation", "init_args": {"k": 20}}
+    callbacks = {"trainer.callbacks": [knn, weights_only]}
+    fit(tmp_path, **callbacks)
+    capsys.readouterr()
+    for ckpt_path in (str(checkpoints / "last.ckpt"), "last"):
+        with pytest.raises(SystemExit) as exit_info:
+            fit(tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", ckpt_path, **callbacks)
+        assert exit_info.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"hfmca: error: {checkpoints / 'last.ckpt'} holds the weights only"), line
+        assert "save_weights_only" in line
+    main(["validate", "--config", str(DEMO), "--config", str(tiny_overrides(tmp_path, **callbacks)),
+          "--ckpt_path", str(checkpoints / "last.ckpt")])  # fmt: skip
+    assert "knn/top1" in capsys.readouterr().out

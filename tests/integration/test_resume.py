@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from tests.helpers import (
     DEMO,
@@ -278,3 +279,54 @@ def test_sigterm_to_the_process_group_writes_a_checkpoint_and_resume_is_exact(tm
     # the resume is exact, its folder this run's own: none of Lightning's warnings that say otherwise
     for warning in ("ended before the epoch ended", "exists and is not empty"):
         assert warning not in resumed.stdout, resumed.stdout[-3000:]
+
+
+class SigtermToTheGroupAtBatch(Callback):
+    """Sends SIGTERM to the run's process group (main process and data-loader workers, as SLURM signals a job) as
+    training batch ``at_batch`` of the run (counted over epochs from 0) starts: the signal arrives while it computes."""
+
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: object, batch_idx: int) -> None:
+        if trainer.fit_loop.total_batch_idx == self.at_batch:
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+
+
+def accumulating_overrides(folder: Path, sigterm_at_batch: int | None = None) -> Path:
+    """demo_overrides with ``accumulate_grad_batches: 2`` (8 batches, 4 optimiser steps per epoch) and the demo's
+    callbacks, plus a SIGTERM to the process group as batch ``sigterm_at_batch`` starts."""
+    overrides = yaml.safe_load(demo_overrides(folder).read_text())
+    callbacks = yaml.safe_load(DEMO.read_text())["trainer"]["callbacks"]
+    if sigterm_at_batch is not None:
+        here = "tests.integration.test_resume.SigtermToTheGroupAtBatch"
+        callbacks.append({"class_path": here, "init_args": {"at_batch": sigterm_at_batch}})
+    overrides["trainer"].update(accumulate_grad_batches=2, callbacks=callbacks)
+    return write_overrides(folder, "accumulate.yaml", overrides)
+
+
+@pytest.mark.extended
+def test_sigterm_between_the_micro_batches_of_a_step_then_resume_is_exact(tmp_path):
+    """A SIGTERM during the first micro-batch of step 3 (batch 4): the run stops once step 3 is complete (a checkpoint
+    holds no half-accumulated gradients), and resumed with ``--ckpt_path last`` it ends with every tensor of a run
+    never interrupted."""
+    folder = tmp_path / "straight"
+    last = Path("runs") / "demo" / "checkpoints" / "last.ckpt"
+    straight = ReferenceRun(folder, fit_args(DEMO, accumulating_overrides(folder)), folder / last, test_classes=True)
+    interrupted = tmp_path / "interrupted"
+    args = fit_args(DEMO, accumulating_overrides(interrupted, sigterm_at_batch=4))
+    try:
+        stopped = run_hfmca(interrupted, *args, test_classes=True)
+        expected, final_step = straight.result()
+    finally:
+        straight.stop()
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-3000:]
+    saved = torch.load(interrupted / last, map_location="cpu", weights_only=True)
+
+    resumed = run_hfmca(interrupted, *args, "--ckpt_path", "last", log_name="resumed.log", test_classes=True)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert final_step == 3 * 4
+    assert_same_tensors(expected, checkpoint_tensors(interrupted / last))
+    # stopped after step 3's second micro-batch: 6 batches of 8 images seen, and said so
+    assert saved["global_step"] == 3 and saved["MultiViewDataModule"]["position"]["samples_seen"] == 6 * 8
+    assert "SIGTERM: saved the state after step 3" in stopped.stdout, stopped.stdout[-3000:]

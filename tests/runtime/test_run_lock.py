@@ -1,5 +1,5 @@
 """One ``hfmca fit`` per checkpoint folder: a folder locked by a live process is refused with its pid; the lock of a
-process killed with SIGKILL is free at once."""
+process killed with SIGKILL is free at once, also while the data-loader workers it forked live on."""
 
 from __future__ import annotations
 
@@ -61,3 +61,26 @@ def test_a_lock_file_that_cannot_be_created_is_one_clear_error(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(ConfigurationError, match="cannot create the lock file .* of checkpoint folder"):
         RunFolderLock().acquire(tmp_path / "file" / "runs" / "checkpoints")
+
+
+def test_a_forked_worker_leaves_the_lock_to_its_parent(tmp_path):
+    """A data-loader worker forked while the folder is locked holds no copy of the lock: the folder stays locked while
+    the parent holds it, and is free as soon as the parent lets go (as when it is killed alone), while the worker
+    still lives (torch's workers notice a dead parent only seconds later)."""
+    from torch.utils.data import DataLoader
+
+    folder = tmp_path / "checkpoints"
+    lock = RunFolderLock()
+    assert lock.acquire(folder)
+    loader = DataLoader(range(4), num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+    batches = iter(loader)
+    try:
+        next(batches)  # the worker runs
+        (worker,) = batches._workers  # type: ignore[attr-defined]
+        with pytest.raises(FolderInUse):
+            RunFolderLock().acquire(folder)
+        lock.release()
+        assert worker.is_alive()
+        assert RunFolderLock().acquire(folder)
+    finally:
+        batches._shutdown_workers()  # type: ignore[attr-defined]

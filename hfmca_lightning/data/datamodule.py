@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -34,26 +33,27 @@ EVALUATION_LOADERS: tuple[EvaluationLoaders, ...] = get_args(EvaluationLoaders)
 
 @dataclass(frozen=True)
 class TrainingPosition:
-    """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``; ``skipped``:
-    the samples of the epoch before that ``max_steps`` or ``max_time`` left untrained when they ended it."""
+    """How far training got: ``samples_seen`` training samples (all ranks together) of epoch ``epoch``;
+    ``epoch_ended``: that epoch's end hooks ran before it was through (``max_steps`` or ``max_time`` ended it)."""
 
     epoch: int
     samples_seen: int
-    skipped: int = 0
+    epoch_ended: bool = False
 
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     """The position after the last finished training batch (where a checkpoint written now resumes), from the batches
-    the loop consumed (the loader runs ahead by its prefetch). A finished epoch is the next one's start, and so is one
-    that ``max_steps`` or ``max_time`` ended early once its end hooks ran: Lightning resumes at the next epoch."""
+    the loop consumed (the loader runs ahead by its prefetch); a finished epoch is the next one's start. An epoch that
+    ``max_steps`` or ``max_time`` ended early keeps its position once its end hooks ran (``epoch_ended``): a run
+    resumed with ``max_steps`` finishes that epoch, one resumed without goes on at the next (Lightning's loop)."""
     loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
     epochs: Any = loop.epoch_progress.current
     epoch = max(epochs.started - 1, 0)  # the batches' epoch
     batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
     samples, total = batch_size * trainer.world_size, trainer.num_training_batches
-    if batches >= total or 0 < epochs.started <= epochs.processed:
-        return TrainingPosition(epoch + 1, 0, int(total - batches) * samples if batches < total < math.inf else 0)
-    return TrainingPosition(epoch, batches * samples)
+    if batches >= total:
+        return TrainingPosition(epoch + 1, 0)
+    return TrainingPosition(epoch, batches * samples, 0 < epochs.started <= epochs.processed)
 
 
 def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec, samples: list[Any]) -> Any:
@@ -280,7 +280,23 @@ class MultiViewDataModule(LightningDataModule):
                     f"the training split now has {len(self.training_split)}: resume with the data the run was trained "
                     "on, or start a new run"
                 )
-            sampler.resume(position.epoch, position.samples_seen)
+            if position.epoch_ended and self.trainer is not None and self.trainer.max_steps == -1:
+                # Lightning goes on at the next epoch (with max_steps it finishes this one): decided here, before
+                # persistent workers draw their first keys
+                sampler.resume(position.epoch + 1, 0)
+                whole = len(self.training_split) // (self.batch_size * replicas) * self.batch_size * replicas
+                rank_zero_warn(
+                    f"the checkpoint's epoch {position.epoch} was ended early by max_steps or max_time, and Lightning "
+                    f"counts it finished: training goes on at epoch {position.epoch + 1}, and "
+                    f"{whole - position.samples_seen} training images of that epoch are not trained on (resumed with "
+                    "max_steps, the epoch is finished first; a SIGTERM stop resumes exactly)",
+                    category=HFMCAWarning,
+                )
+            else:
+                sampler.resume(position.epoch, position.samples_seen)
+        if self.trainer is not None:  # the epoch its loop runs: the one Lightning sets is ahead after some resumes
+            trainer = self.trainer
+            sampler.loop_epoch = lambda: trainer.current_epoch
         return self.training_loader(sampler, None if self.drawer.draws_on_device else self.batch_format)
 
     def state_dict(self) -> dict[str, Any]:
@@ -290,14 +306,7 @@ class MultiViewDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position of a checkpoint: the next training loader starts there."""
         if "position" in state_dict:
-            self._resume_position = position = TrainingPosition(**state_dict["position"])
-            if position.skipped:
-                rank_zero_warn(
-                    f"the checkpoint's epoch {position.epoch - 1} was ended early by max_steps or max_time, and "
-                    f"Lightning counts it finished: training goes on at epoch {position.epoch}, and {position.skipped} "
-                    "training images of that epoch are not trained on (a SIGTERM stop resumes exactly)",
-                    category=HFMCAWarning,
-                )
+            self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Device drawers: a transferred training batch (images, or indices and seeds) -> views in ``batch_format``."""

@@ -45,6 +45,7 @@ class SeededRandomSampler(DistributedSampler):
         self.num_samples = num_samples // num_replicas
         self.total_size = self.num_samples * num_replicas
         self._resume_at: tuple[int, int] | None = None
+        self.loop_epoch: Callable[[], int] | None = None  # the training loop's epoch, where a trainer drives it
 
     def resume(self, epoch: int, samples_seen: int) -> None:
         """Start the next iteration at ``epoch`` past its first ``samples_seen`` keys (all ranks', before a checkpoint).
@@ -58,8 +59,10 @@ class SeededRandomSampler(DistributedSampler):
         self.epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration shuffles for (Lightning sets it); a resume position of another epoch is
-        dropped: the loop counts that epoch finished, and this one starts from its first key."""
+        """The epoch the next iteration shuffles for: Lightning sets it, or :attr:`loop_epoch` gives it (the epoch its
+        loop runs: after a resume that finishes an early-ended epoch, the value Lightning sets is one ahead). A resume
+        position of another epoch is dropped: the loop counts that epoch finished, and this one starts afresh."""
+        epoch = self.loop_epoch() if self.loop_epoch is not None else epoch
         if self._resume_at is not None and self._resume_at[0] != epoch:
             self._resume_at = None
         self.epoch = epoch

@@ -230,11 +230,15 @@ class _RecordsSamples(LightningModule):
 
 @pytest.mark.integration  # training runs
 @pytest.mark.parametrize("stop", ["max_steps", "max_time"])
-def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_with_the_next_epochs_samples(tmp_path, stop):
-    """Lightning counts an epoch that ``max_steps`` or ``max_time`` ended early finished once its end hooks ran (where
-    the checkpoint is written), and resumes at the next epoch: the resumed steps train on exactly the samples of the
-    uninterrupted run's next epochs, in order (before: the rest of the stopped epoch, as if it were the next one); a
-    warning says how many images of the stopped epoch are left untrained."""
+@pytest.mark.parametrize("resume_with", ["max_epochs", "max_steps"])
+def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_as_lightnings_loop_does(
+    tmp_path, stop, resume_with
+):
+    """An epoch that ``max_steps`` or ``max_time`` ended early has run its end hooks when the checkpoint is written.
+    Resumed with ``max_epochs`` alone, Lightning counts it finished: the resumed steps train on exactly the samples of
+    the uninterrupted run's next epochs, and a warning says how many images of the cut epoch are left untrained
+    (before: the rest of the cut epoch, as if it were the next). Resumed with ``max_steps``, Lightning finishes the
+    epoch: every step equals the uninterrupted run's, with no warning (its sampler epoch runs one ahead there)."""
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     def data() -> MultiViewDataModule:
@@ -243,23 +247,28 @@ def test_a_run_that_max_steps_or_max_time_stopped_mid_epoch_resumes_with_the_nex
 
     def trainer(**options) -> Trainer:
         quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
-        return Trainer(
-            max_epochs=3, accelerator="cpu", limit_val_batches=0, default_root_dir=tmp_path, **quiet, **options
-        )
+        length = {"max_epochs": 3} | options.pop("length", {})
+        return Trainer(accelerator="cpu", limit_val_batches=0, default_root_dir=tmp_path, **quiet, **length, **options)
 
     class StopsAtStepFour(Callback):  # max_time's stop: the Timer sets should_stop after a batch
         def on_train_batch_end(self, trainer, *args) -> None:
             trainer.should_stop = trainer.global_step >= 4
 
+    length = {"max_epochs": 10, "max_steps": 16} if resume_with == "max_steps" else {}
     uninterrupted = _RecordsSamples()
-    trainer(enable_checkpointing=False).fit(uninterrupted, data())
+    trainer(enable_checkpointing=False, length=length).fit(uninterrupted, data())
     stopped, checkpoint = _RecordsSamples(), ModelCheckpoint(dirpath=tmp_path, filename="stopped")
-    limit = {"max_steps": 4} if stop == "max_steps" else {"callbacks": [checkpoint, StopsAtStepFour()]}
+    limit = {"length": {"max_steps": 4}} if stop == "max_steps" else {"callbacks": [checkpoint, StopsAtStepFour()]}
     trainer(**({"callbacks": [checkpoint]} | limit)).fit(stopped, data())
     assert [epoch for epoch, _ in stopped.steps] == [0] * 4
-    resumed = _RecordsSamples()
+    resumed, resume = _RecordsSamples(), trainer(enable_checkpointing=False, length=length)
+    if resume_with == "max_steps":  # HFMCAWarning is an error here
+        resume.fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
+        assert [names for _, names in resumed.steps] == [names for _, names in uninterrupted.steps[4:]]
+        assert len(resumed.steps) == 12
+        return
     with pytest.warns(HFMCAWarning, match="epoch 0 was ended early .* goes on at epoch 1, and 8 training images"):
-        trainer(enable_checkpointing=False).fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
+        resume.fit(resumed, data(), ckpt_path=str(tmp_path / "stopped.ckpt"))
     later_epochs = [step for step in uninterrupted.steps if step[0] >= 1]
     assert resumed.steps == later_epochs and len(later_epochs) == 12
 

@@ -3,8 +3,8 @@
 The lock of ``runs/demo/checkpoints`` is ``runs/demo/.checkpoints.lock``. The operating system releases it when
 the process that holds it ends, however it ends (SIGKILL included), so a lock is never left stuck: the file stays,
 and only a live holder counts. It holds the holder's pid and host, for the message that refuses a second run.
-A process forked by the holder (a data-loader worker) closes its copy of the lock's descriptor as it starts, so
-the lock is the holder's alone: a holder killed by itself (the OOM killer's SIGKILL of the main process, whose
+A data-loader worker forked by the holder closes its copy of the lock's descriptor as it starts, so the lock is
+the holder's alone: a holder killed by itself (the OOM killer's SIGKILL of the main process, whose
 workers notice only seconds later) frees the folder at once, and the holder's lock stays held while it lives.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hfmca_lightning.errors import ConfigurationError
 
-__all__ = ["FolderInUse", "RunFolderLock", "lock_path"]
+__all__ = ["FolderInUse", "RunFolderLock", "lock_path", "release_inherited_locks"]
 
 # Errors of file systems that do not support flock (Lustre mounted without -o flock, some FUSE file systems).
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -92,10 +92,12 @@ class RunFolderLock:
 _locks: weakref.WeakSet[RunFolderLock] = weakref.WeakSet()
 
 
-def _close_in_forked_child() -> None:
-    """In a process just forked (``os.fork``: data-loader workers, DDP's fork launcher): close its copies of the lock
-    descriptors and forget them. A ``flock`` belongs to the open file, which the parent's descriptor keeps open, so
-    the parent's lock stays held; the child neither holds it after the parent dies nor releases it."""
+def release_inherited_locks() -> None:
+    """In a data-loader worker as it starts (its ``worker_init_fn``,
+    :func:`~hfmca_lightning.runtime.workers.leave_signals_to_the_main_process`): close its copies of the lock
+    descriptors, forked with the main process, and forget them. A ``flock`` belongs to the open file, which the main
+    process's descriptor keeps open, so its lock stays held; the worker neither holds it after the main process dies
+    nor releases it. (DDP ranks forked by a launcher keep theirs: they write the run.)"""
     for lock in list(_locks):
         held, lock._held = lock._held, {}
         for descriptor in held.values():
@@ -103,10 +105,6 @@ def _close_in_forked_child() -> None:
                 os.close(descriptor)
             except OSError:
                 pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _read_holder(descriptor: int) -> str:

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from hfmca_lightning.runtime.run_lock import release_inherited_locks
+
 __all__ = [
     "available_cores",
     "cores_per_process",
@@ -79,6 +81,7 @@ def leave_signals_to_the_main_process(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.excepthook = _quiet_about_dropped_connections
+    release_inherited_locks()  # the run folder's lock is the main process's alone
 
 
 def _quiet_about_dropped_connections(kind: type[BaseException], error: BaseException, traceback: Any) -> None:

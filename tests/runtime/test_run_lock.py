@@ -69,10 +69,18 @@ def test_a_forked_worker_leaves_the_lock_to_its_parent(tmp_path):
     still lives (torch's workers notice a dead parent only seconds later)."""
     from torch.utils.data import DataLoader
 
+    from hfmca_lightning.runtime.workers import leave_signals_to_the_main_process
+
     folder = tmp_path / "checkpoints"
     lock = RunFolderLock()
     assert lock.acquire(folder)
-    loader = DataLoader(range(4), num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+    loader = DataLoader(
+        range(4),
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+        worker_init_fn=leave_signals_to_the_main_process,  # what the data module's loaders start their workers with
+    )
     batches = iter(loader)
     try:
         next(batches)  # the worker runs

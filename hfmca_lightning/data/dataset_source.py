@@ -26,7 +26,8 @@ class DatasetSource(ImageSource):
 
     Args:
         train: the training split; its targets (integer class indices) are its ``targets`` attribute where it has
-            one of its length and no ``target_transform`` (as torchvision's data sets), else read once from its pairs.
+            one of its length (through its ``target_transform``, as torchvision's data sets apply it), else read once
+            from its pairs.
         test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
@@ -111,9 +112,10 @@ class DatasetImages(LabelledImages):
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
         found, length = getattr(dataset, "targets", None), len(cast(Sized, dataset))  # sized: DatasetSource checks
-        # a target_transform changes the pairs' targets, not the attribute: read the pairs then
-        if found is None or len(found) != length or getattr(dataset, "target_transform", None) is not None:
+        if found is None or len(found) != length:
             found = [self._pair(index)[1] for index in range(length)]
+        elif callable(transform := getattr(dataset, "target_transform", None)):  # the pairs' targets, as torchvision's
+            found = [transform(target) for target in found]
         self.targets = [_class_index(target, index) for index, target in enumerate(found)]
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
@@ -130,10 +132,15 @@ class DatasetImages(LabelledImages):
 
 
 def _class_index(target: Any, index: int) -> int:
-    """``target`` as a class index: an integer (Python, numpy, a one-integer tensor); anything else is one line."""
+    """``target`` as a class index: an integer (Python, numpy, a one-integer tensor, or a float of integer value, as
+    ``TensorDataset(x, y.float())`` gives); anything else is one line."""
     try:
+        if isinstance(target, float | np.floating) or (isinstance(target, Tensor) and target.is_floating_point()):
+            if not float(target).is_integer():
+                raise TypeError
+            return int(target)
         return operator.index(target)
-    except TypeError:
+    except (TypeError, ValueError, RuntimeError):
         raise ConfigurationError(
             f"DatasetSource: the target of sample {index} is {target!r}, not a class index; give integer class "
             f"indices ({UNLABELLED}: no class)"

@@ -144,14 +144,17 @@ class Targets(Labelled):
 def test_the_pairs_targets_count_and_a_target_that_is_no_class_index_is_one_line() -> None:
     """A ``target_transform`` changes the pairs' targets, not the ``targets`` attribute: the split, every drawer and
     kNN use the pairs' (before: the attribute's, so training, kNN and the class count disagreed). Integer targets of
-    any kind are class indices; fractions, strings, None and multi-hot tensors are one line (before: 0.5 became 0)."""
+    any kind (floats of integer value too) are class indices; fractions, strings, None and multi-hot tensors are one
+    line (before: 0.5 became 0)."""
     source = DatasetSource(Shifted([0, 1, 2]), Shifted([2, 1]), image_size=8)
     assert source.num_classes == 6 and source.split(True).targets == [3, 4, 5]
     assert [source.split(True)[index][1] for index in range(3)] == [3, 4, 5]
     assert [source.split(False)[index][1] for index in range(2)] == [5, 4]
-    integers = DatasetSource(Targets([0, np.int64(1), torch.tensor(2), np.array(1)]), image_size=8)
-    assert integers.split(True).targets == [0, 1, 2, 1]
-    for target in (0.5, 1.0, "cat", None, torch.tensor([0, 1])):
+    integers = DatasetSource(
+        Targets([0, np.int64(1), torch.tensor(2), np.array(1), 2.0, torch.tensor(1.0)]), image_size=8
+    )
+    assert integers.split(True).targets == [0, 1, 2, 1, 2, 1]
+    for target in (0.5, torch.tensor(1.5), float("nan"), "cat", None, torch.tensor([0, 1])):
         with pytest.raises(ConfigurationError, match="the target of sample 1 is .*, not a class index"):
             DatasetSource(Targets([0, target]), image_size=8)
 

@@ -29,10 +29,11 @@ def noted_checkpoint(folder: str | Path) -> Path | None:
         name = (Path(folder) / NEWEST_NOTE).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    path = Path(folder) / name
-    if not name or os.sep in name or name in (".", "..") or not path.is_file():
+    inside = Path(folder).resolve()
+    path = (inside / name).resolve()
+    if not name or inside not in path.parents or not path.is_file():  # a file of this folder (or below) only
         return None
-    return path
+    return Path(folder) / name
 
 
 class PreemptionCheckpoint(ModelCheckpoint):
@@ -143,4 +144,10 @@ class PreemptionCheckpoint(ModelCheckpoint):
         later saves have passed."""
         super()._save_checkpoint(trainer, filepath)
         if not self.save_last and trainer.is_global_zero and is_local(filepath):
-            write_text_atomically(Path(filepath).with_name(NEWEST_NOTE), f"{Path(filepath).name}\n")
+            folder = Path(self.dirpath) if self.dirpath is not None else Path(filepath).parent
+            name = os.path.relpath(filepath, folder)  # a filename with a sub-folder ("sub/{epoch}") keeps it
+            write_text_atomically(folder / NEWEST_NOTE, f"{name}\n")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._sigterm_deferred = False  # a stop an earlier fit of this object held back is not this fit's

@@ -274,6 +274,10 @@ def test_last_finds_a_noted_checkpoint_only_in_this_runs_preemption_folders(tmp_
     assert newest_last_checkpoint(trainer) == own / "last.ckpt"
     (preempted / NEWEST_NOTE).write_text("gone.ckpt\n")
     assert newest_last_checkpoint(trainer) == own / "last.ckpt"
+    (preempted / "sub").mkdir()  # a filename with a sub-folder ("sub/{epoch}"): noted from the callback's dirpath
+    (preempted / "sub" / "z.ckpt").write_bytes(b"")
+    (preempted / NEWEST_NOTE).write_text("sub/z.ckpt\n")
+    assert newest_last_checkpoint(trainer) == preempted / "sub" / "z.ckpt"
 
 
 def test_fit_from_a_weights_only_checkpoint_is_one_line_and_validate_takes_it(tmp_path, capsys):

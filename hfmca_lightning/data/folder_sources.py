@@ -84,13 +84,15 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _image_files(folder: Path, claimed: dict[tuple[int, int], str] | None = None) -> list[str]:
+def _image_files(
+    folder: Path, claimed: dict[tuple[int, int], str] | None = None, repeats: list[tuple[str, str]] | None = None
+) -> list[str]:
     """Image files under ``folder`` (recursive, links followed), none opened, in walk order: a folder's files by name,
     then its sub-folders by name. Each directory is entered once (by ``(st_dev, st_ino)``), none through a link to
     one holding ``folder`` (``up -> ..``: its siblings). A file with several names (hard links, links) is listed under
     its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``.
-    ``claimed``: the files of other classes (identity -> path); one of them found here is one line, and this folder's
-    are added to it."""
+    ``claimed``: the files of other classes (identity -> path); one of them found here is left out and added to
+    ``repeats`` as ``(path, claimed path)``, and this folder's files are added to ``claimed``."""
     try:
         top = os.stat(folder)
     except OSError:
@@ -124,10 +126,9 @@ def _image_files(folder: Path, claimed: dict[tuple[int, int], str] | None = None
                 if key in seen:
                     continue
                 if key is not None and claimed is not None and key in claimed:
-                    raise ConfigurationError(
-                        f"{entry.path} and {claimed[key]} are one image file (a link or a hard link) in two class "
-                        "folders, so it would be trained and scored under two classes: keep it in one"
-                    )
+                    if repeats is not None:
+                        repeats.append((entry.path, claimed[key]))
+                    continue
                 if key is not None:  # None: a broken link, listed, and named when it cannot be read
                     seen[key] = entry.path
                 found.append(entry.path)
@@ -141,7 +142,7 @@ class ImageFolderSource(ImageSource):
     """Any ``root/<split>/<class>/<image>`` tree (torchvision ``ImageFolder`` layout), ImageNet included; start-up only
     lists the files (100k in well under a second). Classes are the folder names, sorted, the same in both splits, none
     empty. Links are followed, each folder and image once, but not back up the tree (``self -> .``, ``up -> ..``);
-    an image in two class folders is refused.
+    an image in two class folders is kept in the first, with a warning.
 
     Args:
         root: folder with one sub-folder per split.
@@ -245,15 +246,28 @@ class ImageFolderSource(ImageSource):
                 f"only in {folder.name}: {extra[:5]}); kNN and probes need the same classes in every split"
             )
         samples: list[tuple[str, int]] = []
-        claimed: dict[tuple[int, int], str] = {}  # every class's files: a file of two classes is refused
+        claimed: dict[tuple[int, int], str] = {}  # every class's files: one of two classes is kept in the first
+        repeats: list[tuple[str, str]] = []
         for target, name in enumerate(self.classes):
-            files = _image_files(folder / name, claimed)
+            files = _image_files(folder / name, claimed, repeats)
+            if not files and repeats and Path(repeats[-1][0]).is_relative_to(folder / name):
+                raise ConfigurationError(
+                    f"{folder / name} holds only images of other class folders ({repeats[-1][0]} is "
+                    f"{repeats[-1][1]}: a link or a hard link); a class needs images of its own"
+                )
             if not files:
                 raise ConfigurationError(
                     f"{folder / name}: Found no valid file for the classes {name}. Add images to that class folder "
                     "or remove it."
                 )
             samples += [(path, target) for path in files]
+        if repeats:
+            warnings.warn(
+                f"{len(repeats)} image files under {folder} are in two class folders (e.g. {repeats[0][0]} is "
+                f"{repeats[0][1]}: a link or a hard link); each is kept in its first class only",
+                HFMCAWarning,
+                stacklevel=2,
+            )
         return FolderImages(samples, self.on_bad_image)
 
 

@@ -26,7 +26,7 @@ from hfmca_lightning.data import (
 )
 from hfmca_lightning.data.folder_sources import PIL_FORMATS
 from hfmca_lightning.data.sources import UNLABELLED
-from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from tests.helpers import fit, write_cifar, write_image_folder, write_stl10
 
 
@@ -274,23 +274,27 @@ def test_an_image_over_pils_size_limit_is_an_unreadable_image_named_or_skipped(t
             assert torch.equal(image, train[(index + 1) % len(train)][0])
 
 
-def test_an_image_in_two_class_folders_is_one_line(tmp_path):
-    """A class folder that is a link to another (or a file linked into two classes) would list its images under two
-    classes, contradicting "each image once": one line naming both paths."""
+def test_an_image_in_two_class_folders_is_kept_in_the_first_and_a_class_of_none_of_its_own_is_one_line(tmp_path):
+    """A file hard-linked into two class folders (deduplicating tools do that to ImageNet's cross-class duplicates)
+    would be trained and scored under two classes, contradicting "each image once": it is kept in the first class,
+    with a warning naming both paths. A class folder that is a link to another has no image of its own: one line."""
     write_image_folder(tmp_path, per_class=2, num_classes=2)
     (tmp_path / "train" / "class_2").symlink_to("class_0")
     (tmp_path / "test" / "class_2").symlink_to("class_0")
-    with pytest.raises(ConfigurationError, match=r"class_2/.*png and .*class_0/.*png are one image file .* two class"):
+    with pytest.raises(ConfigurationError, match=r"class_2 holds only images of other class folders \(.*class_2/"):
         ImageFolderSource(root=str(tmp_path)).split(train=True)
     for split in ("train", "test"):
         (tmp_path / split / "class_2").unlink()
         (tmp_path / split / "class_2").mkdir()
-    os.link(next((tmp_path / "train" / "class_0").glob("*.png")), tmp_path / "train" / "class_2" / "linked.png")
-    (tmp_path / "test" / "class_2" / "own.png").write_bytes(
-        next((tmp_path / "test" / "class_1").glob("*.png")).read_bytes()
-    )
-    with pytest.raises(ConfigurationError, match=r"class_2/linked\.png and .*class_0/.*png are one image file"):
-        ImageFolderSource(root=str(tmp_path)).split(train=True)
+        own = next((tmp_path / split / "class_1").glob("*.png")).read_bytes()
+        (tmp_path / split / "class_2" / "own.png").write_bytes(own)
+    first = next((tmp_path / "train" / "class_0").glob("*.png"))
+    os.link(first, tmp_path / "train" / "class_2" / "linked.png")
+    with pytest.warns(
+        HFMCAWarning, match=r"1 image files under .* two class folders \(e.g. .*linked\.png is .*class_0"
+    ):
+        train = ImageFolderSource(root=str(tmp_path)).split(train=True)
+    assert (str(first), 0) in train.samples and not [path for path, _ in train.samples if path.endswith("linked.png")]
 
 
 def test_an_image_file_is_read_only_as_an_image_format(tmp_path, monkeypatch):

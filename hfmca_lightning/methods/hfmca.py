@@ -349,8 +349,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     def _check_training_batches(self, datamodule: Any) -> None:
         """Training batches this module cannot take, refused before the first step: batches with crop grids
         (``(views, targets, grids)``, VICRegL's), and one sample per process where a BatchNorm layer normalises over
-        the samples alone and needs two: the external head's (its last maps are 1x1, one per image) and any
-        ``BatchNorm1d``; a backbone's ``BatchNorm2d`` also normalises over the map's positions."""
+        the samples alone and needs two: the external head's (its last maps are 1x1, one per image), and a backbone's
+        ``BatchNorm1d`` when the views go through it one at a time (``per_view``; ``concat`` gives it ``B * L`` rows,
+        as the projector has); a ``BatchNorm2d`` also normalises over the map's positions."""
         grids = getattr(getattr(datamodule, "views", None), "grids", 0)
         if grids:
             raise ConfigurationError(
@@ -363,7 +364,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             name
             for name, child in self.named_modules()
             if isinstance(child, _BatchNorm)
-            and (name.startswith("external_head.") or isinstance(child, nn.BatchNorm1d))
+            and (
+                name.startswith("external_head.")
+                or (
+                    self.views_through_backbone == "per_view"
+                    and name.startswith("backbone.")
+                    and child.__class__ is nn.BatchNorm1d
+                )
+            )
         ]
         in_head = [name for name in normalising if name.startswith("external_head.")]
         layer = in_head[-1] if in_head else next(iter(normalising), None)  # the head's last: on its 1x1 maps

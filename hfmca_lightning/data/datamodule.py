@@ -294,7 +294,7 @@ class MultiViewDataModule(LightningDataModule):
                 )
             else:
                 sampler.resume(position.epoch, position.samples_seen)
-        if self.trainer is not None:  # the epoch its loop runs: the one Lightning sets is ahead after some resumes
+        if isinstance(self.trainer, Trainer):  # the epoch its loop runs: the one it sets is ahead after some resumes
             trainer = self.trainer
             sampler.loop_epoch = lambda: trainer.current_epoch
         return self.training_loader(sampler, None if self.drawer.draws_on_device else self.batch_format)

@@ -15,6 +15,8 @@ from hfmca_lightning.errors import ConfigurationError
 __all__ = [
     "ArchitectureMismatch",
     "check_batch_format",
+    "check_batch_norm_batch_size",
+    "check_crop_grids",
     "check_feature_sizes",
     "check_image_size",
     "load_checked_state_dict",
@@ -85,6 +87,34 @@ def check_batch_format(module: object, datamodule: Any) -> None:
             "batch_format: stacked",
             parameter="batch_format",
         )
+
+
+def check_crop_grids(module: object, datamodule: Any, instead: str = "") -> None:
+    """Crop grids (``SimCLRViews(grids=g)``) make batches ``(views, targets, grids)``, which only VICRegL reads: a
+    module that takes ``(views, targets)`` refuses them before training instead of an unpacking error at the first
+    step; ``instead``: the other way out the message offers."""
+    grids = getattr(getattr(datamodule, "views", None), "grids", 0)
+    if grids:
+        raise ConfigurationError(
+            f"data.init_args.views draws crop grids (grids={grids}), which only VICRegL reads; "
+            f"{type(module).__name__} takes (views, targets) batches: remove grids from the views{instead}",
+            parameter="grids",
+        )
+
+
+def check_batch_norm_batch_size(module: nn.Module, datamodule: Any, layers: list[str]) -> None:
+    """Training batches of one sample per process refused before training where BatchNorm ``layers`` (module names,
+    the one to name first) normalise over the samples alone and need two (otherwise torch's "Expected more than 1
+    value per channel" at the first step). Under DDP ``batch_size`` is per process."""
+    batch_size = getattr(datamodule, "batch_size", None)
+    if not layers or not isinstance(batch_size, int) or batch_size >= 2:
+        return
+    raise ConfigurationError(
+        f"{type(module).__name__} trains on batches of {batch_size} sample per process, but its BatchNorm layer "
+        f"{layers[0]} normalises over the samples and needs at least 2 (under DDP the batch is per process): set "
+        "data.init_args.batch_size to 2 or more",
+        parameter="batch_size",
+    )
 
 
 def check_feature_sizes(backbone: nn.Module, projector: nn.Module | None, external_head: nn.Module | None) -> None:

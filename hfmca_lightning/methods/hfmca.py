@@ -23,6 +23,8 @@ from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_fil
 from hfmca_lightning.losses.statistics import CorrelationStatistics, StatisticsPrecision, group_statistics
 from hfmca_lightning.methods.compatibility import (
     check_batch_format,
+    check_batch_norm_batch_size,
+    check_crop_grids,
     check_feature_sizes,
     check_image_size,
     load_checked_state_dict,
@@ -352,36 +354,16 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         the samples alone and needs two: the external head's (its last maps are 1x1, one per image), and a backbone's
         ``BatchNorm1d`` when the views go through it one at a time (``per_view``; ``concat`` gives it ``B * L`` rows,
         as the projector has); a ``BatchNorm2d`` also normalises over the map's positions."""
-        grids = getattr(getattr(datamodule, "views", None), "grids", 0)
-        if grids:
-            raise ConfigurationError(
-                f"data.init_args.views draws crop grids (grids={grids}), which only VICRegL reads; HFMCAModule takes "
-                "(views, targets) batches: remove grids from the views",
-                parameter="grids",
-            )
-        batch_size = getattr(datamodule, "batch_size", None)
-        normalising = [
-            name
-            for name, child in self.named_modules()
-            if isinstance(child, _BatchNorm)
-            and (
-                name.startswith("external_head.")
-                or (
-                    self.views_through_backbone == "per_view"
-                    and name.startswith("backbone.")
-                    and child.__class__ is nn.BatchNorm1d
-                )
-            )
-        ]
-        in_head = [name for name in normalising if name.startswith("external_head.")]
-        layer = in_head[-1] if in_head else next(iter(normalising), None)  # the head's last: on its 1x1 maps
-        if isinstance(batch_size, int) and batch_size < 2 and layer is not None:
-            raise ConfigurationError(
-                f"HFMCAModule trains on batches of {batch_size} sample per process, but its BatchNorm layer {layer} "
-                "normalises over the samples and needs at least 2 (under DDP the batch is per process): set "
-                "data.init_args.batch_size to 2 or more",
-                parameter="batch_size",
-            )
+        check_crop_grids(self, datamodule)
+        modules = list(self.named_modules())
+        # the external head's last first (on its 1x1 maps), then a backbone's BatchNorm1d seeing one view at a time
+        head = [name for name, child in modules if name.startswith("external_head.") and isinstance(child, _BatchNorm)]
+        layers = head[::-1]
+        if self.views_through_backbone == "per_view":
+            layers += [
+                name for name, child in modules if name.startswith("backbone.") and type(child) is nn.BatchNorm1d
+            ]
+        check_batch_norm_batch_size(self, datamodule, layers)
 
     def forward(self, images: Tensor) -> Tensor:
         """Backbone features ``(N, D)`` of un-augmented images (what kNN evaluates)."""

@@ -15,7 +15,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.methods.compatibility import check_batch_format, check_image_size, load_checked_state_dict
+from hfmca_lightning.methods.compatibility import (
+    check_batch_format,
+    check_batch_norm_batch_size,
+    check_crop_grids,
+    check_image_size,
+    load_checked_state_dict,
+)
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.optim import LRSchedulerCallable, OptimizerCallable, configure_optimizers
 from hfmca_lightning.methods.update_guard import NonFiniteUpdateGuard
@@ -76,19 +82,20 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
                 "crops)"
             )
         if stage == "fit":
-            self._check_crop_grids(datamodule)
-            _check_batch_norm_batch_size(self, datamodule, self.backbone_names)
+            if not self.reads_crop_grids:
+                check_crop_grids(self, datamodule, instead=", or train VICRegL")
+            check_batch_norm_batch_size(self, datamodule, self._sample_normalising_layers())
 
-    def _check_crop_grids(self, datamodule: Any) -> None:
-        """Crop grids (``SimCLRViews(grids=g)``) make batches ``(views, targets, grids)``, which only VICRegL reads:
-        refused before training instead of an unpacking error at the first step."""
-        grids = getattr(getattr(datamodule, "views", None), "grids", 0)
-        if grids and not self.reads_crop_grids:
-            raise ConfigurationError(
-                f"data.init_args.views draws crop grids (grids={grids}), which only VICRegL reads; "
-                f"{type(self).__name__} takes (views, targets) batches: remove grids from the views, or train VICRegL",
-                parameter="grids",
-            )
+    def _sample_normalising_layers(self) -> list[str]:
+        """The BatchNorm layers that normalise over the samples alone: any in the heads (one vector per sample) and
+        any ``BatchNorm1d``. A backbone's ``BatchNorm2d`` (or its momentum copy's) also normalises over the map's
+        positions and trains on one sample (MoCo does)."""
+        return [
+            name
+            for name, child in self.named_modules()
+            if isinstance(child, _BatchNorm)
+            and (name.split(".")[0] not in self.backbone_names or isinstance(child, nn.BatchNorm1d))
+        ]
 
     def forward(self, images: Tensor) -> Tensor:
         return self.backbone(images)
@@ -149,35 +156,6 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._update_guard = NonFiniteUpdateGuard(type(self).__name__)  # a failure of this object's is gone
-
-
-def _check_batch_norm_batch_size(module: nn.Module, datamodule: Any, backbones: tuple[str, ...]) -> None:
-    """Training batches of one sample per process are refused before training where a BatchNorm layer normalises over
-    the samples alone: any in the heads (one vector per sample) and any ``BatchNorm1d`` (otherwise torch's "Expected
-    more than 1 value per channel" at the first step). A backbone's ``BatchNorm2d`` also normalises over the map's
-    positions and trains on one sample (MoCo does), so it is not counted. Under DDP ``batch_size`` is per process.
-
-    ``backbones``: the names of the module's backbone and its momentum copies."""
-    batch_size = getattr(datamodule, "batch_size", None)
-    if not isinstance(batch_size, int) or batch_size >= 2:
-        return
-    layer = next(
-        (
-            name
-            for name, child in module.named_modules()
-            if isinstance(child, _BatchNorm)
-            and (name.split(".")[0] not in backbones or isinstance(child, nn.BatchNorm1d))
-        ),
-        None,
-    )
-    if layer is None:
-        return
-    raise ConfigurationError(
-        f"{type(module).__name__} trains on batches of {batch_size} sample per process, but its BatchNorm layer "
-        f"{layer} normalises over the samples and needs at least 2 (under DDP the batch is per process): set "
-        "data.init_args.batch_size to 2 or more",
-        parameter="batch_size",
-    )
 
 
 def _check_settings(method: str, settings: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from hfmca_lightning.data import MultiViewDataModule, SimCLRViews, SyntheticShapes
@@ -36,6 +36,18 @@ SMALL_HEADS = {
 }
 
 
+def shapes_data(
+    views: int = 2, grids: int = 0, batch_size: int = 4, num_classes: int = 2, per_class: int = 8, image_size: int = 16
+) -> MultiViewDataModule:
+    """The tiny SyntheticShapes data of these tests: ``views`` SimCLR views per image, crop grids if ``grids``."""
+    return MultiViewDataModule(
+        SyntheticShapes(num_classes=num_classes, train_per_class=per_class, image_size=image_size),
+        views=SimCLRViews(count=views, grids=grids),
+        batch_size=batch_size,
+        num_workers=0,
+    )
+
+
 class Losses(Callback):
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -55,12 +67,7 @@ def test_baseline_trains_and_its_loss_decreases(method):
     )
     views = 4 if method is FastSiam else 2
     grids = 4 if method is VICRegL else 0  # SmallConvNet's 2 stages: 16 px -> a 4x4 local map
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=4, train_per_class=16, image_size=16),
-        views=SimCLRViews(count=views, grids=grids),
-        batch_size=16,
-        num_workers=0,
-    )
+    data = shapes_data(views=views, grids=grids, batch_size=16, num_classes=4, per_class=16)
     losses = Losses()
     quiet_trainer(
         max_epochs=4,
@@ -76,22 +83,18 @@ def test_baseline_trains_and_its_loss_decreases(method):
 
 def test_fastsiam_needs_several_views():
     module = FastSiam(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[FastSiam])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), views=SimCLRViews(count=2), batch_size=4, num_workers=0
-    )
+    data = shapes_data(image_size=32)
     with pytest.raises(ConfigurationError, match="FastSiam needs at least 3 views per image; the data gives 2"):
-        Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
+        quiet_trainer(max_epochs=1).fit(module, data)
 
 
 @pytest.mark.parametrize("method", [SimCLR, MoCo, BYOL, SimSiam, BarlowTwins, VICReg], ids=lambda m: m.__name__)
 def test_a_pair_baseline_given_more_views_than_it_compares_is_refused(method):
     """The pair losses read views 0 and 1: more views per image would be drawn and never used."""
     module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8), views=SimCLRViews(count=4), batch_size=4, num_workers=0
-    )
+    data = shapes_data(views=4, image_size=32)
     with pytest.raises(ConfigurationError, match=f"{method.__name__} compares 2 views per image, but the data gives 4"):
-        Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
+        quiet_trainer(max_epochs=1).fit(module, data)
 
 
 def test_fastsiam_target_is_the_mean_of_the_other_views():
@@ -111,12 +114,7 @@ def test_fastsiam_target_is_the_mean_of_the_other_views():
 def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_grids():
     torch.manual_seed(0)
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=2, grids=4),
-        batch_size=8,
-        num_workers=0,
-    )
+    data = shapes_data(grids=4, batch_size=8)
     views, targets, grids = next(iter(data.train_dataloader()))
     loss = module.training_step((views, targets, grids), 0)["loss"]
     features = []
@@ -133,28 +131,18 @@ def test_vicregl_loss_is_lightlys_on_the_views_global_and_local_projections_and_
 
 def test_vicregl_without_view_grids_fails_before_training():
     module = VICRegL(SmallConvNet(width=4, num_stages=2), **SMALL_HEADS[VICRegL])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=2),
-        batch_size=4,
-        num_workers=0,
-    )
+    data = shapes_data()
     with pytest.raises(
         ConfigurationError, match=r"hfmca_lightning\.data\.SimCLRViews, init_args: \{.*grids: G\}"
     ) as error:
-        Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module, data)
+        quiet_trainer(max_epochs=1).fit(module, data)
     assert error.value.parameter == "views"
     with pytest.raises(ConfigurationError, match="no residual blocks"):
         VICRegL(SmallConvNet(width=4, num_stages=2))
     too_many = VICRegL(SmallConvNet(width=4, num_stages=2), **{**SMALL_HEADS[VICRegL], "num_matches": (20, 4)})
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=2, grids=4),
-        batch_size=4,
-        num_workers=0,
-    )
+    data = shapes_data(grids=4)
     with pytest.raises(ConfigurationError, match="more matches than the 4x4 local map") as error:
-        Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(too_many, data)
+        quiet_trainer(max_epochs=1).fit(too_many, data)
     assert error.value.parameter == "num_matches"
 
 
@@ -191,13 +179,7 @@ def _moco_run(seed: int) -> tuple[MoCo, MultiViewDataModule]:
         lr_scheduler=partial(torch.optim.lr_scheduler.ConstantLR, factor=1.0, total_iters=0),
         **SMALL_HEADS[MoCo],
     )
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=4, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=2),
-        batch_size=8,
-        num_workers=0,
-        seed=0,
-    )
+    data = shapes_data(batch_size=8, num_classes=4)
     return module, data
 
 
@@ -259,12 +241,7 @@ def test_a_momentum_baseline_without_a_known_run_length_is_refused_before_traini
     """The momentum schedule runs over ``estimated_stepping_batches``: with ``max_epochs -1`` and only ``max_time``
     that is inf, which was an OverflowError at the first step."""
     module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=2),
-        batch_size=4,
-        num_workers=0,
-    )
+    data = shapes_data()
     trainer = quiet_trainer(max_epochs=-1, max_time="00:00:00:30", limit_val_batches=0)
     with pytest.raises(
         ConfigurationError,
@@ -279,12 +256,7 @@ def test_a_momentum_baseline_without_a_known_run_length_is_refused_before_traini
 def test_crop_grids_for_a_baseline_other_than_vicregl_are_refused_before_training(method):
     """Crop grids make batches (views, targets, grids): before, 'too many values to unpack' at the first step."""
     module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=4 if method is FastSiam else 2, grids=4),
-        batch_size=4,
-        num_workers=0,
-    )
+    data = shapes_data(views=4 if method is FastSiam else 2, grids=4)
     trainer = quiet_trainer(max_steps=1, limit_val_batches=0)
     with pytest.raises(
         ConfigurationError, match=f"only VICRegL reads; {method.__name__} takes .*remove grids from the views"
@@ -298,12 +270,7 @@ def test_one_sample_per_batch_is_refused_before_training_where_a_head_normalises
     """BatchNorm in the heads needs two samples: before, torch's 'Expected more than 1 value per channel' at the first
     step. MoCo's heads have none and its backbone's BatchNorm2d normalises over the map's positions: it trains."""
     module = method(SmallConvNet(width=8, num_stages=2), **SMALL_HEADS[method])
-    data = MultiViewDataModule(
-        SyntheticShapes(num_classes=2, train_per_class=8, image_size=16),
-        views=SimCLRViews(count=4 if method is FastSiam else 2, grids=4 if method is VICRegL else 0),
-        batch_size=1,
-        num_workers=0,
-    )
+    data = shapes_data(views=4 if method is FastSiam else 2, grids=4 if method is VICRegL else 0, batch_size=1)
     trainer = quiet_trainer(max_steps=2, limit_val_batches=0)
     if method is MoCo:
         trainer.fit(module, data)

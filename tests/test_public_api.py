@@ -66,8 +66,10 @@ def section(doc: str, title: str) -> str | None:
 
 
 def documented_arguments(doc: str) -> set[str]:
-    """The names of the entries ``name: ...`` or ``name (type): ...`` of a docstring's ``Args:`` section."""
-    return set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M))
+    """The names of the entries ``name: ...``, ``name (type): ...`` or ``name, other, ...: ...`` (settings shared with
+    another class, said once) of a docstring's ``Args:`` section."""
+    entries = re.findall(r"^ {4}(\w+(?:, \w+)*)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M)
+    return {name for entry in entries for name in entry.split(", ")}
 
 
 def named_parameters(function: object) -> list[str]:

@@ -45,7 +45,7 @@ from hfmca_lightning.cli.evaluate import frozen_linear_accuracy, split_features 
 from hfmca_lightning.cli.trainer_cli import HFMCACLI  # noqa: E402
 from hfmca_lightning.data.datamodule import BANK, QUERIES  # noqa: E402
 from hfmca_lightning.evaluation import knn_accuracy  # noqa: E402
-from hfmca_lightning.evaluation.features import batch_statistics_mode  # noqa: E402
+from hfmca_lightning.evaluation.batch_norm import batch_statistics_mode  # noqa: E402
 from hfmca_lightning.evaluation_data import view_batches  # noqa: E402
 
 METRICS = {"rankme": "RankMe", "effective_rank": "effective rank", "alpha_req": "alpha-ReQ", "lidar": "LiDAR"}

@@ -18,7 +18,7 @@ from hfmca_lightning.data.batch_formats import BatchFormat, first_views
 from hfmca_lightning.data.datamodule import QUERIES
 from hfmca_lightning.data.sources import UNLABELLED
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
-from hfmca_lightning.evaluation.features import evaluation_mode
+from hfmca_lightning.evaluation.batch_norm import evaluation_mode
 from hfmca_lightning.evaluation.linear import topk_accuracies
 
 __all__ = ["LinearProbe"]

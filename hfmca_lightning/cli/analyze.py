@@ -36,13 +36,12 @@ from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.verbosity import progress, stage
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation.features import batch_norm_age
+from hfmca_lightning.evaluation.batch_norm import BatchNormReference, batch_norm_age, recorded_batch_norm
 from hfmca_lightning.evaluation_data import denormalise, figure_images, view_batches
 from hfmca_lightning.losses.hfmca_cost import HFMCACost
 from hfmca_lightning.losses.statistics import CorrelationStatistics, group_statistics
 from hfmca_lightning.methods.hfmca import HFMCAModule
 from hfmca_lightning.methods.inspection import (
-    BatchNormReference,
     BatchNormStatistics,
     analysis_layers,
     analysis_mode,
@@ -52,7 +51,6 @@ from hfmca_lightning.methods.inspection import (
     layer_pairs,
     nontrivial_basis_maps,
     paper_order,
-    recorded_batch_norm,
 )
 from hfmca_lightning.methods.internal_costs import InternalCosts, internal_cost_name, log_names
 from hfmca_lightning.models.heads import GridExternalHead

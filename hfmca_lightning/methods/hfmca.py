@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation.features import frozen_batch_norm_statistics
+from hfmca_lightning.evaluation.batch_norm import frozen_batch_norm_statistics
 from hfmca_lightning.losses.cost_checks import CostChecks, CostFactorisationError, merge_checks
 from hfmca_lightning.losses.distributed import all_reduce_max, all_reduce_statistics_together
 from hfmca_lightning.losses.hfmca_cost import FilterUpdate, HFMCACost, apply_filter_updates, cost_values

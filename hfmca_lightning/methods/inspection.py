@@ -6,8 +6,8 @@ maths of :mod:`hfmca_lightning.analysis`; used by the callbacks and by ``hfmca a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import torch
@@ -16,14 +16,18 @@ from torch import Tensor, nn
 from hfmca_lightning.analysis.density_ratio import LayerPair, basis_function_maps, telescoping_response
 from hfmca_lightning.analysis.spectral import decompose
 from hfmca_lightning.errors import ConfigurationError
-from hfmca_lightning.evaluation.features import batch_statistics_mode, evaluation_mode
+from hfmca_lightning.evaluation.batch_norm import (
+    BatchNormReference,
+    batch_statistics_mode,
+    evaluation_mode,
+    reference_batch_norm_mode,
+)
 from hfmca_lightning.losses.statistics import CorrelationStatistics
 from hfmca_lightning.losses.window_geometry import WindowGeometry, input_geometry
 from hfmca_lightning.methods.hfmca import Collected, HFMCAModule
 
 __all__ = [
     "BatchNormStatistics",
-    "BatchNormReference",
     "analysis_mode",
     "collect_for_analysis",
     "collect_statistics",
@@ -35,7 +39,6 @@ __all__ = [
     "residual_blocks",
     "analysis_layers",
     "paper_order",
-    "recorded_batch_norm",
     "spectra",
 ]
 
@@ -68,70 +71,6 @@ def default_figure_layers(log_names: list[str]) -> list[str]:
 
 
 BatchNormStatistics = Literal["running", "batch"]
-
-
-BatchNormReference = dict[str, tuple[Tensor, Tensor]]
-"""Per BatchNorm layer (module name): the ``(C,)`` mean and biased variance of what it normalised in one batch
-(:func:`recorded_batch_norm`)."""
-
-
-def _batch_norms(module: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
-    return {name: m for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
-
-
-@contextmanager
-def recorded_batch_norm(module: nn.Module) -> Iterator[BatchNormReference]:
-    """While inside, every BatchNorm layer's inputs are recorded; on exit the yielded dict holds, per layer, the mean
-    and biased variance per channel of all it saw (float64): with ``batch_norm="batch"``, the statistics it
-    normalised the batch with (pooled over its calls where one batch takes several: views passed one by one,
-    backbone chunks)."""
-    sums: dict[str, list[Tensor]] = {}  # name -> [count, mean, sum of squared deviations] (Chan et al.'s merge)
-
-    def record(name: str, inputs: tuple[Tensor, ...]) -> None:
-        x = inputs[0].detach()
-        dims = [0, *range(2, x.dim())]
-        variance, mean = torch.var_mean(x.to(torch.float64), dim=dims, unbiased=False)
-        count = torch.tensor(float(x.numel() // x.shape[1]), dtype=torch.float64, device=x.device)
-        if name not in sums:
-            sums[name] = [count, mean, variance * count]
-            return
-        total, old_mean, squares = sums[name]
-        delta = mean - old_mean
-        merged = total + count
-        sums[name] = [
-            merged,
-            old_mean + delta * count / merged,
-            squares + variance * count + delta**2 * total * count / merged,
-        ]
-
-    reference: BatchNormReference = {}
-    with ExitStack() as stack:
-        for name, norm in _batch_norms(module).items():
-            handle = norm.register_forward_pre_hook(lambda _m, inputs, name=name: record(name, inputs))
-            stack.callback(handle.remove)
-        yield reference
-    reference.update({name: (mean, squares / count) for name, (count, mean, squares) in sums.items()})
-
-
-@contextmanager
-def reference_batch_norm_mode(module: nn.Module, reference: BatchNormReference) -> Iterator[None]:
-    """Eval mode in which every BatchNorm layer of ``reference`` normalises with its recorded statistics (in place of
-    its running ones, which are back on exit), the others with their running statistics: what a batch is normalised
-    with then depends on none of its images, as ``batch_norm="batch"`` with the reference's batch."""
-    norms = _batch_norms(module)
-    saved = {name: (norm.running_mean, norm.running_var) for name, norm in norms.items() if name in reference}
-    with evaluation_mode(module):
-        try:
-            for name in saved:
-                mean, variance = reference[name]
-                own: Tensor | None = norms[name].running_mean
-                own = own if own is not None else norms[name].weight
-                dtype = own.dtype if own is not None else torch.float32
-                norms[name].running_mean, norms[name].running_var = mean.to(dtype), variance.to(dtype)
-            yield
-        finally:
-            for name, (running_mean, running_var) in saved.items():
-                norms[name].running_mean, norms[name].running_var = running_mean, running_var
 
 
 def analysis_mode(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from hfmca_lightning.evaluation.batch_norm import recorded_batch_norm
 from hfmca_lightning.methods import HFMCAModule
-from hfmca_lightning.methods.inspection import collect_for_analysis, layer_pairs, recorded_batch_norm
+from hfmca_lightning.methods.inspection import collect_for_analysis, layer_pairs
 from hfmca_lightning.methods.internal_costs import InternalCosts
 from hfmca_lightning.models import SmallConvNet
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfmca_lightning.evaluation.features import batch_norm_age, batch_statistics_mode, evaluation_mode
+from hfmca_lightning.evaluation.batch_norm import batch_norm_age, batch_statistics_mode, evaluation_mode
 
 
 def test_batch_statistics_mode_normalises_by_the_batch_and_leaves_the_running_statistics():

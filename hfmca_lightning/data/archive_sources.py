@@ -40,16 +40,11 @@ class _ReleaseSource(ImageSource):
     def folder(self) -> Path:
         return self.root / self._spec.base_folder
 
-    def _files(self) -> list[tuple[str, str]]:
-        return [*self._spec.train_list, *self._spec.test_list]
-
-    def _missing(self) -> list[Path]:
-        return [self.folder / name for name, _ in self._files() if not (self.folder / name).is_file()]
-
     def prepare(self) -> None:
         if self._prepared:
             return
-        if self._missing() and self.download:
+        files = {self.folder / name: md5 for name, md5 in [*self._spec.train_list, *self._spec.test_list]}
+        if self.download and not all(path.is_file() for path in files):
             try:
                 download_and_extract_archive(
                     self._spec.url, str(self.root), filename=self._spec.filename, md5=self._spec.tgz_md5
@@ -59,21 +54,18 @@ class _ReleaseSource(ImageSource):
                     f"could not download {self._label} from {self._spec.url} into {self.root}: {error}. Without "
                     f"network access, copy the extracted '{self._spec.base_folder}' folder into {self.root}."
                 ) from error
-        missing = self._missing()
+        missing = [path for path in files if not path.is_file()]
         if missing:
             raise DataNotFoundError(
-                f"{self._label} not found: looked for {missing[0]} (and {len(missing) - 1} other files). "
-                f"Set `download: true` to fetch it (needs network), or set `root` to the folder that "
-                f"contains '{self._spec.base_folder}'."
+                f"{self._label} not found: looked for {missing[0]} (and {len(missing) - 1} other files). Set "
+                f"`download: true` to fetch it (needs network), or `root` to the folder holding '{self.folder.name}'."
             )
-        if self.verify:
-            for name, md5 in self._files():
-                if not check_integrity(str(self.folder / name), md5):
-                    raise ConfigurationError(
-                        f"{self.folder / name} does not have the md5 sum of the official {self._label} release "
-                        "(corrupt or partial download?). Delete it and download again; set `verify: false` only for "
-                        "data you generated yourself in this layout."
-                    )
+        for path, md5 in files.items():
+            if self.verify and not check_integrity(str(path), md5):
+                raise ConfigurationError(
+                    f"{path} does not have the md5 sum of the official {self._label} release (corrupt or partial "
+                    "download?): delete it and download again; `verify: false` only for data you wrote in this layout"
+                )
         self._prepared = True
 
 
@@ -126,15 +118,9 @@ class CIFAR(_ReleaseSource):
 # The only globals of a CIFAR batch (python format): numpy arrays (1.x: numpy.core, 2.x: numpy._core) pickled with
 # protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), Python 3 bytes with protocols 0-2 (_codecs.encode).
 CIFAR_PICKLE_GLOBALS = frozenset(
-    {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("_codecs", "encode"),
-    }
+    [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
+    + [(f"numpy.{core}.multiarray", "_reconstruct") for core in ("core", "_core")]
+    + [(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")]
 )
 
 
@@ -150,16 +136,14 @@ class _CIFARUnpickler(pickle.Unpickler):
 
 
 def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, list[int]]:
-    """The ``(N, 3, 32, 32)`` uint8 images and ``N`` labels of one CIFAR batch file (python format), read with
-    :class:`_CIFARUnpickler`; one clear error for anything else."""
+    """The ``(N, 3, 32, 32)`` uint8 images and ``N`` labels of a CIFAR batch file; one clear error for any other."""
     try:
         with open(path, "rb") as handle:
             entry = _CIFARUnpickler(handle, encoding="latin1").load()
     except _RefusedGlobal as error:
         raise ConfigurationError(
             f"{path} is not a CIFAR batch: its pickle refers to {error}, which CIFAR batches never do (a pickle can "
-            "run code, so it was not read). Replace it with the file of the official release, checked by `verify: "
-            "true`."
+            "run code, so it was not read); replace it with the official release's file, checked by `verify: true`"
         ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
         raise ConfigurationError(
@@ -200,8 +184,7 @@ class STL10(_ReleaseSource):
 
     Args:
         root: folder that holds (or will hold) ``stl10_binary``.
-        download: fetch and extract the archive if it is missing.
-        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
+        download, verify: as :class:`CIFAR`.
         train_on_labelled: add the 5k labelled training images to the training split (the usual protocol).
         image_size: side fed to the network (96: no resize).
     """

@@ -25,14 +25,12 @@ class DatasetSource(ImageSource):
     """Training (and optionally test) images from torch ``Dataset``\\ s of ``(image, target)`` pairs.
 
     Args:
-        train: the training split; its targets (integer class indices) are its ``targets`` attribute where it has
-            one of its length (through its ``target_transform``, as torchvision's data sets apply it), else read once
-            from its pairs.
+        train: the training split (targets: its ``targets`` attribute, through its ``target_transform``, where it has
+            one of its length, else read once from its pairs).
         test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
-        mean: per-channel normalisation mean (RGB, images in ``[0, 1]``).
-        std: per-channel normalisation standard deviation.
+        mean, std: per-channel normalisation mean and standard deviation (RGB, images in ``[0, 1]``).
         eval_resize: shorter side of evaluation images before the centre crop (``None``: ``image_size``).
 
     Raises:
@@ -154,17 +152,14 @@ def as_uint8_image(image: Any) -> Tensor:
     if isinstance(image, np.ndarray):
         image = torch.from_numpy(np.ascontiguousarray(image))
         image = image.permute(2, 0, 1) if image.dim() == 3 else image
+    what = "DatasetSource: an image"
     if not isinstance(image, Tensor):
-        raise ConfigurationError(
-            f"DatasetSource: an image is a {type(image).__name__}; give PIL images, arrays or tensors"
-        )
+        raise ConfigurationError(f"{what} is a {type(image).__name__}; give PIL images, arrays or tensors")
     image = image.unsqueeze(0) if image.dim() == 2 else image
     if image.dim() != 3 or image.shape[0] not in (1, 3):
-        raise ConfigurationError(
-            f"DatasetSource: an image has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)"
-        )
+        raise ConfigurationError(f"{what} has shape {tuple(image.shape)}; give (3, H, W), (1, H, W) or (H, W)")
     if image.is_floating_point():
-        image = unit_floats_to_uint8(image, "DatasetSource: an image")
+        image = unit_floats_to_uint8(image, what)
     elif image.dtype != torch.uint8:
-        raise ConfigurationError(f"DatasetSource: an image is {image.dtype}; give uint8 or floats in [0, 1]")
+        raise ConfigurationError(f"{what} is {image.dtype}; give uint8 or floats in [0, 1]")
     return image.expand(3, -1, -1).contiguous() if image.shape[0] == 1 else image

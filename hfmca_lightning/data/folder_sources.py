@@ -1,5 +1,4 @@
-"""Image files on disk, listed at start-up and decoded when read (:class:`FolderImages`): class trees
-(:class:`ImageFolderSource`) and trees of images without classes (:class:`UnlabelledFolderSource`)."""
+"""Image files on disk: :class:`ImageFolderSource` (class trees) and :class:`UnlabelledFolderSource` (no classes)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class FolderImages(LabelledImages):
-    """Image files ``samples [(path, target)]`` decoded when read: ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
-    An unreadable file: ``on_bad_image='error'`` raises a :class:`ConfigurationError` naming it; ``'skip'`` warns
-    (naming it and this process's skip count) and reads the next readable image instead (an epoch keeps its length)."""
+    """Image files ``samples [(path, target)]`` decoded when read; an unreadable one raises (``on_bad_image='error'``)
+    or is skipped with a warning for the next readable one (``'skip'``; an epoch keeps its length)."""
 
     def __init__(self, samples: list[tuple[str, int]], on_bad_image: Literal["error", "skip"] = "error") -> None:
         self.samples, self.on_bad_image, self.skipped = samples, on_bad_image, 0
@@ -50,8 +48,7 @@ class FolderImages(LabelledImages):
         )
 
 
-# What PIL may read an image file as: the formats of IMAGE_EXTENSIONS (its JPEG opener reads MPO too), never one that
-# hands the file to another program (EPS to Ghostscript) whatever its name says.
+# The formats PIL may read an image file as: those of IMAGE_EXTENSIONS, never one it hands to Ghostscript (EPS).
 PIL_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP", "GIF")
 
 
@@ -69,10 +66,7 @@ def read_image(path: str) -> Tensor:
 
 def _links_up(entry: os.DirEntry, folder: str) -> bool:
     """Whether ``entry`` is a link to the real path ``folder`` or a folder above it (``self -> .``, ``up -> ..``)."""
-    if not entry.is_symlink():
-        return False
-    target = os.path.realpath(entry.path)
-    return folder == target or folder.startswith(target.rstrip(os.sep) + os.sep)
+    return entry.is_symlink() and Path(folder).is_relative_to(os.path.realpath(entry.path))
 
 
 def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
@@ -84,15 +78,10 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _image_files(
-    folder: Path, claimed: dict[tuple[int, int], str] | None = None, repeats: list[tuple[str, str]] | None = None
-) -> list[str]:
-    """Image files under ``folder`` (recursive, links followed), none opened, in walk order: a folder's files by name,
-    then its sub-folders by name. Each directory is entered once (by ``(st_dev, st_ino)``), none through a link to
-    one holding ``folder`` (``up -> ..``: its siblings). A file with several names (hard links, links) is listed under
-    its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``.
-    ``claimed``: the files of other classes (identity -> path); one of them found here is left out and added to
-    ``repeats`` as ``(path, claimed path)``, and this folder's files are added to ``claimed``."""
+def _image_files(folder: Path, claimed: dict[tuple[int, int], str], repeats: list[tuple[str, str]]) -> list[str]:
+    """Image files under ``folder``, unopened, as :class:`ImageFolderSource` lists them: a folder's files by name, then
+    its sub-folders. ``claimed``: other classes' files by ``(st_dev, st_ino)``; one found here is left out and added
+    to ``repeats`` as ``(path, claimed path)``; this folder's files join ``claimed``."""
     try:
         top = os.stat(folder)
     except OSError:
@@ -123,18 +112,15 @@ def _image_files(
                 subdirectories.append((entry.path, key[0]))
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
                 key = _identity(entry) if entry.is_symlink() else (device, entry.inode())
-                if key in seen:
-                    continue
-                if key is not None and claimed is not None and key in claimed:
-                    if repeats is not None:
-                        repeats.append((entry.path, claimed[key]))
-                    continue
-                if key is not None:  # None: a broken link, listed, and named when it cannot be read
+                if key is None:  # a broken link: listed, and named when it cannot be read
+                    found.append(entry.path)
+                elif key in claimed:
+                    repeats.append((entry.path, claimed[key]))
+                elif key not in seen:
                     seen[key] = entry.path
-                found.append(entry.path)
+                    found.append(entry.path)
         pending.extend(reversed(subdirectories))
-    if claimed is not None:
-        claimed.update(seen)
+    claimed.update(seen)
     return found
 
 
@@ -152,8 +138,7 @@ class ImageFolderSource(ImageSource):
             are used (``configs/imagenet100_classes.txt``: ImageNet-100).
         image_size: side of the (square) images fed to the network.
         eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
-        mean: per-channel normalisation mean (default ImageNet's).
-        std: per-channel normalisation standard deviation (default ImageNet's).
+        mean, std: per-channel normalisation mean and standard deviation (default ImageNet's).
         on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
     """
 
@@ -199,8 +184,7 @@ class ImageFolderSource(ImageSource):
             classes = [name for line in text.splitlines() if (name := line.split("#", 1)[0].strip())]
             if not classes or len(set(classes)) != len(classes):
                 raise ConfigurationError(
-                    f"class_list {self.class_list} must list distinct class folder names, one per line",
-                    parameter="class_list",
+                    f"class_list {path} must list distinct class folder names, one per line", parameter="class_list"
                 )
             self.classes, self.num_classes = sorted(classes), len(classes)
         splits = [self.train_dir] + ([self.test_dir] if self.test_dir is not None else [])
@@ -276,11 +260,7 @@ class UnlabelledFolderSource(ImageSource):
 
     Args:
         root: folder searched recursively for image files.
-        image_size: as :class:`ImageFolderSource`.
-        eval_resize: as :class:`ImageFolderSource`.
-        mean: as :class:`ImageFolderSource`.
-        std: as :class:`ImageFolderSource`.
-        on_bad_image: as :class:`ImageFolderSource`.
+        image_size, eval_resize, mean, std, on_bad_image: as :class:`ImageFolderSource`.
         evaluation: a labelled source (e.g. an ``ImageFolderSource``) whose evaluation splits kNN and probes use,
             with the same ``image_size``, ``eval_resize``, ``mean`` and ``std``; ``null``: kNN skipped, with a warning.
     """
@@ -302,8 +282,7 @@ class UnlabelledFolderSource(ImageSource):
             if evaluation is not None and getattr(evaluation, name) != getattr(self, name):
                 raise ConfigurationError(
                     f"UnlabelledFolderSource: evaluation has {name} {getattr(evaluation, name)}, this source "
-                    f"{getattr(self, name)}; evaluation images are read as the training images are (with this "
-                    f"source's settings): give both the same {name}",
+                    f"{getattr(self, name)}; evaluation images are read as training images: give both the same {name}",
                     parameter="evaluation",
                 )
         self.evaluation, self.num_classes = evaluation, evaluation.num_classes if evaluation is not None else 0
@@ -324,7 +303,7 @@ class UnlabelledFolderSource(ImageSource):
             return splits[1]
         if self._images is None:
             self.prepare()
-            files = _image_files(self.root)
+            files = _image_files(self.root, {}, [])
             if not files:
                 raise ConfigurationError(
                     f"no image files under {self.root} (extensions: {', '.join(IMAGE_EXTENSIONS)})"

@@ -20,8 +20,7 @@ UNLABELLED = -1  # the target of an image without a class
 
 
 def channel_values(values: Sequence[float], name: str) -> tuple[float, float, float]:
-    """Per-channel normalisation statistics of images in [0, 1] (RGB) as a triple: a ``mean`` in [0, 1], a ``std`` in
-    (0, 1]; one clear error for anything else (0-255 statistics included)."""
+    """``values`` as an RGB triple: a ``mean`` in [0, 1] or a ``std`` in (0, 1] of images in [0, 1]; else one error."""
     if len(values) != 3 or not all(0 < value <= 1 or (name == "mean" and value == 0) for value in values):  # NaN too
         interval = "[0, 1]" if name == "mean" else "(0, 1]"
         raise ConfigurationError(
@@ -33,9 +32,8 @@ def channel_values(values: Sequence[float], name: str) -> tuple[float, float, fl
 
 
 def pil_rgb(image: Image.Image) -> Tensor:
-    """A PIL image as an RGB uint8 tensor ``(3, H, W)``, deeper greyscale scaled (PIL's conversion clips at 255): 16-bit
-    (modes ``I;16``, and ``I`` in 0..65535 as PIL reads 16-bit PGM) and floats in [0, 1] (mode ``F``,
-    :func:`unit_floats_to_uint8`); other values are refused."""
+    """A PIL image as an RGB uint8 tensor ``(3, H, W)``, deeper greyscale scaled, not clipped: 16-bit (modes ``I;16``,
+    ``I`` in 0..65535) to its high byte, floats (mode ``F``) by :func:`unit_floats_to_uint8`; other values refused."""
     if image.mode == "F":
         grey = unit_floats_to_uint8(torch.from_numpy(np.asarray(image, dtype=np.float64)), "a mode F image")
     elif image.mode.startswith("I"):
@@ -45,15 +43,14 @@ def pil_rgb(image: Image.Image) -> Tensor:
             raise ConfigurationError(
                 f"a mode {image.mode} image holds {low} to {high}; give integers of at most 16 bits"
             )
-        grey = torch.from_numpy((values >> 8).astype(np.uint8))  # the high byte
+        grey = torch.from_numpy((values >> 8).astype(np.uint8))
     else:
         return torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
     return grey.expand(3, -1, -1).contiguous()
 
 
 def unit_floats_to_uint8(values: Tensor, what: str) -> Tensor:
-    """Float image values in [0, 1] as uint8, rounded; values within 0.1 of [0, 1] (a bicubic resize overshoots by a
-    few percent) are clamped, anything else (NaN, normalised or 0-255 floats) is one error naming ``what``."""
+    """Floats in [0, 1] as uint8, rounded (within 0.1 of [0, 1]: clamped); other values: one error naming ``what``."""
     low, high = (float(value) for value in values.aminmax()) if values.numel() else (0.0, 0.0)
     if not -0.1 <= low <= high <= 1.1:  # NaN too
         raise ConfigurationError(
@@ -73,8 +70,7 @@ class LabelledImages(Dataset):
 
 
 class ArrayImages(LabelledImages):
-    """Images in memory: one ``(N, H, W, 3)`` uint8 array and ``N`` targets (``UNLABELLED``: no class);
-    ``dataset[i] -> (uint8 tensor (3, H, W), target)``.
+    """Images in memory: one ``(N, H, W, 3)`` uint8 array and ``N`` targets (``UNLABELLED``: no class).
 
     Raises:
         ValueError: when ``images`` is not an ``(N, H, W, 3)`` uint8 array or ``targets`` has not ``N`` entries.
@@ -119,8 +115,7 @@ class ImageSource(ABC):
     def _image_settings(
         self, image_size: int, eval_resize: int | None, mean: Sequence[float], std: Sequence[float]
     ) -> None:
-        """Check and keep the settings the views are read with: a side of at least 8 pixels, evaluation images
-        resized to at least that before the centre crop, and the normalisation statistics (:func:`channel_values`)."""
+        """Check and keep the settings views are read with (``mean``, ``std``: :func:`channel_values`)."""
         owner = type(self).__name__
         check_at_least(image_size, 8, "image_size", owner)
         if eval_resize is not None:

@@ -1,8 +1,7 @@
 """SimCLR views of whole batches on any device (:class:`BatchedViewAugmentation`; docs/conventions.md §5): the
-distributions of :func:`~hfmca_lightning.data.transforms.view_transform` in a fixed number of tensor operations (at
-CIFAR size per-sample augmentation costs dispatch, not arithmetic), each sample's parameters from its seed alone
-(:mod:`~hfmca_lightning.data.counter_random`), pixels in float32 (torchvision's uint8 blends truncate after every
-jitter step, about 1/255 darker per step)."""
+distributions of :func:`~hfmca_lightning.data.transforms.view_transform` in a fixed number of tensor operations, each
+sample's parameters from its seed alone (:mod:`~hfmca_lightning.data.counter_random`), pixels in float32
+(torchvision's uint8 blends truncate after every jitter step, about 1/255 darker per step)."""
 
 from __future__ import annotations
 
@@ -19,15 +18,11 @@ __all__ = ["BatchedViewAugmentation", "jitter_views", "sample_crop_boxes"]
 
 GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 CROP_TRIES = 10  # torchvision's RandomResizedCrop.get_params
+Interval = tuple[float, float]
 
 
 def sample_crop_boxes(
-    count: int,
-    height: int,
-    width: int,
-    scale: tuple[float, float],
-    ratio: tuple[float, float],
-    uniforms: CounterUniforms,
+    count: int, height: int, width: int, scale: Interval, ratio: Interval, uniforms: CounterUniforms
 ) -> Tensor:
     """``(count, 4)`` crops ``(top, left, height, width)`` (float64 holding integers) drawn from ``uniforms`` as
     torchvision's ``RandomResizedCrop.get_params``: the first of ten tries that fits, else its centre-crop fallback."""
@@ -102,52 +97,38 @@ def _gaussian_blur(views: Tensor, sigma: Tensor, kernel: int) -> Tensor:
 
 
 class BatchedViewAugmentation(nn.Module):
-    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image: the
-    distributions of :func:`~hfmca_lightning.data.transforms.view_transform` (tested against torchvision's samplers
-    and pixel statistics); view ``l`` of each image has kind ``l % spec.view_kinds`` (blur, solarisation).
-
-    ``select_rows``: the hue shift computed on the rows that need it only (a quarter of the arithmetic, but the row
-    indices are read on the host) or on all rows and selected; default: rows on CPUs (a host read is free there)."""
+    """``uint8 (B, C, H, W)`` on any device -> ``L`` normalised views ``(B, L, C, S, S)`` of ``spec`` per image, view
+    ``l`` of each image of kind ``l % spec.view_kinds`` (blur, solarisation), normalised with ``mean`` and ``std``."""
 
     mean: Tensor
     std: Tensor
     blur_p: Tensor
     solarize_p: Tensor
 
-    def __init__(
-        self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...], select_rows: bool | None = None
-    ) -> None:
+    def __init__(self, spec: ViewAugmentation, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         super().__init__()
-        self.spec, self.select_rows = spec, select_rows
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.spec = spec
         blur_p, solarize_p = zip(*(spec.kind(kind) for kind in range(spec.view_kinds)))
-        self.register_buffer("blur_p", torch.tensor(blur_p, dtype=torch.float32), persistent=False)
-        self.register_buffer("solarize_p", torch.tensor(solarize_p, dtype=torch.float32), persistent=False)
+        for name, values in (("mean", mean), ("std", std), ("blur_p", blur_p), ("solarize_p", solarize_p)):
+            shape = (1, -1, 1, 1) if name in ("mean", "std") else (-1,)
+            self.register_buffer(name, torch.tensor(values, dtype=torch.float32).view(shape), persistent=False)
         self._any_blur, self._any_solarize = any(blur_p), any(solarize_p)
 
     def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
         """``(B, L, C, S, S)`` views of ``images (B, C, H, W)`` uint8, image ``b``'s parameters from ``seeds[b]``
         (int64, on the images' device) alone, drawn from its counter-based numbers in a fixed order."""
         if images.dtype != torch.uint8 or images.dim() != 4:
-            raise ValueError(
-                f"batched augmentation expects uint8 (B, C, H, W) batches; got {images.dtype} {tuple(images.shape)}"
-            )
+            raise ValueError(f"need uint8 (B, C, H, W) images to augment; got {images.dtype} {tuple(images.shape)}")
         spec, (batch, channels, height, width), size = self.spec, images.shape, self.spec.image_size
         if seeds.shape != (batch,):
             raise ValueError(f"need one seed per image: {batch} images, seeds of shape {tuple(seeds.shape)}")
-        # the parameters of every view, from its sample's numbers in a fixed order of requests
         uniforms, count, device = CounterUniforms(seeds, num_views), batch * num_views, seeds.device
         boxes = sample_crop_boxes(count, height, width, spec.crop_scale, spec.crop_ratio, uniforms=uniforms)
         flip = uniforms.rand((count,)) < 0.5 if spec.horizontal_flip else seeds.new_zeros(count, dtype=torch.bool)
         brightness, contrast, saturation, hue = spec.jitter
         applied = uniforms.rand((count,)) < spec.jitter_p
-
-        def factor(strength: float) -> Tensor:
-            drawn = uniforms.uniform((count,), max(0.0, 1.0 - strength), 1.0 + strength)
-            return torch.where(applied, drawn, torch.ones_like(drawn)) if strength > 0 else torch.ones_like(drawn)
-
-        factors = torch.stack((factor(brightness), factor(contrast), factor(saturation)), dim=1)
+        drawn = [(uniforms.uniform((count,), max(0.0, 1 - s), 1 + s), s) for s in (brightness, contrast, saturation)]
+        factors = torch.stack([torch.where(applied & (s > 0), d, torch.ones_like(d)) for d, s in drawn], dim=1)
         hue_shift = uniforms.uniform((count,), -hue, hue) if hue > 0 else torch.zeros(count, device=device)
         hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
         order = uniforms.rand((count, 4)).argsort(dim=1, stable=True)  # ties: the same order on every device
@@ -156,12 +137,11 @@ class BatchedViewAugmentation(nn.Module):
         sigma = uniforms.uniform((count,), *BLUR_SIGMA)
         sigma = torch.where(uniforms.rand((count,)) < self.blur_p.to(device)[kind], sigma, torch.zeros_like(sigma))
         solarize = uniforms.rand((count,)) < self.solarize_p.to(device)[kind]
-        # each step once over all B * L views
         sources = images.float().div_(255.0).repeat_interleave(num_views, dim=0)
         grid = _crop_grid(boxes.to(images.device), flip.to(images.device), size, height, width)
         views = F.grid_sample(sources, grid, mode="bilinear", padding_mode="border", align_corners=False).clamp_(0, 1)
         if spec.jitter_p > 0 and any(spec.jitter) and channels == 3:
-            views = jitter_views(views, factors, hue_shift, order, self.select_rows)
+            views = jitter_views(views, factors, hue_shift, order)
         if spec.gray_p > 0 and channels == 3:
             views = torch.where(grey.view(-1, 1, 1, 1), _grey(views).expand_as(views), views)
         if self._any_blur:
@@ -176,15 +156,15 @@ def jitter_views(
 ) -> Tensor:
     """torchvision's colour jitter of float RGB views ``(N, 3, H, W)`` in [0, 1]: ``factors (N, 3)`` brightness,
     contrast, saturation (1: unchanged), ``hue_shift (N,)`` (0: unchanged), ``order (N, 4)`` a permutation of 0
-    brightness, 1 contrast, 2 saturation, 3 hue; ``select_rows`` as :class:`BatchedViewAugmentation`."""
+    brightness, 1 contrast, 2 saturation, 3 hue. ``select_rows``: the hue shift on the rows that need it only (a quarter
+    of the arithmetic, but the rows are read on the host) or on all rows, selected; default: rows on CPUs only."""
     select_rows = views.device.type == "cpu" if select_rows is None else select_rows
     count = views.shape[0]
     # per round and view: the blend factor (1 in the hue's round) and the reference's weights on the grey image
     # and on the mean grey: brightness (0, 0), contrast (0, 1), saturation (1, 0)
     with_hue = torch.cat((factors, torch.ones_like(factors[:, :1])), dim=1)  # (N, 4)
     blend = with_hue.gather(1, order).T.reshape(4, count, 1, 1, 1)
-    grey_weight = (order == 2).T.to(views.dtype).reshape(4, count, 1, 1, 1)
-    mean_weight = (order == 1).T.to(views.dtype).reshape(4, count, 1, 1, 1)
+    grey_weight, mean_weight = ((order == kind).T.to(views.dtype).reshape(4, count, 1, 1, 1) for kind in (2, 1))
     hue_round = ((order == 3) & (hue_shift != 0)[:, None]).T  # (4, N)
     for step in range(4):
         grey = _grey(views)

@@ -1,9 +1,6 @@
-"""Random numbers as a function of ``(sample seed, position)``: counter-based, batched, the same on every device.
-
-Seeding torch's generator per sample costs a synchronous reset and dozens of kernel launches per sample on a GPU; here
-a batch's uniforms come from one integer hash of ``(seed, position)``, so a sample's numbers do not depend on its batch,
-rank or device. The hash is Chris Wellons' ``lowbias32``, chained over the seed's two 32-bit halves, the stream and the
-position; 32-bit products are taken in int64 in two 16-bit halves, exact on any CPU or GPU."""
+"""Random numbers as a function of ``(sample seed, position)``: counter-based, batched, the same on every device (no
+per-sample generator resets on a GPU); a sample's numbers do not depend on its batch, rank or device. The hash is Chris
+Wellons' ``lowbias32``, chained over the seed's two 32-bit halves, the stream and the position."""
 
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ _STREAM = 0x9E3779B9  # the golden ratio's bits: keeps stream 0 from leaving the
 def hash32(x: Tensor) -> Tensor:
     """``lowbias32`` of int64 ``x`` in ``[0, 2**32)``: a bijection of 32-bit words with good avalanche."""
     for shift, multiplier in _ROUNDS:
-        x = x ^ (x >> shift)  # then x * multiplier mod 2**32 by its 16-bit halves, within int64
+        x = x ^ (x >> shift)  # then x * multiplier mod 2**32 by its 16-bit halves: exact in int64 on any device
         x = (x * (multiplier & 0xFFFF) + (((x * (multiplier >> 16)) & 0xFFFF) << 16)) & _MASK32
     return x ^ (x >> 16)
 
@@ -42,10 +39,9 @@ def counter_uniforms(seeds: Tensor, count: int, stream: int = 0) -> Tensor:
 
 
 class CounterUniforms:
-    """``per_view`` uniforms for each of ``L`` views of ``B`` samples (the draws of
-    :meth:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation.views_from_seeds`), made at once by
-    :func:`counter_uniforms`, handed out in order by :meth:`uniform` and :meth:`rand` as ``(B * L, ...)``: view ``l``
-    of sample ``b`` is row ``b * L + l``, its numbers a function of ``seeds[b]``, ``l`` and the order of requests."""
+    """``per_view`` uniforms for each of ``L`` views of ``B`` samples, made at once by :func:`counter_uniforms`, handed
+    out in order by :meth:`uniform` and :meth:`rand` as ``(B * L, ...)``: view ``l`` of sample ``b`` is row
+    ``b * L + l``, its numbers a function of ``seeds[b]``, ``l`` and the order of requests."""
 
     def __init__(self, seeds: Tensor, num_views: int, per_view: int = 40) -> None:
         self.rows, self.per_view = seeds.shape[0] * num_views, per_view

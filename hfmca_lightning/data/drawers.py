@@ -5,7 +5,7 @@ sample's views come from its seed alone: runs do not depend on the number of wor
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -23,6 +23,7 @@ from hfmca_lightning.errors import ConfigurationError, check_choice
 __all__ = ["BatchedDrawer", "ImageBatch", "TorchvisionDrawer", "ViewDrawer", "check_drawer"]
 
 OutputDtype = Literal["float32", "bfloat16"]
+DrawnOn = Literal["workers", "device"]
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,9 @@ class TorchvisionDrawer(ViewDrawer):
                 "transform must give every image the same number of views, of the same sizes",
                 parameter="views",
             )
-        return ViewBatch(
-            [torch.stack(group) for group in zip(*groups)],
-            torch.tensor(targets, dtype=torch.int64),
-            torch.tensor(indices, dtype=torch.int64),
-            [str(index) for index in indices],
-            None if grids[0] is None else torch.stack(grids),
-        )
+        stacked, names = [torch.stack(group) for group in zip(*groups)], [str(index) for index in indices]
+        labels, rows = torch.tensor(targets, dtype=torch.int64), torch.tensor(indices, dtype=torch.int64)
+        return ViewBatch(stacked, labels, rows, names, None if grids[0] is None else torch.stack(grids))
 
 
 @dataclass
@@ -119,8 +116,7 @@ class ImageBatch:
     names: list[str] = field(default_factory=list)
 
     def pin_memory(self) -> ImageBatch:
-        pinned = {name: getattr(self, name).pin_memory() for name in ("images", "targets", "indices", "seeds")}
-        return replace(self, **pinned)
+        return replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in fields(self) if f.name != "names"})
 
 
 class _ImagesToDraw(Dataset):
@@ -138,8 +134,8 @@ class _ImagesToDraw(Dataset):
 
 
 class SeededDrawer(ViewDrawer):
-    """Drawers by :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` (SimCLRViews without grids,
-    per-image seeds), in ``output_dtype``, channels-last if asked: what a bf16 channels-last backbone takes as is."""
+    """Drawers of :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`'s views, in ``output_dtype``,
+    channels-last if asked: what a bf16 channels-last backbone takes as is."""
 
     draws = (SimCLRViews,)
     records_grids = False
@@ -171,11 +167,10 @@ class SeededDrawer(ViewDrawer):
 
 
 class BatchedDrawer(SeededDrawer):
-    """A whole batch's views in a fixed number of tensor operations
-    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's from its own seed: in the CPU
-    workers' collate (``on: workers``; several times :class:`TorchvisionDrawer`'s views per core on CIFAR-sized images)
-    or on the device after the uint8 images' transfer (``on: device``; no host-device waits). Both draw the same views,
-    of the image resized and centre-cropped to the view size: :class:`~hfmca_lightning.data.SimCLRViews` without grids.
+    """:class:`~hfmca_lightning.data.SimCLRViews` without grids, a whole batch's views at once
+    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's from its own seed and resized
+    and centre-cropped to the view size: in the CPU workers' collate (several times :class:`TorchvisionDrawer`'s views
+    per core on CIFAR-sized images) or on the device after the uint8 images' transfer, the same views either way.
 
     Args:
         on: ``workers`` or ``device``.
@@ -188,10 +183,7 @@ class BatchedDrawer(SeededDrawer):
     """
 
     def __init__(
-        self,
-        on: Literal["workers", "device"] = "workers",
-        output_dtype: OutputDtype = "float32",
-        channels_last: bool = False,
+        self, on: DrawnOn = "workers", output_dtype: OutputDtype = "float32", channels_last: bool = False
     ) -> None:
         check_choice(on, ("workers", "device"), "on", "BatchedDrawer")
         super().__init__(output_dtype, channels_last)
@@ -201,11 +193,7 @@ class BatchedDrawer(SeededDrawer):
                 "workers' views travel as float32",
                 parameter="output_dtype" if output_dtype != "float32" else "channels_last",
             )
-        self.on = on
-
-    @property
-    def draws_on_device(self) -> bool:  # type: ignore[override]  # a property over ViewDrawer's class attribute
-        return self.on == "device"
+        self.on, self.draws_on_device = on, on == "device"
 
     def dataset(self, split: LabelledImages) -> Dataset:
         return _ImagesToDraw(split, self.setup.image_size)
@@ -214,7 +202,7 @@ class BatchedDrawer(SeededDrawer):
         images, *keys = zip(*samples)
         targets, indices, seeds = (torch.tensor(values, dtype=torch.int64) for values in keys)
         batch = ImageBatch(torch.stack(images), targets, indices, seeds, [str(index) for index in indices.tolist()])
-        return batch if self.on == "device" else self.draw(batch)
+        return batch if self.draws_on_device else self.draw(batch)
 
     def draw(self, batch: ImageBatch) -> ViewBatch:
         return ViewBatch([self._views(batch.images, batch.seeds)], batch.targets, batch.indices, batch.names)

@@ -91,23 +91,14 @@ class _Chunks(DistributedSampler):
         tables = [torch.tensor(chunk, dtype=torch.int64).view(-1, 2) for chunk in [*chunks, []]]  # none after the last
         pairs = [(table[:, 0].clone(), table[:, 1].clone()) for table in tables]  # (indices, seeds) per chunk
         first = next(_PASSES) * _CHUNKS_PER_PASS
-        for number, chunk in enumerate(chunks):
-            (indices, seeds), (next_indices, next_seeds) = pairs[number], pairs[number + 1]
+        for number, (chunk, (indices, seeds), following) in enumerate(zip(chunks, pairs, pairs[1:])):
             for position, start in enumerate(range(0, len(chunk), self.batch_size)):
                 names = [str(index) for index, _ in chunk[start : start + self.batch_size]]
-                yield ResidentBatch(
-                    first + number, position, self.batch_size, indices, seeds, next_indices, next_seeds, names
-                )
+                yield ResidentBatch(first + number, position, self.batch_size, indices, seeds, *following, names)
 
 
 class _Batches(Dataset):
     """The batches :class:`_Chunks` yields, as they are (auto-collation off: one item per batch)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
 
     def __getitem__(self, batch: ResidentBatch) -> ResidentBatch:
         return batch
@@ -121,11 +112,10 @@ class ResidentDrawer(SeededDrawer):
     Args:
         batches_per_call: draw this many consecutive batches' views per call (fewer, larger GPU launches; on CUDA the
             next chunk is drawn ahead on a side stream while this one trains); the views do not depend on it.
-        output_dtype: ``float32`` or ``bfloat16``.
-        channels_last: views laid out channels-last.
+        output_dtype, channels_last: as :class:`~hfmca_lightning.data.BatchedDrawer` on the device.
 
     Raises:
-        ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is neither of the above.
+        ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is not ``float32`` or ``bfloat16``.
     """
 
     draws_on_device = True
@@ -143,9 +133,7 @@ class ResidentDrawer(SeededDrawer):
         self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
-        # one side stream for all chunks drawn ahead: the caching allocator reuses a block only on the stream it was
-        # freed to, so a stream per chunk would never reuse the temporaries of the chunks before
-        self._side_stream: Any = None
+        self._side_stream: Any = None  # one for all chunks: the allocator reuses a block on the stream it was freed to
 
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
         """Store the split (once), on ``device`` where given: a split too large for it fails before training."""
@@ -157,7 +145,7 @@ class ResidentDrawer(SeededDrawer):
             self._drawn.clear()
 
     def dataset(self, split: LabelledImages) -> Dataset:
-        return _Batches(len(split))
+        return _Batches()
 
     def batching(self, sampler: SeededRandomSampler, batch_size: int) -> dict[str, Any]:
         """Whole batches from the dataset (auto-collation off), in chunks of ``batches_per_call``."""

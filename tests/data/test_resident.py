@@ -6,13 +6,21 @@ tests/data/test_drawers.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, replace
+from functools import partial
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 
-from hfmca_lightning.data import ImageFolderSource, MultiViewDataModule, ResidentDrawer, SimCLRViews, SyntheticShapes
+from hfmca_lightning.data import (
+    ImageFolderSource,
+    MultiViewDataModule,
+    ResidentDrawer,
+    SimCLRViews,
+    SyntheticShapes,
+    batched_augment,
+)
 from hfmca_lightning.data.datamodule import TrainingPosition
 from hfmca_lightning.data.resident import ResidentBatch, stored_on_device, stored_split
 from hfmca_lightning.data.transforms import resize_transform
@@ -65,7 +73,7 @@ def test_each_batch_carries_the_next_chunks_samples_to_draw_ahead():
     assert next(iter(module.train_dataloader())).chunk > batches[-1].chunk
 
 
-def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_constants():
+def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_constants(monkeypatch):
     """The training set kept on the device, the hue computed on all rows and selected (the default on GPUs): a batch's
     views come from tensors on the device alone: no host read, no tensor made from Python data."""
     module = data(
@@ -73,7 +81,7 @@ def test_drawing_on_the_device_reads_nothing_on_the_host_and_copies_no_python_co
         batch_size=6,
         views=SimCLRViews(count=4, blur=[1.0, 0.1], solarize=[0.0, 0.2]),
     )
-    module.drawer.augmentation.select_rows = False
+    monkeypatch.setattr(batched_augment, "jitter_views", partial(batched_augment.jitter_views, select_rows=False))
     batches = list(module.train_dataloader())
     drawn(module, batches[0])  # the first call places the images and the drawing's constants
     with HostReads() as reads, OperationCounts(torch.ops.aten.lift_fresh) as from_python:

@@ -1,5 +1,4 @@
-"""Data: image sources, view specs (what to draw), drawers (where to draw it) and the DataModule; internal pieces
-(datasets, batch formats, transforms) are imported from their modules."""
+"""Data: image sources, view specs (what to draw), drawers (where to draw it), the DataModule; internals: submodules."""
 
 from hfmca_lightning.data.archive_sources import CIFAR, STL10
 from hfmca_lightning.data.datamodule import MultiViewDataModule

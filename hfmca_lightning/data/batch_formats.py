@@ -85,10 +85,8 @@ def format_batch(
         return batch.indices, views_list, batch.targets
     if batch_format not in DICT_FORMATS:
         raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
-    per_view = [sample_dict(view, batch.targets, batch.indices) for view in views_list]
-    if batch.grids is not None:
-        for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
-            view["grid"] = grid
+    grids = [{}] * len(views_list) if batch.grids is None else [{"grid": grid} for grid in batch.grids.unbind(dim=1)]
+    per_view = [sample_dict(view, batch.targets, batch.indices) | grid for view, grid in zip(views_list, grids)]
     if batch_format == "dict_named":
         count = batch.groups[0].shape[1] if global_views is None else global_views
         names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views_list) - count)]
@@ -102,8 +100,7 @@ def sample_dict(images: Tensor, labels: Tensor, indices: Tensor) -> dict[str, Te
 
 
 def first_views(batch: Any, batch_format: BatchFormat = "stacked") -> tuple[Tensor, Tensor]:
-    """``(images (B, C, H, W), targets (B,))``: each sample's first view of a training batch in ``batch_format`` (for
-    callbacks that look at one view per image, such as the online linear probe)."""
+    """``(images (B, C, H, W), targets (B,))``: each sample's first view of a training batch in ``batch_format``."""
     if batch_format in DICT_FORMATS:
         views = batch.get("views")  # None: a single view
         first = batch if views is None else (next(iter(views.values())) if isinstance(views, dict) else views[0])

@@ -17,16 +17,15 @@ from torch.utils.data import DataLoader, Dataset
 from hfmca_lightning.data.batch_formats import BATCH_FORMATS, DICT_FORMATS, BatchFormat, format_batch
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
 from hfmca_lightning.data.drawers import DrawSetup, TorchvisionDrawer, ViewDrawer, check_drawer
-from hfmca_lightning.data.sources import UNLABELLED, ImageSource, LabelledImages
+from hfmca_lightning.data.sources import ImageSource, LabelledImages
 from hfmca_lightning.data.transforms import eval_transform
-from hfmca_lightning.data.view_specs import SameClassViews, SimCLRViews, TransformViews, ViewSpec
+from hfmca_lightning.data.view_specs import SimCLRViews, TransformViews, ViewSpec
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least, check_choice
 from hfmca_lightning.runtime.workers import cores_per_process, leave_signals_to_the_main_process, track
 
 __all__ = ["BANK", "EVALUATION_LOADERS", "QUERIES", "MultiViewDataModule", "TrainingPosition", "training_position"]
 
-# Evaluation loader indices: the kNN bank (train split, un-augmented) and the queries (test split).
-BANK, QUERIES = 0, 1
+BANK, QUERIES = 0, 1  # the evaluation loaders' indices: the kNN bank (train split) and the queries (test split)
 EvaluationLoaders = Literal["bank_and_queries", "queries"]
 EVALUATION_LOADERS: tuple[EvaluationLoaders, ...] = get_args(EvaluationLoaders)
 
@@ -42,18 +41,14 @@ class TrainingPosition:
 
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
-    """The position after the last finished training batch (where a checkpoint written now resumes), from the batches
-    the loop consumed (the loader runs ahead by its prefetch); a finished epoch is the next one's start. An epoch that
-    ``max_steps`` or ``max_time`` ended early keeps its position once its end hooks ran (``epoch_ended``): a run
-    resumed with ``max_steps`` finishes that epoch, one resumed without goes on at the next (Lightning's loop)."""
-    loop = trainer.fit_loop  # its trackers are _ProcessedTrackers at run time; the stubs give their base class
-    epochs: Any = loop.epoch_progress.current
+    """The position after the last batch the loop finished (the loader runs ahead by its prefetch), where a checkpoint
+    written now resumes; a finished epoch is the next one's start."""
+    epochs: Any = trainer.fit_loop.epoch_progress.current  # _ProcessedTrackers at run time; the stubs: their base
     epoch = max(epochs.started - 1, 0)  # the batches' epoch
-    batches = loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-    samples, total = batch_size * trainer.world_size, trainer.num_training_batches
-    if batches >= total:
+    batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+    if batches >= trainer.num_training_batches:
         return TrainingPosition(epoch + 1, 0)
-    return TrainingPosition(epoch, batches * samples, 0 < epochs.started <= epochs.processed)
+    return TrainingPosition(epoch, batches * batch_size * trainer.world_size, 0 < epochs.started <= epochs.processed)
 
 
 def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSpec, samples: list[Any]) -> Any:
@@ -63,12 +58,9 @@ def _collate(drawer: ViewDrawer, batch_format: BatchFormat | None, views: ViewSp
 
 
 class MultiViewDataModule(LightningDataModule):
-    """Multi-view batches for HFMCA and any other SSL method: ``views`` says what to draw, ``drawer`` where.
-
-    Training batches hold ``batch_size`` samples' views in ``batch_format``; the evaluation loaders ``BANK`` (0, train
-    split) and ``QUERIES`` (1, test split) give un-augmented ``(image, target)`` kNN batches (``{"image", "label",
-    "sample_idx"}`` in a dict format). Views come from the sampler's per-sample seeds, whatever the number of workers;
-    :meth:`state_dict` (in every checkpoint) records the position, so a resumed run matches an uninterrupted one.
+    """Multi-view batches for HFMCA and any other SSL method: ``views`` says what to draw, ``drawer`` where. Views come
+    from the sampler's per-sample seeds, whatever the number of workers; :meth:`state_dict` (in every checkpoint)
+    records the position, so a resumed run matches an uninterrupted one.
 
     Args:
         source: where the images come from (``CIFAR``, ``ImageFolderSource``, ``DatasetSource``, ...).
@@ -77,8 +69,8 @@ class MultiViewDataModule(LightningDataModule):
         drawer: where to draw them (:mod:`hfmca_lightning.data.drawers`; default ``TorchvisionDrawer()``).
         batch_format: ``stacked`` (this project's modules), ``lightly``, ``solo``, ``dict`` or ``dict_named``
             (stable-pretraining); layouts: :mod:`hfmca_lightning.data.batch_formats`.
-        evaluation_loaders: ``bank_and_queries`` (two loaders) or ``queries`` (the test split's alone, for modules
-            whose ``validation_step`` takes no loader index; kNN then reads its bank from :meth:`evaluation_loader`).
+        evaluation_loaders: ``bank_and_queries`` (``BANK`` 0 and ``QUERIES`` 1: :meth:`evaluation_loader`) or
+            ``queries`` (the test split's alone, for a ``validation_step`` without a loader index).
         batch_size: samples (source images) per training batch and process.
         eval_batch_size: images per evaluation batch.
         num_workers: data-loader worker processes, capped to the CPU cores this process may use.
@@ -118,10 +110,8 @@ class MultiViewDataModule(LightningDataModule):
             if isinstance(given, type):
                 what = given.__name__
                 raise ConfigurationError(f"{name} is the class {what}; give an instance: {what}(...)", parameter=name)
-        if views is None:
-            views = SimCLRViews()
-        elif not isinstance(views, ViewSpec):
-            views = TransformViews(views)
+        views = SimCLRViews() if views is None else views
+        views = views if isinstance(views, ViewSpec) else TransformViews(views)  # a callable image -> views
         if batch_format == "solo" and isinstance(views, SimCLRViews) and views.grids:
             raise ConfigurationError(
                 "batch_format solo, (indexes, views, targets), has no place for crop grids: use stacked, lightly or "
@@ -130,16 +120,14 @@ class MultiViewDataModule(LightningDataModule):
             )
         drawer = drawer if drawer is not None else TorchvisionDrawer()
         check_drawer(views, drawer)
-        self.source, self.views = source, views
+        self.source, self.views, self.batch_format = source, views, batch_format
         self.drawer = drawer.bind(DrawSetup(views, source.image_size, (source.mean, source.std)))  # this module's copy
-        self.batch_format, self.evaluation_loaders = batch_format, evaluation_loaders
-        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.evaluation_loaders, self.batch_size, self.eval_batch_size = evaluation_loaders, batch_size, eval_batch_size
         self.num_workers, self.persistent_workers, self.seed = num_workers, persistent_workers, seed
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
         self._evaluation: tuple[LabelledImages, LabelledImages] | None = None
         self._resume_position: TrainingPosition | None = None
-        self._counted_views: int | None = None  # a transform's, counted in setup
         self._capped_workers = False
 
     @property
@@ -149,7 +137,7 @@ class MultiViewDataModule(LightningDataModule):
     @property
     def num_views(self) -> int | None:
         """Views per sample (for a user transform: None until :meth:`setup` counts them)."""
-        return self.views.num_views if self.views.num_views is not None else self._counted_views
+        return self.views.num_views
 
     @property
     def single_view(self) -> bool:
@@ -177,20 +165,7 @@ class MultiViewDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._train_split is None:
             split = self.source.training_split()
-            if isinstance(self.views, SameClassViews) and UNLABELLED in set(split.targets):
-                raise ConfigurationError(
-                    "SameClassViews groups images by class, but the training images have no labels", parameter="views"
-                )
-            if isinstance(self.views, TransformViews):  # its count is known from its output only
-                shapes = self.views.view_shapes(split, self.seed)
-                self._counted_views, size = len(shapes), self.source.image_size
-                if max(shapes[0][1:]) > size:  # larger than the source's images: lightly's 224 px on CIFAR, say
-                    rank_zero_warn(
-                        f"the views transform makes {shapes[0][1]}x{shapes[0][2]} views of the source's {size}-px "
-                        f"images, which kNN, probes and analysis read at {size} px, normalised with the source's mean "
-                        f"and std; give the transform that size (lightly: input_size={size}) and normalisation",
-                        category=HFMCAWarning,
-                    )
+            self.views.check_split(split, self.source.image_size, self.seed)
             self._train_split, self._evaluation = split, self.source.evaluation_splits()
             if self._evaluation is None:
                 rank_zero_warn(
@@ -199,7 +174,6 @@ class MultiViewDataModule(LightningDataModule):
                     category=HFMCAWarning,
                 )
         self._check_loader_index(stage)
-        # errors (device memory for ResidentDrawer) before training starts
         self.drawer.prepare(self._train_split, self.trainer.strategy.root_device if self.trainer is not None else None)
         processes = self.trainer.world_size if self.trainer is not None else 1
         if len(self._train_split) // processes < self.batch_size:
@@ -213,19 +187,18 @@ class MultiViewDataModule(LightningDataModule):
     def _check_loader_index(self, stage: str | None) -> None:
         """Two evaluation loaders pass the step a loader index: a step without one fails here, not after an epoch."""
         trainer = self.trainer
-        names = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}
-        if trainer is None or self.evaluation_loaders != "bank_and_queries" or stage not in names:
+        step = {"fit": "validation_step", "validate": "validation_step", "test": "test_step"}.get(stage or "")
+        if trainer is None or step is None or self.evaluation_loaders != "bank_and_queries" or self._evaluation is None:
             return
         module = trainer.lightning_module
-        skipped = self._evaluation is None or (stage == "fit" and not trainer.limit_val_batches)
-        if skipped or not is_overridden(names[stage], module, LightningModule):
+        if (stage == "fit" and not trainer.limit_val_batches) or not is_overridden(step, module, LightningModule):
             return
-        parameters = inspect.signature(getattr(module, names[stage])).parameters.values()
+        parameters = inspect.signature(getattr(module, step)).parameters.values()
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in parameters):
             raise ConfigurationError(
-                f"{type(module).__name__}.{names[stage]} takes no loader index, but the data gives two evaluation "
-                "loaders (kNN bank and queries): set data evaluation_loaders: queries",
+                f"{type(module).__name__}.{step} takes no loader index, but the data gives two evaluation loaders "
+                "(kNN bank and queries): set data evaluation_loaders: queries",
                 parameter="evaluation_loaders",
             )
 
@@ -238,12 +211,11 @@ class MultiViewDataModule(LightningDataModule):
         workers = self.num_workers if workers is None else workers
         processes = max(1, self.trainer.num_devices) if self.trainer is not None else 1  # DDP: they share the cores
         cores = cores_per_process(processes)
-        if workers > cores:
-            if not self._capped_workers:
-                share = f"each of {processes} processes on this machine" if processes > 1 else "this process"
-                rank_zero_info(f"num_workers={workers}, but {share} may use {cores} CPU cores: {cores} workers")
-                self._capped_workers = True
-            workers = cores
+        if workers > cores and not self._capped_workers:
+            share = f"each of {processes} processes on this machine" if processes > 1 else "this process"
+            rank_zero_info(f"num_workers={workers}, but {share} may use {cores} CPU cores: {cores} workers")
+            self._capped_workers = True
+        workers = min(workers, cores)
         loader = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -268,34 +240,29 @@ class MultiViewDataModule(LightningDataModule):
         return self.loader(self.train_dataset(), batching.pop("batch_size"), workers, collate_fn=collate, **batching)
 
     def train_dataloader(self) -> DataLoader:
-        """Per-process batches of ``batch_size`` samples (under DDP the global batch is ``world_size * batch_size``),
-        in ``batch_format``; a device drawer's become views after the transfer (:meth:`on_after_batch_transfer`)."""
-        replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
-        sampler = SeededRandomSampler(len(self.training_split), self.seed, num_replicas=replicas, rank=rank)
-        if self._resume_position is not None:
-            position, self._resume_position = self._resume_position, None
-            if position.samples_seen > len(self.training_split):
-                raise ConfigurationError(
-                    f"the checkpoint resumes epoch {position.epoch} after {position.samples_seen} training images, but "
-                    f"the training split now has {len(self.training_split)}: resume with the data the run was trained "
-                    "on, or start a new run"
-                )
-            if position.epoch_ended and self.trainer is not None and self.trainer.max_steps == -1:
-                # Lightning goes on at the next epoch (with max_steps it finishes this one): decided here, before
-                # persistent workers draw their first keys
-                sampler.resume(position.epoch + 1, 0)
-                whole = len(self.training_split) // (self.batch_size * replicas) * self.batch_size * replicas
-                rank_zero_warn(
-                    f"the checkpoint's epoch {position.epoch} was ended early by max_steps or max_time, and Lightning "
-                    f"counts it finished: training goes on at epoch {position.epoch + 1}, and "
-                    f"{whole - position.samples_seen} training images of that epoch are not trained on (resumed with "
-                    "max_steps, the epoch is finished first; a SIGTERM stop resumes exactly)",
-                    category=HFMCAWarning,
-                )
-            else:
-                sampler.resume(position.epoch, position.samples_seen)
-        if isinstance(self.trainer, Trainer):  # the epoch its loop runs: the one it sets is ahead after some resumes
-            trainer = self.trainer
+        """Per-process batches of ``batch_size`` samples in ``batch_format`` (device drawers: after the transfer)."""
+        trainer, size = self.trainer, len(self.training_split)
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = SeededRandomSampler(size, self.seed, num_replicas=replicas, rank=rank)
+        position, self._resume_position = self._resume_position, None
+        if position is not None and position.samples_seen > size:
+            raise ConfigurationError(
+                f"the checkpoint resumes epoch {position.epoch} after {position.samples_seen} training images, but the "
+                f"training split now has {size}: resume with the data the run was trained on, or start a new run"
+            )
+        if position is not None and position.epoch_ended and trainer is not None and trainer.max_steps == -1:
+            # Lightning goes on at the next epoch (under max_steps it finishes this one): set before workers draw keys
+            sampler.resume(position.epoch + 1, 0)
+            untrained = size - size % (self.batch_size * replicas) - position.samples_seen
+            rank_zero_warn(
+                f"the checkpoint's epoch {position.epoch} was ended early by max_steps or max_time; Lightning counts it"
+                f" finished: training goes on at epoch {position.epoch + 1}, and {untrained} training images of that"
+                " epoch are not trained on (resume with max_steps to finish it first; a SIGTERM stop resumes exactly)",
+                category=HFMCAWarning,
+            )
+        elif position is not None:
+            sampler.resume(position.epoch, position.samples_seen)
+        if isinstance(trainer, Trainer):  # the epoch its loop runs: the one it sets is ahead after some resumes
             sampler.loop_epoch = lambda: trainer.current_epoch
         return self.training_loader(sampler, None if self.drawer.draws_on_device else self.batch_format)
 
@@ -309,11 +276,11 @@ class MultiViewDataModule(LightningDataModule):
             self._resume_position = TrainingPosition(**state_dict["position"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Device drawers: a transferred training batch (images, or indices and seeds) -> views in ``batch_format``."""
+        """Device drawers: a transferred training batch (images, or indices and seeds) -> views in ``batch_format``,
+        then the precision plugin's conversion (float64 under "64-true") that Lightning ran on the uint8/index batch."""
         if not self.drawer.draws_on_device or self.trainer is None or not self.trainer.training:
             return batch
         views = format_batch(self.drawer.draw(batch), self.batch_format, self.single_view, self.views.global_views)
-        # Lightning's precision conversion (float64 under "64-true") ran on the uint8/index batch: redo it on the views
         return self.trainer.precision_plugin.convert_input(views)
 
     def evaluation_loader(self, split: int, tuples: bool = False, **kwargs: Any) -> DataLoader:

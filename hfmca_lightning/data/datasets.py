@@ -29,8 +29,7 @@ class SeededRandomSampler(DistributedSampler):
     """Shuffles per epoch from ``(seed, epoch)``, yielding ``(index, sample_seed)`` keys (a ``DistributedSampler``: DDP
     leaves it in place). Rank ``r`` takes keys ``r, r + num_replicas, ...`` of one global order (an uneven tail is
     dropped), so consecutive per-rank batches of ``b`` hold exactly the samples and seeds of one single-process batch of
-    ``num_replicas * b``. After :meth:`resume` the next iteration starts mid-epoch; ``len()`` stays the full epoch's
-    (Lightning counts a resumed epoch's batches from where it stopped).
+    ``num_replicas * b``. After :meth:`resume` the next iteration starts mid-epoch; ``len()`` stays the full epoch's.
 
     Raises:
         ValueError: when ``num_samples`` is below ``num_replicas``.
@@ -59,19 +58,16 @@ class SeededRandomSampler(DistributedSampler):
         self.epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration shuffles for: Lightning sets it, or :attr:`loop_epoch` gives it (the epoch its
-        loop runs: after a resume that finishes an early-ended epoch, the value Lightning sets is one ahead). A resume
-        position of another epoch is dropped: the loop counts that epoch finished, and this one starts afresh."""
+        """The epoch the next iteration shuffles for: Lightning sets it, or :attr:`loop_epoch` gives it (after a resume
+        that finishes an early-ended epoch, Lightning's is one ahead). A resume position of another epoch is dropped."""
         epoch = self.loop_epoch() if self.loop_epoch is not None else epoch
         if self._resume_at is not None and self._resume_at[0] != epoch:
             self._resume_at = None
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[SampleKey]:  # (index, seed) keys, not indices
-        skip = 0
-        if self._resume_at is not None:
-            self.epoch, skip = self._resume_at
-            self._resume_at = None
+        self.epoch, skip = self._resume_at or (self.epoch, 0)
+        self._resume_at = None
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_samples_total, generator=generator).tolist()
         seeds = torch.randint(0, 2**62, (self.num_samples_total,), generator=generator).tolist()
@@ -113,11 +109,9 @@ class SeededViews(Dataset):
         grids = None
         if isinstance(views[0], tuple):
             grids, views = torch.stack([grid for _, grid in views]), [view for view, _ in views]
-        if self.group_sizes is None:
-            groups = [torch.stack(list(group)) for _, group in groupby(views, key=lambda view: view.shape)]
-        else:
-            ends = list(accumulate(self.group_sizes))
-            groups = [torch.stack(views[end - size : end]) for size, end in zip(self.group_sizes, ends)]
+        runs = groupby(views, key=lambda view: view.shape)
+        sizes = [len(list(run)) for _, run in runs] if self.group_sizes is None else self.group_sizes
+        groups = [torch.stack(views[end - size : end]) for size, end in zip(sizes, accumulate(sizes))]
         return groups, int(target), index, grids
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,20 +48,15 @@ PerChannel = tuple[float, ...]  # a mean or a standard deviation, one value per 
 
 @dataclass(frozen=True)
 class ViewAugmentation:
-    """The view distribution every drawer draws (:meth:`from_strengths`: from the Table 2 knobs); a view's kind sets its
-    blur and solarisation probabilities (:meth:`kind`; BYOL's two alternate). Blur sigma is in [0.1, 2]: PIL's filter
-    on the CPU (:class:`RandomGaussianBlur`, as lightly), a separable :attr:`blur_kernel` in whole batches (SimCLR's).
+    """The view distribution every drawer draws (:meth:`from_strengths`: from the Table 2 knobs).
 
     Args:
         image_size: side of the square views.
-        crop_scale: ``RandomResizedCrop`` scale range.
-        crop_ratio: ``RandomResizedCrop`` aspect-ratio range.
+        crop_scale, crop_ratio: ``RandomResizedCrop`` scale and aspect-ratio ranges.
         jitter: colour jitter ``(brightness, contrast, saturation, hue)``; all 0: no jitter.
-        jitter_p: probability of the colour jitter.
-        gray_p: probability of greyscale.
+        jitter_p, gray_p: probabilities of the colour jitter and of greyscale.
         horizontal_flip: random horizontal flips.
-        blur_p: probability of a Gaussian blur, per view kind.
-        solarize_p: probability of a solarisation, per view kind.
+        blur_p, solarize_p: probabilities of a Gaussian blur and of a solarisation, per view kind (:meth:`kind`).
     """
 
     image_size: int
@@ -99,14 +95,12 @@ class ViewAugmentation:
         blur: float | Sequence[float] = 0.0,
         solarize: float | Sequence[float] = 0.0,
     ) -> ViewAugmentation:
-        """The distribution of the Table 2 knobs (None: the SimCLR default); ``color_jitter``
-        ``(brightness, contrast, saturation, hue)`` replaces the colour knob's jitter; blur and solarisation
-        probabilities: one, or one per view kind.
+        """The distribution of the Table 2 knobs (module docstring); ``color_jitter`` ``(brightness, contrast,
+        saturation, hue)`` replaces the colour knob's jitter.
 
         Raises:
             ConfigurationError: for a strength or probability not in [0, 1], blur and solarisation lists of two
-                lengths, ``color_jitter`` together with ``color_strength``, or ``color_jitter`` not four finite values
-                ``>= 0`` with hue at most 0.5.
+                lengths, or a ``color_jitter`` out of range or set together with ``color_strength``.
         """
         strengths = {"crop_strength": crop_strength, "color_strength": color_strength, "gray_strength": gray_strength}
         for name, value in strengths.items():
@@ -115,32 +109,22 @@ class ViewAugmentation:
                 raise ConfigurationError(message, parameter=name)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if min(len(blur_p), len(solarize_p)) > 1 and len(blur_p) != len(solarize_p):
-            raise ConfigurationError(
-                f"blur gives {len(blur_p)} view kinds and solarize {len(solarize_p)}: give one probability per view "
-                "kind in both lists (the same length), or a single value",
-                parameter="solarize",
-            )
+            message = f"blur gives {len(blur_p)} view kinds and solarize {len(solarize_p)}: give lists of one length"
+            raise ConfigurationError(f"{message} (a probability per view kind), or single values", parameter="solarize")
         ratio = (1.0, 1.0) if crop_strength == 0 else (3 / 4, 4 / 3)
         scale = DEFAULT_CROP_SCALE if crop_strength is None else (1 - crop_strength * (1 - 1 / image_size**2), 1.0)
         color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength
         gray = DEFAULT_GRAY_STRENGTH if gray_strength is None else gray_strength
         jitter = (0.8 * color, 0.8 * color, 0.8 * color, 0.2 * color)
         if color_jitter is not None:
+            given = list(color_jitter)
             if color_strength is not None:
-                raise ConfigurationError(
-                    f"color_jitter {list(color_jitter)} replaces the jitter of color_strength ({color_strength}): "
-                    "set one of them",
-                    parameter="color_jitter",
-                )
-            if len(color_jitter) != 4 or not (
-                all(0 <= value < math.inf for value in color_jitter[:3]) and 0 <= color_jitter[3] <= 0.5
-            ):
-                raise ConfigurationError(
-                    "color_jitter is (brightness, contrast, saturation, hue), finite and >= 0, hue at most 0.5; got "
-                    f"{list(color_jitter)}",
-                    parameter="color_jitter",
-                )
-            brightness, contrast, saturation, hue = (float(value) for value in color_jitter)
+                message = f"color_jitter {given} replaces the jitter of color_strength ({color_strength})"
+                raise ConfigurationError(f"{message}: set one of them", parameter="color_jitter")
+            if len(given) != 4 or not (all(0 <= value < math.inf for value in given[:3]) and 0 <= given[3] <= 0.5):
+                wanted = "(brightness, contrast, saturation, hue), finite and >= 0, hue at most 0.5"
+                raise ConfigurationError(f"color_jitter is {wanted}; got {given}", parameter="color_jitter")
+            brightness, contrast, saturation, hue = map(float, given)
             jitter = (brightness, contrast, saturation, hue)
         jitter_p = 0.8 if any(jitter) else 0.0
         return cls(image_size, scale, ratio, jitter, jitter_p, gray, horizontal_flip, blur_p, solarize_p)
@@ -155,9 +139,8 @@ def _probabilities(name: str, value: float | Sequence[float]) -> tuple[float, ..
 
 
 def view_transform(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int = 0) -> v2.Compose:
-    """uint8 / PIL image -> normalised float view ``(3, S, S)`` of ``spec``, blur and solarisation of view ``view``'s
-    kind: crop, flip, colour jitter, greyscale, blur, solarisation, normalisation (lightly's SimCLR / BYOL order;
-    :class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation` draws the same for whole batches)."""
+    """uint8 / PIL image -> normalised float view ``(3, S, S)`` of ``spec`` with view ``view``'s kind: crop, flip,
+    colour jitter, greyscale, blur, solarisation, normalisation (lightly's SimCLR / BYOL order)."""
     crop = v2.RandomResizedCrop(spec.image_size, scale=spec.crop_scale, ratio=spec.crop_ratio, antialias=True)
     flip = [v2.RandomHorizontalFlip()] if spec.horizontal_flip else []
     return v2.Compose([v2.ToImage(), crop, *flip, *appearance_steps(spec, mean, std, view)])
@@ -179,11 +162,10 @@ def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, 
 
 
 class ViewWithGrid(nn.Module):
-    """image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)`` source pixel of the centre of cell
-    ``(i, j)`` (row, column) of a ``g x g`` grid over the view, after its flip: lightly's location-recording crop and
-    flip (VICRegL's) with ``spec``'s settings, then :func:`appearance_steps`. Cell centres are
-    ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's ``RandomResizedCropAndFlip`` (not used) spaces
-    them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell), putting the last outside the crop."""
+    """image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)`` source pixel of the centre
+    ``left + (j + 1/2) w / g`` (VICRegL authors' code) of cell ``(i, j)`` (row, column) of a ``g x g`` grid over the
+    view, after its flip: lightly's location-recording crop and flip with ``spec``'s settings, then
+    :func:`appearance_steps`."""
 
     def __init__(self, spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int, grid_size: int) -> None:
         super().__init__()
@@ -210,9 +192,8 @@ class ViewWithGrid(nn.Module):
 
 
 class RandomGaussianBlur(nn.Module):
-    """With probability ``p``, PIL's Gaussian blur of radius (sigma) uniform in ``sigma``, as lightly's (PIL's separable
-    filter is much faster than torchvision's 23 x 23 kernel at 224 px: docs/benchmarks/cpu.md). Draws from torch's
-    generator, so views stay a function of their sample seed."""
+    """With probability ``p``, PIL's Gaussian blur of radius (sigma) uniform in ``sigma``, as lightly's; draws from
+    torch's generator, so views stay a function of their sample seed."""
 
     def __init__(self, p: float = 0.5, sigma: tuple[float, float] = BLUR_SIGMA) -> None:
         super().__init__()
@@ -232,9 +213,8 @@ class RandomGaussianBlur(nn.Module):
 
 def view_transforms(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, grid_size: int = 0) -> list[nn.Module]:
     """A :func:`view_transform` per view kind (view ``l``: ``l % len``); ``grid_size > 0``: :class:`ViewWithGrid`."""
-    if grid_size > 0:
-        return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
-    return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
+    make = partial(ViewWithGrid, grid_size=grid_size) if grid_size > 0 else view_transform
+    return [make(spec, mean, std, kind) for kind in range(spec.view_kinds)]
 
 
 def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: int | None = None) -> v2.Compose:
@@ -246,9 +226,7 @@ def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: i
 
 def finetune_transform(image_size: int, mean: PerChannel, std: PerChannel) -> v2.Compose:
     """Fine-tuning augmentation (standard): ``RandomResizedCrop(image_size, scale=(0.08, 1))``, flip, normalise."""
-    crop = v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True)
-    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip()]
-    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    return view_transform(ViewAugmentation.from_strengths(image_size, color_strength=0, gray_strength=0), mean, std)
 
 
 def resize_transform(image_size: int) -> v2.Compose:

@@ -9,14 +9,15 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms.functional import to_pil_image
 
 from hfmca_lightning.data.datasets import DrawnViews, SeededViews, cycled_views, same_class_views, seeded_generators
-from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.data.sources import UNLABELLED, LabelledImages
 from hfmca_lightning.data.transforms import PerChannel, ViewAugmentation, view_transform, view_transforms
-from hfmca_lightning.errors import ConfigurationError, check_at_least
+from hfmca_lightning.errors import ConfigurationError, HFMCAWarning, check_at_least
 
 __all__ = ["MultiCrop", "SameClassViews", "SimCLRViews", "SingleView", "TransformViews", "ViewSpec"]
 
@@ -38,6 +39,10 @@ class ViewSpec:
         """How many leading views are global crops: all but :class:`MultiCrop`'s local ones; None: the first size's."""
         return self.num_views
 
+    def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
+        """Before training (the data module's ``setup``): refuse a training ``split`` of ``image_size``-px images that
+        these views cannot be drawn from; learn what only the data tells."""
+
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         """``(index, seed) -> (groups [(n_g, C, H_g, W_g)], target, index, grids or None)`` for the training
         ``split``, at the source's ``image_size`` (unless the spec sets its own) and ``(mean, std)``."""
@@ -45,13 +50,13 @@ class ViewSpec:
 
 
 class _Augmented(ViewSpec):
-    """Views of the SimCLR view distribution, from the appearance settings of :class:`SimCLRViews`."""
+    """``count`` views of the SimCLR view distribution, from the appearance settings of :class:`SimCLRViews`."""
 
-    count: int  # views per sample (MultiCrop counts its crops instead)
     grids = 0  # g > 0: each view with the source positions of a g x g grid over it (SimCLRViews only)
 
     def __init__(
         self,
+        count: int = 2,
         crop_strength: float | None = None,
         color_strength: float | None = None,
         gray_strength: float | None = None,
@@ -60,17 +65,17 @@ class _Augmented(ViewSpec):
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
     ) -> None:
+        check_at_least(count, 1, "count", type(self).__name__)
+        check_at_least(self.grids, 0, "grids", type(self).__name__)
         self.crop_strength, self.color_strength, self.gray_strength = crop_strength, color_strength, gray_strength
-        self.color_jitter, self.horizontal_flip = color_jitter, horizontal_flip
+        self.count, self.color_jitter, self.horizontal_flip = count, color_jitter, horizontal_flip
         self.blur, self.solarize = blur, solarize
         self.augmentation(32)  # every value checked now, in one line
         for name, value in (("blur", blur), ("solarize", solarize)):
-            if isinstance(value, (list, tuple)) and len(value) > self.num_views:
-                raise ConfigurationError(
-                    f"{type(self).__name__}: {name} gives {len(value)} view kinds for {self.num_views} view(s) per "
-                    f"image; the last {len(value) - self.num_views} would never be drawn",
-                    parameter=name,
-                )
+            if isinstance(value, (list, tuple)) and len(value) > count:
+                extra = len(value) - count
+                message = f"{name} gives {len(value)} view kinds for {count} view(s) per image; the last {extra}"
+                raise ConfigurationError(f"{type(self).__name__}: {message} would never be drawn", parameter=name)
 
     @property
     def num_views(self) -> int:
@@ -91,9 +96,8 @@ class SimCLRViews(_Augmented):
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
-        crop_strength: crop knob in [0, 1] (0: no distortion, 1: the paper's extreme; None: SimCLR's CIFAR default).
-        color_strength: colour-jitter knob, as ``crop_strength``.
-        gray_strength: greyscale knob, as ``crop_strength``.
+        crop_strength, color_strength, gray_strength: crop, colour-jitter and greyscale knobs in [0, 1] (0: no
+            distortion, 1: the paper's extreme; None: SimCLR's CIFAR default).
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
         horizontal_flip: random horizontal flips.
         blur: Gaussian blur probability; a list: one per view kind, cycled over the views (BYOL: ``[1.0, 0.1]``).
@@ -116,47 +120,23 @@ class SimCLRViews(_Augmented):
         solarize: float | list[float] = 0.0,
         grids: int = 0,
     ) -> None:
-        check_at_least(count, 1, "count", "SimCLRViews")
-        check_at_least(grids, 0, "grids", "SimCLRViews")
-        self.count, self.grids = count, grids
-        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+        self.grids = grids  # checked by the base, after count
+        appearance = crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize
+        super().__init__(count, *appearance)
 
 
 class SingleView(_Augmented):
     """One SimCLR view per image, batched ``(images (B, C, H, W), targets)``: internal costs alone, supervised training.
 
     Args:
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
+        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
+            :class:`SimCLRViews`.
     """
 
     single_view = True
-    count = 1
-
-
-class SameClassViews(_Augmented):
-    """``count`` different images of one class per sample, each a SimCLR view (supervised scenario; all strengths 0:
-    plain images). The training images need labels, at least ``count`` per class.
-
-    Args:
-        count: images per group.
-        crop_strength: as :class:`SimCLRViews`.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
-    """
 
     def __init__(
         self,
-        count: int = 2,
         crop_strength: float | None = None,
         color_strength: float | None = None,
         gray_strength: float | None = None,
@@ -165,29 +145,46 @@ class SameClassViews(_Augmented):
         blur: float | list[float] = 0.0,
         solarize: float | list[float] = 0.0,
     ) -> None:
-        check_at_least(count, 1, "count", "SameClassViews")
-        self.count = count
-        super().__init__(crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
+        super().__init__(1, crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
 
-    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
+
+class SameClassViews(_Augmented):
+    """``count`` different images of one class per sample, each a SimCLR view (supervised scenario; all strengths 0:
+    plain images). The training images need labels, at least ``count`` per class.
+
+    Args:
+        count: images per group.
+        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
+            :class:`SimCLRViews`.
+    """
+
+    def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
+        self._indices_by_class(split)
+
+    def _indices_by_class(self, split: LabelledImages) -> dict[int, Tensor]:
+        """The indices of each class's images: every image labelled, at least ``count`` in each class."""
         targets = torch.as_tensor(split.targets)
+        if (targets == UNLABELLED).any():
+            message = "SameClassViews groups images by class, but the training images have no labels"
+            raise ConfigurationError(message, parameter="views")
         by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
         smallest = min(by_class, key=lambda target: len(by_class[target]))
         if len(by_class[smallest]) < self.count:
-            raise ConfigurationError(
-                f"SameClassViews needs at least count={self.count} images per class, but class {smallest} has "
-                f"{len(by_class[smallest])}; lower the count or use SimCLRViews",
-                parameter="views",
-            )
+            have = f"class {smallest} has {len(by_class[smallest])}"
+            message = f"SameClassViews needs at least count={self.count} images per class, but {have}"
+            raise ConfigurationError(f"{message}; lower the count or use SimCLRViews", parameter="views")
+        return by_class
+
+    def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         kinds = view_transforms(self.augmentation(image_size), *normalisation)
         transforms = [kinds[member % len(kinds)] for member in range(self.count)]
-        return SeededViews(split, partial(same_class_views, transforms, by_class))
+        return SeededViews(split, partial(same_class_views, transforms, self._indices_by_class(split)))
 
 
 class MultiCrop(_Augmented):
     """Global then local crops of one image (DINO, SwAV, iBOT, MSN; defaults theirs, scaled to CIFAR-like data), each a
-    SimCLR view at its group's size and crop scale, with :class:`SimCLRViews`' settings but ``count``, ``crop_strength``
-    and ``grids``. Stacked batches hold one ``(B, n_g, C, S_g, S_g)`` per group; list formats give the crops in order.
+    SimCLR view at its group's size and crop scale. Stacked batches hold one ``(B, n_g, C, S_g, S_g)`` per group; list
+    formats give the crops in order.
 
     Args:
         global_crops: crops in the global group.
@@ -196,12 +193,7 @@ class MultiCrop(_Augmented):
         local_size: side of the local crops (default: half the source's image size).
         global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
         local_scale: the same for a local crop.
-        color_strength: as :class:`SimCLRViews`.
-        gray_strength: as :class:`SimCLRViews`.
-        color_jitter: as :class:`SimCLRViews`.
-        horizontal_flip: as :class:`SimCLRViews`.
-        blur: as :class:`SimCLRViews`.
-        solarize: as :class:`SimCLRViews`.
+        color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: for a negative count, no crop, a size below 1, a scale not
@@ -235,22 +227,16 @@ class MultiCrop(_Augmented):
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
         for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
-                raise ConfigurationError(
-                    f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
-                    f"got {scale!r}",
-                    parameter=name,
-                )
+                message = f"MultiCrop: {name} is (smallest, largest) image fraction, 0 < smallest <= largest <= 1"
+                raise ConfigurationError(f"{message}; got {scale!r}", parameter=name)
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 check_at_least(size, 1, name, "MultiCrop")
         self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
-        super().__init__(None, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize)
-
-    @property
-    def num_views(self) -> int:
-        return self.global_crops + self.local_crops
+        appearance = color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize
+        super().__init__(global_crops + local_crops, None, *appearance)
 
     @property
     def global_views(self) -> int:
@@ -273,10 +259,9 @@ class MultiCrop(_Augmented):
 
 
 class TransformViews(ViewSpec):
-    """Any callable PIL image -> list of ``(C, H, W)`` views (lightly's ``SimCLRTransform``, ``DINOTransform``, a
-    user's; a callable given as the data module's ``views`` is wrapped in this), run under torch's, Python's and numpy's
-    generators seeded from the sample's seed (exact on resume, whatever the workers). Consecutive views of equal shape
-    form a group (DINO's global, then local crops); their number is counted on the first sample.
+    """Any callable PIL image -> list of ``(C, H, W)`` views (lightly's ``SimCLRTransform``, a user's; the data module
+    wraps a callable ``views`` in this), under torch's, Python's and numpy's generators seeded from the sample's seed.
+    Consecutive views of equal shape form a group (DINO's global, then local crops), counted on the first sample.
 
     Args:
         transform: image -> list of ``(C, H, W)`` tensors.
@@ -296,15 +281,27 @@ class TransformViews(ViewSpec):
             message = f"TransformViews needs a callable image -> list of views; got {type(transform).__name__}"
             raise ConfigurationError(message, parameter="transform")
         self.transform = transform
+        self._counted_views: int | None = None
 
     @property
-    def num_views(self) -> None:
-        return None  # known from the output only: :meth:`view_shapes`
+    def num_views(self) -> int | None:
+        return self._counted_views  # known from the output only: None until :meth:`check_split`
 
-    def view_shapes(self, split: LabelledImages, seed: int) -> list[tuple[int, ...]]:
-        """The ``(C, H, W)`` of each view the transform makes of the first image of ``split`` (read in ``setup``)."""
+    @property
+    def global_views(self) -> None:
+        return None  # each batch's first group
+
+    def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
+        """Count the views the transform makes of the first image; warn when they are larger than the source's."""
         groups = self.dataset(split, 0, ((), ()))[(0, seed)][0]
-        return [tuple(group.shape[1:]) for group in groups for _ in range(group.shape[0])]
+        self._counted_views, (height, width) = sum(len(group) for group in groups), groups[0].shape[-2:]
+        if max(height, width) > image_size:  # lightly's 224 px on CIFAR, say
+            rank_zero_warn(
+                f"the views transform makes {height}x{width} views of the source's {image_size}-px images, which kNN, "
+                f"probes and analysis read at {image_size} px, normalised with the source's mean and std; give the "
+                f"transform that size (lightly: input_size={image_size}) and normalisation",
+                category=HFMCAWarning,
+            )
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return SeededViews(split, partial(_transformed_views, self.transform))

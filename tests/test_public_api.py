@@ -66,10 +66,8 @@ def section(doc: str, title: str) -> str | None:
 
 
 def documented_arguments(doc: str) -> set[str]:
-    """The names of the entries ``name: ...``, ``name (type): ...`` or ``name, other, ...: ...`` (settings shared with
-    another class, said once) of a docstring's ``Args:`` section."""
-    entries = re.findall(r"^ {4}(\w+(?:, \w+)*)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M)
-    return {name for entry in entries for name in entry.split(", ")}
+    """The names of the entries ``name: ...`` or ``name (type): ...`` of a docstring's ``Args:`` section."""
+    return set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section(doc, "Args") or "", re.M))
 
 
 def named_parameters(function: object) -> list[str]:
@@ -95,6 +93,41 @@ def test_public_docstrings_follow_the_template(name: str, value: object):
         assert section(doc, "Args") is not None, f"{name} takes {parameters} but has no Args: section"
         missing = [parameter for parameter in parameters if parameter not in documented_arguments(doc)]
         assert missing == [], f"{name}: Args: does not name {missing}"
+
+
+CONFIGURABLE_PACKAGES = ("data", "losses", "callbacks", "methods", "methods.baselines", "models", "loggers")
+
+
+def configurable_classes() -> list[tuple[str, type]]:
+    """Every class of the package that a config names by ``class_path`` (the ``__all__`` of the packages above)."""
+    found = []
+    for package in CONFIGURABLE_PACKAGES:
+        module = importlib.import_module(f"hfmca_lightning.{package}")
+        for name in module.__all__:
+            value = getattr(module, name)
+            if inspect.isclass(value) and value.__module__.startswith("hfmca_lightning"):
+                found.append((f"{package}.{name}", value))
+    return found
+
+
+@pytest.mark.parametrize(("name", "value"), configurable_classes(), ids=[name for name, _ in configurable_classes()])
+def test_every_option_a_config_can_set_has_its_own_help_line(name: str, value: type) -> None:
+    """``hfmca fit --help`` and ``--data.views.help SimCLRViews`` print each option's line from its class's ``Args:``
+    entry as jsonargparse reads it (docstring_parser): an option without an entry of its own (``a, b: ...`` groups
+    included) prints no description."""
+    docstring_parser = pytest.importorskip("docstring_parser")
+    parameters = named_parameters(value.__init__) if inspect.isfunction(value.__init__) else []  # object's: none
+    described = {param.arg_name: param.description for param in docstring_parser.parse(value.__doc__ or "").params}
+    missing = [parameter for parameter in parameters if not described.get(parameter)]
+    assert missing == [], f"{name}: no help line for {missing}"
+
+
+def test_a_view_specs_help_describes_each_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["fit", "--data", "hfmca_lightning.data.MultiViewDataModule", "--data.views.help", "SameClassViews"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--views.count COUNT images per group." in out
+    assert "--views.blur BLUR, --views.blur+ BLUR as :class:`SimCLRViews`. (type:" in out
 
 
 @pytest.mark.parametrize(

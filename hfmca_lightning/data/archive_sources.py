@@ -58,13 +58,14 @@ class _ReleaseSource(ImageSource):
         if missing:
             raise DataNotFoundError(
                 f"{self._label} not found: looked for {missing[0]} (and {len(missing) - 1} other files). Set "
-                f"`download: true` to fetch it (needs network), or `root` to the folder holding '{self.folder.name}'."
+                f"`download: true` to fetch it (needs network), or set `root` to the folder that holds "
+                f"'{self.folder.name}'."
             )
         for path, md5 in files.items():
             if self.verify and not check_integrity(str(path), md5):
                 raise ConfigurationError(
                     f"{path} does not have the md5 sum of the official {self._label} release (corrupt or partial "
-                    "download?): delete it and download again; `verify: false` only for data you wrote in this layout"
+                    "download?). Delete it and download again; set `verify: false` only for data you wrote yourself."
                 )
         self._prepared = True
 
@@ -118,9 +119,15 @@ class CIFAR(_ReleaseSource):
 # The only globals of a CIFAR batch (python format): numpy arrays (1.x: numpy.core, 2.x: numpy._core) pickled with
 # protocols 0-4 (_reconstruct, ndarray, dtype) or 5 (_frombuffer), Python 3 bytes with protocols 0-2 (_codecs.encode).
 CIFAR_PICKLE_GLOBALS = frozenset(
-    [("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")]
-    + [(f"numpy.{core}.multiarray", "_reconstruct") for core in ("core", "_core")]
-    + [(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")]
+    {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    }
 )
 
 
@@ -143,7 +150,7 @@ def _read_cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, list[int]
     except _RefusedGlobal as error:
         raise ConfigurationError(
             f"{path} is not a CIFAR batch: its pickle refers to {error}, which CIFAR batches never do (a pickle can "
-            "run code, so it was not read); replace it with the official release's file, checked by `verify: true`"
+            "run code, so it was not read). Replace it with the official release's file, checked by `verify: true`."
         ) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
         raise ConfigurationError(
@@ -184,7 +191,8 @@ class STL10(_ReleaseSource):
 
     Args:
         root: folder that holds (or will hold) ``stl10_binary``.
-        download, verify: as :class:`CIFAR`.
+        download: fetch and extract the archive if it is missing.
+        verify: check md5 sums (``false`` only for data you wrote in this layout yourself).
         train_on_labelled: add the 5k labelled training images to the training split (the usual protocol).
         image_size: side fed to the network (96: no resize).
     """

@@ -30,7 +30,8 @@ class DatasetSource(ImageSource):
         test: the test split of the evaluation protocols (kNN, probes), ``train`` their bank; ``None``: no evaluation.
         num_classes: ``None``: one more than the largest training target.
         image_size: side of the square views.
-        mean, std: per-channel normalisation mean and standard deviation (RGB, images in ``[0, 1]``).
+        mean: per-channel normalisation mean (RGB, images in ``[0, 1]``).
+        std: per-channel normalisation standard deviation.
         eval_resize: shorter side of evaluation images before the centre crop (``None``: ``image_size``).
 
     Raises:

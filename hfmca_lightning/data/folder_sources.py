@@ -79,9 +79,12 @@ def _identity(entry: os.DirEntry) -> tuple[int, int] | None:
 
 
 def _image_files(folder: Path, claimed: dict[tuple[int, int], str], repeats: list[tuple[str, str]]) -> list[str]:
-    """Image files under ``folder``, unopened, as :class:`ImageFolderSource` lists them: a folder's files by name, then
-    its sub-folders. ``claimed``: other classes' files by ``(st_dev, st_ino)``; one found here is left out and added
-    to ``repeats`` as ``(path, claimed path)``; this folder's files join ``claimed``."""
+    """Image files under ``folder`` (recursive, links followed), none opened, in walk order: a folder's files by name,
+    then its sub-folders by name. Each directory is entered once (by ``(st_dev, st_ino)``), none through a link to
+    one holding ``folder`` (``up -> ..``: its siblings). A file with several names (hard links, links) is listed under
+    its first: plain files by the listing's inode (no call per file), links by their target's ``(st_dev, st_ino)``.
+    ``claimed``: the files of other classes (identity -> path); one of them found here is left out and added to
+    ``repeats`` as ``(path, claimed path)``, and this folder's files are added to ``claimed``."""
     try:
         top = os.stat(folder)
     except OSError:
@@ -138,7 +141,8 @@ class ImageFolderSource(ImageSource):
             are used (``configs/imagenet100_classes.txt``: ImageNet-100).
         image_size: side of the (square) images fed to the network.
         eval_resize: shorter side of evaluation images before the centre crop (ImageNet: 256 for 224).
-        mean, std: per-channel normalisation mean and standard deviation (default ImageNet's).
+        mean: per-channel normalisation mean (default ImageNet's).
+        std: per-channel normalisation standard deviation (default ImageNet's).
         on_bad_image: ``error`` (default; names the file) or ``skip`` (warns, counts, reads the next image).
     """
 
@@ -260,7 +264,11 @@ class UnlabelledFolderSource(ImageSource):
 
     Args:
         root: folder searched recursively for image files.
-        image_size, eval_resize, mean, std, on_bad_image: as :class:`ImageFolderSource`.
+        image_size: as :class:`ImageFolderSource`.
+        eval_resize: as :class:`ImageFolderSource`.
+        mean: as :class:`ImageFolderSource`.
+        std: as :class:`ImageFolderSource`.
+        on_bad_image: as :class:`ImageFolderSource`.
         evaluation: a labelled source (e.g. an ``ImageFolderSource``) whose evaluation splits kNN and probes use,
             with the same ``image_size``, ``eval_resize``, ``mean`` and ``std``; ``null``: kNN skipped, with a warning.
     """

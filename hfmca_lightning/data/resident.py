@@ -112,7 +112,8 @@ class ResidentDrawer(SeededDrawer):
     Args:
         batches_per_call: draw this many consecutive batches' views per call (fewer, larger GPU launches; on CUDA the
             next chunk is drawn ahead on a side stream while this one trains); the views do not depend on it.
-        output_dtype, channels_last: as :class:`~hfmca_lightning.data.BatchedDrawer` on the device.
+        output_dtype: ``float32`` or ``bfloat16``.
+        channels_last: views laid out channels-last.
 
     Raises:
         ConfigurationError: when ``batches_per_call`` is below 1 or ``output_dtype`` is not ``float32`` or ``bfloat16``.
@@ -133,7 +134,9 @@ class ResidentDrawer(SeededDrawer):
         self._stored: tuple[Tensor, Tensor] | None = None  # images, targets
         self._split: LabelledImages | None = None
         self._drawn: dict[int, tuple[Tensor, Tensor, Any]] = {}  # chunk -> (views, targets, event)
-        self._side_stream: Any = None  # one for all chunks: the allocator reuses a block on the stream it was freed to
+        # one side stream for all chunks drawn ahead: the caching allocator reuses a block only on the stream it was
+        # freed to, so a stream per chunk would never reuse the temporaries of the chunks before
+        self._side_stream: Any = None
 
     def prepare(self, split: LabelledImages, device: torch.device | None) -> None:
         """Store the split (once), on ``device`` where given: a split too large for it fails before training."""

@@ -12,26 +12,34 @@ __all__ = ["SHAPES", "SyntheticShapes", "generate_shapes"]
 SHAPES = ("disk", "square", "triangle", "ring", "cross", "h_stripes", "v_stripes", "checker", "diamond", "two_disks")
 
 
-def _mask(shape: str, y: np.ndarray, x: np.ndarray, r: float) -> np.ndarray:
-    """Boolean mask of ``shape`` centred at 0 with size ``r`` on coordinate grids ``y``, ``x``."""
-    ay, ax, r2, half = np.abs(y), np.abs(x), y**2 + x**2, r * 0.5
-    inside = np.maximum(ay, ax) <= r
-    masks = {  # lambdas: only the shape asked for is computed
-        "disk": lambda: r2 <= r**2,
-        "square": lambda: inside,
-        "triangle": lambda: (y <= r * 0.8) & (ay <= r) & (ax <= (y + r) * 0.55),
-        "ring": lambda: (r2 <= r**2) & (r2 >= (0.55 * r) ** 2),
-        "cross": lambda: inside & ((ay <= r * 0.3) | (ax <= r * 0.3)),
-        "h_stripes": lambda: inside & (np.floor((y + r) / (r * 0.4)) % 2 == 0),
-        "v_stripes": lambda: inside & (np.floor((x + r) / (r * 0.4)) % 2 == 0),
-        "checker": lambda: inside & ((np.floor((y + r) / half) + np.floor((x + r) / half)) % 2 == 0),
-        "diamond": lambda: ay + ax <= r,
-        "two_disks": lambda: (
-            ((y + half) ** 2 + (x + half) ** 2 <= (r * 0.45) ** 2)
-            | ((y - half) ** 2 + (x - half) ** 2 <= (r * 0.45) ** 2)
-        ),
-    }
-    return masks[shape]()
+def _mask(shape: str, y: np.ndarray, x: np.ndarray, radius: float) -> np.ndarray:
+    """Boolean mask of ``shape`` centred at 0 with size ``radius`` on coordinate grids ``y``, ``x``."""
+    ay, ax = np.abs(y), np.abs(x)
+    inside = np.maximum(ay, ax) <= radius
+    if shape == "disk":
+        return y**2 + x**2 <= radius**2
+    if shape == "square":
+        return inside
+    if shape == "triangle":
+        return (y <= radius * 0.8) & (ay <= radius) & (ax <= (y + radius) * 0.55)
+    if shape == "ring":
+        r2 = y**2 + x**2
+        return (r2 <= radius**2) & (r2 >= (0.55 * radius) ** 2)
+    if shape == "cross":
+        return inside & ((ay <= radius * 0.3) | (ax <= radius * 0.3))
+    if shape == "h_stripes":
+        return inside & (np.floor((y + radius) / (radius * 0.4)) % 2 == 0)
+    if shape == "v_stripes":
+        return inside & (np.floor((x + radius) / (radius * 0.4)) % 2 == 0)
+    if shape == "checker":
+        cell = radius * 0.5
+        return inside & ((np.floor((y + radius) / cell) + np.floor((x + radius) / cell)) % 2 == 0)
+    if shape == "diamond":
+        return ay + ax <= radius
+    if shape == "two_disks":
+        offset, small = radius * 0.5, radius * 0.45
+        return ((y + offset) ** 2 + (x + offset) ** 2 <= small**2) | ((y - offset) ** 2 + (x - offset) ** 2 <= small**2)
+    raise ValueError(f"unknown shape {shape!r}")
 
 
 def generate_shapes(num_classes: int, per_class: int, image_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +68,8 @@ class SyntheticShapes(ImageSource):
 
     Args:
         num_classes: shapes, hence classes, in ``[2, 10]``.
-        train_per_class, test_per_class: training and test images per class.
+        train_per_class: training images per class.
+        test_per_class: test images per class.
         image_size: side of the square images, ``>= 8``.
         seed: seeds the generation.
     """
@@ -74,8 +83,11 @@ class SyntheticShapes(ImageSource):
         seed: int = 0,
     ) -> None:
         if not 2 <= num_classes <= len(SHAPES):
-            message = f"num_classes must be in [2, {len(SHAPES)}] (one shape per class), got {num_classes}"
-            raise ConfigurationError(f"SyntheticShapes: {message}", parameter="num_classes")
+            raise ConfigurationError(
+                f"SyntheticShapes has {len(SHAPES)} shapes; num_classes must be in [2, {len(SHAPES)}], got "
+                f"{num_classes}",
+                parameter="num_classes",
+            )
         check_at_least(train_per_class, 1, "train_per_class", "SyntheticShapes")
         check_at_least(test_per_class, 1, "test_per_class", "SyntheticShapes")
         check_at_least(seed, 0, "seed", "SyntheticShapes")

@@ -52,11 +52,14 @@ class ViewAugmentation:
 
     Args:
         image_size: side of the square views.
-        crop_scale, crop_ratio: ``RandomResizedCrop`` scale and aspect-ratio ranges.
+        crop_scale: ``RandomResizedCrop`` scale range.
+        crop_ratio: ``RandomResizedCrop`` aspect-ratio range.
         jitter: colour jitter ``(brightness, contrast, saturation, hue)``; all 0: no jitter.
-        jitter_p, gray_p: probabilities of the colour jitter and of greyscale.
+        jitter_p: probability of the colour jitter.
+        gray_p: probability of greyscale.
         horizontal_flip: random horizontal flips.
-        blur_p, solarize_p: probabilities of a Gaussian blur and of a solarisation, per view kind (:meth:`kind`).
+        blur_p: probability of a Gaussian blur, per view kind (:meth:`kind`).
+        solarize_p: probability of a solarisation, per view kind.
     """
 
     image_size: int
@@ -109,8 +112,11 @@ class ViewAugmentation:
                 raise ConfigurationError(message, parameter=name)
         blur_p, solarize_p = _probabilities("blur", blur), _probabilities("solarize", solarize)
         if min(len(blur_p), len(solarize_p)) > 1 and len(blur_p) != len(solarize_p):
-            message = f"blur gives {len(blur_p)} view kinds and solarize {len(solarize_p)}: give lists of one length"
-            raise ConfigurationError(f"{message} (a probability per view kind), or single values", parameter="solarize")
+            raise ConfigurationError(
+                f"blur gives {len(blur_p)} view kinds and solarize {len(solarize_p)}: give one probability per view "
+                "kind in both lists (the same length), or a single value",
+                parameter="solarize",
+            )
         ratio = (1.0, 1.0) if crop_strength == 0 else (3 / 4, 4 / 3)
         scale = DEFAULT_CROP_SCALE if crop_strength is None else (1 - crop_strength * (1 - 1 / image_size**2), 1.0)
         color = DEFAULT_COLOR_STRENGTH if color_strength is None else color_strength
@@ -119,11 +125,16 @@ class ViewAugmentation:
         if color_jitter is not None:
             given = list(color_jitter)
             if color_strength is not None:
-                message = f"color_jitter {given} replaces the jitter of color_strength ({color_strength})"
-                raise ConfigurationError(f"{message}: set one of them", parameter="color_jitter")
+                raise ConfigurationError(
+                    f"color_jitter {given} replaces the jitter of color_strength ({color_strength}): set one of them",
+                    parameter="color_jitter",
+                )
             if len(given) != 4 or not (all(0 <= value < math.inf for value in given[:3]) and 0 <= given[3] <= 0.5):
-                wanted = "(brightness, contrast, saturation, hue), finite and >= 0, hue at most 0.5"
-                raise ConfigurationError(f"color_jitter is {wanted}; got {given}", parameter="color_jitter")
+                raise ConfigurationError(
+                    f"color_jitter is (brightness, contrast, saturation, hue), finite and >= 0, hue at most 0.5; got "
+                    f"{given}",
+                    parameter="color_jitter",
+                )
             brightness, contrast, saturation, hue = map(float, given)
             jitter = (brightness, contrast, saturation, hue)
         jitter_p = 0.8 if any(jitter) else 0.0
@@ -162,10 +173,11 @@ def appearance_steps(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, 
 
 
 class ViewWithGrid(nn.Module):
-    """image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)`` source pixel of the centre
-    ``left + (j + 1/2) w / g`` (VICRegL authors' code) of cell ``(i, j)`` (row, column) of a ``g x g`` grid over the
-    view, after its flip: lightly's location-recording crop and flip with ``spec``'s settings, then
-    :func:`appearance_steps`."""
+    """image -> ``(view (3, S, S), grid (g, g, 2))``, ``grid[i, j]`` the ``(x, y)`` source pixel of the centre of cell
+    ``(i, j)`` (row, column) of a ``g x g`` grid over the view, after its flip: lightly's location-recording crop and
+    flip (VICRegL's) with ``spec``'s settings, then :func:`appearance_steps`. Cell centres are
+    ``left + (j + 1/2) w / g`` as in the VICRegL authors' code; lightly's ``RandomResizedCropAndFlip`` (not used) spaces
+    them ``w / (g - 1)`` apart (``linspace`` over the crop plus half a cell), putting the last outside the crop."""
 
     def __init__(self, spec: ViewAugmentation, mean: PerChannel, std: PerChannel, view: int, grid_size: int) -> None:
         super().__init__()
@@ -192,8 +204,9 @@ class ViewWithGrid(nn.Module):
 
 
 class RandomGaussianBlur(nn.Module):
-    """With probability ``p``, PIL's Gaussian blur of radius (sigma) uniform in ``sigma``, as lightly's; draws from
-    torch's generator, so views stay a function of their sample seed."""
+    """With probability ``p``, PIL's Gaussian blur of radius (sigma) uniform in ``sigma``, as lightly's (PIL's separable
+    filter is much faster than torchvision's 23 x 23 kernel at 224 px: docs/benchmarks/cpu.md). Draws from torch's
+    generator, so views stay a function of their sample seed."""
 
     def __init__(self, p: float = 0.5, sigma: tuple[float, float] = BLUR_SIGMA) -> None:
         super().__init__()
@@ -226,7 +239,9 @@ def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: i
 
 def finetune_transform(image_size: int, mean: PerChannel, std: PerChannel) -> v2.Compose:
     """Fine-tuning augmentation (standard): ``RandomResizedCrop(image_size, scale=(0.08, 1))``, flip, normalise."""
-    return view_transform(ViewAugmentation.from_strengths(image_size, color_strength=0, gray_strength=0), mean, std)
+    crop = v2.RandomResizedCrop(image_size, scale=(0.08, 1.0), antialias=True)
+    steps = [v2.ToImage(), crop, v2.RandomHorizontalFlip()]
+    return v2.Compose([*steps, v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def resize_transform(image_size: int) -> v2.Compose:

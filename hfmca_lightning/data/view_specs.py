@@ -73,9 +73,11 @@ class _Augmented(ViewSpec):
         self.augmentation(32)  # every value checked now, in one line
         for name, value in (("blur", blur), ("solarize", solarize)):
             if isinstance(value, (list, tuple)) and len(value) > count:
-                extra = len(value) - count
-                message = f"{name} gives {len(value)} view kinds for {count} view(s) per image; the last {extra}"
-                raise ConfigurationError(f"{type(self).__name__}: {message} would never be drawn", parameter=name)
+                raise ConfigurationError(
+                    f"{type(self).__name__}: {name} gives {len(value)} view kinds for {count} view(s) per image; the "
+                    f"last {len(value) - count} would never be drawn",
+                    parameter=name,
+                )
 
     @property
     def num_views(self) -> int:
@@ -96,8 +98,9 @@ class SimCLRViews(_Augmented):
 
     Args:
         count: views per image (HFMCA-SS on a 3x3 grid: 9; SimCLR, BYOL: 2).
-        crop_strength, color_strength, gray_strength: crop, colour-jitter and greyscale knobs in [0, 1] (0: no
-            distortion, 1: the paper's extreme; None: SimCLR's CIFAR default).
+        crop_strength: crop knob in [0, 1] (0: no distortion, 1: the paper's extreme; None: SimCLR's CIFAR default).
+        color_strength: colour-jitter knob, as ``crop_strength``.
+        gray_strength: greyscale knob, as ``crop_strength``.
         color_jitter: ``[brightness, contrast, saturation, hue]`` instead of ``color_strength``'s jitter.
         horizontal_flip: random horizontal flips.
         blur: Gaussian blur probability; a list: one per view kind, cycled over the views (BYOL: ``[1.0, 0.1]``).
@@ -120,17 +123,30 @@ class SimCLRViews(_Augmented):
         solarize: float | list[float] = 0.0,
         grids: int = 0,
     ) -> None:
-        self.grids = grids  # checked by the base, after count
-        appearance = crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize
-        super().__init__(count, *appearance)
+        self.grids = grids  # checked with count, before the appearance settings
+        super().__init__(
+            count,
+            crop_strength=crop_strength,
+            color_strength=color_strength,
+            gray_strength=gray_strength,
+            color_jitter=color_jitter,
+            horizontal_flip=horizontal_flip,
+            blur=blur,
+            solarize=solarize,
+        )
 
 
 class SingleView(_Augmented):
     """One SimCLR view per image, batched ``(images (B, C, H, W), targets)``: internal costs alone, supervised training.
 
     Args:
-        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
-            :class:`SimCLRViews`.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
     """
 
     single_view = True
@@ -154,31 +170,38 @@ class SameClassViews(_Augmented):
 
     Args:
         count: images per group.
-        crop_strength, color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as
-            :class:`SimCLRViews`.
+        crop_strength: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
     """
 
     def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
-        self._indices_by_class(split)
-
-    def _indices_by_class(self, split: LabelledImages) -> dict[int, Tensor]:
-        """The indices of each class's images: every image labelled, at least ``count`` in each class."""
-        targets = torch.as_tensor(split.targets)
-        if (targets == UNLABELLED).any():
-            message = "SameClassViews groups images by class, but the training images have no labels"
-            raise ConfigurationError(message, parameter="views")
-        by_class = {int(c): (targets == c).nonzero().flatten() for c in targets.unique()}
-        smallest = min(by_class, key=lambda target: len(by_class[target]))
-        if len(by_class[smallest]) < self.count:
-            have = f"class {smallest} has {len(by_class[smallest])}"
-            message = f"SameClassViews needs at least count={self.count} images per class, but {have}"
-            raise ConfigurationError(f"{message}; lower the count or use SimCLRViews", parameter="views")
-        return by_class
+        if UNLABELLED in set(split.targets):
+            raise ConfigurationError(
+                "SameClassViews groups images by class, but the training images have no labels", parameter="views"
+            )
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         kinds = view_transforms(self.augmentation(image_size), *normalisation)
         transforms = [kinds[member % len(kinds)] for member in range(self.count)]
         return SeededViews(split, partial(same_class_views, transforms, self._indices_by_class(split)))
+
+    def _indices_by_class(self, split: LabelledImages) -> dict[int, Tensor]:
+        """Each class's image indices in ``split``, ascending; refused when a class has fewer than ``count``."""
+        classes, counts = torch.as_tensor(split.targets).unique(return_counts=True)
+        groups = torch.as_tensor(split.targets).argsort(stable=True).split(counts.tolist())
+        smallest = int(counts.argmin())
+        if counts[smallest] < self.count:
+            raise ConfigurationError(
+                f"SameClassViews needs at least count={self.count} images per class, but class "
+                f"{int(classes[smallest])} has {int(counts[smallest])}; lower the count or use SimCLRViews",
+                parameter="views",
+            )
+        return dict(zip(classes.tolist(), groups))
 
 
 class MultiCrop(_Augmented):
@@ -193,7 +216,12 @@ class MultiCrop(_Augmented):
         local_size: side of the local crops (default: half the source's image size).
         global_scale: ``(smallest, largest)`` fraction of the image a global crop covers.
         local_scale: the same for a local crop.
-        color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize: as :class:`SimCLRViews`.
+        color_strength: as :class:`SimCLRViews`.
+        gray_strength: as :class:`SimCLRViews`.
+        color_jitter: as :class:`SimCLRViews`.
+        horizontal_flip: as :class:`SimCLRViews`.
+        blur: as :class:`SimCLRViews`.
+        solarize: as :class:`SimCLRViews`.
 
     Raises:
         ConfigurationError: for a negative count, no crop, a size below 1, a scale not
@@ -227,16 +255,26 @@ class MultiCrop(_Augmented):
             raise ConfigurationError("MultiCrop needs at least one crop", parameter="global_crops")
         for name, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
             if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
-                message = f"MultiCrop: {name} is (smallest, largest) image fraction, 0 < smallest <= largest <= 1"
-                raise ConfigurationError(f"{message}; got {scale!r}", parameter=name)
+                raise ConfigurationError(
+                    f"MultiCrop: {name} is (smallest, largest) fraction of the image, 0 < smallest <= largest <= 1; "
+                    f"got {scale!r}",
+                    parameter=name,
+                )
         for name, size in (("global_size", global_size), ("local_size", local_size)):
             if size is not None:
                 check_at_least(size, 1, name, "MultiCrop")
         self.global_crops, self.local_crops = global_crops, local_crops
         self.global_size, self.local_size = global_size, local_size
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
-        appearance = color_strength, gray_strength, color_jitter, horizontal_flip, blur, solarize
-        super().__init__(global_crops + local_crops, None, *appearance)
+        super().__init__(
+            global_crops + local_crops,  # the crop scale is each group's
+            color_strength=color_strength,
+            gray_strength=gray_strength,
+            color_jitter=color_jitter,
+            horizontal_flip=horizontal_flip,
+            blur=blur,
+            solarize=solarize,
+        )
 
     @property
     def global_views(self) -> int:

@@ -89,7 +89,9 @@ class InternalCosts(nn.Module):
         layers: module names inside the backbone (``backbone.named_modules()``), e.g. ``net.layer1.0`` for
             a ResNet BasicBlock or ``blocks.L3`` for :class:`~hfmca_lightning.models.SpectrumCNN`.
         weight: lambda of the paper's objective ``external + weight * sum(internal)``.
-        reg, beta, sync_dist: of every internal cost (see ``HFMCACost``).
+        reg: of every internal cost (see ``HFMCACost``).
+        beta: of every internal cost (see ``HFMCACost``).
+        sync_dist: of every internal cost (see ``HFMCACost``).
         precision: of the statistics in training, ``fast`` (float32 products summed in float64, see
             ``feature_map_statistics``), ``tf32x3`` (the same products on CUDA's tensor cores, as three TF32 products
             of split factors, within the same stated tolerance; exact float32 elsewhere), ``bf16`` (bfloat16 maps on

@@ -85,8 +85,10 @@ def format_batch(
         return batch.indices, views_list, batch.targets
     if batch_format not in DICT_FORMATS:
         raise ValueError(f"batch_format must be one of {BATCH_FORMATS}; got {batch_format!r}")
-    grids = [{}] * len(views_list) if batch.grids is None else [{"grid": grid} for grid in batch.grids.unbind(dim=1)]
-    per_view = [sample_dict(view, batch.targets, batch.indices) | grid for view, grid in zip(views_list, grids)]
+    per_view = [sample_dict(view, batch.targets, batch.indices) for view in views_list]
+    if batch.grids is not None:
+        for view, grid in zip(per_view, batch.grids.unbind(dim=1)):
+            view["grid"] = grid
     if batch_format == "dict_named":
         count = batch.groups[0].shape[1] if global_views is None else global_views
         names = [f"global_{v}" for v in range(count)] + [f"local_{v}" for v in range(len(views_list) - count)]

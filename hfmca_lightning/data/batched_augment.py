@@ -109,9 +109,10 @@ class BatchedViewAugmentation(nn.Module):
         super().__init__()
         self.spec = spec
         blur_p, solarize_p = zip(*(spec.kind(kind) for kind in range(spec.view_kinds)))
-        for name, values in (("mean", mean), ("std", std), ("blur_p", blur_p), ("solarize_p", solarize_p)):
-            shape = (1, -1, 1, 1) if name in ("mean", "std") else (-1,)
-            self.register_buffer(name, torch.tensor(values, dtype=torch.float32).view(shape), persistent=False)
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("blur_p", torch.tensor(blur_p, dtype=torch.float32), persistent=False)
+        self.register_buffer("solarize_p", torch.tensor(solarize_p, dtype=torch.float32), persistent=False)
         self._any_blur, self._any_solarize = any(blur_p), any(solarize_p)
 
     def views_from_seeds(self, images: Tensor, seeds: Tensor, num_views: int) -> Tensor:
@@ -127,8 +128,12 @@ class BatchedViewAugmentation(nn.Module):
         flip = uniforms.rand((count,)) < 0.5 if spec.horizontal_flip else seeds.new_zeros(count, dtype=torch.bool)
         brightness, contrast, saturation, hue = spec.jitter
         applied = uniforms.rand((count,)) < spec.jitter_p
-        drawn = [(uniforms.uniform((count,), max(0.0, 1 - s), 1 + s), s) for s in (brightness, contrast, saturation)]
-        factors = torch.stack([torch.where(applied & (s > 0), d, torch.ones_like(d)) for d, s in drawn], dim=1)
+
+        def factor(strength: float) -> Tensor:  # drawn even at strength 0: the later draws keep their positions
+            drawn = uniforms.uniform((count,), max(0.0, 1.0 - strength), 1.0 + strength)
+            return torch.where(applied, drawn, torch.ones_like(drawn)) if strength > 0 else torch.ones_like(drawn)
+
+        factors = torch.stack((factor(brightness), factor(contrast), factor(saturation)), dim=1)
         hue_shift = uniforms.uniform((count,), -hue, hue) if hue > 0 else torch.zeros(count, device=device)
         hue_shift = torch.where(applied, hue_shift, torch.zeros_like(hue_shift))
         order = uniforms.rand((count, 4)).argsort(dim=1, stable=True)  # ties: the same order on every device
@@ -164,7 +169,8 @@ def jitter_views(
     # and on the mean grey: brightness (0, 0), contrast (0, 1), saturation (1, 0)
     with_hue = torch.cat((factors, torch.ones_like(factors[:, :1])), dim=1)  # (N, 4)
     blend = with_hue.gather(1, order).T.reshape(4, count, 1, 1, 1)
-    grey_weight, mean_weight = ((order == kind).T.to(views.dtype).reshape(4, count, 1, 1, 1) for kind in (2, 1))
+    grey_weight = (order == 2).T.to(views.dtype).reshape(4, count, 1, 1, 1)
+    mean_weight = (order == 1).T.to(views.dtype).reshape(4, count, 1, 1, 1)
     hue_round = ((order == 3) & (hue_shift != 0)[:, None]).T  # (4, N)
     for step in range(4):
         grey = _grey(views)

@@ -42,7 +42,8 @@ class TrainingPosition:
 
 def training_position(trainer: Trainer, batch_size: int) -> TrainingPosition:
     """The position after the last batch the loop finished (the loader runs ahead by its prefetch), where a checkpoint
-    written now resumes; a finished epoch is the next one's start."""
+    written now resumes; a finished epoch is the next one's start, an epoch cut short keeps its position
+    (:class:`TrainingPosition`)."""
     epochs: Any = trainer.fit_loop.epoch_progress.current  # _ProcessedTrackers at run time; the stubs: their base
     epoch = max(epochs.started - 1, 0)  # the batches' epoch
     batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
@@ -70,7 +71,8 @@ class MultiViewDataModule(LightningDataModule):
         batch_format: ``stacked`` (this project's modules), ``lightly``, ``solo``, ``dict`` or ``dict_named``
             (stable-pretraining); layouts: :mod:`hfmca_lightning.data.batch_formats`.
         evaluation_loaders: ``bank_and_queries`` (``BANK`` 0 and ``QUERIES`` 1: :meth:`evaluation_loader`) or
-            ``queries`` (the test split's alone, for a ``validation_step`` without a loader index).
+            ``queries`` (the test split's alone, for a ``validation_step`` without a loader index; kNN then reads its
+            bank from :meth:`evaluation_loader`).
         batch_size: samples (source images) per training batch and process.
         eval_batch_size: images per evaluation batch.
         num_workers: data-loader worker processes, capped to the CPU cores this process may use.
@@ -122,7 +124,8 @@ class MultiViewDataModule(LightningDataModule):
         check_drawer(views, drawer)
         self.source, self.views, self.batch_format = source, views, batch_format
         self.drawer = drawer.bind(DrawSetup(views, source.image_size, (source.mean, source.std)))  # this module's copy
-        self.evaluation_loaders, self.batch_size, self.eval_batch_size = evaluation_loaders, batch_size, eval_batch_size
+        self.evaluation_loaders = evaluation_loaders
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_workers, self.persistent_workers, self.seed = num_workers, persistent_workers, seed
         self.eval_transform = eval_transform(source.image_size, source.mean, source.std, resize=source.eval_resize)
         self._train_split: LabelledImages | None = None
@@ -255,9 +258,10 @@ class MultiViewDataModule(LightningDataModule):
             sampler.resume(position.epoch + 1, 0)
             untrained = size - size % (self.batch_size * replicas) - position.samples_seen
             rank_zero_warn(
-                f"the checkpoint's epoch {position.epoch} was ended early by max_steps or max_time; Lightning counts it"
-                f" finished: training goes on at epoch {position.epoch + 1}, and {untrained} training images of that"
-                " epoch are not trained on (resume with max_steps to finish it first; a SIGTERM stop resumes exactly)",
+                f"the checkpoint's epoch {position.epoch} was ended early by max_steps or max_time; Lightning counts "
+                f"it finished: training goes on at epoch {position.epoch + 1}, and {untrained} training images of "
+                "that epoch are not trained on (resume with max_steps to finish it first; a SIGTERM stop resumes "
+                "exactly)",
                 category=HFMCAWarning,
             )
         elif position is not None:

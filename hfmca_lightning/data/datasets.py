@@ -29,7 +29,8 @@ class SeededRandomSampler(DistributedSampler):
     """Shuffles per epoch from ``(seed, epoch)``, yielding ``(index, sample_seed)`` keys (a ``DistributedSampler``: DDP
     leaves it in place). Rank ``r`` takes keys ``r, r + num_replicas, ...`` of one global order (an uneven tail is
     dropped), so consecutive per-rank batches of ``b`` hold exactly the samples and seeds of one single-process batch of
-    ``num_replicas * b``. After :meth:`resume` the next iteration starts mid-epoch; ``len()`` stays the full epoch's.
+    ``num_replicas * b``. After :meth:`resume` the next iteration starts mid-epoch; ``len()`` stays the full epoch's
+    (Lightning counts a resumed epoch's batches from where it stopped).
 
     Raises:
         ValueError: when ``num_samples`` is below ``num_replicas``.

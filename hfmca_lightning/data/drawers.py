@@ -5,7 +5,7 @@ sample's views come from its seed alone: runs do not depend on the number of wor
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -99,9 +99,13 @@ class TorchvisionDrawer(ViewDrawer):
                 "transform must give every image the same number of views, of the same sizes",
                 parameter="views",
             )
-        stacked, names = [torch.stack(group) for group in zip(*groups)], [str(index) for index in indices]
-        labels, rows = torch.tensor(targets, dtype=torch.int64), torch.tensor(indices, dtype=torch.int64)
-        return ViewBatch(stacked, labels, rows, names, None if grids[0] is None else torch.stack(grids))
+        return ViewBatch(
+            [torch.stack(group) for group in zip(*groups)],
+            torch.tensor(targets, dtype=torch.int64),
+            torch.tensor(indices, dtype=torch.int64),
+            [str(index) for index in indices],
+            None if grids[0] is None else torch.stack(grids),
+        )
 
 
 @dataclass
@@ -116,7 +120,8 @@ class ImageBatch:
     names: list[str] = field(default_factory=list)
 
     def pin_memory(self) -> ImageBatch:
-        return replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in fields(self) if f.name != "names"})
+        pinned = {name: getattr(self, name).pin_memory() for name in ("images", "targets", "indices", "seeds")}
+        return replace(self, **pinned)
 
 
 class _ImagesToDraw(Dataset):
@@ -168,9 +173,10 @@ class SeededDrawer(ViewDrawer):
 
 class BatchedDrawer(SeededDrawer):
     """:class:`~hfmca_lightning.data.SimCLRViews` without grids, a whole batch's views at once
-    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`), each image's from its own seed and resized
-    and centre-cropped to the view size: in the CPU workers' collate (several times :class:`TorchvisionDrawer`'s views
-    per core on CIFAR-sized images) or on the device after the uint8 images' transfer, the same views either way.
+    (:class:`~hfmca_lightning.data.batched_augment.BatchedViewAugmentation`) of the images resized and centre-cropped
+    to the view size, each image's from its own seed: in the CPU workers' collate (several times
+    :class:`TorchvisionDrawer`'s views per core on CIFAR-sized images) or on the device after the uint8 images'
+    transfer, the same views either way.
 
     Args:
         on: ``workers`` or ``device``.

@@ -1,5 +1,5 @@
-"""BatchNorm modes for looking at a trained network: eval mode, each batch's own statistics, or those recorded of
-another batch, each leaving the running statistics and every submodule's mode as they were."""
+"""BatchNorm layers' statistics and modes: eval mode, each batch's own statistics (running ones frozen), those
+recorded of another batch (analysis), and the running statistics' age."""
 
 from __future__ import annotations
 

@@ -46,7 +46,14 @@ class OfflineSafeWandbLogger(WandbLogger):
     * ``WANDB_MODE=offline`` / ``disabled`` are respected as usual.
 
     ``resume_run(run_id)`` (used when a checkpoint is resumed) continues the same W&B run.
-    All other arguments are ``WandbLogger``'s.
+
+    Args:
+        *args: ``WandbLogger``'s positional arguments.
+        offline: ``True``: log offline; ``False``: online; ``None``: offline when ``WANDB_MODE`` is ``offline`` /
+            ``dryrun`` or no API key is found (unless ``WANDB_MODE=disabled``), else online.
+        init_timeout: the seconds an online start may take (``wandb.Settings(init_timeout=...)``); unused when
+            ``settings`` is given.
+        **kwargs: ``WandbLogger``'s other arguments (``project``, ``save_dir``, ``settings``, ...).
     """
 
     def __init__(self, *args: Any, offline: bool | None = None, init_timeout: float = 30.0, **kwargs: Any) -> None:

@@ -201,6 +201,14 @@ class SmallConvNet(nn.Module):
     Each stage is one module, ``features.0`` .. ``features.<num_stages - 1>`` (:attr:`internal_layers`), whose window
     geometry is ``(4, 2, 1)``: the stages are what ``hfmca analyze`` and the spectrum callback look inside by default.
     Output: ``(N, feature_dim)`` after global average pooling, ``feature_dim = width * 2**(num_stages-1)``.
+
+    Args:
+        width: the channels of the first stage; each further stage doubles them.
+        num_stages: how many stages; each halves the map, so images need at least ``2**num_stages`` pixels a side
+            (``min_image_size``).
+
+    Raises:
+        ConfigurationError: when ``width`` or ``num_stages`` is not a whole number >= 1.
     """
 
     def __init__(self, width: int = 32, num_stages: int = 3) -> None:

@@ -15,6 +15,14 @@ class ViewProjector(nn.Module):
 
     Linear -> BN -> ReLU -> Linear -> BN -> sigmoid (the sigmoid output of docs/conventions.md §2; the BN keeps the
     sigmoid out of saturation).
+
+    Args:
+        input_dim: the size of the backbone features (the backbone's ``feature_dim``).
+        output_dim: the size of the projected features (the external head's ``feature_dim``).
+        hidden_dim: the width of the hidden layer, between the two linear layers.
+
+    Raises:
+        ConfigurationError: when ``input_dim``, ``output_dim`` or ``hidden_dim`` is not a whole number >= 1.
     """
 
     def __init__(self, input_dim: int = 512, output_dim: int = 128, hidden_dim: int = 512) -> None:
@@ -39,10 +47,23 @@ class GridExternalHead(nn.Module):
     """The external head LF: L view features on a ``grid_height x grid_width`` grid -> one feature.
 
     ``(B, L, K)`` with ``L = grid_height * grid_width`` is laid out as a ``(B, K, gh, gw)`` map, view
-    ``l`` at ``(l // gw, l % gw)``; ``noise_channels`` U(0, 1) noise channels are appended (the appendix LF table's
-    NoiseChannel, 64 -> 84: 20 by default, 0 turns them off); then
+    ``l`` at ``(l // gw, l % gw)``; ``noise_channels`` U(0, 1) noise channels are appended; then
     1x1 conv (K -> hidden) + BN + ReLU, ``gh x gw`` conv without padding (hidden -> hidden) + BN + ReLU,
     1x1 conv (hidden -> output) + BN + sigmoid. Output ``(B, output_dim)``.
+
+    Args:
+        feature_dim: ``K``, the size of each view's feature (the projector's ``output_dim``, else the backbone's
+            ``feature_dim``).
+        grid_height: ``gh``, the rows of the view grid.
+        grid_width: ``gw``, the columns of the view grid.
+        hidden_dim: the channels of the two hidden convolutions.
+        noise_channels: how many noise channels to append (the appendix LF table's NoiseChannel, 64 -> 84: 20 by
+            default); 0 turns them off.
+        output_dim: the size of the output feature; ``None``: ``feature_dim``.
+
+    Raises:
+        ConfigurationError: when ``feature_dim``, ``grid_height``, ``grid_width``, ``hidden_dim`` or ``output_dim`` is
+            not a whole number >= 1, or ``noise_channels`` not one >= 0.
     """
 
     def __init__(

@@ -17,6 +17,12 @@ class PaddingLayer(nn.ZeroPad2d):
     The internal cost's windows are read through it (:func:`~hfmca_lightning.losses.window_geometry`: ``(1, 1,
     padding)``); the padded positions are no members of them, only the input map's positions are
     (docs/conventions.md §3).
+
+    Args:
+        padding: the zero rows and columns added on each side of the map; 0 leaves it as it is.
+
+    Raises:
+        ConfigurationError: when ``padding`` is not a whole number >= 0.
     """
 
     def __init__(self, padding: int = 1) -> None:
@@ -27,9 +33,15 @@ class PaddingLayer(nn.ZeroPad2d):
 class NoiseChannels(nn.Module):
     """Concatenate ``num_channels`` channels of U(0, 1) noise to a ``(B, C, H, W)`` map (paper appendix).
 
-    The paper adds 20 such channels at the start of every block; it "significantly stabilizes the
-    learning dynamics of eigenvalues". Noise is drawn in train and eval mode alike (it is part of the
-    function the block computes). Pointwise, so its window geometry is the identity.
+    The paper adds such channels at the start of every block; it "significantly stabilizes the learning dynamics
+    of eigenvalues". Noise is drawn in train and eval mode alike (it is part of the function the block computes).
+    Pointwise, so its window geometry is the identity. Output ``(B, C + num_channels, H, W)``.
+
+    Args:
+        num_channels: how many noise channels to append: the paper's 20 by default; 0 returns the input as it is.
+
+    Raises:
+        ConfigurationError: when ``num_channels`` is not a whole number >= 0.
     """
 
     window_geometry = WindowGeometry.identity()

@@ -42,8 +42,8 @@ class SpectrumCNN(nn.Module):
     """Blocks ``L0`` .. ``L9`` of the paper's appendix tables, for spectrum analysis with internal costs.
 
     ``layout="paper"`` (default) follows the tables literally: every block, ``L0`` and ``L9`` included,
-    starts with a padding layer (pad 1) and 20 noise channels; ``L0`` is all 1x1 (3 -> channels), ``L1`` ..
-    ``L8`` are 1x1 / 3x3 (no padding) / 1x1 and keep the size; "average pooling with a kernel size of 2 is
+    starts with a padding layer (pad 1) and the noise channels; ``L0`` is all 1x1 (``in_channels`` -> ``channels``),
+    ``L1`` .. ``L8`` are 1x1 / 3x3 (no padding) / 1x1 and keep the size; "average pooling with a kernel size of 2 is
     applied every two blocks from L1 to L8" — after ``L2``, ``L4``, ``L6`` and ``L8``; ``L9`` is all 1x1 and
     ends with the average pool that leaves one position. For a 32x32 image::
 
@@ -52,10 +52,24 @@ class SpectrumCNN(nn.Module):
 
     ``layout="three_pools"``: the earlier reading — no padding layer in ``L0`` / ``L9``, pools after ``L2``,
     ``L4``, ``L6`` (32 -> 16 -> 8 -> 4), ``L9``'s 4x4 pool over the unpadded 4x4 map. Internal costs go on
-    ``L1`` .. ``L9`` (module names are the block names). Output ``(N, channels)``.
+    ``L1`` .. ``L9`` (module names are the block names).
 
     The layout is saved with the weights (``state_dict`` extra state); loading weights of the other layout
     switches to it with a warning, and weights without a layout entry load as ``three_pools``.
+
+    Args:
+        in_channels: the channels of the input images, which ``L0`` takes (3 in the tables: RGB).
+        channels: the output channels of every block, and the size of the output ``(N, channels)``.
+        hidden_dim: the channels between the three convolutions of each block.
+        noise_channels: how many U(0, 1) noise channels every block appends at its start (20 in the tables); 0 turns
+            them off.
+        image_size: the side of the input images in pixels; it sizes ``L9``'s final pool. ``"paper"`` needs at
+            least 14, ``"three_pools"`` a multiple of 8.
+        layout: ``"paper"`` or ``"three_pools"``, as above.
+
+    Raises:
+        ConfigurationError: when ``in_channels``, ``channels`` or ``hidden_dim`` is not a whole number >= 1,
+            ``noise_channels`` not one >= 0, ``layout`` is unknown, or ``image_size`` does not fit the layout.
     """
 
     def __init__(

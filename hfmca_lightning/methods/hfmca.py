@@ -145,6 +145,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
     ``cost/total`` with each part under ``cost/external`` and ``cost/internal/<layer>``. kNN evaluation
     uses the backbone output (``validation_step`` returns it).
 
+    A training step reads no device value on the host: the checks of every factorisation and of the total's
+    finiteness stay on the device (max-reduced over processes under DDP), where a failure makes the optimizer skip
+    the step's update; they reach the host by an asynchronous copy and are read once the next step is queued, or
+    before a checkpoint is written, so a failed step still ends the run with one line (every process at the same
+    step) and no checkpoint holds it (:mod:`~hfmca_lightning.methods.deferred_checks`). The costs go to the
+    logger every ``log_every_n_steps`` and to the progress bar asynchronously
+    (:class:`~hfmca_lightning.callbacks.CostProgressBar`).
+
     Args:
         backbone: images ``(N, 3, H, W)`` -> ``(N, D)``.
         projector: ``(N, D)`` -> ``(N, K)`` view features; ``None`` feeds the backbone output to the head.
@@ -152,8 +160,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             external cost (unsupervised scenario).
         external_cost: default ``HFMCACost(reg=0.1, beta=0)``.
         internal_costs: hooks on backbone blocks, see :class:`InternalCosts`.
-        optimizer / lr_scheduler: callables from the CLI; default SGD(0.06, 0.9, wd 5e-4) and cosine
-            annealing over ``max_epochs``.
+        optimizer: builds the optimiser from the module's parameter groups (the CLI's ``class_path`` /
+            ``init_args``, e.g. ``torch.optim.AdamW`` or ``lightly.utils.lars.LARS``, without the parameters);
+            ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4 (paper Table 1;
+            :func:`~hfmca_lightning.methods.optim.configure_optimizers`).
+        lr_scheduler: builds the learning-rate schedule from that optimiser (the CLI's ``class_path`` /
+            ``init_args`` without the optimiser); ``None``: cosine annealing to 0 over the run, after
+            ``warmup_epochs`` of warm-up (:func:`~hfmca_lightning.methods.optim.cosine_schedule`). Not with
+            ``warmup_epochs`` > 0; ``ReduceLROnPlateau`` is refused (there is no monitored metric).
         views_through_backbone: ``concat`` (default; one ``(B*L, ...)`` batch: fastest, BN statistics over
             all views) or ``per_view`` (L backbone calls of ``B`` images: BN statistics per view).
         channels_last: run the backbone in channels-last memory format (faster convolutions on GPUs).
@@ -167,8 +181,9 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         backbone_chunk_size: pass the ``B * L`` views through the backbone in chunks of this many images.
             With ``checkpoint_backbone``, peak memory is then that of one chunk. Each chunk is a separate
             BatchNorm batch (like ``per_view``).
-        warmup_epochs: linear learning-rate warm-up before the default cosine schedule (steps; lightly's
-            ``CosineWarmupScheduler``); 0: the paper's per-epoch cosine.
+        warmup_epochs: epochs (fractions allowed) of linear learning-rate warm-up before the default cosine
+            schedule, both per optimiser step (lightly's ``CosineWarmupScheduler``); 0: no warm-up (the paper's
+            per-epoch cosine when the run is whole epochs). Not with an ``lr_scheduler``.
         weight_decay_on_bias_and_norm: ``false`` exempts biases and normalisation parameters from weight
             decay (and from LARS's layer-wise scaling), as large-batch SSL recipes do.
         compile_costs: compile the cost path (:func:`objective_values`: every pair's factorisations, the costs
@@ -178,13 +193,14 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
             checks that the path compiles as one graph without inductor's C++ compilation, as the tests do);
             ``"cuda"``: as ``true`` on CUDA devices and eager elsewhere (one config for GPUs and CPUs).
 
-    A training step reads no device value on the host: the checks of every factorisation and of the total's
-    finiteness stay on the device (max-reduced over processes under DDP), where a failure makes the optimizer skip
-    the step's update; they reach the host by an asynchronous copy and are read once the next step is queued, or
-    before a checkpoint is written, so a failed step still ends the run with one line (every process at the same
-    step) and no checkpoint holds it (:mod:`~hfmca_lightning.methods.deferred_checks`). The costs go to the
-    logger every ``log_every_n_steps`` and to the progress bar asynchronously
-    (:class:`~hfmca_lightning.callbacks.CostProgressBar`).
+    Raises:
+        ConfigurationError: when ``views_through_backbone`` is neither ``concat`` nor ``per_view``; there is
+            neither an ``external_head`` nor ``internal_costs``, or only internal costs of weight 0; a
+            ``projector`` or ``external_cost`` is given without an ``external_head``; ``checkpoint_backbone`` is
+            combined with ``internal_costs``; ``backbone_chunk_size`` < 1; ``warmup_epochs`` is negative or not
+            finite; the backbone's, projector's and head's feature sizes disagree; ``compile_costs`` names no
+            ``torch.compile`` backend; or an internal cost layer is not a usable module of the backbone.
+        RuntimeError: when ``internal_costs`` is already attached to a backbone (each module needs its own).
     """
 
     _backbone_forward: Callable[[Tensor], Tensor]  # the backbone or its compiled forward, set in __init__

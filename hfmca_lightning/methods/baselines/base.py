@@ -36,6 +36,22 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
     Subclasses implement :meth:`views_loss` on the list of ``L`` view batches and set ``min_views``. Every update is
     guarded (:mod:`~hfmca_lightning.methods.update_guard`): a step whose loss or gradients are not finite is skipped
     on the device and stops the run a step later with one line, before any checkpoint is written.
+
+    Args:
+        backbone: images ``(N, C, H, W)`` -> features ``(N, D)``, with a ``feature_dim`` attribute (``D``) that
+            sizes the subclasses' heads; its output is also the kNN evaluation's feature.
+        optimizer: builds the optimiser from the module's parameters (the CLI's ``class_path`` / ``init_args``,
+            e.g. ``torch.optim.AdamW`` or ``lightly.utils.lars.LARS``, without the parameters); ``None``: SGD lr 0.06,
+            momentum 0.9, weight decay 5e-4 (:func:`~hfmca_lightning.methods.optim.configure_optimizers`).
+        lr_scheduler: builds the learning-rate schedule from that optimiser (the CLI's ``class_path`` /
+            ``init_args`` without the optimiser); ``None``: cosine annealing to 0 over the run
+            (:func:`~hfmca_lightning.methods.optim.cosine_schedule`). ``ReduceLROnPlateau`` is refused when
+            the optimisers are configured (there is no monitored metric).
+
+    Raises:
+        ConfigurationError: when a subclass's setting is out of range, checked here for every baseline: a
+            ``*_dim`` not a whole number >= 1, ``temperature`` not finite and > 0, ``momentum`` or ``alpha`` outside
+            [0, 1], ``num_matches`` not two counts >= 1.
     """
 
     min_views = 2

@@ -19,7 +19,20 @@ __all__ = ["SimCLR", "MoCo"]
 
 
 class SimCLR(ProjectedPairBaseline):
-    """SimCLR (Chen et al. 2020): NT-Xent between the projections of the first two views."""
+    """SimCLR (Chen et al. 2020): NT-Xent between the projections of the first two views.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
+        hidden_dim: hidden width of lightly's ``SimCLRProjectionHead`` (2 layers, BatchNorm).
+        output_dim: size of the projections the loss compares.
+        temperature: temperature of lightly's ``NTXentLoss`` (> 0; gathered over processes under DDP).
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
+    """
 
     def __init__(
         self,
@@ -44,6 +57,22 @@ class MoCo(MomentumBaseline):
     The memory bank (lightly's ``criterion.memory_bank``: ``bank`` ``(memory_bank_size, output_dim)`` and the write
     position ``bank_ptr``) is no part of the ``state_dict`` (lightly's buffers are not persistent); every checkpoint
     holds it under ``"moco_memory_bank"``, so a resumed run goes on with the keys it had (exact resume).
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its momentum copy is the key encoder.
+        hidden_dim: hidden width of lightly's ``MoCoProjectionHead`` (2 layers, no BatchNorm).
+        output_dim: size of the projections (queries, keys and the memory bank's entries).
+        temperature: temperature of lightly's ``NTXentLoss`` (> 0).
+        memory_bank_size: number of past keys kept as negatives (lightly's ``memory_bank_size``); a resumed
+            checkpoint's bank must have the same size.
+        momentum: start of the key encoder's EMA momentum, raised to 1 on a cosine over the run's steps (lightly's
+            ``cosine_schedule``); in [0, 1].
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
     """
 
     max_views = 2

@@ -36,7 +36,19 @@ class _RedundancyReduction(ProjectedPairBaseline):
 
 
 class BarlowTwins(_RedundancyReduction):
-    """Barlow Twins (Zbontar et al. 2021): cross-correlation of two views' projections pushed to identity."""
+    """Barlow Twins (Zbontar et al. 2021): cross-correlation of two views' projections pushed to identity.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
+        hidden_dim: width of the two hidden layers of lightly's ``BarlowTwinsProjectionHead`` (3 layers, BatchNorm).
+        output_dim: size of the projections lightly's ``BarlowTwinsLoss`` compares.
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
+    """
 
     criterion_class = BarlowTwinsLoss
 
@@ -45,6 +57,17 @@ class VICReg(_RedundancyReduction):
     """VICReg (Bardes et al. 2022): invariance, variance and covariance terms on two views' projections.
 
     lightly ships no separate VICReg head; its VICReg example uses this same 3-layer BN MLP.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
+        hidden_dim: width of the two hidden layers of lightly's ``BarlowTwinsProjectionHead`` (3 layers, BatchNorm).
+        output_dim: size of the projections lightly's ``VICRegLoss`` compares.
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
     """
 
     criterion_class = VICRegLoss
@@ -61,11 +84,24 @@ class VICRegL(SSLBaseline):
     ``L`` views are global views at the data's image size (lightly's example also feeds smaller local crops).
 
     Args:
-        backbone: any backbone with ``feature_dim``.
+        backbone: as :class:`SSLBaseline`; ``local_layer`` is one of its modules.
         local_layer: module name (in ``backbone``) of the local feature map; ``None``: the last residual block.
-        hidden_dim / output_dim: global projection MLP. local_hidden_dim / local_output_dim: local head.
-        alpha: weight of the global loss (``1 - alpha`` local), lightly's default 0.75.
-        num_matches: nearest neighbours kept in the two feature-distance matchings, lightly's (20, 4).
+        hidden_dim: width of the two hidden layers of the global projection MLP (lightly's
+            ``BarlowTwinsProjectionHead``, as :class:`VICReg`).
+        output_dim: size of the global projections.
+        local_hidden_dim: width of the hidden layers of the local head (lightly's ``VicRegLLocalProjectionHead``,
+            applied at each position of the local map).
+        local_output_dim: size of the local projections.
+        alpha: weight of the global loss (``1 - alpha`` local), lightly's default 0.75; in [0, 1].
+        num_matches: nearest neighbours kept in the two feature-distance matchings, lightly's (20, 4); at most
+            the local map's positions.
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`), the backbone has no
+            ``feature_dim``, or ``local_layer`` is not a module of the backbone with a convolution (or is ``None``
+            and the backbone has no residual blocks).
     """
 
     reads_crop_grids = True

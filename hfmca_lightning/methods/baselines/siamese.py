@@ -14,7 +14,22 @@ __all__ = ["BYOL", "SimSiam", "FastSiam"]
 
 
 class BYOL(MomentumBaseline):
-    """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised."""
+    """BYOL (Grill et al. 2020): online network predicts the momentum network's projection, symmetrised.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its momentum copy is the target network's backbone.
+        hidden_dim: hidden width of lightly's ``BYOLProjectionHead`` and ``BYOLPredictionHead``.
+        output_dim: size of the projections and of the predictions (lightly's ``NegativeCosineSimilarity``
+            between them).
+        momentum: start of the target network's EMA momentum, raised to 1 on a cosine over the run's steps
+            (lightly's ``cosine_schedule``); in [0, 1].
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
+    """
 
     max_views = 2
     backbone_names = ("backbone", "momentum_backbone")
@@ -47,7 +62,21 @@ class BYOL(MomentumBaseline):
 
 
 class SimSiam(SSLBaseline):
-    """SimSiam (Chen & He 2021): predictor against the stop-gradient projection of the other view."""
+    """SimSiam (Chen & He 2021): predictor against the stop-gradient projection of the other view.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
+        hidden_dim: hidden width of lightly's ``SimSiamProjectionHead`` (3 layers, BatchNorm).
+        output_dim: size of the projections and of the predictions (lightly's ``NegativeCosineSimilarity``
+            between them).
+        prediction_dim: hidden width of lightly's ``SimSiamPredictionHead`` (the bottleneck of the predictor).
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
+    """
 
     max_views: int | None = 2
 
@@ -77,7 +106,21 @@ class SimSiam(SSLBaseline):
 
 class FastSiam(SimSiam):
     """FastSiam (Pototzky et al. 2022): SimSiam with L views; each view's prediction targets the mean of the
-    other views' stop-gradient projections. Uses all ``L`` views of the batch (the paper: 4)."""
+    other views' stop-gradient projections. Uses all ``L`` views of the batch (the paper: 4), at least 3.
+
+    Args:
+        backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
+        hidden_dim: hidden width of lightly's ``SimSiamProjectionHead`` (3 layers, BatchNorm).
+        output_dim: size of the projections and of the predictions (lightly's ``NegativeCosineSimilarity``
+            between them).
+        prediction_dim: hidden width of lightly's ``SimSiamPredictionHead`` (the bottleneck of the predictor).
+        optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
+        lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
+
+    Raises:
+        ConfigurationError: when a setting is out of range (as :class:`SSLBaseline`) or the backbone has no
+            ``feature_dim``.
+    """
 
     min_views = 3
     max_views = None

@@ -49,8 +49,9 @@ class OfflineSafeWandbLogger(WandbLogger):
 
     Args:
         *args: ``WandbLogger``'s positional arguments.
-        offline: ``True``: log offline; ``False``: online; ``None``: offline when ``WANDB_MODE`` is ``offline`` /
-            ``dryrun`` or no API key is found (unless ``WANDB_MODE=disabled``), else online.
+        offline: ``True``: log offline; ``False``: online (unless ``WANDB_MODE`` says otherwise); ``None``: offline
+            when ``WANDB_MODE`` is ``offline`` / ``dryrun`` or no API key is found (unless ``WANDB_MODE=disabled``),
+            else online.
         init_timeout: the seconds an online start may take (``wandb.Settings(init_timeout=...)``); unused when
             ``settings`` is given.
         **kwargs: ``WandbLogger``'s other arguments (``project``, ``save_dir``, ``settings``, ...).

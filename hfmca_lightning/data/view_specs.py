@@ -180,7 +180,7 @@ class SameClassViews(_Augmented):
     """
 
     def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
-        if UNLABELLED in set(split.targets):
+        if (torch.as_tensor(split.targets) == UNLABELLED).any():
             raise ConfigurationError(
                 "SameClassViews groups images by class, but the training images have no labels", parameter="views"
             )
@@ -192,8 +192,9 @@ class SameClassViews(_Augmented):
 
     def _indices_by_class(self, split: LabelledImages) -> dict[int, Tensor]:
         """Each class's image indices in ``split``, ascending; refused when a class has fewer than ``count``."""
-        classes, counts = torch.as_tensor(split.targets).unique(return_counts=True)
-        groups = torch.as_tensor(split.targets).argsort(stable=True).split(counts.tolist())
+        targets = torch.as_tensor(split.targets)
+        classes, counts = targets.unique(return_counts=True)
+        groups = [group.clone() for group in targets.argsort(stable=True).split(counts.tolist())]  # own storage each
         smallest = int(counts.argmin())
         if counts[smallest] < self.count:
             raise ConfigurationError(

@@ -25,7 +25,8 @@ class SimCLR(ProjectedPairBaseline):
         backbone: as :class:`SSLBaseline`; its ``feature_dim`` is the projection head's input.
         hidden_dim: hidden width of lightly's ``SimCLRProjectionHead`` (2 layers, BatchNorm).
         output_dim: size of the projections the loss compares.
-        temperature: temperature of lightly's ``NTXentLoss`` (> 0; gathered over processes under DDP).
+        temperature: temperature of lightly's ``NTXentLoss``, finite and > 0 (its negatives: every process's
+            projections under DDP).
         optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.
         lr_scheduler: as :class:`SSLBaseline`; ``None``: cosine annealing to 0 over the run.
 
@@ -63,8 +64,8 @@ class MoCo(MomentumBaseline):
         hidden_dim: hidden width of lightly's ``MoCoProjectionHead`` (2 layers, no BatchNorm).
         output_dim: size of the projections (queries, keys and the memory bank's entries).
         temperature: temperature of lightly's ``NTXentLoss`` (> 0).
-        memory_bank_size: number of past keys kept as negatives (lightly's ``memory_bank_size``); a resumed
-            checkpoint's bank must have the same size.
+        memory_bank_size: number of past keys kept as negatives (lightly's ``memory_bank_size``; 0: the batch's
+            other keys only); a resumed checkpoint's bank must have the same size.
         momentum: start of the key encoder's EMA momentum, raised to 1 on a cosine over the run's steps (lightly's
             ``cosine_schedule``); in [0, 1].
         optimizer: as :class:`SSLBaseline`; ``None``: SGD lr 0.06, momentum 0.9, weight decay 5e-4.

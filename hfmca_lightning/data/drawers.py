@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -147,7 +147,7 @@ class SeededDrawer(ViewDrawer):
 
     def __init__(self, output_dtype: OutputDtype, channels_last: bool) -> None:
         super().__init__()
-        check_choice(output_dtype, ("float32", "bfloat16"), "output_dtype", type(self).__name__)
+        check_choice(output_dtype, get_args(OutputDtype), "output_dtype", type(self).__name__)
         self.output_dtype, self.channels_last = output_dtype, channels_last
 
     def _clear(self) -> None:
@@ -191,7 +191,7 @@ class BatchedDrawer(SeededDrawer):
     def __init__(
         self, on: DrawnOn = "workers", output_dtype: OutputDtype = "float32", channels_last: bool = False
     ) -> None:
-        check_choice(on, ("workers", "device"), "on", "BatchedDrawer")
+        check_choice(on, get_args(DrawnOn), "on", "BatchedDrawer")
         super().__init__(output_dtype, channels_last)
         if on == "workers" and (output_dtype != "float32" or channels_last):
             raise ConfigurationError(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -226,8 +225,9 @@ class RandomGaussianBlur(nn.Module):
 
 def view_transforms(spec: ViewAugmentation, mean: PerChannel, std: PerChannel, grid_size: int = 0) -> list[nn.Module]:
     """A :func:`view_transform` per view kind (view ``l``: ``l % len``); ``grid_size > 0``: :class:`ViewWithGrid`."""
-    make = partial(ViewWithGrid, grid_size=grid_size) if grid_size > 0 else view_transform
-    return [make(spec, mean, std, kind) for kind in range(spec.view_kinds)]
+    if grid_size > 0:
+        return [ViewWithGrid(spec, mean, std, kind, grid_size) for kind in range(spec.view_kinds)]
+    return [view_transform(spec, mean, std, view=kind) for kind in range(spec.view_kinds)]
 
 
 def eval_transform(image_size: int, mean: PerChannel, std: PerChannel, resize: int | None = None) -> v2.Compose:

@@ -38,6 +38,7 @@ from hfmca_lightning.cli.paths import check_config_files
 from hfmca_lightning.data import MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError, HFMCAWarning
 from hfmca_lightning.loggers import OfflineSafeWandbLogger, continue_csv_log, rewrite_csv_log_atomically
+from hfmca_lightning.methods.compatibility import check_strategy
 from hfmca_lightning.runtime.checkpoint_io import AtomicCheckpointIO, check_resumable, is_local, read_checkpoint
 from hfmca_lightning.runtime.files import write_text_atomically
 from hfmca_lightning.runtime.ranks import watch_ranks
@@ -303,6 +304,7 @@ class HFMCACLI(LightningCLI):
             raise ConfigurationError(
                 "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only; leave it out for a run on CPUs"
             )
+        check_strategy(self.model, trainer.strategy)  # also in the modules' setup, after processes have started
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         watch_ranks(trainer, failed_exit_status=1)  # the hfmca command's status for a failed run

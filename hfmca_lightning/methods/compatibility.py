@@ -1,4 +1,4 @@
-"""Start-up checks that a backbone fits the data it is given, before any batch is drawn."""
+"""Start-up checks that a module fits the data and the trainer it is given, before any batch is drawn."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
@@ -19,8 +20,11 @@ __all__ = [
     "check_crop_grids",
     "check_feature_sizes",
     "check_image_size",
+    "check_strategy",
     "load_checked_state_dict",
 ]
+
+SHARDED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
 
 
 def check_image_size(backbone: nn.Module, datamodule: Any) -> None:
@@ -74,6 +78,19 @@ def _view_sizes(views: Any, image_size: int) -> list[int]:
     if views is not None and hasattr(views, "groups"):  # MultiCrop's
         return [size for _, size, _ in views.groups(image_size)]
     return [image_size]
+
+
+def check_strategy(module: object, strategy: Strategy) -> None:
+    """A strategy that shards the model (FSDP, DeepSpeed, model parallel) is one clear error before training: its
+    checkpoints are written and read by its own code, past this project's atomic writes, loading without unpickling
+    and architecture check (docs/trust.md), and the costs are tested on one device and under DDP only."""
+    if isinstance(strategy, SHARDED_STRATEGIES):
+        raise ConfigurationError(
+            f"{type(module).__name__} trains on one device or under DDP; {type(strategy).__name__} shards the model, "
+            "and its checkpoints bypass the checks of files from others (docs/trust.md): set trainer.strategy to "
+            "auto or ddp",
+            parameter="strategy",
+        )
 
 
 def check_batch_format(module: object, datamodule: Any) -> None:

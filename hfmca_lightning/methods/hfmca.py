@@ -27,6 +27,7 @@ from hfmca_lightning.methods.compatibility import (
     check_crop_grids,
     check_feature_sizes,
     check_image_size,
+    check_strategy,
     load_checked_state_dict,
 )
 from hfmca_lightning.methods.deferred_checks import (
@@ -345,6 +346,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         return features[0] if len(features) == 1 else torch.cat(features)
 
     def setup(self, stage: str) -> None:
+        check_strategy(self, self.trainer.strategy)
         datamodule = getattr(self.trainer, "datamodule", None)
         check_image_size(self.backbone, datamodule)
         check_batch_format(self, datamodule)

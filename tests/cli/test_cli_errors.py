@@ -122,6 +122,13 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         lambda tmp: {},
         "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only",
     ),
+    # before: ran, its checkpoints written and read by the strategy's own code, past the checks of docs/trust.md
+    (
+        "a strategy that shards the model",
+        lambda tmp, ckpt: [],
+        lambda tmp: {"trainer.strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}},
+        "HFMCAModule trains on one device or under DDP; ModelParallelStrategy shards the model",
+    ),
     (
         "projector output_dim 0",
         lambda tmp, ckpt: ["--model.init_args.projector.init_args.output_dim", "0"],

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import nn
 
 from hfmca_lightning.data import MultiCrop, MultiViewDataModule, SimCLRViews, SyntheticShapes
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.methods import HFMCAModule
-from hfmca_lightning.methods.compatibility import check_feature_sizes, check_image_size
+from hfmca_lightning.methods.baselines import SimCLR
+from hfmca_lightning.methods.compatibility import check_feature_sizes, check_image_size, check_strategy
 from hfmca_lightning.models import GridExternalHead, SmallConvNet, SpectrumCNN
 from tests.helpers import DEMO, quiet_trainer, tiny_overrides
 
@@ -147,3 +155,33 @@ def test_a_linear_projector_by_class_path_is_checked_when_the_cli_builds_the_mod
     overrides = tiny_overrides(tmp_path, **{"model.init_args.projector": linear})
     with pytest.raises(ConfigurationError, match=r"set model.init_args.projector.init_args.in_features to 16"):
         HFMCACLI(args=["--config", str(DEMO), "--config", str(overrides)], run=False)
+
+
+class ShardedBySubclass(FSDPStrategy):
+    """A user's FSDP strategy: Lightning lets a subclass of FSDP run on CPUs."""
+
+
+@pytest.mark.parametrize("strategy", [FSDPStrategy, ShardedBySubclass, DeepSpeedStrategy, ModelParallelStrategy])
+def test_a_strategy_that_shards_the_model_is_refused_and_one_device_or_ddp_is_not(strategy):
+    """FSDP, DeepSpeed and model parallelism write and read their own checkpoints, past the atomic writes, loading
+    without unpickling and the architecture check; the costs are tested on one device and under DDP."""
+    module = object.__new__(HFMCAModule)  # the check reads the module's name only
+    with pytest.raises(ConfigurationError, match=f"{strategy.__name__} shards the model") as error:
+        check_strategy(module, object.__new__(strategy))
+    assert error.value.parameter == "strategy" and "set trainer.strategy to auto or ddp" in str(error.value)
+    check_strategy(module, SingleDeviceStrategy(torch.device("cpu")))
+    check_strategy(module, DDPStrategy())
+
+
+def test_a_baseline_under_a_sharded_strategy_is_refused_before_the_first_step():
+    module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=16, output_dim=8)
+    source = SyntheticShapes(num_classes=2, train_per_class=8, image_size=16)
+    data = MultiViewDataModule(source, batch_size=4, num_workers=0)
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, accelerator="cpu", strategy=ShardedBySubclass())
+    try:
+        with pytest.raises(ConfigurationError, match="SimCLR trains on one device or under DDP; ShardedBySubclass"):
+            trainer.fit(module, data)
+    finally:  # the strategy started its one-process group before the module's setup
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == 0

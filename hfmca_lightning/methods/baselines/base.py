@@ -20,6 +20,7 @@ from hfmca_lightning.methods.compatibility import (
     check_batch_norm_batch_size,
     check_crop_grids,
     check_image_size,
+    check_strategy,
     load_checked_state_dict,
 )
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
@@ -83,6 +84,7 @@ class SSLBaseline(KNNFeatureSteps, LightningModule):
         return int(dim)
 
     def setup(self, stage: str) -> None:
+        check_strategy(self, self.trainer.strategy)
         datamodule = getattr(self.trainer, "datamodule", None)
         check_image_size(self.backbone, datamodule)
         check_batch_format(self, datamodule)

@@ -49,6 +49,7 @@ from hfmca_lightning.callbacks.health import CollapseError
 from hfmca_lightning.cli.config_errors import describe_parser_error
 from hfmca_lightning.cli.paths import describe_os_error
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation.linear import NonFiniteLossError
 from hfmca_lightning.losses.hfmca_cost import CostFactorisationError
 from hfmca_lightning.methods.update_guard import NonFiniteStepError
 from hfmca_lightning.runtime.cpu_memory import keep_freed_memory_for_cpu_runs
@@ -167,7 +168,7 @@ def main(args: list[str] | None = None) -> None:
         _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
         _exit(f"hfmca: error: {_describe_argument_error(str(error))}", EXIT_CONFIGURATION)
-    except (CostFactorisationError, NonFiniteStepError, CollapseError) as error:
+    except (CostFactorisationError, NonFiniteStepError, NonFiniteLossError, CollapseError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
     except OSError as error:  # mid-way: a full disk, a file size limit, a file removed under the command

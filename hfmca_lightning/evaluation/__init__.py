@@ -4,6 +4,7 @@ from hfmca_lightning.evaluation.features import extract_features
 from hfmca_lightning.evaluation.knn import knn_accuracy, knn_grid, knn_predict
 from hfmca_lightning.evaluation.linear import (
     LinearClassifier,
+    NonFiniteLossError,
     class_balanced_subset,
     topk_accuracies,
     train_linear_classifier,
@@ -11,6 +12,7 @@ from hfmca_lightning.evaluation.linear import (
 
 __all__ = [
     "LinearClassifier",
+    "NonFiniteLossError",
     "class_balanced_subset",
     "extract_features",
     "knn_accuracy",

@@ -4,7 +4,8 @@ Pure torch: features in, a trained classifier and top-k accuracies out. The feat
 the training split's mean and standard deviation (the classifier sees the same scale whatever the method; a feature
 constant on the training split is only centred, as scikit-learn's ``StandardScaler`` does), then a linear layer is
 trained by SGD with momentum and a cosine learning-rate schedule on shuffled mini-batches drawn from a seeded
-generator, so two calls with the same arguments give the same classifier.
+generator, so two calls with the same arguments give the same classifier. A loss that turns NaN or Inf (a learning
+rate far too large) stops the training with :class:`NonFiniteLossError`, read once per epoch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-__all__ = ["LinearClassifier", "topk_accuracies", "train_linear_classifier", "class_balanced_subset"]
+__all__ = [
+    "LinearClassifier",
+    "NonFiniteLossError",
+    "class_balanced_subset",
+    "topk_accuracies",
+    "train_linear_classifier",
+]
+
+
+class NonFiniteLossError(RuntimeError):
+    """A classifier's training loss became NaN or Inf: its weights are no longer usable, and no accuracy is given."""
 
 
 @dataclass
@@ -92,6 +103,9 @@ def train_linear_classifier(
 
     SGD (``lr`` scaled by ``batch_size / 256``, Nesterov momentum) with a cosine schedule over
     ``epochs * ceil(N / batch_size)`` steps; cross-entropy loss. Runs on the features' device.
+
+    Raises:
+        NonFiniteLossError: when the loss of a step is NaN or Inf (checked at the end of each epoch: one host read).
     """
     if features.dim() != 2 or features.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -114,13 +128,20 @@ def train_linear_classifier(
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * steps_per_epoch)
     targets = targets.to(features.device)
     with torch.enable_grad():
-        for _ in range(epochs):
+        for epoch in range(epochs):
             order = torch.randperm(features.shape[0], generator=generator).to(features.device)
+            finite = torch.ones((), dtype=torch.bool, device=features.device)
             for batch in order.split(batch_size):
                 loss = F.cross_entropy(linear(standardised[batch]), targets[batch])
+                finite &= torch.isfinite(loss.detach())
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 schedule.step()
+            if not bool(finite):
+                raise NonFiniteLossError(
+                    f"the linear classifier's loss became NaN or Inf in epoch {epoch + 1} of {epochs}: lower the "
+                    f"learning rate (lr {lr:g})"
+                )
     linear.eval()
     return LinearClassifier(mean, std, linear)

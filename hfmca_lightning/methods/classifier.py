@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from hfmca_lightning.errors import ConfigurationError, check_at_least
+from hfmca_lightning.evaluation.linear import NonFiniteLossError
 
 __all__ = ["FineTunedClassifier"]
 
@@ -20,7 +21,9 @@ class FineTunedClassifier(LightningModule):
     """``backbone`` + a linear layer, trained end to end with cross-entropy: the full fine-tuning protocol.
 
     SGD (Nesterov momentum 0.9, ``lr`` scaled by ``batch / 256``) with a cosine schedule over the run;
-    validation logs ``finetune/top1`` and ``finetune/top5`` (torchmetrics, synchronised across processes).
+    validation logs ``finetune/top1`` and ``finetune/top5`` (torchmetrics, synchronised across processes). A training
+    loss that turns NaN or Inf stops the run with :class:`~hfmca_lightning.evaluation.linear.NonFiniteLossError`
+    before the next validation (one host read per epoch), so no accuracy of diverged weights is reported.
 
     Args:
         backbone: ``(N, C, H, W) -> (N, feature_dim)``. feature_dim, num_classes: of the linear layer.
@@ -61,6 +64,7 @@ class FineTunedClassifier(LightningModule):
         self.lr, self.batch_size, self.weight_decay = lr, batch_size, weight_decay
         self.top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self._finite_losses: Tensor | None = None  # whether every training loss since the last check was finite
 
     def forward(self, images: Tensor) -> Tensor:
         return self.classifier(self.backbone(images))
@@ -68,8 +72,24 @@ class FineTunedClassifier(LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         images, targets = batch
         loss = F.cross_entropy(self(images), targets)
+        finite = torch.isfinite(loss.detach())
+        self._finite_losses = finite if self._finite_losses is None else self._finite_losses & finite
         self.log("finetune/train_loss", loss, prog_bar=True)
         return loss
+
+    def on_validation_start(self) -> None:
+        self._check_losses()
+
+    def on_train_end(self) -> None:
+        self._check_losses()
+
+    def _check_losses(self) -> None:
+        finite, self._finite_losses = self._finite_losses, None
+        if finite is not None and not bool(finite):
+            raise NonFiniteLossError(
+                f"fine-tuning stopped in epoch {self.current_epoch + 1}: the training loss became NaN or Inf; lower "
+                f"the learning rate (lr {self.lr:g})"
+            )
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, targets = batch

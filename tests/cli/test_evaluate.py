@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,27 @@ def test_finetuning_runs_on_the_device_named(simclr_run, monkeypatch, device, ex
     module, datamodule = load_run(simclr_run)
     with pytest.raises(Stop):
         evaluate._finetune(module, datamodule, torch.arange(8), epochs=1, lr=0.05, seed=0, device=device)
+
+
+@pytest.mark.parametrize(
+    ("protocol", "lr", "expected"),
+    [
+        ([], "1e38", r"the linear classifier's loss became NaN or Inf in epoch [12] of 2: lower the learning rate"),
+        (["--finetune"], "1e30", r"fine-tuning stopped in epoch [12]: the training loss became NaN or Inf; lower the"),
+    ],
+)
+def test_a_diverging_classifier_stops_with_one_line_and_writes_no_accuracy(
+    simclr_run, tmp_path, capsys, protocol, lr, expected
+):
+    """Before: the chance accuracy of NaN weights was printed and written, with exit status 0."""
+    out = tmp_path / "diverged"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), *protocol, "--epochs", "2", "--lr", lr])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 1, captured
+    assert re.match(f"hfmca: error: {expected}", captured.err.splitlines()[-1]), captured.err
+    assert "Traceback" not in captured.err and "top-1" not in captured.out
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_bad_label_fraction_is_one_line(simclr_run, capsys):

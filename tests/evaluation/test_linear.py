@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hfmca_lightning.evaluation import class_balanced_subset, topk_accuracies, train_linear_classifier
+from hfmca_lightning.evaluation import (
+    NonFiniteLossError,
+    class_balanced_subset,
+    topk_accuracies,
+    train_linear_classifier,
+)
 
 
 def test_topk_accuracies_match_a_plain_count():
@@ -67,3 +73,13 @@ def test_a_feature_constant_in_training_is_not_magnified_at_test():
     predictions = classifier.logits(test).argmax(1)
     assert torch.equal(predictions, classifier.logits(zeroed).argmax(1))
     assert topk_accuracies(classifier.logits(test), test_targets, 4)[1] > 0.95
+
+
+def test_a_loss_that_turns_nan_stops_the_training_naming_the_epoch():
+    """A learning rate far too large made every weight NaN, and the classifier still gave (chance) accuracies."""
+    generator = torch.Generator().manual_seed(0)
+    features, targets = torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+    with pytest.raises(NonFiniteLossError, match=r"loss became NaN or Inf in epoch [1-3] of 3: lower the learning"):
+        train_linear_classifier(features, targets, 4, epochs=3, batch_size=256, lr=3e38)  # float32 overflows at once
+    classifier = train_linear_classifier(features, targets, 4, epochs=3, batch_size=16, lr=10.0)  # large, finite
+    assert torch.isfinite(classifier.linear.weight).all()

@@ -61,7 +61,7 @@ EXIT_CONFIGURATION, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SIGTERM = 2, 1, 128 + 2,
 ANALYSIS_COMMANDS = ("analyze", "compare")
 EVALUATION_COMMANDS = ("linear", "knn")
 LIGHTNING_COMMANDS = ("fit", "validate", "test")  # run by LightningCLI
-COMMANDS = (*LIGHTNING_COMMANDS, "predict", *ANALYSIS_COMMANDS, *EVALUATION_COMMANDS, "export", "dashboard")
+COMMANDS = (*LIGHTNING_COMMANDS, *ANALYSIS_COMMANDS, *EVALUATION_COMMANDS, "export", "dashboard")
 PACKAGE = "hfmca_lightning"
 _NO_SUBCOMMAND = re.compile(r'^expected "subcommand" to be one of .* but it was not provided')
 _INVALID_SUBCOMMAND = re.compile(r"^argument subcommand: invalid choice: '([^']*)'")
@@ -205,6 +205,11 @@ def _unknown_command(command: str) -> str:
     after = " (`hfmca <command> --help` lists its options; `hfmca --version` the version)."
     if not command:
         return f"no command given; {usage}{after}"
+    if command == "predict":  # Lightning's; no module of the package predicts
+        return (
+            "hfmca has no predict command: `hfmca export --ckpt_path <checkpoint> --out <folder> --embeddings train "
+            "test` writes the backbone's features and the labels of each split (embeddings_<split>.npz)"
+        )
     close = difflib.get_close_matches(command, COMMANDS, n=1)
     hint = f"; did you mean {close[0]}?" if close else "."
     return f"unknown command {command!r}{hint} Commands: {', '.join(COMMANDS)}{after}"

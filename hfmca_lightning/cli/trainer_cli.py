@@ -46,7 +46,7 @@ from hfmca_lightning.runtime.run_lock import RunFolderLock
 
 __all__ = ["HFMCACLI", "AtomicSaveConfig", "checkpoint_folders", "newest_last_checkpoint"]
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate", "test")  # not Lightning's predict: no module of the package predicts
 NAMED_CHECKPOINTS = ("last", "best", "hpc")
 # Trainer options where an integer is a count (of batches or steps) and a number with a decimal point a fraction.
 INT_OR_FRACTION = (
@@ -236,6 +236,11 @@ class HFMCACLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands but ``predict`` (:data:`SUBCOMMANDS`)."""
+        return {name: skipped for name, skipped in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for action in parser._actions:

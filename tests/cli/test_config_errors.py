@@ -14,7 +14,7 @@ from tests.helpers import DEMO, HFMCA, tiny_overrides
 
 ADAM_KEYS = "lr, betas, eps, weight_decay, amsgrad"
 STEP_LR = ["--model.init_args.lr_scheduler", "torch.optim.lr_scheduler.StepLR"]
-COMMANDS = "fit, validate, test, predict, analyze, compare, linear, knn, export, dashboard"
+COMMANDS = "fit, validate, test, analyze, compare, linear, knn, export, dashboard"
 
 # (case, extra command-line args, config changes, the one error line's text)
 CASES: list[tuple[str, list[str], dict, str]] = [
@@ -112,6 +112,17 @@ def test_a_missing_or_unknown_command_lists_every_command(args, expected, capsys
     lines = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
     assert len(lines) == 1 and expected in lines[0] and COMMANDS in lines[0], err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_predict_which_no_module_implements_points_to_the_embeddings_export(capsys):
+    """Before: listed among the commands, and Lightning's "`predict_dataloader` must be implemented" after start-up."""
+    for args in (["predict", "--config", str(DEMO)], ["--config", str(DEMO), "predict"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("hfmca: error: hfmca has no predict command: `hfmca export --ckpt_path <checkpo"), err
+        assert "--embeddings train test" in err
 
 
 def test_version_prints_the_package_version(capsys):

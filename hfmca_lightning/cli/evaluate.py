@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,10 @@ def frozen_linear_accuracy(
     return topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, datamodule.num_classes)
 
 
+def _warn(message: str) -> None:
+    print(f"hfmca: warning: {message}", file=sys.stderr)
+
+
 def linear_name(finetune: bool, label_fraction: float) -> str:
     """The files' name of a linear or fine-tuning evaluation: ``linear`` / ``finetune``, with the share of the labels
     below 100 % (``linear_1pct``), so the semi-supervised protocols of one run sit side by side."""
@@ -141,6 +146,15 @@ def linear_evaluation(
     train_split, test_split = labelled_splits(datamodule)
     train_targets = torch.as_tensor(train_split.targets)
     subset = class_balanced_subset(train_targets, label_fraction, seed)
+    used_fraction = len(subset) / len(train_targets)
+    per_class = torch.unique(train_targets, return_counts=True)[1].tolist()
+    short = sum(1 for count in per_class if round(label_fraction * count) < 1)  # class_balanced_subset takes one
+    if short:
+        _warn(
+            f"label_fraction {label_fraction:g} gives no image of {short} of the {len(per_class)} classes, so one of "
+            f"each is taken: {len(subset)} of {len(train_targets)} labelled images ({100 * used_fraction:.3g} %) "
+            "train the classifier"
+        )
     seed_everything(seed, verbose=False)
     if finetune:
         top = _finetune(module, datamodule, subset, epochs=epochs, lr=lr, seed=seed, device=device)
@@ -153,6 +167,7 @@ def linear_evaluation(
         "method": type(module).__name__,
         "protocol": "full fine-tuning" if finetune else "linear classifier on frozen features",
         "label_fraction": label_fraction,
+        "label_fraction_used": used_fraction,
         "train_samples": len(subset),
         "test_samples": len(test_split),
         "epochs": epochs,
@@ -238,6 +253,14 @@ def knn_evaluation(
     module, datamodule = load_run(ckpt_path, config_path)
     features = split_features(module, datamodule, device or default_device())
     (bank, bank_targets), (queries, query_targets) = features[BANK], features[QUERIES]
+    beyond = sorted({k for k in ks if k > len(bank)})
+    if beyond:
+        listed = ", ".join(f"k={k}" for k in beyond)
+        bank_size = len(bank)
+        _warn(
+            f"{listed} is more than the {bank_size} images of the kNN bank: voted with the whole bank, reported "
+            f"as k={bank_size}"
+        )
     rows = knn_grid(queries, query_targets, bank, bank_targets, datamodule.num_classes, ks, temperatures)
     result = {
         "checkpoint": str(ckpt_path),

@@ -197,6 +197,10 @@ def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_p
         (5, 0.07), (5, 0.1), (20, 0.07), (20, 0.1), (32, 0.07), (32, 0.1)
     ]  # fmt: skip
     assert (result["bank"], result["queries"]) == (32, 12)
+    printed = capsys.readouterr()
+    assert printed.err.splitlines()[-1] == (
+        "hfmca: warning: k=200 is more than the 32 images of the kNN bank: voted with the whole bank, reported as k=32"
+    )
     table = (out / "knn.md").read_text()
     assert "| k | t = 0.07 | t = 0.1 |" in table and table.count("\n| 5 |") == 1
     assert table.count("\n| 32 | ") == 1 and "| 200 |" not in table
@@ -207,13 +211,15 @@ def test_knn_grid_equals_the_callback_at_its_k_and_temperature(simclr_run, tmp_p
     callback_top1 = trainer.validate(module, datamodule, verbose=False)[0]["knn/top1"]
     # the same neighbours and votes: the same count of correct queries over 12 (the callback logs it as float32)
     assert result["results"][3]["top1"] == pytest.approx(callback_top1, abs=FLOAT32_UNIT)
-    assert f"top-1 {100 * callback_top1:.2f} %" in capsys.readouterr().out
+    assert f"top-1 {100 * callback_top1:.2f} %" in printed.out
 
 
 def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(simclr_run, tmp_path, capsys):
     out = tmp_path / "linear"
     main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--epochs", "20", "--label_fraction", "0.25"])
-    assert "linear classifier on frozen features, 25% of the labels: top-1" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "linear classifier on frozen features, 25% of the labels: top-1" in captured.out
+    assert "warning" not in captured.err  # 2 of each class's 8 images
     assert sorted(path.name for path in out.iterdir()) == ["linear_25pct.json", "linear_25pct.md"]
     result = json.loads((out / "linear_25pct.json").read_text())
     assert result["train_samples"] == 8 and result["test_samples"] == 12  # 2 of 8 per class; 4 classes x 3 test images
@@ -233,6 +239,18 @@ def test_linear_evaluation_writes_json_and_markdown_and_uses_the_label_fraction(
         ]
     )
     assert json.loads((tmp_path / "again" / "linear_25pct.json").read_text())["top1"] == result["top1"]  # seeded
+
+
+def test_a_label_fraction_below_one_image_per_class_warns_with_the_share_used(simclr_run, tmp_path, capsys):
+    """5 % of 8 images per class rounds to none: one of each class is taken, and that is said (4 of 32: 12.5 %)."""
+    out = tmp_path / "linear"
+    main(["linear", "--ckpt_path", str(simclr_run), "--out", str(out), "--epochs", "1", "--label_fraction", "0.05"])
+    assert (
+        "hfmca: warning: label_fraction 0.05 gives no image of 4 of the 4 classes, so one of each is taken: 4 of 32 "
+        "labelled images (12.5 %) train the classifier"
+    ) in capsys.readouterr().err
+    result = json.loads((out / "linear_5pct.json").read_text())
+    assert (result["label_fraction"], result["label_fraction_used"], result["train_samples"]) == (0.05, 0.125, 4)
 
 
 def test_finetuning_reports_test_accuracy(simclr_run, tmp_path):

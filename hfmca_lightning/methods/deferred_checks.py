@@ -27,6 +27,7 @@ __all__ = [
     "SkipUpdateIfFailed",
     "copy_to_host",
     "nonfinite_gradients",
+    "training_stopped_at",
 ]
 
 
@@ -51,6 +52,12 @@ class _Pending:
     host: Tensor
     event: Any
     gradient_flag: bool
+
+
+def training_stopped_at(step: int, epoch: int) -> str:
+    """Where a failed step stopped training, as the user reads it elsewhere: the epoch counted from 1, as the progress
+    lines count it, and from 0, as checkpoint names (``epoch=0-step=5.ckpt``) and Lightning's bar count it."""
+    return f"training stopped at step {step}, in epoch {epoch + 1} (epoch={epoch} in checkpoint names)"
 
 
 def nonfinite_gradients(optimizer: Optimizer) -> Tensor | None:

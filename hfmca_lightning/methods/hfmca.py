@@ -35,6 +35,7 @@ from hfmca_lightning.methods.deferred_checks import (
     NonFiniteStepError,
     SkipUpdateIfFailed,
     nonfinite_gradients,
+    training_stopped_at,
 )
 from hfmca_lightning.methods.evaluation_steps import KNNFeatureSteps
 from hfmca_lightning.methods.internal_costs import InternalCosts
@@ -546,7 +547,7 @@ class HFMCAModule(KNNFeatureSteps, LightningModule):
         step: int, epoch: int, error: CostFactorisationError | NonFiniteStepError
     ) -> CostFactorisationError | NonFiniteStepError:
         return type(error)(
-            f"training stopped at step {step} (epoch {epoch}): {error}. "
+            f"{training_stopped_at(step, epoch)}: {error}. "
             "Checkpoints written before this step are intact: resume from one with a lower learning rate "
             "or a larger `reg`."
         )

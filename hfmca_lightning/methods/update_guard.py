@@ -23,6 +23,7 @@ from hfmca_lightning.methods.deferred_checks import (
     SkipUpdateIfFailed,
     copy_to_host,
     nonfinite_gradients,
+    training_stopped_at,
 )
 
 __all__ = ["NonFiniteStepError", "NonFiniteUpdateGuard", "raise_if_a_step_failed_in"]
@@ -86,7 +87,7 @@ class NonFiniteUpdateGuard:
         if failure is not None:
             self._failed_at = step, epoch = failure
             raise NonFiniteStepError(
-                f"training stopped at step {step} (epoch {epoch}): {self.method}'s loss or gradients are not finite "
+                f"{training_stopped_at(step, epoch)}: {self.method}'s loss or gradients are not finite "
                 "(NaN or Inf) and its update was skipped. Checkpoints written before this step are intact: resume "
                 "from one with a lower learning rate."
             )

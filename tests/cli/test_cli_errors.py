@@ -501,7 +501,10 @@ def test_a_nan_mid_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(tm
     err = capsys.readouterr().err
     assert exit_info.value.code == 1
     [line] = [line for line in err.splitlines() if line.startswith("hfmca: error: ")]
-    assert "training stopped at step 5 (epoch 1): HFMCA cost 'external'" in line and "Traceback" not in err
+    assert (
+        "training stopped at step 5, in epoch 2 (epoch=1 in checkpoint names): HFMCA cost 'external'" in line
+        and "Traceback" not in err
+    )
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 4
     assert all(torch.isfinite(value).all() for value in last["state_dict"].values() if value.is_floating_point())
@@ -538,7 +541,10 @@ def test_a_nan_on_one_ddp_process_stops_both_with_one_line_and_keeps_the_last_go
     assert result.returncode == 1, result.stdout[-3000:]
     errors = [line for line in result.stdout.splitlines() if line.startswith("hfmca: error: ")]
     assert len(errors) == 1, result.stdout[-3000:]
-    assert "training stopped at step 5 (epoch 2): HFMCA cost 'external'" in errors[0] and "NaN or Inf" in errors[0]
+    assert (
+        "training stopped at step 5, in epoch 3 (epoch=2 in checkpoint names): HFMCA cost 'external'" in errors[0]
+        and "NaN or Inf" in errors[0]
+    )
     assert "Traceback" not in result.stdout
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 4

@@ -127,7 +127,10 @@ def test_a_failed_step_is_skipped_and_stops_the_run_one_step_later(fused):
     data = MultiViewDataModule(source, views=SimCLRViews(count=4), batch_size=4, num_workers=0)
     poison = PoisonBatchAt(step=3)
     trainer = quiet_trainer(max_steps=8, limit_val_batches=0, callbacks=[poison], accelerator="cpu")
-    with pytest.raises(CostFactorisationError, match=r"^training stopped at step 3 \(epoch 0\): HFMCA cost") as error:
+    with pytest.raises(
+        CostFactorisationError,
+        match=r"^training stopped at step 3, in epoch 1 \(epoch=0 in checkpoint names\): HFMCA cost",
+    ) as error:
         trainer.fit(module, data)
     assert "NaN or Inf" in str(error.value)
     assert poison.steps_started == [0, 1, 2, 3, 4]
@@ -152,7 +155,10 @@ def test_a_nan_gradient_of_a_finite_cost_is_skipped_and_every_checkpoint_on_disk
         accelerator="cpu",
         enable_checkpointing=True,
     )
-    with pytest.raises(NonFiniteStepError, match=r"^training stopped at step 3 \(epoch 0\): the gradients are not"):
+    with pytest.raises(
+        NonFiniteStepError,
+        match=r"^training stopped at step 3, in epoch 1 \(epoch=0 in checkpoint names\): the gradients are not",
+    ):
         trainer.fit(module, data)
     files = sorted(tmp_path.glob("*.ckpt"))
     for path in files:

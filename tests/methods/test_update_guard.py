@@ -90,5 +90,8 @@ def test_the_guard_skips_a_non_finite_update_and_passes_large_finite_float16_gra
     poisoned[7] = float("nan")
     step(poisoned)
     assert torch.equal(weights.detach(), before)
-    with pytest.raises(NonFiniteStepError, match=r"training stopped at step 0 \(epoch 0\): Method's loss or gradients"):
+    with pytest.raises(
+        NonFiniteStepError,
+        match=r"training stopped at step 0, in epoch 1 \(epoch=0 in checkpoint names\): Method's loss or gradients",
+    ):
         guard.raise_if_a_step_failed()

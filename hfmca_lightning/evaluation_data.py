@@ -79,8 +79,10 @@ def figure_images(
     indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target]
     if not indices:
         which = f" of class {target}" if target is not None else ""
+        classes = sorted({label for label in split.targets if label >= 0})  # UNLABELLED: -1
+        present = f", of classes {classes[0]} to {classes[-1]}" if classes else ""
         raise ConfigurationError(
-            f"the evaluation split has no images{which} from index {start} on ({len(split)} images)"
+            f"the evaluation split has no images{which} from index {start} on ({len(split)} images{present})"
         )
     items = [dataset.labelled_image(index) for index in _classes_in_turn(indices, split.targets)[:count]]
     return torch.stack([image for image, _ in items]), torch.tensor([label for _, label in items])

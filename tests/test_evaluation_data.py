@@ -134,7 +134,10 @@ def test_figure_images_are_unaugmented_test_images_of_a_class_from_an_index():
     assert targets.tolist() == [2] * len(indices) and len(indices) == 2  # fewer than asked: all there are
     expected = torch.stack([module.eval_transform(test[index][0]) for index in indices])
     torch.testing.assert_close(images, expected, rtol=0, atol=0)
-    with pytest.raises(ConfigurationError, match="the evaluation split has no images of class 7 from index 0 on"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^the evaluation split has no images of class 7 from index 0 on \(6 images, of classes 0 to 2\)$",
+    ):
         figure_images(module, 3, target=7)
 
 

@@ -65,6 +65,7 @@ COMMANDS = (*LIGHTNING_COMMANDS, *ANALYSIS_COMMANDS, *EVALUATION_COMMANDS, "expo
 PACKAGE = "hfmca_lightning"
 _NO_SUBCOMMAND = re.compile(r'^expected "subcommand" to be one of .* but it was not provided')
 _INVALID_SUBCOMMAND = re.compile(r"^argument subcommand: invalid choice: '([^']*)'")
+_NO_MODEL_OR_DATA = re.compile(r"^the following arguments are required: (\w+)\.(?:data|model)\b")
 
 
 _RESEND_AFTER_S = 0.05  # a signal Python dropped is sent again once the code that dropped it has returned
@@ -221,6 +222,11 @@ def _describe_argument_error(message: str) -> str:
         return _unknown_command("")
     if match := _INVALID_SUBCOMMAND.match(message):
         return _unknown_command(match.group(1))
+    if match := _NO_MODEL_OR_DATA.match(message):  # no --config given
+        return (
+            f"{message.strip()}: give the run's config, hfmca {match.group(1)} --config configs/demo.yaml (or one of "
+            "configs/), or the model and data with --model and --data"
+        )
     return describe_parser_error(message)
 
 

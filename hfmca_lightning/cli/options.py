@@ -4,8 +4,10 @@ error before any work, not an error from inside torch or Lightning after it."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
-from typing import NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -31,6 +33,22 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("hfmca").strip()
         raise ConfigurationError(f"{command + ': ' if command else ''}{message} (see `{self.prog} --help`)")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but an option the chosen sub-command does not take is that sub-command's error, with the
+        closest option it takes (argparse reports it from the top parser, with no hint)."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None):
+                    parser = action.choices[getattr(parsed, action.dest)]
+            taken = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
+            given = unknown[0].split("=")[0]
+            close = difflib.get_close_matches(given.lstrip("-"), taken, n=1) if given.startswith("--") else []
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        return parsed
 
 
 def _integer(value: str) -> int:

@@ -297,7 +297,8 @@ class HFMCACLI(LightningCLI):
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as error:  # an accelerator whose package is missing, ...
-            raise ConfigurationError(f"trainer: {error}") from None
+            hint = " (no GPU is visible to this process: set trainer.accelerator to cpu or auto)"
+            raise ConfigurationError(f"trainer: {error}{hint if 'gpu backend' in str(error) else ''}") from None
         except RuntimeError as error:
             if not str(error).startswith("Found more than one stateful callback"):
                 raise

@@ -8,6 +8,7 @@ import subprocess
 from importlib.metadata import version
 
 import pytest
+import torch
 
 from hfmca_lightning.cli import main
 from tests.helpers import DEMO, HFMCA, tiny_overrides
@@ -123,6 +124,28 @@ def test_predict_which_no_module_implements_points_to_the_embeddings_export(caps
         assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert err.startswith("hfmca: error: hfmca has no predict command: `hfmca export --ckpt_path <checkpo"), err
         assert "--embeddings train test" in err
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_run_without_a_config_says_to_give_one(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--trainer.max_steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == (
+        f"hfmca: error: the following arguments are required: {command}.data, {command}.model: give the run's "
+        f"config, hfmca {command} --config configs/demo.yaml (or one of configs/), or the model and data with --model "
+        "and --data"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_asked_for_on_a_machine_without_one_says_what_to_set(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(DEMO), "--config", str(tiny_overrides(tmp_path)), "--trainer.accelerator", "gpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip().endswith("(no GPU is visible to this process: set trainer.accelerator to cpu or auto)"), err
 
 
 def test_version_prints_the_package_version(capsys):

@@ -60,10 +60,21 @@ def test_an_option_out_of_its_range_is_a_usage_error_before_any_work(
     [
         (["knn"], "knn: the following arguments are required: --ckpt_path"),
         (["export", "--ckpt_path", NO_CHECKPOINT], "export: the following arguments are required: --out"),
-        (["analyze", "--ckpt_path", NO_CHECKPOINT, "--out", "a", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+        (
+            ["analyze", "--ckpt_path", NO_CHECKPOINT, "--out", "a", "--bogus", "1"],
+            "analyze: unrecognized arguments: --bogus 1 (see `hfmca analyze --help`)",
+        ),
+        (
+            ["knn", "--ckpt_path", NO_CHECKPOINT, "--temprature", "0.1"],
+            "knn: unrecognized arguments: --temprature 0.1; did you mean --temperature? (see `hfmca knn --help`)",
+        ),
+        (
+            ["export", "--ckpt_path", NO_CHECKPOINT, "--out", "e", "--embedings"],
+            "export: unrecognized arguments: --embedings; did you mean --embeddings? (see `hfmca export --help`)",
+        ),
         (["dashboard", "--entity"], "dashboard: argument --entity: expected one argument"),
     ],
-    ids=["knn without --ckpt_path", "export without --out", "analyze --bogus", "dashboard --entity"],
+    ids=["knn without --ckpt_path", "export without --out", "analyze --bogus", "knn typo", "export typo", "dashboard"],
 )
 def test_a_command_line_mistake_is_one_line(arguments: list[str], message: str, tmp_path: Path, monkeypatch, capsys):
     """Every command's parser, as ``hfmca fit``'s: one line ``hfmca: error: ...``, exit status 2, no usage text."""

@@ -198,6 +198,13 @@ class ImageFolderSource(ImageSource):
                     f"image folder split not found: looked for {self.root / split}. Expected the layout "
                     f"{self.root}/{{{','.join(splits)}}}/<class name>/<image file>."
                 )
+        if len({os.path.realpath(self.root / split) for split in splits}) < len(splits):  # a link to the other
+            raise ConfigurationError(
+                f"ImageFolderSource: {self.root / str(self.test_dir)} is the training split's folder "
+                f"{os.path.realpath(self.root / self.train_dir)} (a link): kNN and probes would score the training "
+                "images against themselves; name the held-out split, or null for none",
+                parameter="test_dir",
+            )
 
     def split(self, train: bool) -> FolderImages:
         if train not in self._splits:

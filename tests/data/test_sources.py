@@ -1,6 +1,7 @@
 import os
 import pickle
 import re
+import shutil
 import signal
 import struct
 import time
@@ -272,6 +273,18 @@ def test_an_image_over_pils_size_limit_is_an_unreadable_image_named_or_skipped(t
             with pytest.warns(UserWarning, match=r"skipping unreadable image .*huge\.bmp"):
                 image, _ = train[index]
             assert torch.equal(image, train[(index + 1) % len(train)][0])
+
+
+@pytest.mark.parametrize("link", ["test", "val"])
+def test_a_test_split_that_links_to_the_training_split_is_one_line(tmp_path, link):
+    """``test -> train`` passed the check of the names, and kNN scored the training images against themselves."""
+    root = write_image_folder(tmp_path / "images", per_class=2)
+    shutil.rmtree(root / "test")
+    (root / link).symlink_to("train")
+    source = ImageFolderSource(str(root), test_dir=link, image_size=32)
+    with pytest.raises(ConfigurationError, match=f"ImageFolderSource: {re.escape(str(root / link))} is the training "):
+        source.prepare()
+    ImageFolderSource(str(root), test_dir=None, image_size=32).prepare()  # training alone: fine
 
 
 def test_an_image_in_two_class_folders_is_kept_in_the_first_and_a_class_of_none_of_its_own_is_one_line(tmp_path):

@@ -165,8 +165,8 @@ class SingleView(_Augmented):
 
 
 class SameClassViews(_Augmented):
-    """``count`` different images of one class per sample, each a SimCLR view (supervised scenario; all strengths 0:
-    plain images). The training images need labels, at least ``count`` per class.
+    """``count`` different images of one class per sample, each a SimCLR view (supervised scenario; all strengths 0 and
+    no flips: plain images). The training images need labels, at least ``count`` per class.
 
     Args:
         count: images per group.
@@ -281,6 +281,19 @@ class MultiCrop(_Augmented):
     def global_views(self) -> int:
         return self.global_crops
 
+    def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
+        """Refuse local crops larger than the global ones; warn when crops are larger than the source's images."""
+        sizes = [size for _, size, _ in self.groups(image_size)]  # global first
+        if len(sizes) == 2 and sizes[1] > sizes[0]:
+            raise ConfigurationError(
+                f"MultiCrop: the local crops ({sizes[1]} px) are larger than the global ones ({sizes[0]} px); "
+                "local crops are an image's small views: make local_size at most global_size",
+                parameter="local_size",
+            )
+        if (largest := max(sizes)) > image_size:
+            remedy = f"make global_size and local_size at most {image_size}"
+            _warn_larger_views(f"MultiCrop makes {largest}-px crops", image_size, remedy)
+
     def groups(self, image_size: int) -> list[tuple[int, int, tuple[float, float]]]:
         """``(count, size, scale)`` of each non-empty group, global first, for a source of ``image_size`` pixels."""
         global_group = (self.global_crops, self.global_size or image_size, self.global_scale)
@@ -333,17 +346,32 @@ class TransformViews(ViewSpec):
     def check_split(self, split: LabelledImages, image_size: int, seed: int) -> None:
         """Count the views the transform makes of the first image; warn when they are larger than the source's."""
         groups = self.dataset(split, 0, ((), ()))[(0, seed)][0]
+        shapes = [tuple(group.shape[1:]) for group in groups if group.dim() != 4 or group.shape[1] != 3]
+        if shapes:  # else the backbone's first layer fails at the first step
+            raise ConfigurationError(
+                f"TransformViews: the views of the first image have shape {shapes[0]}; give (3, H, W) RGB view "
+                "tensors, as the source's images and the evaluation images are",
+                parameter="views",
+            )
         self._counted_views, (height, width) = sum(len(group) for group in groups), groups[0].shape[-2:]
         if max(height, width) > image_size:  # lightly's 224 px on CIFAR, say
-            rank_zero_warn(
-                f"the views transform makes {height}x{width} views of the source's {image_size}-px images, which kNN, "
-                f"probes and analysis read at {image_size} px, normalised with the source's mean and std; give the "
-                f"transform that size (lightly: input_size={image_size}) and normalisation",
-                category=HFMCAWarning,
+            _warn_larger_views(
+                f"the views transform makes {height}x{width} views",
+                image_size,
+                f"give the transform that size (lightly: input_size={image_size}) and the source's normalisation",
             )
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
         return SeededViews(split, partial(_transformed_views, self.transform))
+
+
+def _warn_larger_views(views: str, image_size: int, remedy: str) -> None:
+    """One warning for views larger than the source's images (upsampled in training, unlike every evaluation)."""
+    rank_zero_warn(
+        f"{views} of the source's {image_size}-px images, which kNN, probes and analysis read at {image_size} px, "
+        f"normalised with the source's mean and std; {remedy}",
+        category=HFMCAWarning,
+    )
 
 
 def _transformed_views(transform: Callable[[Any], Any], split: LabelledImages, index: int, seed: int) -> DrawnViews:

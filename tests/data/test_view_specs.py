@@ -5,6 +5,7 @@ and lightly transforms counted on the first sample and seeded from each sample's
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -268,6 +269,20 @@ def test_a_transform_that_gives_no_list_of_views_is_one_line():
         module.setup()
 
 
+@pytest.mark.parametrize(
+    ("view", "shape"), [(torch.zeros(1, 16, 16), "(1, 16, 16)"), (torch.zeros(1, 3, 16, 16), "(1, 3, 16, 16)")]
+)
+def test_a_transform_whose_views_are_not_rgb_images_is_one_line_before_training(view, shape):
+    """Greyscale views failed in the backbone's first convolution at the first step, batched ones in the module's
+    shape check; both were drawn without a word when the data module was set up."""
+    module = data(lambda image: [view, view])
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"^TransformViews: the views of the first image have shape {re.escape(shape)}; give \(3, H, W\) RGB",
+    ):
+        module.setup()
+
+
 def test_a_transform_whose_views_differ_between_images_is_one_line_not_a_cut_batch():
     """Two 16-px views, plus two 8-px ones for some images: stacking would keep the first group only."""
 
@@ -318,3 +333,14 @@ def test_a_transform_whose_views_are_larger_than_the_sources_images_is_a_warning
         data(SimCLRTransform()).setup("fit")
     data(SimCLRTransform(input_size=32)).setup("fit")  # HFMCAWarning is an error here
     data(TransformViews(lambda image: [torch.zeros(3, 8, 8)] * 3)).setup("fit")
+
+
+def test_multicrop_crops_larger_than_the_images_warn_and_local_crops_larger_than_global_are_one_line():
+    """Both were drawn without a word; a transform's views larger than the images already warned."""
+    with pytest.warns(HFMCAWarning, match=r"^MultiCrop makes 64-px crops of the source's 32-px images.*at most 32$"):
+        data(MultiCrop(global_crops=2, local_crops=0, global_size=64)).setup("fit")
+    with pytest.raises(
+        ConfigurationError, match=r"^MultiCrop: the local crops \(48 px\) are larger than the global ones \(32 px\)"
+    ):
+        data(MultiCrop(global_crops=2, local_crops=2, local_size=48)).setup("fit")
+    data(MultiCrop(global_crops=2, local_crops=2, local_size=32)).setup("fit")  # equal sizes: no warning

@@ -290,9 +290,11 @@ def _original_message(error: BaseException) -> str:
     text = str(error)
     if "Original Traceback" not in text:
         return text
-    prefix = f"{type(error).__name__}: "
-    lines = [line for line in text.splitlines() if line.startswith(prefix)]
-    return lines[-1][len(prefix) :] if lines else text.strip().splitlines()[-1]
+    kind = type(error)
+    prefixes = (f"{kind.__module__}.{kind.__qualname__}: ", f"{kind.__name__}: ")  # as tracebacks name it
+    lines = [line.removeprefix(prefixes[0]).removeprefix(prefixes[1]) for line in text.splitlines()]
+    found = [line for line, raw in zip(lines, text.splitlines()) if line != raw]
+    return found[-1] if found else text.strip().splitlines()[-1]
 
 
 def _distributed() -> bool:

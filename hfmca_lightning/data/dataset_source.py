@@ -123,8 +123,9 @@ class DatasetImages(LabelledImages):
     def _pair(self, index: int) -> tuple[Any, Any]:
         sample = self.dataset[index]
         if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            what = f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""
             raise ConfigurationError(
-                f"{type(self.dataset).__name__}[{index}] is a {type(sample).__name__}; DatasetSource needs "
+                f"{type(self.dataset).__name__}[{index}] is a {type(sample).__name__}{what}; DatasetSource needs "
                 "(image, target) pairs"
             )
         return sample[0], sample[1]

@@ -88,6 +88,9 @@ def test_a_source_without_a_test_split_has_no_evaluation_and_wrong_inputs_are_on
         DatasetSource(3)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="num_classes 2 does not hold the training targets"):
         DatasetSource(PairsOfPIL(6), num_classes=2)
+    images = torch.zeros(4, 3, 8, 8, dtype=torch.uint8)
+    with pytest.raises(ConfigurationError, match=r"^TensorDataset\[0\] is a tuple of 1; DatasetSource needs \(image, "):
+        DatasetSource(torch.utils.data.TensorDataset(images))  # the targets left out
 
 
 class Labelled(Dataset):

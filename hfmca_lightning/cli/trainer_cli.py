@@ -294,6 +294,9 @@ class HFMCACLI(LightningCLI):
             raise ConfigurationError(described) from None
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        settings = self.config[self.subcommand] if self.subcommand else self.config
+        if isinstance(named := settings["trainer"].get("strategy"), str):  # before Lightning's advice for the name
+            check_strategy(self.model, named, command=True)
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError) as error:  # an accelerator whose package is missing, ...
@@ -304,13 +307,12 @@ class HFMCACLI(LightningCLI):
                 raise
             message = f"trainer: {error} (trainer.callbacks+= adds to the config's callbacks)"
             raise ConfigurationError(message, parameter="callbacks") from None
-        settings = self.config[self.subcommand] if self.subcommand else self.config
         fitting = self.subcommand == "fit"  # the only command that converts BatchNorm layers
         if fitting and settings["trainer"].get("sync_batchnorm") and isinstance(trainer.accelerator, CPUAccelerator):
             raise ConfigurationError(
                 "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only; leave it out for a run on CPUs"
             )
-        check_strategy(self.model, trainer.strategy)  # also in the modules' setup, after processes have started
+        check_strategy(self.model, trainer.strategy, command=True)  # the modules' setup: sharding, once started
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         watch_ranks(trainer, failed_exit_status=1)  # the hfmca command's status for a failed run

@@ -7,7 +7,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+    StrategyRegistry,
+)
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
@@ -22,6 +29,7 @@ __all__ = [
     "check_image_size",
     "check_strategy",
     "load_checked_state_dict",
+    "strategy_problem",
 ]
 
 SHARDED_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
@@ -80,15 +88,32 @@ def _view_sizes(views: Any, image_size: int) -> list[int]:
     return [image_size]
 
 
-def check_strategy(module: object, strategy: Strategy) -> None:
-    """A strategy that shards the model (FSDP, DeepSpeed, model parallel) is one clear error before training: its
-    checkpoints are written and read by its own code, past this project's atomic writes, loading without unpickling
-    and architecture check (docs/trust.md), and the costs are tested on one device and under DDP only."""
-    if isinstance(strategy, SHARDED_STRATEGIES):
+def strategy_problem(strategy: type[Strategy], start_method: str = "popen", command: bool = False) -> str | None:
+    """Why runs cannot use a ``strategy`` class started by ``start_method`` (DDP's), or None: strategies that shard the
+    model (FSDP, DeepSpeed, model parallel) write and read their checkpoints with their own code, past this project's
+    atomic writes, loading without unpickling and architecture check (docs/trust.md); in the ``hfmca`` command
+    (``command``), DDP started by spawning or forking (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) hands the trained
+    weights back through a file of plain weights, which the command's checkpoint reader refuses after training."""
+    if issubclass(strategy, SHARDED_STRATEGIES):
+        return f"{strategy.__name__} shards the model, and its checkpoints bypass the checks of files from others"
+    if command and issubclass(strategy, DDPStrategy) and start_method != "popen":
+        return f"DDP started by {start_method} hands the trained weights back in a file the command refuses to read"
+    return None
+
+
+def check_strategy(module: object, strategy: Strategy | str, command: bool = False) -> None:
+    """:func:`strategy_problem` of ``strategy`` (an instance, or a name of Lightning's registry) as one clear error
+    before training (docs/speed.md)."""
+    if isinstance(strategy, str):
+        entry = StrategyRegistry[strategy] if strategy in StrategyRegistry else None  # (.get builds one)
+        start = entry["init_params"].get("start_method", "popen") if entry else "popen"
+        problem = strategy_problem(entry["strategy"], start, command) if entry else None
+    else:
+        problem = strategy_problem(type(strategy), getattr(strategy, "_start_method", "popen"), command)
+    if problem is not None:
         raise ConfigurationError(
-            f"{type(module).__name__} trains on one device or under DDP; {type(strategy).__name__} shards the model, "
-            "and its checkpoints bypass the checks of files from others (docs/trust.md): set trainer.strategy to "
-            "auto or ddp",
+            f"{type(module).__name__} trains on one device or under DDP; {problem}: set trainer.strategy to auto or "
+            "ddp",
             parameter="strategy",
         )
 

@@ -129,6 +129,13 @@ CASES: list[tuple[str, Callable[[Path, Path], list[str]], Callable[[Path], dict]
         lambda tmp: {"trainer.strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}},
         "HFMCAModule trains on one device or under DDP; ModelParallelStrategy shards the model",
     ),
+    # before: trained, then failed reading the weights the spawned process handed back
+    (
+        "ddp started by spawning",
+        lambda tmp, ckpt: ["--trainer.strategy", "ddp_spawn"],
+        lambda tmp: {},
+        "HFMCAModule trains on one device or under DDP; DDP started by spawn hands the trained weights back",
+    ),
     (
         "projector output_dim 0",
         lambda tmp, ckpt: ["--model.init_args.projector.init_args.output_dim", "0"],

@@ -168,20 +168,34 @@ def test_a_strategy_that_shards_the_model_is_refused_and_one_device_or_ddp_is_no
     module = object.__new__(HFMCAModule)  # the check reads the module's name only
     with pytest.raises(ConfigurationError, match=f"{strategy.__name__} shards the model") as error:
         check_strategy(module, object.__new__(strategy))
-    assert error.value.parameter == "strategy" and "set trainer.strategy to auto or ddp" in str(error.value)
-    check_strategy(module, SingleDeviceStrategy(torch.device("cpu")))
-    check_strategy(module, DDPStrategy())
+    assert error.value.parameter == "strategy" and str(error.value).endswith("set trainer.strategy to auto or ddp")
+    for allowed in (SingleDeviceStrategy(torch.device("cpu")), DDPStrategy(), DDPStrategy(start_method="spawn")):
+        check_strategy(module, allowed)
 
 
-def test_a_baseline_under_a_sharded_strategy_is_refused_before_the_first_step():
+def test_the_command_also_refuses_spawned_ddp_and_reads_strategy_names_without_building_them():
+    """``ddp_spawn`` hands the weights back in a plain file that the command's checkpoint reader refused after a whole
+    run; names are read from Lightning's registry, before its advice for them (fsdp on a CPU: "set accelerator
+    cuda"; deepspeed: "pip install deepspeed")."""
+    module = object.__new__(HFMCAModule)
+    for name, problem in [
+        ("fsdp", "FSDPStrategy shards the model"),
+        ("deepspeed_stage_2", "DeepSpeedStrategy shards the model"),
+        ("ddp_spawn", "DDP started by spawn hands the trained weights back in a file the command refuses to read"),
+        ("ddp_notebook", "DDP started by fork hands"),
+    ]:
+        with pytest.raises(ConfigurationError, match=f"^HFMCAModule trains on one device or under DDP; {problem}"):
+            check_strategy(module, name, command=True)
+    with pytest.raises(ConfigurationError, match="DDP started by spawn"):
+        check_strategy(module, DDPStrategy(start_method="spawn"), command=True)
+    for name in ("auto", "ddp", "ddp_find_unused_parameters_true", "single_device", "not a strategy"):
+        check_strategy(module, name, command=True)  # an unknown name is Lightning's to refuse
+    check_strategy(module, "ddp_spawn")  # in Python, spawned DDP returns the weights through Lightning's own reader
+
+
+def test_a_baseline_refuses_a_sharded_strategy_in_its_setup():
+    """The modules' own check, for runs outside the command (the command refuses before the trainer starts)."""
     module = SimCLR(SmallConvNet(width=8, num_stages=2), hidden_dim=16, output_dim=8)
-    source = SyntheticShapes(num_classes=2, train_per_class=8, image_size=16)
-    data = MultiViewDataModule(source, batch_size=4, num_workers=0)
-    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, accelerator="cpu", strategy=ShardedBySubclass())
-    try:
-        with pytest.raises(ConfigurationError, match="SimCLR trains on one device or under DDP; ShardedBySubclass"):
-            trainer.fit(module, data)
-    finally:  # the strategy started its one-process group before the module's setup
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert trainer.global_step == 0
+    module.trainer = quiet_trainer(accelerator="cpu", strategy=ShardedBySubclass())
+    with pytest.raises(ConfigurationError, match="SimCLR trains on one device or under DDP; ShardedBySubclass shards"):
+        module.setup("fit")

@@ -83,8 +83,10 @@ class ViewAugmentation:
     @property
     def blur_kernel(self) -> int:
         """Odd kernel size of the batched blur: about 10 % of the image side (SimCLR: 23 at 224 px), and at least
-        three of the largest sigmas either side, as PIL's blur of the per-image views is not cut to a kernel."""
-        return max(2 * math.ceil(3 * BLUR_SIGMA[1]) + 1, int(0.1 * self.image_size) // 2 * 2 + 1)
+        three of the largest sigmas either side, as far as PIL's blur of the per-image views reaches (three box
+        passes); below the image side (its reflect padding)."""
+        wide = max(2 * math.ceil(3 * BLUR_SIGMA[1]) + 1, int(0.1 * self.image_size) // 2 * 2 + 1)
+        return min(wide, 2 * self.image_size - 1)
 
     @classmethod
     def from_strengths(

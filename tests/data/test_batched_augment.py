@@ -12,7 +12,7 @@ from torchvision.transforms import RandomResizedCrop
 from hfmca_lightning.data import SyntheticShapes, batched_augment
 from hfmca_lightning.data.batched_augment import BatchedViewAugmentation, jitter_views, sample_crop_boxes
 from hfmca_lightning.data.counter_random import CounterUniforms
-from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, ViewAugmentation, view_transform
+from hfmca_lightning.data.transforms import SOLARIZE_THRESHOLD, RandomGaussianBlur, ViewAugmentation, view_transform
 from tests.helpers import ks_critical, proportion_tolerance
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -297,3 +297,18 @@ def test_the_jitter_order_is_a_stable_sort_so_ties_order_alike_on_every_device()
     with Sorts() as sorts:
         augmentation.views_from_seeds(images, random_seeds(2, 0), num_views=2)
     assert sorts.stable == [True]
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_the_batched_blur_is_as_strong_as_the_per_image_blur(size):
+    """The per-image views blur with PIL (``RandomGaussianBlur``), the batched ones with a Gaussian kernel; a kernel of
+    10 % of the side (3 taps at 16 and 32 px) cut sigma 1 and 2 to one pixel either side, and its views kept 15 % to
+    97 % more of the images' steps. PIL's blur is three box passes with clamped edges, not a Gaussian: on the same
+    images and sigma the mean |horizontal step| of the two agrees within 4 % (measured), held here within 6 %."""
+    images = SyntheticShapes(num_classes=10, train_per_class=4, image_size=size).split(True).images
+    kernel = ViewAugmentation.from_strengths(size).blur_kernel
+    for sigma in (0.5, 1.0, 2.0):
+        per_image = torch.stack([RandomGaussianBlur(p=1.0, sigma=(sigma, sigma))(image) for image in images])
+        batched = batched_augment._gaussian_blur(images.float() / 255, torch.full((len(images),), sigma), kernel)
+        steps = [(views[..., 1:] - views[..., :-1]).abs().mean().item() for views in (per_image.float() / 255, batched)]
+        assert steps[1] == pytest.approx(steps[0], rel=0.06), sigma

@@ -192,18 +192,3 @@ def test_the_torchvision_drawer_draws_every_spec():
         check_drawer(views, TorchvisionDrawer())  # no error
     check_drawer(SimCLRViews(count=5), BatchedDrawer())
     check_drawer(SimCLRViews(count=5), ResidentDrawer())
-
-
-@pytest.mark.parametrize("size", [16, 32])
-def test_blurred_views_are_as_sharp_whichever_drawer_draws_them(size):
-    """PIL's blur of the per-image views is not cut to a kernel; the batched blur of 10 % of the side was 3 taps at
-    32 px, which cut sigma up to 2 to one pixel either side: its views were 18 % sharper (mean |horizontal step|
-    0.151 against 0.128 at 32 px). Over 1,024 views with sigma uniform in [0.1, 2] the mean step's sampling error is
-    about 1 %, so the paths now agree within 5 %."""
-    views = SimCLRViews(count=2, crop_strength=0, color_strength=0, gray_strength=0, horizontal_flip=False, blur=1.0)
-    source = SyntheticShapes(num_classes=4, train_per_class=128, image_size=size)
-    steps = []
-    for drawer in (TorchvisionDrawer(), BatchedDrawer()):
-        batch, _ = next(iter(data(views, drawer, batch_size=512, source=source).train_dataloader()))
-        steps.append((batch[..., 1:] - batch[..., :-1]).abs().mean().item())
-    assert steps[1] == pytest.approx(steps[0], rel=0.05)

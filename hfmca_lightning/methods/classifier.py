@@ -22,8 +22,9 @@ class FineTunedClassifier(LightningModule):
 
     SGD (Nesterov momentum 0.9, ``lr`` scaled by ``batch / 256``) with a cosine schedule over the run;
     validation logs ``finetune/top1`` and ``finetune/top5`` (torchmetrics, synchronised across processes). A training
-    loss that turns NaN or Inf stops the run with :class:`~hfmca_lightning.evaluation.linear.NonFiniteLossError`
-    before the next validation (one host read per epoch), so no accuracy of diverged weights is reported.
+    loss or weights that turn NaN or Inf stop the run with
+    :class:`~hfmca_lightning.evaluation.linear.NonFiniteLossError` before each validation and at the end (one host read
+    each), so no accuracy of diverged weights is reported.
 
     Args:
         backbone: ``(N, C, H, W) -> (N, feature_dim)``. feature_dim, num_classes: of the linear layer.
@@ -84,11 +85,13 @@ class FineTunedClassifier(LightningModule):
         self._check_losses()
 
     def _check_losses(self) -> None:
+        """One host read: the losses since the last check and the weights now (the last update may be the bad one)."""
         finite, self._finite_losses = self._finite_losses, None
-        if finite is not None and not bool(finite):
+        weights = torch.stack([torch.isfinite(parameter).all() for parameter in self.parameters()]).all()
+        if not bool(weights if finite is None else weights & finite):
             raise NonFiniteLossError(
-                f"fine-tuning stopped in epoch {self.current_epoch + 1}: the training loss became NaN or Inf; lower "
-                f"the learning rate (lr {self.lr:g})"
+                f"fine-tuning stopped after step {self.global_step}: the training loss or the weights became NaN or "
+                f"Inf; lower the learning rate (lr {self.lr:g})"
             )
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

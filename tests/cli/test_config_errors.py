@@ -139,7 +139,9 @@ def test_a_run_without_a_config_says_to_give_one(command, capsys):
     )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs a machine without a GPU"
+)  # Lightning takes MPS for accelerator gpu
 def test_a_gpu_asked_for_on_a_machine_without_one_says_what_to_set(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(DEMO), "--config", str(tiny_overrides(tmp_path)), "--trainer.accelerator", "gpu"])

@@ -327,7 +327,7 @@ def test_finetuning_runs_on_the_device_named(simclr_run, monkeypatch, device, ex
     ("protocol", "lr", "expected"),
     [
         ([], "1e38", r"the linear classifier's loss became NaN or Inf in epoch [12] of 2: lower the learning rate"),
-        (["--finetune"], "1e30", r"fine-tuning stopped in epoch [12]: the training loss became NaN or Inf; lower the"),
+        (["--finetune"], "1e30", r"fine-tuning stopped after step \d+: the training loss or the weights became NaN"),
     ],
 )
 def test_a_diverging_classifier_stops_with_one_line_and_writes_no_accuracy(

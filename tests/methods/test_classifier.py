@@ -1,12 +1,17 @@
-"""The fine-tuning classifier of ``hfmca linear --finetune``: its settings are checked when it is made."""
+"""The fine-tuning classifier of ``hfmca linear --finetune``: its settings are checked when it is made, and a run
+that diverges stops in one line."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from hfmca_lightning.errors import ConfigurationError
+from hfmca_lightning.evaluation import NonFiniteLossError
 from hfmca_lightning.methods.classifier import FineTunedClassifier
 from hfmca_lightning.models import SmallConvNet
+from tests.helpers import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -30,3 +35,17 @@ def test_a_setting_out_of_range_is_one_line_when_the_classifier_is_made(settings
         FineTunedClassifier(backbone, **arguments)
     assert error.value.parameter == parameter
     FineTunedClassifier(backbone, feature_dim=8, num_classes=10)  # the defaults are fine
+
+
+def test_weights_made_nan_by_the_last_update_stop_the_run_without_a_validation():
+    """Without a validation to check before, the losses and the weights are checked at the end of training: the last
+    update's NaN weights would otherwise be scored by the command's final validation."""
+    torch.manual_seed(0)
+    classifier = FineTunedClassifier(SmallConvNet(width=4, num_stages=2), feature_dim=8, num_classes=2, lr=1e30)
+    images, targets = torch.rand(8, 3, 16, 16), torch.tensor([0, 1] * 4)
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, accelerator="cpu")
+    with pytest.raises(
+        NonFiniteLossError, match=r"^fine-tuning stopped after step 2: the training loss or the weights"
+    ):
+        loader = DataLoader(TensorDataset(images, targets), batch_size=4)
+        trainer.fit(classifier, loader, val_dataloaders=loader)  # limit_val_batches=0: no validation

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Subset
 from hfmca_lightning.data.batch_formats import ViewBatch
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.data.datasets import EvalDataset, SeededRandomSampler
-from hfmca_lightning.data.sources import LabelledImages
+from hfmca_lightning.data.sources import UNLABELLED, LabelledImages
 from hfmca_lightning.data.transforms import finetune_transform
 from hfmca_lightning.errors import ConfigurationError
 
@@ -79,8 +79,9 @@ def figure_images(
     indices = [index for index in range(start, len(split)) if target is None or split.targets[index] == target]
     if not indices:
         which = f" of class {target}" if target is not None else ""
-        classes = sorted({label for label in split.targets if label >= 0})  # UNLABELLED: -1
-        present = f", of classes {classes[0]} to {classes[-1]}" if classes else ""
+        classes = sorted(set(split.targets) - {UNLABELLED})
+        listed = ", ".join(map(str, classes[:10])) + (f", ... ({len(classes)} classes)" if len(classes) > 10 else "")
+        present = f"; classes {listed}" if classes else ""
         raise ConfigurationError(
             f"the evaluation split has no images{which} from index {start} on ({len(split)} images{present})"
         )

@@ -136,7 +136,7 @@ def test_figure_images_are_unaugmented_test_images_of_a_class_from_an_index():
     torch.testing.assert_close(images, expected, rtol=0, atol=0)
     with pytest.raises(
         ConfigurationError,
-        match=r"^the evaluation split has no images of class 7 from index 0 on \(6 images, of classes 0 to 2\)$",
+        match=r"^the evaluation split has no images of class 7 from index 0 on \(6 images; classes 0, 1, 2\)$",
     ):
         figure_images(module, 3, target=7)
 

@@ -168,7 +168,7 @@ def main(args: list[str] | None = None) -> None:
         line = f"hfmca: error: {_original_message(error)}"
         _exit(line if _is_rank_zero() or not _distributed() else "", EXIT_CONFIGURATION)
     except ArgumentError as error:
-        _exit(f"hfmca: error: {_describe_argument_error(str(error))}", EXIT_CONFIGURATION)
+        _exit(f"hfmca: error: {_describe_argument_error(str(error), argv)}", EXIT_CONFIGURATION)
     except (CostFactorisationError, NonFiniteStepError, NonFiniteLossError, CollapseError) as error:
         # Under DDP every process raises the same error (the checks are all-reduced): process 0 says it.
         _exit(f"hfmca: error: {error}" if _is_rank_zero() else "", EXIT_FAILED)
@@ -216,16 +216,18 @@ def _unknown_command(command: str) -> str:
     return f"unknown command {command!r}{hint} Commands: {', '.join(COMMANDS)}{after}"
 
 
-def _describe_argument_error(message: str) -> str:
+def _describe_argument_error(message: str, argv: list[str]) -> str:
     """One line for a mistake in the command line; a missing or unknown command (options before it) lists all."""
     if _NO_SUBCOMMAND.match(message):
         return _unknown_command("")
     if match := _INVALID_SUBCOMMAND.match(message):
         return _unknown_command(match.group(1))
-    if match := _NO_MODEL_OR_DATA.match(message):  # no --config given
+    if match := _NO_MODEL_OR_DATA.match(message):
+        if any(arg in ("-c", "--config") or arg.startswith("--config=") for arg in argv):
+            return f"{message.strip()}: the configs given set no model: or data: section; add them (--model, --data)"
         return (
-            f"{message.strip()}: give the run's config, hfmca {match.group(1)} --config configs/demo.yaml (or one of "
-            "configs/), or the model and data with --model and --data"
+            f"{message.strip()}: give the run's config, hfmca {match.group(1)} --config <run.yaml> (the repository's "
+            "configs/demo.yaml is one), or the model and data with --model and --data"
         )
     return describe_parser_error(message)
 

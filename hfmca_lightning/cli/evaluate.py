@@ -258,8 +258,8 @@ def knn_evaluation(
         listed = ", ".join(f"k={k}" for k in beyond)
         bank_size = len(bank)
         _warn(
-            f"{listed} is more than the {bank_size} images of the kNN bank: voted with the whole bank, reported "
-            f"as k={bank_size}"
+            f"{listed} {'is' if len(beyond) == 1 else 'are'} more than the {bank_size} images of the kNN bank: voted "
+            f"with the whole bank, reported as k={bank_size}"
         )
     rows = knn_grid(queries, query_targets, bank, bank_targets, datamodule.num_classes, ks, temperatures)
     result = {

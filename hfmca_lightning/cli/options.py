@@ -43,7 +43,8 @@ class OneLineParser(argparse.ArgumentParser):
             for action in self._actions:
                 if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None):
                     parser = action.choices[getattr(parsed, action.dest)]
-            taken = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
+            options = [option for action in parser._actions for option in action.option_strings]
+            taken = [option[2:] for option in options if option.startswith("--")]
             given = unknown[0].split("=")[0]
             close = difflib.get_close_matches(given.lstrip("-"), taken, n=1) if given.startswith("--") else []
             hint = f"; did you mean --{close[0]}?" if close else ""

@@ -226,7 +226,8 @@ class MultiCrop(_Augmented):
 
     Raises:
         ConfigurationError: for a negative count, no crop, a size below 1, a scale not
-            ``0 < smallest <= largest <= 1``, or a colour setting out of range.
+            ``0 < smallest <= largest <= 1``, or a colour setting out of range; in the data module's ``setup``, for
+            local crops larger than the global ones (crops larger than the source's images: a warning).
 
     Example::
 
@@ -287,7 +288,7 @@ class MultiCrop(_Augmented):
         if len(sizes) == 2 and sizes[1] > sizes[0]:
             raise ConfigurationError(
                 f"MultiCrop: the local crops ({sizes[1]} px) are larger than the global ones ({sizes[0]} px); "
-                "local crops are an image's small views: make local_size at most global_size",
+                f"local crops are an image's small views: make local_size at most {sizes[0]}",
                 parameter="local_size",
             )
         if (largest := max(sizes)) > image_size:
@@ -358,7 +359,8 @@ class TransformViews(ViewSpec):
             _warn_larger_views(
                 f"the views transform makes {height}x{width} views",
                 image_size,
-                f"give the transform that size (lightly: input_size={image_size}) and the source's normalisation",
+                f"give the transform that size (lightly: input_size={image_size}) and the source's normalisation "
+                "(its mean and std)",
             )
 
     def dataset(self, split: LabelledImages, image_size: int, normalisation: Normalisation) -> Dataset:
@@ -368,8 +370,8 @@ class TransformViews(ViewSpec):
 def _warn_larger_views(views: str, image_size: int, remedy: str) -> None:
     """One warning for views larger than the source's images (upsampled in training, unlike every evaluation)."""
     rank_zero_warn(
-        f"{views} of the source's {image_size}-px images, which kNN, probes and analysis read at {image_size} px, "
-        f"normalised with the source's mean and std; {remedy}",
+        f"{views} of the source's {image_size}-px images, which kNN, probes and analysis read at {image_size} px; "
+        f"{remedy}",
         category=HFMCAWarning,
     )
 

@@ -127,15 +127,24 @@ def test_predict_which_no_module_implements_points_to_the_embeddings_export(caps
 
 
 @pytest.mark.parametrize("command", ["fit", "validate"])
-def test_a_run_without_a_config_says_to_give_one(command, capsys):
+def test_a_run_without_a_config_says_to_give_one(command, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--trainer.max_steps", "1"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.strip() == (
         f"hfmca: error: the following arguments are required: {command}.data, {command}.model: give the run's "
-        f"config, hfmca {command} --config configs/demo.yaml (or one of configs/), or the model and data with --model "
-        "and --data"
+        f"config, hfmca {command} --config <run.yaml> (the repository's configs/demo.yaml is one), or the model and "
+        "data with --model and --data"
+    )
+    trainer_only = tmp_path / "trainer.yaml"
+    trainer_only.write_text("trainer:\n  max_epochs: 1\n")
+    with pytest.raises(SystemExit):
+        main([command, "--config", str(trainer_only)])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("the configs given set no model: or data: section; add them (--model, --data)")
     )
 
 

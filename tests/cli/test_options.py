@@ -72,9 +72,18 @@ def test_an_option_out_of_its_range_is_a_usage_error_before_any_work(
             ["export", "--ckpt_path", NO_CHECKPOINT, "--out", "e", "--embedings"],
             "export: unrecognized arguments: --embedings; did you mean --embeddings? (see `hfmca export --help`)",
         ),
+        (["knn", "--ckpt_path", NO_CHECKPOINT, "--hh"], "knn: unrecognized arguments: --hh (see `hfmca knn --help`)"),
         (["dashboard", "--entity"], "dashboard: argument --entity: expected one argument"),
     ],
-    ids=["knn without --ckpt_path", "export without --out", "analyze --bogus", "knn typo", "export typo", "dashboard"],
+    ids=[
+        "knn without --ckpt_path",
+        "export without --out",
+        "analyze --bogus",
+        "knn typo",
+        "export typo",
+        "no long option close",
+        "dashboard",
+    ],
 )
 def test_a_command_line_mistake_is_one_line(arguments: list[str], message: str, tmp_path: Path, monkeypatch, capsys):
     """Every command's parser, as ``hfmca fit``'s: one line ``hfmca: error: ...``, exit status 2, no usage text."""

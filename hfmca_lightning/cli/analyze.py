@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import html
 import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
@@ -33,7 +32,7 @@ from hfmca_lightning.callbacks.eigenspectrum import HOOKED_REG
 from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import OVERWRITE_HELP, check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
-from hfmca_lightning.cli.verbosity import progress, stage
+from hfmca_lightning.cli.verbosity import progress, stage, warn
 from hfmca_lightning.data.datamodule import QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation.batch_norm import BatchNormReference, batch_norm_age, recorded_batch_norm
@@ -95,7 +94,7 @@ def _batch_norm_for(modules: list[LightningModule], choice: BatchNormChoice) -> 
     """:func:`choose_batch_norm`, its warning printed, and the report's notes on it."""
     norm, warning = choose_batch_norm(modules, choice)
     if warning:
-        print(f"hfmca: warning: {warning}", file=sys.stderr)
+        warn(warning)
     note = (
         "BatchNorm: running statistics (eval mode)."
         if norm == "running"
@@ -594,7 +593,7 @@ def compare(
     summary = spectrum_summary(statistics, dict.fromkeys(statistics, reg), groups_per_feature)
     notes = notes + (skip_notes if skipped else []) + short_window_notes(summary)
     if skipped:
-        print(f"hfmca: warning: {skip_notes[0]}", file=sys.stderr)
+        warn(skip_notes[0])
     out = Path(out)
     title = f"Spectrum across models: {_run_label(ckpt_a, model_a)} vs {_run_label(ckpt_b, model_b)}"
     caption = (

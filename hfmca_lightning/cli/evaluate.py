@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,12 @@ from hfmca_lightning.cli import options
 from hfmca_lightning.cli.paths import check_out, read_config_file
 from hfmca_lightning.cli.runs import backbone_of, load_run
 from hfmca_lightning.cli.trainer_cli import progress_report
-from hfmca_lightning.cli.verbosity import progress, stage
+from hfmca_lightning.cli.verbosity import progress, stage, warn
 from hfmca_lightning.data.datamodule import BANK, QUERIES, MultiViewDataModule
 from hfmca_lightning.errors import ConfigurationError
 from hfmca_lightning.evaluation import (
     class_balanced_subset,
+    classes_raised_to_one_image,
     extract_features,
     knn_grid,
     topk_accuracies,
@@ -101,10 +101,6 @@ def frozen_linear_accuracy(
     return topk_accuracies(classifier.logits(test_features.to(device)).cpu(), test_labels, datamodule.num_classes)
 
 
-def _warn(message: str) -> None:
-    print(f"hfmca: warning: {message}", file=sys.stderr)
-
-
 def linear_name(finetune: bool, label_fraction: float) -> str:
     """The files' name of a linear or fine-tuning evaluation: ``linear`` / ``finetune``, with the share of the labels
     below 100 % (``linear_1pct``), so the semi-supervised protocols of one run sit side by side."""
@@ -147,11 +143,10 @@ def linear_evaluation(
     train_targets = torch.as_tensor(train_split.targets)
     subset = class_balanced_subset(train_targets, label_fraction, seed)
     used_fraction = len(subset) / len(train_targets)
-    per_class = torch.unique(train_targets, return_counts=True)[1].tolist()
-    short = sum(1 for count in per_class if round(label_fraction * count) < 1)  # class_balanced_subset takes one
-    if short:
-        _warn(
-            f"label_fraction {label_fraction:g} gives no image of {short} of the {len(per_class)} classes, so one of "
+    if short := classes_raised_to_one_image(train_targets, label_fraction):
+        warn(
+            f"label_fraction {label_fraction:g} gives no image of {short} of the {len(train_targets.unique())} "
+            "classes, so one of "
             f"each is taken: {len(subset)} of {len(train_targets)} labelled images ({100 * used_fraction:.3g} %) "
             "train the classifier"
         )
@@ -257,7 +252,7 @@ def knn_evaluation(
     if beyond:
         listed = ", ".join(f"k={k}" for k in beyond)
         bank_size = len(bank)
-        _warn(
+        warn(
             f"{listed} {'is' if len(beyond) == 1 else 'are'} more than the {bank_size} images of the kNN bank: voted "
             f"with the whole bank, reported as k={bank_size}"
         )

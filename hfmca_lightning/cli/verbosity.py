@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import TextIO, TypeVar
 
-__all__ = ["DEFAULT", "QUIET", "VERBOSE", "configure", "draws_bars", "progress", "quiet", "stage"]
+__all__ = ["DEFAULT", "QUIET", "VERBOSE", "configure", "draws_bars", "progress", "quiet", "stage", "warn"]
 
 QUIET, DEFAULT, VERBOSE = "quiet", "default", "verbose"
 # lightly's benchmarking module (the online linear probe) imports the standalone packages too, whose import sets
@@ -78,6 +78,11 @@ def draws_bars(stream: TextIO) -> bool:
 def _interactive() -> bool:
     """Whether this command's own progress (on standard error) is drawn as bars."""
     return not quiet() and draws_bars(sys.stderr)
+
+
+def warn(message: str) -> None:
+    """``hfmca: warning: <message>`` on stderr, at every verbosity (``-q`` keeps warnings)."""
+    print(f"hfmca: warning: {message}", file=sys.stderr)
 
 
 def stage(description: str) -> None:

@@ -6,6 +6,7 @@ from hfmca_lightning.evaluation.linear import (
     LinearClassifier,
     NonFiniteLossError,
     class_balanced_subset,
+    classes_raised_to_one_image,
     topk_accuracies,
     train_linear_classifier,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "LinearClassifier",
     "NonFiniteLossError",
     "class_balanced_subset",
+    "classes_raised_to_one_image",
     "extract_features",
     "knn_accuracy",
     "knn_grid",

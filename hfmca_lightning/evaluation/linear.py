@@ -22,6 +22,7 @@ __all__ = [
     "LinearClassifier",
     "NonFiniteLossError",
     "class_balanced_subset",
+    "classes_raised_to_one_image",
     "topk_accuracies",
     "train_linear_classifier",
 ]
@@ -70,6 +71,11 @@ def class_balanced_subset(targets: Tensor, fraction: float, seed: int = 0) -> Te
         count = max(1, round(fraction * len(members)))
         chosen.append(members[torch.randperm(len(members), generator=generator)[:count]])
     return torch.cat(chosen).sort().values
+
+
+def classes_raised_to_one_image(targets: Tensor, fraction: float) -> int:
+    """How many classes :func:`class_balanced_subset` gives one image though ``fraction`` of theirs rounds to none."""
+    return sum(1 for count in torch.unique(targets, return_counts=True)[1].tolist() if round(fraction * count) < 1)
 
 
 def standardisation(features: Tensor) -> tuple[Tensor, Tensor]:

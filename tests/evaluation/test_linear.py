@@ -8,6 +8,7 @@ import torch
 from hfmca_lightning.evaluation import (
     NonFiniteLossError,
     class_balanced_subset,
+    classes_raised_to_one_image,
     topk_accuracies,
     train_linear_classifier,
 )
@@ -34,6 +35,9 @@ def test_class_balanced_subset_takes_the_same_share_of_every_class():
     assert torch.equal(subset, class_balanced_subset(targets, 0.1, seed=3))
     assert not torch.equal(subset, class_balanced_subset(targets, 0.1, seed=4))
     assert torch.equal(class_balanced_subset(targets, 1.0), torch.arange(len(targets)))
+    # 5 % of 10 rounds to none: that class still gets one image, and is counted as raised
+    assert torch.bincount(targets[class_balanced_subset(targets, 0.05)]).tolist() == [5, 2, 1, 1]
+    assert classes_raised_to_one_image(targets, 0.05) == 1 and classes_raised_to_one_image(targets, 0.1) == 0
 
 
 def test_classifier_separates_separable_classes_whatever_their_scale():

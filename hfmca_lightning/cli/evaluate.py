@@ -59,15 +59,27 @@ def default_out(ckpt_path: str | Path) -> Path:
 def split_features(
     module: LightningModule, datamodule: MultiViewDataModule, device: str
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Features and targets of the ``BANK`` (labelled train) and ``QUERIES`` (test) splits, un-augmented."""
+    """Features and targets of the ``BANK`` (labelled train) and ``QUERIES`` (test) splits, un-augmented.
+
+    Raises:
+        ConfigurationError: when the source has no labels, or features hold NaN or Inf (no classifier or vote could
+            use them; the checkpoint's weights are finite, so its forward pass overflowed).
+    """
     labelled_splits(datamodule)  # one clear error when the source has no labels
     module.to(device)
     names = {BANK: "features of the training split", QUERIES: "features of the test split"}
     loaders = {index: datamodule.evaluation_loader(index, tuples=True) for index in (BANK, QUERIES)}
-    return {
+    features = {
         index: extract_features(module, progress(loaders[index], names[index], total=len(loaders[index])), device)
         for index in (BANK, QUERIES)
     }
+    for index, (values, _) in features.items():
+        if broken := int((~torch.isfinite(values)).any(dim=1).sum()):
+            raise ConfigurationError(
+                f"the {names[index]} hold NaN or Inf ({broken} of {len(values)} images): the backbone's forward pass "
+                "overflows on them (in reduced precision?), so no classifier or vote can use them"
+            )
+    return features
 
 
 def frozen_linear_accuracy(

@@ -344,6 +344,38 @@ def test_a_diverging_classifier_stops_with_one_line_and_writes_no_accuracy(
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.parametrize("command", ["linear", "knn"])
+def test_features_that_are_not_finite_are_one_line_not_a_learning_rate_or_a_score(
+    simclr_run, tmp_path, capsys, monkeypatch, command
+):
+    """Before: the linear classifier blamed its learning rate, and kNN scored the NaN features."""
+    from hfmca_lightning.cli import evaluate
+
+    def overflowing(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        values, targets = extract_features(*args, **kwargs)
+        values[1, 0] = float("inf")
+        return values, targets
+
+    monkeypatch.setattr(evaluate, "extract_features", overflowing)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                command,
+                "--ckpt_path",
+                str(simclr_run),
+                "--out",
+                str(tmp_path / "e"),
+                "--epochs" if command == "linear" else "--k",
+                "1",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.splitlines()[-1] == (
+        "hfmca: error: the features of the training split hold NaN or Inf (1 of 32 images): the backbone's forward "
+        "pass overflows on them (in reduced precision?), so no classifier or vote can use them"
+    ), err
+
+
 def test_bad_label_fraction_is_one_line(simclr_run, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["linear", "--ckpt_path", str(simclr_run), "--label_fraction", "2"])

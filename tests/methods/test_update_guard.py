@@ -49,7 +49,10 @@ def test_a_diverging_baseline_stops_in_one_line_and_every_checkpoint_on_disk_is_
     errors = [line for line in done.stdout.splitlines() if line.startswith("hfmca: error: ")]
     assert done.returncode == 1, done.stdout[-3000:]
     assert len(errors) == 1 and "Traceback" not in done.stdout, done.stdout[-3000:]
-    stopped = re.search(r"training stopped at step (\d+) \(epoch \d+\): \w+'s loss or gradients are not", errors[0])
+    stopped = re.search(
+        r"training stopped at step (\d+), in epoch \d+ \(epoch=\d+ in checkpoint names\): \w+'s loss or gradients",
+        errors[0],
+    )
     assert stopped is not None, errors[0]
     files = sorted(checkpoints.glob("*.ckpt"))
     assert files, "no checkpoint was written before the failure"

@@ -294,9 +294,11 @@ def _original_message(error: BaseException) -> str:
         return text
     kind = type(error)
     prefixes = (f"{kind.__module__}.{kind.__qualname__}: ", f"{kind.__name__}: ")  # as tracebacks name it
-    lines = [line.removeprefix(prefixes[0]).removeprefix(prefixes[1]) for line in text.splitlines()]
-    found = [line for line, raw in zip(lines, text.splitlines()) if line != raw]
-    return found[-1] if found else text.strip().splitlines()[-1]
+    for line in reversed(text.splitlines()):
+        for prefix in prefixes:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+    return text.strip().splitlines()[-1]
 
 
 def _distributed() -> bool:

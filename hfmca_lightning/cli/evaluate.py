@@ -260,13 +260,11 @@ def knn_evaluation(
     module, datamodule = load_run(ckpt_path, config_path)
     features = split_features(module, datamodule, device or default_device())
     (bank, bank_targets), (queries, query_targets) = features[BANK], features[QUERIES]
-    beyond = sorted({k for k in ks if k > len(bank)})
-    if beyond:
+    if beyond := sorted({k for k in ks if k > len(bank)}):  # knn_grid votes with the whole bank
         listed = ", ".join(f"k={k}" for k in beyond)
-        bank_size = len(bank)
         warn(
-            f"{listed} {'is' if len(beyond) == 1 else 'are'} more than the {bank_size} images of the kNN bank: voted "
-            f"with the whole bank, reported as k={bank_size}"
+            f"{listed} {'is' if len(beyond) == 1 else 'are'} more than the {len(bank)} images of the kNN bank: voted "
+            f"with the whole bank, reported as k={len(bank)}"
         )
     rows = knn_grid(queries, query_targets, bank, bank_targets, datamodule.num_classes, ks, temperatures)
     result = {

@@ -312,7 +312,7 @@ class HFMCACLI(LightningCLI):
             raise ConfigurationError(
                 "trainer.sync_batchnorm: torch's SyncBatchNorm runs on GPUs only; leave it out for a run on CPUs"
             )
-        check_strategy(self.model, trainer.strategy, command=True)  # the modules' setup: sharding, once started
+        check_strategy(self.model, trainer.strategy, command=True)  # a class_path strategy (names: above)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         watch_ranks(trainer, failed_exit_status=1)  # the hfmca command's status for a failed run

@@ -105,11 +105,13 @@ def check_strategy(module: object, strategy: Strategy | str, command: bool = Fal
     """:func:`strategy_problem` of ``strategy`` (an instance, or a name of Lightning's registry) as one clear error
     before training (docs/speed.md)."""
     if isinstance(strategy, str):
-        entry = StrategyRegistry[strategy] if strategy in StrategyRegistry else None  # (.get builds one)
-        start = entry["init_params"].get("start_method", "popen") if entry else "popen"
-        problem = strategy_problem(entry["strategy"], start, command) if entry else None
+        if strategy not in StrategyRegistry:
+            return  # an unknown name is Lightning's to refuse
+        entry = StrategyRegistry[strategy]  # (StrategyRegistry.get would build one)
+        kind, start = entry["strategy"], entry["init_params"].get("start_method", "popen")
     else:
-        problem = strategy_problem(type(strategy), getattr(strategy, "_start_method", "popen"), command)
+        kind, start = type(strategy), getattr(strategy, "_start_method", "popen")
+    problem = strategy_problem(kind, start, command)
     if problem is not None:
         raise ConfigurationError(
             f"{type(module).__name__} trains on one device or under DDP; {problem}: set trainer.strategy to auto or "
